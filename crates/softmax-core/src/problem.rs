@@ -1,0 +1,619 @@
+//! The attention problem: shapes, strides, variable-length batches, GQA, scale, softcap, mask,
+//! and its validation into typed errors.
+//!
+//! A caller fills a [`ProblemDesc`]; [`ProblemDesc::validate`] checks it and returns a
+//! [`Problem`], which answers every indexing question a backend asks (element offsets of a
+//! token's head, sequence ranges, the KV head of a query head, LSE positions) so that no
+//! backend re-derives layout rules.
+
+use crate::error::{ProblemError, Tensor};
+use crate::mask::Mask;
+use crate::score::ScoreTransform;
+
+/// The largest head dimension any backend supports.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Element strides of a `[batch, seqlen, heads, head_dim]` tensor; `head_dim` is contiguous.
+/// For variable-length (packed) tensors `batch` is ignored and `seq` steps over tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Strides {
+    /// Elements between batch entries.
+    pub batch: usize,
+    /// Elements between consecutive tokens.
+    pub seq: usize,
+    /// Elements between consecutive heads.
+    pub head: usize,
+}
+
+impl Strides {
+    /// Strides of a densely packed BSHD tensor.
+    pub const fn contiguous(seqlen: usize, heads: usize, head_dim: usize) -> Strides {
+        Strides {
+            batch: seqlen * heads * head_dim,
+            seq: heads * head_dim,
+            head: head_dim,
+        }
+    }
+}
+
+/// How queries and keys are grouped into sequences.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sequences<'a> {
+    /// `batch` sequences, each of `seqlen_q` queries and `seqlen_k` keys.
+    Fixed {
+        /// Number of sequences.
+        batch: usize,
+        /// Queries per sequence.
+        seqlen_q: usize,
+        /// Keys (and values) per sequence.
+        seqlen_k: usize,
+    },
+    /// Packed sequences of different lengths: sequence `b` holds tokens
+    /// `cu_seqlens[b]..cu_seqlens[b + 1]` of the packed `[total_tokens, heads, head_dim]`
+    /// tensor (prefix sums, length `batch + 1`, starting at 0).
+    Varlen {
+        /// Prefix sums of query lengths.
+        cu_seqlens_q: &'a [u32],
+        /// Prefix sums of key lengths.
+        cu_seqlens_k: &'a [u32],
+    },
+}
+
+/// Everything that describes an attention call, before validation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ProblemDesc<'a> {
+    /// Sequence grouping and lengths.
+    pub sequences: Sequences<'a>,
+    /// Query heads.
+    pub heads_q: usize,
+    /// Key/value heads (`heads_q` must be a multiple: MHA, GQA, MQA).
+    pub heads_kv: usize,
+    /// Head dimension of Q and K.
+    pub head_dim: usize,
+    /// Head dimension of V and O (usually `head_dim`).
+    pub head_dim_v: usize,
+    /// Multiplier of `q·k`; `None` means `1/sqrt(head_dim)`.
+    pub softmax_scale: Option<f32>,
+    /// `cap·tanh(s/cap)` on the scaled score `s`, when set.
+    pub softcap: Option<f32>,
+    /// Causal and/or sliding-window mask.
+    pub mask: Mask,
+    /// Strides of Q (`None`: contiguous).
+    pub q_strides: Option<Strides>,
+    /// Strides of K (`None`: contiguous).
+    pub k_strides: Option<Strides>,
+    /// Strides of V (`None`: contiguous).
+    pub v_strides: Option<Strides>,
+    /// Strides of O (`None`: contiguous).
+    pub o_strides: Option<Strides>,
+}
+
+impl<'a> ProblemDesc<'a> {
+    /// A dense problem: `batch` sequences, contiguous BSHD tensors, default scale, no mask.
+    pub fn new(
+        batch: usize,
+        seqlen_q: usize,
+        seqlen_k: usize,
+        heads_q: usize,
+        heads_kv: usize,
+        head_dim: usize,
+    ) -> Self {
+        ProblemDesc {
+            sequences: Sequences::Fixed {
+                batch,
+                seqlen_q,
+                seqlen_k,
+            },
+            heads_q,
+            heads_kv,
+            head_dim,
+            head_dim_v: head_dim,
+            softmax_scale: None,
+            softcap: None,
+            mask: Mask::NONE,
+            q_strides: None,
+            k_strides: None,
+            v_strides: None,
+            o_strides: None,
+        }
+    }
+
+    /// A packed variable-length problem with contiguous `[total_tokens, heads, head_dim]`
+    /// tensors.
+    pub fn varlen(
+        cu_seqlens_q: &'a [u32],
+        cu_seqlens_k: &'a [u32],
+        heads_q: usize,
+        heads_kv: usize,
+        head_dim: usize,
+    ) -> Self {
+        ProblemDesc {
+            sequences: Sequences::Varlen {
+                cu_seqlens_q,
+                cu_seqlens_k,
+            },
+            ..ProblemDesc::new(1, 0, 0, heads_q, heads_kv, head_dim)
+        }
+    }
+
+    /// Sets the causal (bottom-right aligned) mask, intersected with any window.
+    pub fn causal(mut self) -> Self {
+        self.mask.right = Some(self.mask.right.map_or(0, |r| r.min(0)));
+        self
+    }
+
+    /// Sets a sliding window: `left` keys before and `right` keys after the aligned diagonal
+    /// (`None`: unbounded), intersected with causality if set.
+    pub fn window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
+        let causal = self.mask.is_causal();
+        self.mask = Mask { left, right };
+        if causal {
+            self = self.causal();
+        }
+        self
+    }
+
+    /// Sets the mask directly.
+    pub fn with_mask(mut self, mask: Mask) -> Self {
+        self.mask = mask;
+        self
+    }
+
+    /// Sets the softmax scale.
+    pub fn scale(mut self, softmax_scale: f32) -> Self {
+        self.softmax_scale = Some(softmax_scale);
+        self
+    }
+
+    /// Sets the softcap.
+    pub fn softcap(mut self, cap: f32) -> Self {
+        self.softcap = Some(cap);
+        self
+    }
+
+    /// Sets a different head dimension for V and O.
+    pub fn head_dim_v(mut self, head_dim_v: usize) -> Self {
+        self.head_dim_v = head_dim_v;
+        self
+    }
+
+    /// Sets explicit strides for one of Q, K, V, O (other tensors are ignored).
+    pub fn strides(mut self, tensor: Tensor, strides: Strides) -> Self {
+        match tensor {
+            Tensor::Q => self.q_strides = Some(strides),
+            Tensor::K => self.k_strides = Some(strides),
+            Tensor::V => self.v_strides = Some(strides),
+            Tensor::O => self.o_strides = Some(strides),
+            Tensor::Lse => {}
+        }
+        self
+    }
+
+    /// Validates the description against a backend's largest head dimension
+    /// (at most [`MAX_HEAD_DIM`]).
+    pub fn validate(&self, max_head_dim: usize) -> Result<Problem<'a>, ProblemError> {
+        let max_head_dim = max_head_dim.min(MAX_HEAD_DIM);
+        if self.heads_q == 0 {
+            return Err(ProblemError::ZeroDim { what: "heads_q" });
+        }
+        if self.heads_kv == 0 {
+            return Err(ProblemError::ZeroDim { what: "heads_kv" });
+        }
+        for (what, d) in [("head_dim", self.head_dim), ("head_dim_v", self.head_dim_v)] {
+            if d == 0 || d > max_head_dim {
+                return Err(ProblemError::HeadDimOutOfRange {
+                    what,
+                    head_dim: d,
+                    max: max_head_dim,
+                });
+            }
+        }
+        if self.heads_q % self.heads_kv != 0 {
+            return Err(ProblemError::GqaRatio {
+                heads_q: self.heads_q,
+                heads_kv: self.heads_kv,
+            });
+        }
+        let softmax_scale = match self.softmax_scale {
+            Some(s) if !s.is_finite() => return Err(ProblemError::NonFiniteScale { scale: s }),
+            Some(s) => s,
+            None => 1.0 / libm::sqrtf(self.head_dim as f32),
+        };
+        if let Some(cap) = self.softcap {
+            if !(cap.is_finite() && cap > 0.0) {
+                return Err(ProblemError::BadSoftcap { softcap: cap });
+            }
+        }
+        let (batch, total_q, total_k, max_seqlen_q, max_seqlen_k) = match self.sequences {
+            Sequences::Fixed {
+                batch,
+                seqlen_q,
+                seqlen_k,
+            } => {
+                if batch == 0 {
+                    return Err(ProblemError::ZeroDim { what: "batch" });
+                }
+                (batch, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
+            }
+            Sequences::Varlen {
+                cu_seqlens_q,
+                cu_seqlens_k,
+            } => {
+                if cu_seqlens_q.len() != cu_seqlens_k.len() || cu_seqlens_q.len() < 2 {
+                    return Err(ProblemError::CuSeqlensLength {
+                        len_q: cu_seqlens_q.len(),
+                        len_k: cu_seqlens_k.len(),
+                    });
+                }
+                let max_q = check_prefix_sums(cu_seqlens_q, Tensor::Q)?;
+                let max_k = check_prefix_sums(cu_seqlens_k, Tensor::K)?;
+                let last = cu_seqlens_q.len() - 1;
+                (
+                    last,
+                    cu_seqlens_q[last] as usize,
+                    cu_seqlens_k[last] as usize,
+                    max_q,
+                    max_k,
+                )
+            }
+        };
+        let varlen = matches!(self.sequences, Sequences::Varlen { .. });
+        // For packed tensors the batch dimension is 1 and the token dimension is the total.
+        let (outer, seq_q, seq_k) = if varlen {
+            (1, total_q, total_k)
+        } else {
+            (batch, total_q, total_k)
+        };
+        let q = self
+            .q_strides
+            .unwrap_or(Strides::contiguous(seq_q, self.heads_q, self.head_dim));
+        let k = self
+            .k_strides
+            .unwrap_or(Strides::contiguous(seq_k, self.heads_kv, self.head_dim));
+        let v =
+            self.v_strides
+                .unwrap_or(Strides::contiguous(seq_k, self.heads_kv, self.head_dim_v));
+        let o = self
+            .o_strides
+            .unwrap_or(Strides::contiguous(seq_q, self.heads_q, self.head_dim_v));
+        let extents = [
+            extent(outer, seq_q, self.heads_q, self.head_dim, &q)?,
+            extent(outer, seq_k, self.heads_kv, self.head_dim, &k)?,
+            extent(outer, seq_k, self.heads_kv, self.head_dim_v, &v)?,
+            extent(outer, seq_q, self.heads_q, self.head_dim_v, &o)?,
+        ];
+        // Inputs may alias themselves (broadcast views are fine to read); the output may not.
+        check_no_overlap(outer, seq_q, self.heads_q, self.head_dim_v, &o)?;
+        Ok(Problem {
+            sequences: self.sequences,
+            batch,
+            total_q,
+            total_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            heads_q: self.heads_q,
+            heads_kv: self.heads_kv,
+            head_dim: self.head_dim,
+            head_dim_v: self.head_dim_v,
+            softmax_scale,
+            softcap: self.softcap,
+            mask: self.mask,
+            q,
+            k,
+            v,
+            o,
+            extents,
+        })
+    }
+}
+
+/// Checks prefix sums (start at 0, never decrease); returns the longest sequence.
+fn check_prefix_sums(cu: &[u32], tensor: Tensor) -> Result<usize, ProblemError> {
+    if cu[0] != 0 {
+        return Err(ProblemError::CuSeqlensNotMonotone { tensor, index: 0 });
+    }
+    let mut longest = 0usize;
+    for (index, pair) in cu.windows(2).enumerate() {
+        if pair[1] < pair[0] {
+            return Err(ProblemError::CuSeqlensNotMonotone {
+                tensor,
+                index: index + 1,
+            });
+        }
+        longest = longest.max((pair[1] - pair[0]) as usize);
+    }
+    Ok(longest)
+}
+
+/// Elements a tensor spans: the last element's offset plus one (0 if it is empty).
+fn extent(
+    outer: usize,
+    seq: usize,
+    heads: usize,
+    dim: usize,
+    s: &Strides,
+) -> Result<usize, ProblemError> {
+    if outer == 0 || seq == 0 || heads == 0 || dim == 0 {
+        return Ok(0);
+    }
+    let terms = [
+        (outer - 1).checked_mul(s.batch),
+        (seq - 1).checked_mul(s.seq),
+        (heads - 1).checked_mul(s.head),
+        Some(dim),
+    ];
+    terms
+        .iter()
+        .try_fold(0usize, |acc, t| t.and_then(|t| acc.checked_add(t)))
+        .ok_or(ProblemError::Overflow)
+}
+
+/// Rejects output strides under which two elements share an address: sorted by stride, each
+/// dimension's stride must be at least the span of all smaller ones.
+fn check_no_overlap(
+    outer: usize,
+    seq: usize,
+    heads: usize,
+    dim: usize,
+    s: &Strides,
+) -> Result<(), ProblemError> {
+    let mut dims = [
+        ("batch stride", outer, s.batch),
+        ("seq stride", seq, s.seq),
+        ("head stride", heads, s.head),
+    ];
+    dims.sort_by_key(|d| d.2);
+    let mut span = dim;
+    for (what, count, stride) in dims {
+        if count <= 1 {
+            continue;
+        }
+        if stride < span {
+            return Err(ProblemError::StrideTooSmall {
+                tensor: Tensor::O,
+                what,
+                stride,
+                min: span,
+            });
+        }
+        span = (count - 1)
+            .checked_mul(stride)
+            .and_then(|x| x.checked_add(span))
+            .ok_or(ProblemError::Overflow)?;
+    }
+    Ok(())
+}
+
+/// One sequence of a validated problem.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqSpan {
+    /// Index of the first query token in the (packed) token dimension.
+    pub q_start: usize,
+    /// Queries in the sequence.
+    pub seqlen_q: usize,
+    /// Index of the first key token.
+    pub k_start: usize,
+    /// Keys in the sequence.
+    pub seqlen_k: usize,
+}
+
+/// Lengths of the buffers a backend was handed, in elements, for [`Problem::check_buffers`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BufferLens {
+    /// Elements of Q.
+    pub q: usize,
+    /// Elements of K.
+    pub k: usize,
+    /// Elements of V.
+    pub v: usize,
+    /// Elements of O.
+    pub o: usize,
+    /// Elements of the LSE buffer, if one is requested.
+    pub lse: Option<usize>,
+}
+
+/// A validated problem. All offsets are in elements.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Problem<'a> {
+    sequences: Sequences<'a>,
+    batch: usize,
+    total_q: usize,
+    total_k: usize,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    head_dim_v: usize,
+    softmax_scale: f32,
+    softcap: Option<f32>,
+    mask: Mask,
+    q: Strides,
+    k: Strides,
+    v: Strides,
+    o: Strides,
+    extents: [usize; 4],
+}
+
+impl<'a> Problem<'a> {
+    /// Checks that the buffers are long enough for the shapes and strides (and the LSE buffer
+    /// for `heads_q · total_q` entries).
+    pub fn check_buffers(&self, lens: BufferLens) -> Result<(), ProblemError> {
+        let named = [
+            (Tensor::Q, lens.q, self.extents[0]),
+            (Tensor::K, lens.k, self.extents[1]),
+            (Tensor::V, lens.v, self.extents[2]),
+            (Tensor::O, lens.o, self.extents[3]),
+        ];
+        for (tensor, len, needed) in named {
+            if len < needed {
+                return Err(ProblemError::BufferTooSmall {
+                    tensor,
+                    needed,
+                    len,
+                });
+            }
+        }
+        if let Some(len) = lens.lse {
+            let needed = self.lse_len();
+            if len < needed {
+                return Err(ProblemError::BufferTooSmall {
+                    tensor: Tensor::Lse,
+                    needed,
+                    len,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Elements each tensor spans (Q, K, V, O): the smallest buffer lengths that work.
+    pub fn min_buffer_lens(&self) -> BufferLens {
+        BufferLens {
+            q: self.extents[0],
+            k: self.extents[1],
+            v: self.extents[2],
+            o: self.extents[3],
+            lse: Some(self.lse_len()),
+        }
+    }
+
+    /// Number of sequences.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+    /// Whether sequences are packed with `cu_seqlens`.
+    pub fn is_varlen(&self) -> bool {
+        matches!(self.sequences, Sequences::Varlen { .. })
+    }
+    /// Query tokens over all sequences (per batch entry for dense problems).
+    pub fn total_q(&self) -> usize {
+        self.total_q
+    }
+    /// Key tokens over all sequences (per batch entry for dense problems).
+    pub fn total_k(&self) -> usize {
+        self.total_k
+    }
+    /// Longest query sequence.
+    pub fn max_seqlen_q(&self) -> usize {
+        self.max_seqlen_q
+    }
+    /// Longest key sequence.
+    pub fn max_seqlen_k(&self) -> usize {
+        self.max_seqlen_k
+    }
+    /// Query heads.
+    pub fn heads_q(&self) -> usize {
+        self.heads_q
+    }
+    /// Key/value heads.
+    pub fn heads_kv(&self) -> usize {
+        self.heads_kv
+    }
+    /// Query heads sharing one KV head.
+    pub fn group_size(&self) -> usize {
+        self.heads_q / self.heads_kv
+    }
+    /// The KV head that query head `head_q` reads.
+    pub fn kv_head(&self, head_q: usize) -> usize {
+        head_q / self.group_size()
+    }
+    /// Head dimension of Q and K.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// Head dimension of V and O.
+    pub fn head_dim_v(&self) -> usize {
+        self.head_dim_v
+    }
+    /// The resolved softmax scale.
+    pub fn softmax_scale(&self) -> f32 {
+        self.softmax_scale
+    }
+    /// The softcap, if any.
+    pub fn softcap(&self) -> Option<f32> {
+        self.softcap
+    }
+    /// The mask.
+    pub fn mask(&self) -> Mask {
+        self.mask
+    }
+    /// Strides of Q, K, V and O.
+    pub fn strides(&self) -> [Strides; 4] {
+        [self.q, self.k, self.v, self.o]
+    }
+    /// The score transform (scale, softcap, log2 domain) in precision `T`.
+    pub fn score_transform<T: num_traits::Float>(&self) -> ScoreTransform<T> {
+        ScoreTransform::new(self.softmax_scale as f64, self.softcap.map(|c| c as f64))
+    }
+
+    /// Token ranges of sequence `b` (`b < batch`).
+    pub fn seq(&self, b: usize) -> SeqSpan {
+        match self.sequences {
+            Sequences::Fixed {
+                seqlen_q, seqlen_k, ..
+            } => SeqSpan {
+                q_start: 0,
+                seqlen_q,
+                k_start: 0,
+                seqlen_k,
+            },
+            Sequences::Varlen {
+                cu_seqlens_q,
+                cu_seqlens_k,
+            } => SeqSpan {
+                q_start: cu_seqlens_q[b] as usize,
+                seqlen_q: (cu_seqlens_q[b + 1] - cu_seqlens_q[b]) as usize,
+                k_start: cu_seqlens_k[b] as usize,
+                seqlen_k: (cu_seqlens_k[b + 1] - cu_seqlens_k[b]) as usize,
+            },
+        }
+    }
+
+    #[inline]
+    fn offset(&self, s: &Strides, b: usize, token: usize, head: usize) -> usize {
+        // Packed tensors have no batch dimension: `token` is already global there.
+        let batch_part = if self.is_varlen() { 0 } else { b * s.batch };
+        batch_part + token * s.seq + head * s.head
+    }
+
+    /// Offset of Q's row for sequence `b`, query `i` (within the sequence), head `h`.
+    #[inline]
+    pub fn q_offset(&self, b: usize, i: usize, h: usize) -> usize {
+        self.offset(&self.q, b, self.seq(b).q_start + i, h)
+    }
+    /// Offset of K's row for sequence `b`, key `j`, KV head `h_kv`.
+    #[inline]
+    pub fn k_offset(&self, b: usize, j: usize, h_kv: usize) -> usize {
+        self.offset(&self.k, b, self.seq(b).k_start + j, h_kv)
+    }
+    /// Offset of V's row for sequence `b`, key `j`, KV head `h_kv`.
+    #[inline]
+    pub fn v_offset(&self, b: usize, j: usize, h_kv: usize) -> usize {
+        self.offset(&self.v, b, self.seq(b).k_start + j, h_kv)
+    }
+    /// Offset of O's row for sequence `b`, query `i`, head `h`.
+    #[inline]
+    pub fn o_offset(&self, b: usize, i: usize, h: usize) -> usize {
+        self.offset(&self.o, b, self.seq(b).q_start + i, h)
+    }
+
+    /// Entries of the LSE buffer: `[batch, heads_q, seqlen_q]` dense, `[heads_q, total_q]`
+    /// packed (FlashAttention's layouts).
+    pub fn lse_len(&self) -> usize {
+        if self.is_varlen() {
+            self.heads_q * self.total_q
+        } else {
+            self.batch * self.heads_q * self.total_q
+        }
+    }
+    /// Index into the LSE buffer for sequence `b`, head `h`, query `i`.
+    #[inline]
+    pub fn lse_offset(&self, b: usize, h: usize, i: usize) -> usize {
+        if self.is_varlen() {
+            h * self.total_q + self.seq(b).q_start + i
+        } else {
+            (b * self.heads_q + h) * self.total_q + i
+        }
+    }
+}

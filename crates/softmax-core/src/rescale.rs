@@ -1,0 +1,97 @@
+//! When to rescale the accumulators: always, or FlashAttention-4's threshold policy.
+//!
+//! # Why the threshold policy is exact
+//! The online softmax subtracts a reference value `m` from every score before exponentiating.
+//! Any `m` gives the same final result, because the output is `acc / ℓ` and both `acc` and
+//! `ℓ` are built from the *same* `exp2(x − m)` terms: a different `m` multiplies numerator
+//! and denominator by the same power of two, which cancels. The running maximum is merely the
+//! choice that keeps every term ≤ 1. Keeping a stale `m` while the true maximum stays within
+//! `τ` of it keeps every term ≤ `2^τ` (256 for `τ = 8`): no overflow in f32, and within the
+//! range of a 16-bit P operand (bf16/f16 max ≈ 2^16 and 2^127), so the result is unchanged up to
+//! rounding while the `O(Br·d)` rescale of the accumulator is skipped. The LSE stays exact too:
+//! it is computed from `m` and `ℓ` together.
+
+use num_traits::Float;
+
+/// Default threshold for 16-bit P operands, in log2 units (a factor of 256).
+pub const DEFAULT_RESCALE_THRESHOLD: f32 = 8.0;
+
+/// Policy for moving the reference maximum of a row.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RescalePolicy<T> {
+    /// Move the reference whenever the running maximum grows (FlashAttention-2).
+    Always,
+    /// Move it only when the new maximum exceeds the reference by more than `τ` log2 units
+    /// (FlashAttention-4). `τ` must be finite and non-negative, and `τ` plus the offset of the
+    /// P operand must stay below `log2` of that dtype's largest finite value.
+    Threshold(T),
+}
+
+impl<T: Float> Default for RescalePolicy<T> {
+    fn default() -> Self {
+        RescalePolicy::Threshold(T::from(DEFAULT_RESCALE_THRESHOLD).unwrap_or_else(T::zero))
+    }
+}
+
+/// Counts of what the policy decided, so callers can report the rescales it saved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RescaleStats {
+    /// Blocks seen (each a call of the update).
+    pub blocks: u64,
+    /// Blocks where the reference moved and the accumulator was rescaled.
+    pub rescales: u64,
+    /// Blocks where the maximum grew but the policy kept the stale reference.
+    pub skipped: u64,
+}
+
+impl RescaleStats {
+    /// Adds another set of counts (e.g. from another thread or row).
+    pub fn add(&mut self, other: &RescaleStats) {
+        self.blocks += other.blocks;
+        self.rescales += other.rescales;
+        self.skipped += other.skipped;
+    }
+}
+
+/// What the policy decided for one block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Keep the current reference (the block's maximum did not grow, or grew by at most `τ`).
+    Keep,
+    /// Move the reference to the block's maximum.
+    Move,
+}
+
+impl<T: Float> RescalePolicy<T> {
+    /// Decides for a row whose reference is `current` (−∞ before any visible key) when a block
+    /// with maximum `block_max` arrives, and records the decision in `stats`.
+    #[inline]
+    pub fn decide(&self, current: T, block_max: T, stats: &mut RescaleStats) -> Decision {
+        stats.blocks += 1;
+        // NaN never compares greater, so a NaN block maximum keeps the reference; the NaN
+        // still reaches the output through exp2(NaN − m).
+        if !(block_max > current) {
+            return Decision::Keep;
+        }
+        if current == T::neg_infinity() {
+            // The first visible key: nothing has been accumulated, so there is nothing to
+            // rescale; this is neither a rescale nor a skip.
+            return Decision::Move;
+        }
+        match *self {
+            RescalePolicy::Always => {
+                stats.rescales += 1;
+                Decision::Move
+            }
+            RescalePolicy::Threshold(tau) => {
+                if block_max - current > tau {
+                    stats.rescales += 1;
+                    Decision::Move
+                } else {
+                    stats.skipped += 1;
+                    Decision::Keep
+                }
+            }
+        }
+    }
+}
