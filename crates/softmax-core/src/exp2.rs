@@ -15,8 +15,8 @@ pub const EXP2_CUBIC_MIN: f32 = -125.0;
 pub const EXP2_CUBIC_MAX: f32 = 128.0;
 
 /// Maximum relative error of [`exp2_cubic`] against the exact `2^x`, measured over **every**
-/// f32 in `[EXP2_CUBIC_MIN, EXP2_CUBIC_MAX)` by `cargo test --release -p softmax-core --test
-/// exp2_exhaustive -- --ignored`.
+/// f32 in `[EXP2_CUBIC_MIN, EXP2_CUBIC_MAX)` by `cargo run --release -p fa-cli -- exp2-error`
+/// (or `cargo test --release -p softmax-core --test exp2 -- --ignored`).
 pub const EXP2_CUBIC_MAX_REL_ERROR: f64 = 7.5e-5;
 
 /// `2^x` by a cubic and an exponent-bit add.

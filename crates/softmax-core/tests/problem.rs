@@ -1,0 +1,261 @@
+//! Validation of the problem description: every kind of bad input gets its typed error, and
+//! valid descriptions resolve offsets consistently.
+
+use softmax_core::{
+    BufferLens, Mask, ProblemDesc, ProblemError, Sequences, Strides, Tensor, MAX_HEAD_DIM,
+};
+
+fn ok_desc() -> ProblemDesc<'static> {
+    ProblemDesc::new(2, 5, 7, 4, 2, 16)
+}
+
+#[test]
+fn valid_problem_resolves_defaults() {
+    let p = ok_desc().validate(MAX_HEAD_DIM).unwrap();
+    assert_eq!(p.softmax_scale(), 0.25);
+    assert_eq!(p.group_size(), 2);
+    assert_eq!(p.kv_head(3), 1);
+    let lens = p.min_buffer_lens();
+    assert_eq!(lens.q, 2 * 5 * 4 * 16);
+    assert_eq!(lens.k, 2 * 7 * 2 * 16);
+    assert_eq!(lens.lse, Some(2 * 4 * 5));
+    assert_eq!(p.q_offset(1, 2, 3), 5 * 64 + 2 * 64 + 3 * 16);
+    assert_eq!(p.lse_offset(1, 3, 2), (4 + 3) * 5 + 2);
+    assert!(p.check_buffers(lens).is_ok());
+}
+
+#[test]
+fn every_bad_input_has_its_error() {
+    let cases: Vec<(ProblemDesc, ProblemError)> = vec![
+        (
+            ProblemDesc::new(0, 5, 7, 4, 2, 16),
+            ProblemError::ZeroDim { what: "batch" },
+        ),
+        (
+            ProblemDesc::new(1, 5, 7, 0, 2, 16),
+            ProblemError::ZeroDim { what: "heads_q" },
+        ),
+        (
+            ProblemDesc::new(1, 5, 7, 4, 0, 16),
+            ProblemError::ZeroDim { what: "heads_kv" },
+        ),
+        (
+            ProblemDesc::new(1, 5, 7, 6, 4, 16),
+            ProblemError::GqaRatio {
+                heads_q: 6,
+                heads_kv: 4,
+            },
+        ),
+        (
+            ProblemDesc::new(1, 5, 7, 4, 2, 0),
+            ProblemError::HeadDimOutOfRange {
+                what: "head_dim",
+                head_dim: 0,
+                max: 256,
+            },
+        ),
+        (
+            ProblemDesc::new(1, 5, 7, 4, 2, 257),
+            ProblemError::HeadDimOutOfRange {
+                what: "head_dim",
+                head_dim: 257,
+                max: 256,
+            },
+        ),
+        (
+            ok_desc().head_dim_v(300),
+            ProblemError::HeadDimOutOfRange {
+                what: "head_dim_v",
+                head_dim: 300,
+                max: 256,
+            },
+        ),
+        (
+            ok_desc().scale(f32::NAN),
+            ProblemError::NonFiniteScale { scale: f32::NAN },
+        ),
+        (
+            ok_desc().scale(f32::INFINITY),
+            ProblemError::NonFiniteScale {
+                scale: f32::INFINITY,
+            },
+        ),
+        (
+            ok_desc().softcap(0.0),
+            ProblemError::BadSoftcap { softcap: 0.0 },
+        ),
+        (
+            ok_desc().softcap(-3.0),
+            ProblemError::BadSoftcap { softcap: -3.0 },
+        ),
+        (
+            ok_desc().strides(
+                Tensor::O,
+                Strides {
+                    batch: 5 * 64,
+                    seq: 64,
+                    head: 8,
+                },
+            ),
+            ProblemError::StrideTooSmall {
+                tensor: Tensor::O,
+                what: "head stride",
+                stride: 8,
+                min: 16,
+            },
+        ),
+    ];
+    for (desc, want) in cases {
+        let got = desc.validate(MAX_HEAD_DIM).unwrap_err();
+        // NaN ≠ NaN: compare the Debug text, which is what a user reads anyway.
+        assert_eq!(format!("{got:?}"), format!("{want:?}"));
+        assert!(!got.to_string().is_empty());
+    }
+    // A backend with a smaller limit reports its own maximum.
+    assert_eq!(
+        ok_desc().validate(8).unwrap_err(),
+        ProblemError::HeadDimOutOfRange {
+            what: "head_dim",
+            head_dim: 16,
+            max: 8
+        }
+    );
+}
+
+#[test]
+fn varlen_errors() {
+    let q = [0u32, 3, 5];
+    let k_short = [0u32, 4];
+    let k_bad_start = [1u32, 4, 6];
+    let k_decreasing = [0u32, 4, 2];
+    let cases: Vec<(&[u32], &[u32], ProblemError)> = vec![
+        (
+            &q,
+            &k_short,
+            ProblemError::CuSeqlensLength { len_q: 3, len_k: 2 },
+        ),
+        (
+            &q[..1],
+            &k_short[..1],
+            ProblemError::CuSeqlensLength { len_q: 1, len_k: 1 },
+        ),
+        (
+            &q,
+            &k_bad_start,
+            ProblemError::CuSeqlensNotMonotone {
+                tensor: Tensor::K,
+                index: 0,
+            },
+        ),
+        (
+            &q,
+            &k_decreasing,
+            ProblemError::CuSeqlensNotMonotone {
+                tensor: Tensor::K,
+                index: 2,
+            },
+        ),
+    ];
+    for (cu_q, cu_k, want) in cases {
+        let desc = ProblemDesc::varlen(cu_q, cu_k, 2, 1, 8);
+        assert_eq!(desc.validate(MAX_HEAD_DIM).unwrap_err(), want);
+    }
+    // A valid pack, with an empty sequence and a length-1 one.
+    let cu_q = [0u32, 3, 3, 4];
+    let cu_k = [0u32, 5, 7, 8];
+    let p = ProblemDesc::varlen(&cu_q, &cu_k, 2, 1, 8)
+        .validate(MAX_HEAD_DIM)
+        .unwrap();
+    assert_eq!(p.batch(), 3);
+    assert_eq!((p.max_seqlen_q(), p.max_seqlen_k()), (3, 5));
+    let s = p.seq(2);
+    assert_eq!((s.q_start, s.seqlen_q, s.k_start, s.seqlen_k), (3, 1, 7, 1));
+    assert_eq!(p.q_offset(2, 0, 1), 3 * 16 + 8);
+    assert_eq!(p.lse_offset(2, 1, 0), 4 + 3);
+    assert_eq!(p.lse_len(), 8);
+}
+
+#[test]
+fn buffer_lengths_are_checked() {
+    let p = ok_desc().validate(MAX_HEAD_DIM).unwrap();
+    let good = p.min_buffer_lens();
+    let short = |tensor| {
+        let mut lens = good;
+        match tensor {
+            Tensor::Q => lens.q -= 1,
+            Tensor::K => lens.k -= 1,
+            Tensor::V => lens.v -= 1,
+            Tensor::O => lens.o -= 1,
+            Tensor::Lse => lens.lse = Some(good.lse.unwrap() - 1),
+        }
+        lens
+    };
+    for tensor in [Tensor::Q, Tensor::K, Tensor::V, Tensor::O, Tensor::Lse] {
+        match p.check_buffers(short(tensor)) {
+            Err(ProblemError::BufferTooSmall { tensor: t, .. }) => assert_eq!(t, tensor),
+            other => panic!("{tensor}: {other:?}"),
+        }
+    }
+    let no_lse = BufferLens { lse: None, ..good };
+    assert!(p.check_buffers(no_lse).is_ok());
+}
+
+#[test]
+fn strided_views_and_overflow() {
+    // Q as a view with padding between heads and tokens: valid, larger extent.
+    let strides = Strides {
+        batch: 1000,
+        seq: 100,
+        head: 20,
+    };
+    let p = ok_desc()
+        .strides(Tensor::Q, strides)
+        .validate(MAX_HEAD_DIM)
+        .unwrap();
+    assert_eq!(p.min_buffer_lens().q, 1000 + 4 * 100 + 3 * 20 + 16);
+    assert_eq!(p.q_offset(1, 2, 3), 1000 + 200 + 60);
+    // Inputs may broadcast (stride 0 over heads reads one head for all): allowed.
+    let broadcast = Strides {
+        batch: 112,
+        seq: 16,
+        head: 0,
+    };
+    assert!(ok_desc()
+        .strides(Tensor::K, broadcast)
+        .validate(MAX_HEAD_DIM)
+        .is_ok());
+    // Absurd strides overflow instead of wrapping.
+    let huge = Strides {
+        batch: usize::MAX - 10,
+        seq: 1,
+        head: 1,
+    };
+    assert_eq!(
+        ok_desc()
+            .strides(Tensor::V, huge)
+            .validate(MAX_HEAD_DIM)
+            .unwrap_err(),
+        ProblemError::Overflow
+    );
+}
+
+#[test]
+fn builder_composes_causal_and_window() {
+    let d = ok_desc().window(Some(3), None).causal();
+    assert_eq!(
+        d.mask,
+        Mask {
+            left: Some(3),
+            right: Some(0)
+        }
+    );
+    let d = ok_desc().causal().window(Some(3), Some(9));
+    assert_eq!(
+        d.mask,
+        Mask {
+            left: Some(3),
+            right: Some(0)
+        }
+    );
+    assert!(matches!(d.sequences, Sequences::Fixed { batch: 2, .. }));
+}
