@@ -362,7 +362,7 @@ fn check_no_overlap(
         ("seq stride", seq, s.seq),
         ("head stride", heads, s.head),
     ];
-    dims.sort_by_key(|d| d.2);
+    dims.sort_unstable_by_key(|d| d.2);
     let mut span = dim;
     for (what, count, stride) in dims {
         if count <= 1 {
