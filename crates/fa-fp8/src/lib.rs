@@ -1,5 +1,10 @@
-//! FP8 attention support: e4m3/e5m2 codecs, per-block scaling and the randomized Hadamard
-//! transform (incoherent processing).
-//!
-//! **Status: not implemented yet** (issue "fa-fp8: FP8 formats, per-block scaling and
-//! Hadamard incoherent processing").
+//! FP8 attention support (work in progress).
+pub mod codec;
+pub mod error;
+pub mod format;
+
+pub use codec::{
+    decode_scaled, decode_slice, encode_scaled, encode_slice, round_scaled_in_place, CodecPath,
+};
+pub use error::Fp8Error;
+pub use format::{Fp8Format, NAN_CODE};
