@@ -3,6 +3,7 @@ pub mod codec;
 pub mod error;
 pub mod format;
 pub mod hadamard;
+pub mod scale;
 
 pub use codec::{
     decode_scaled, decode_slice, encode_scaled, encode_slice, round_scaled_in_place, CodecPath,
