@@ -1,5 +1,52 @@
 //! CUDA kernels of exact attention, compiled at run time by NVRTC through `cudarc`.
 //!
-//! **Status: not implemented yet** (issue "fa-cuda: NVRTC-compiled forward kernel").
-//! This crate will hold the Ampere-class (`mma.sync`) and Hopper (`wgmma`, TMA, warp
-//! specialisation) forward kernels behind a safe API validated by `softmax-core`.
+//! The forward kernel is FlashAttention-2's design written from scratch for sm_80 and newer
+//! (`mma.sync.m16n8k16` with f32 accumulation, `ldmatrix`, `cp.async` loads overlapping the
+//! matrix products, swizzled shared memory, P kept in registers, output normalised once):
+//! bf16 and fp16, head dims that are multiples of 8 up to 256 (64/128/256 are the tuned
+//! paths), causal (bottom-right aligned) and sliding-window masks with block skipping,
+//! softcap, GQA/MQA, varlen, `seqlen_q ≠ seqlen_k` and the LSE. The online softmax follows
+//! `softmax-core`'s rules (log2 domain, threshold rescale, empty rows → 0 and LSE −∞), and bad
+//! input is rejected with `softmax-core`'s typed errors before anything runs.
+//!
+//! - [`Device`]: opens a GPU (an error value, never a panic, where there is no driver, no
+//!   NVRTC or no GPU), holds buffers ([`DeviceBuffer`]) and runs [`Device::forward`] /
+//!   [`Device::forward_host`];
+//! - [`compile`]: NVRTC compilation of each kernel variant to a cubin for the device's
+//!   architecture, cached per process, with ptxas' resource report (registers, spills);
+//! - [`kernels`]: the `.cu` sources (embedded with `include_str!`), their variants and the one
+//!   launch-choice function of the family.
+//!
+//! # Example
+//! ```no_run
+//! use fa_cuda::{Device, ForwardOptions};
+//! use half::bf16;
+//! use softmax_core::ProblemDesc;
+//!
+//! # fn main() -> Result<(), fa_cuda::CudaError> {
+//! let device = Device::open(0)?; // Err(CudaError::NoDriver) on a machine without CUDA
+//! let desc = ProblemDesc::new(1, 300, 300, 8, 2, 128).causal(); // GQA 4:1
+//! let n_q = 300 * 8 * 128;
+//! let n_kv = 300 * 2 * 128;
+//! let q = vec![bf16::from_f32(0.1); n_q];
+//! let k = vec![bf16::from_f32(0.2); n_kv];
+//! let v = vec![bf16::from_f32(0.3); n_kv];
+//! let mut out = vec![bf16::ZERO; n_q];
+//! let mut lse = vec![0.0f32; 8 * 300];
+//! device.forward_host(&desc, &q, &k, &v, &mut out, Some(&mut lse), &ForwardOptions::default())?;
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod compile;
+mod device;
+mod error;
+pub mod kernels;
+mod params;
+
+pub use device::{
+    arch_for, driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, ForwardStats,
+};
+pub use error::CudaError;
+pub use kernels::{Dtype, LaunchShape, Variant};
+pub use params::ForwardOptions;

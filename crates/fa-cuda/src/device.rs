@@ -1,0 +1,512 @@
+//! The device handle, device buffers, and the forward launch.
+
+use crate::compile::{compile_cached, nvrtc_available};
+use crate::error::CudaError;
+use crate::kernels::{Dtype, LaunchShape, Variant};
+use crate::params::{prepare, ForwardOptions, KernelParams, Prepared};
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
+};
+use half::slice::HalfFloatSliceExt;
+use softmax_core::{BufferLens, ProblemDesc};
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Whether the CUDA driver library can be loaded. `cudarc` panics on the first driver call
+/// when it cannot, so [`Device::open`] checks this first.
+pub fn driver_available() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: `is_culib_present` only tries `dlopen` on the candidate library names.
+    *PRESENT.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for f32 {}
+}
+
+/// An element type that device buffers hold: `bf16`, `f16` (Q, K, V, O) and `f32` (LSE).
+pub trait DeviceElement: sealed::Sealed + Copy {
+    /// The plain type the driver copies.
+    #[doc(hidden)]
+    type Raw: DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin;
+    /// Views a host slice as raw elements.
+    #[doc(hidden)]
+    fn raw(slice: &[Self]) -> &[Self::Raw];
+    /// Views a mutable host slice as raw elements.
+    #[doc(hidden)]
+    fn raw_mut(slice: &mut [Self]) -> &mut [Self::Raw];
+}
+
+/// A 16-bit element type the attention kernels take: `half::bf16` or `half::f16`.
+pub trait CudaElement: DeviceElement {
+    /// The kernel dtype.
+    const DTYPE: Dtype;
+}
+
+impl DeviceElement for half::bf16 {
+    type Raw = u16;
+    fn raw(slice: &[Self]) -> &[u16] {
+        slice.reinterpret_cast()
+    }
+    fn raw_mut(slice: &mut [Self]) -> &mut [u16] {
+        slice.reinterpret_cast_mut()
+    }
+}
+impl DeviceElement for half::f16 {
+    type Raw = u16;
+    fn raw(slice: &[Self]) -> &[u16] {
+        slice.reinterpret_cast()
+    }
+    fn raw_mut(slice: &mut [Self]) -> &mut [u16] {
+        slice.reinterpret_cast_mut()
+    }
+}
+impl DeviceElement for f32 {
+    type Raw = f32;
+    fn raw(slice: &[Self]) -> &[f32] {
+        slice
+    }
+    fn raw_mut(slice: &mut [Self]) -> &mut [f32] {
+        slice
+    }
+}
+impl CudaElement for half::bf16 {
+    const DTYPE: Dtype = Dtype::Bf16;
+}
+impl CudaElement for half::f16 {
+    const DTYPE: Dtype = Dtype::F16;
+}
+
+// Keep the u16 views honest: both half types are 16-bit transparent wrappers.
+const _: () = assert!(core::mem::size_of::<half::bf16>() == 2);
+const _: () = assert!(core::mem::size_of::<half::f16>() == 2);
+
+/// A buffer in device memory of one [`Device`].
+pub struct DeviceBuffer<T: DeviceElement> {
+    slice: CudaSlice<T::Raw>,
+    _element: PhantomData<T>,
+}
+
+impl<T: DeviceElement> DeviceBuffer<T> {
+    /// Elements in the buffer.
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+    /// Whether the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.slice.len() == 0
+    }
+}
+
+/// What a forward call did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ForwardStats {
+    /// The launch (variant, grid, block, shared memory); `None` when there was nothing to do.
+    pub launch: Option<LaunchShape>,
+    /// NVRTC compile time in milliseconds, when this call compiled the variant.
+    pub compile_ms: Option<f64>,
+    /// Registers per thread of the variant (ptxas' report).
+    pub registers: Option<u32>,
+    /// Kernel time from CUDA events, when [`ForwardOptions::time_kernel`] was set.
+    pub kernel_ms: Option<f32>,
+}
+
+/// One CUDA device: its context, a stream, and the kernels loaded into it.
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: String,
+    name: String,
+    sm_count: u32,
+    smem_optin: u32,
+    functions: Mutex<HashMap<Variant, (CudaFunction, u32)>>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("name", &self.name)
+            .field("arch", &self.arch)
+            .field("sm_count", &self.sm_count)
+            .finish()
+    }
+}
+
+/// The NVRTC architecture for a compute capability: `sm_90a` on Hopper (its own instructions
+/// need the `a` target), `sm_XY` otherwise.
+pub fn arch_for(major: i32, minor: i32) -> String {
+    if (major, minor) == (9, 0) {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{major}{minor}")
+    }
+}
+
+impl Device {
+    /// Opens device `ordinal`. A machine without driver, NVRTC or such a device gets an error
+    /// value, never a panic.
+    pub fn open(ordinal: usize) -> Result<Device, CudaError> {
+        if !driver_available() {
+            return Err(CudaError::NoDriver);
+        }
+        if !nvrtc_available() {
+            return Err(CudaError::NoNvrtc);
+        }
+        let count = CudaContext::device_count()
+            .map_err(|e| CudaError::driver("cuDeviceGetCount", e))?
+            .max(0) as usize;
+        if ordinal >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::driver("cuCtxCreate", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| CudaError::driver("cuDeviceGetAttribute", e))?;
+        if major < 8 {
+            return Err(CudaError::UnsupportedArch { major, minor });
+        }
+        let attr = |a: CUdevice_attribute| {
+            ctx.attribute(a)
+                .map(|v| v.max(0) as u32)
+                .map_err(|e| CudaError::driver("cuDeviceGetAttribute", e))
+        };
+        let sm_count = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let smem_optin =
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown".to_string());
+        let stream = ctx.default_stream();
+        Ok(Device {
+            ctx,
+            stream,
+            arch: arch_for(major, minor),
+            name,
+            sm_count,
+            smem_optin,
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The device's name as the driver reports it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// The architecture kernels are compiled for (e.g. `sm_90a`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+    /// Streaming multiprocessors.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// Copies a host slice into a new device buffer.
+    pub fn upload<T: DeviceElement>(&self, host: &[T]) -> Result<DeviceBuffer<T>, CudaError> {
+        let slice = self
+            .stream
+            .clone_htod(T::raw(host))
+            .map_err(|e| CudaError::driver("cuMemcpyHtoD", e))?;
+        Ok(DeviceBuffer {
+            slice,
+            _element: PhantomData,
+        })
+    }
+
+    /// A new zero-filled device buffer of `len` elements.
+    pub fn alloc_zeroed<T: DeviceElement>(&self, len: usize) -> Result<DeviceBuffer<T>, CudaError> {
+        let slice = self
+            .stream
+            .alloc_zeros::<T::Raw>(len)
+            .map_err(|e| CudaError::driver("cuMemAlloc", e))?;
+        Ok(DeviceBuffer {
+            slice,
+            _element: PhantomData,
+        })
+    }
+
+    /// Copies a device buffer into a host slice of the same length.
+    pub fn download<T: DeviceElement>(
+        &self,
+        buf: &DeviceBuffer<T>,
+        host: &mut [T],
+    ) -> Result<(), CudaError> {
+        if host.len() != buf.len() {
+            return Err(CudaError::Problem(softmax_core::ProblemError::Unsupported {
+                what: "download needs a host slice of the buffer's length",
+            }));
+        }
+        self.stream
+            .memcpy_dtoh(&buf.slice, T::raw_mut(host))
+            .map_err(|e| CudaError::driver("cuMemcpyDtoH", e))?;
+        self.synchronize()
+    }
+
+    /// Waits for all work queued on the device's stream; reports asynchronous errors.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream
+            .synchronize()
+            .map_err(|e| CudaError::driver("cuStreamSynchronize", e))
+    }
+
+    /// The compiled and loaded function of a variant (compiled once per process, loaded once per
+    /// device), with the compile time when this call compiled it, and its register count.
+    fn function(&self, variant: &Variant) -> Result<(CudaFunction, Option<f64>, u32), CudaError> {
+        let mut functions = self.functions.lock().map_err(|_| CudaError::Driver {
+            what: "kernel table",
+            error: "poisoned lock".into(),
+        })?;
+        if let Some((f, regs)) = functions.get(variant) {
+            return Ok((f.clone(), None, *regs));
+        }
+        let (compiled, fresh) = compile_cached(variant, &self.arch)?;
+        if variant.smem_bytes() > self.smem_optin {
+            return Err(CudaError::Problem(softmax_core::ProblemError::Unsupported {
+                what: "the kernel's shared memory exceeds this device's limit",
+            }));
+        }
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
+            .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
+        let f = module
+            .load_function("flash_fwd")
+            .map_err(|e| CudaError::driver("cuModuleGetFunction", e))?;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            variant.smem_bytes() as i32,
+        )
+        .map_err(|e| CudaError::driver("cuFuncSetAttribute", e))?;
+        let regs = compiled.usage.registers;
+        functions.insert(*variant, (f.clone(), regs));
+        Ok((f, fresh.then_some(compiled.compile_ms), regs))
+    }
+
+    /// Checks that a buffer was allocated in this device's context.
+    fn owns<T: DeviceElement>(&self, buf: &DeviceBuffer<T>) -> Result<(), CudaError> {
+        if Arc::ptr_eq(buf.slice.context(), &self.ctx) {
+            Ok(())
+        } else {
+            Err(CudaError::ForeignBuffer)
+        }
+    }
+
+    /// Forward attention on device buffers: `out` (and `lse`, natural log, FlashAttention's
+    /// layout) receive softmax(QKᵀ·scale)·V for the problem `desc` (BSHD with strides, or packed
+    /// varlen: the `cu_seqlens` of `desc` are copied to the device by this call). Bad input
+    /// returns a [`CudaError::Problem`] before anything is queued. Waits for the kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward<T: CudaElement>(
+        &self,
+        desc: &ProblemDesc,
+        q: &DeviceBuffer<T>,
+        k: &DeviceBuffer<T>,
+        v: &DeviceBuffer<T>,
+        out: &mut DeviceBuffer<T>,
+        lse: Option<&mut DeviceBuffer<f32>>,
+        opts: &ForwardOptions,
+    ) -> Result<ForwardStats, CudaError> {
+        let lens = BufferLens {
+            q: q.len(),
+            k: k.len(),
+            v: v.len(),
+            o: out.len(),
+            lse: lse.as_ref().map(|l| l.len()),
+        };
+        let prepared = prepare(desc, lens, T::DTYPE, opts)?;
+        self.owns(q)?;
+        self.owns(k)?;
+        self.owns(v)?;
+        self.owns(out)?;
+        if let Some(l) = lse.as_deref() {
+            self.owns(l)?;
+        }
+        let stats = self.launch(&prepared, q, k, v, out, lse.as_deref(), opts.time_kernel, 1)?;
+        self.synchronize()?;
+        Ok(stats.into_iter().next().unwrap_or_default())
+    }
+
+    /// Times `iters` forward launches (after `warmup` untimed ones) with CUDA events around each
+    /// launch; returns the kernel times in milliseconds. Same arguments as [`Device::forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn time_forward<T: CudaElement>(
+        &self,
+        desc: &ProblemDesc,
+        q: &DeviceBuffer<T>,
+        k: &DeviceBuffer<T>,
+        v: &DeviceBuffer<T>,
+        out: &mut DeviceBuffer<T>,
+        opts: &ForwardOptions,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<Vec<f32>, CudaError> {
+        let lens = BufferLens {
+            q: q.len(),
+            k: k.len(),
+            v: v.len(),
+            o: out.len(),
+            lse: None,
+        };
+        let prepared = prepare(desc, lens, T::DTYPE, opts)?;
+        for b in [q, k, v] {
+            self.owns(b)?;
+        }
+        self.owns(out)?;
+        self.launch(&prepared, q, k, v, out, None, false, warmup)?;
+        let stats = self.launch(&prepared, q, k, v, out, None, true, iters)?;
+        self.synchronize()?;
+        Ok(stats.iter().filter_map(|s| s.kernel_ms).collect())
+    }
+
+    /// Queues `repeat` launches of a prepared call (buffers already checked).
+    #[allow(clippy::too_many_arguments)]
+    fn launch<T: CudaElement>(
+        &self,
+        prepared: &Prepared,
+        q: &DeviceBuffer<T>,
+        k: &DeviceBuffer<T>,
+        v: &DeviceBuffer<T>,
+        out: &DeviceBuffer<T>,
+        lse: Option<&DeviceBuffer<f32>>,
+        time: bool,
+        repeat: usize,
+    ) -> Result<Vec<ForwardStats>, CudaError> {
+        let Some(shape) = prepared.launch else {
+            return Ok(vec![ForwardStats::default(); repeat]);
+        };
+        let (func, compile_ms, registers) = self.function(&shape.variant)?;
+        let problem = &prepared.problem;
+        let cu = if problem.is_varlen() {
+            let b = problem.batch();
+            let mut cu_q = Vec::with_capacity(b + 1);
+            let mut cu_k = Vec::with_capacity(b + 1);
+            cu_q.push(0u32);
+            cu_k.push(0u32);
+            for i in 0..b {
+                let s = problem.seq(i);
+                cu_q.push((s.q_start + s.seqlen_q) as u32);
+                cu_k.push((s.k_start + s.seqlen_k) as u32);
+            }
+            let up = |x: &[u32]| {
+                self.stream
+                    .clone_htod(x)
+                    .map_err(|e| CudaError::driver("cuMemcpyHtoD", e))
+            };
+            Some((up(&cu_q)?, up(&cu_k)?))
+        } else {
+            None
+        };
+        let stream = &self.stream;
+        let (q_ptr, _gq) = q.slice.device_ptr(stream);
+        let (k_ptr, _gk) = k.slice.device_ptr(stream);
+        let (v_ptr, _gv) = v.slice.device_ptr(stream);
+        let (o_ptr, _go) = out.slice.device_ptr(stream);
+        let lse_guard = lse.map(|l| l.slice.device_ptr(stream));
+        let cu_guards = cu.as_ref().map(|(a, b)| (a.device_ptr(stream), b.device_ptr(stream)));
+        let params = KernelParams {
+            q: q_ptr,
+            k: k_ptr,
+            v: v_ptr,
+            o: o_ptr,
+            lse: lse_guard.as_ref().map_or(0, |g| g.0),
+            cu_q: cu_guards.as_ref().map_or(0, |g| g.0 .0),
+            cu_k: cu_guards.as_ref().map_or(0, |g| g.1 .0),
+            ..prepared.params
+        };
+        let cfg = LaunchConfig {
+            grid_dim: shape.grid,
+            block_dim: (shape.block, 1, 1),
+            shared_mem_bytes: shape.smem_bytes,
+        };
+        let mut all = Vec::with_capacity(repeat);
+        let mut events = Vec::new();
+        for _ in 0..repeat {
+            let timing = if time {
+                let ev = || {
+                    self.ctx
+                        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                        .map_err(|e| CudaError::driver("cuEventCreate", e))
+                };
+                let (start, end) = (ev()?, ev()?);
+                start
+                    .record(stream)
+                    .map_err(|e| CudaError::driver("cuEventRecord", e))?;
+                Some((start, end))
+            } else {
+                None
+            };
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&params);
+            // SAFETY: `params` matches the kernel's `Params` layout; every pointer in it refers
+            // to a live allocation of this context whose length `prepare` checked against the
+            // problem's extents (the kernel reads and writes only inside them); the buffers
+            // and guards outlive the launch because callers synchronize before returning.
+            unsafe { builder.launch(cfg) }.map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
+            if let Some((start, end)) = timing {
+                end.record(stream)
+                    .map_err(|e| CudaError::driver("cuEventRecord", e))?;
+                events.push((start, end));
+            }
+            all.push(ForwardStats {
+                launch: Some(shape),
+                compile_ms,
+                registers: Some(registers),
+                kernel_ms: None,
+            });
+        }
+        for (stat, (start, end)) in all.iter_mut().zip(&events) {
+            stat.kernel_ms = Some(
+                start
+                    .elapsed_ms(end)
+                    .map_err(|e| CudaError::driver("cuEventElapsedTime", e))?,
+            );
+        }
+        // The varlen prefix sums must stay alive until the kernels have run.
+        if cu.is_some() {
+            self.synchronize()?;
+        }
+        Ok(all)
+    }
+
+    /// Host convenience: validates, uploads Q, K, V (and the current `out`/`lse`, so that
+    /// elements outside the tensors stay untouched), runs [`Device::forward`] and copies the
+    /// results back. Bad input returns an error before anything is copied.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_host<T: CudaElement>(
+        &self,
+        desc: &ProblemDesc,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        out: &mut [T],
+        lse: Option<&mut [f32]>,
+        opts: &ForwardOptions,
+    ) -> Result<ForwardStats, CudaError> {
+        let lens = BufferLens {
+            q: q.len(),
+            k: k.len(),
+            v: v.len(),
+            o: out.len(),
+            lse: lse.as_ref().map(|l| l.len()),
+        };
+        prepare(desc, lens, T::DTYPE, opts)?;
+        let dq = self.upload(q)?;
+        let dk = self.upload(k)?;
+        let dv = self.upload(v)?;
+        let mut dout = self.upload(&*out)?;
+        let mut dlse = match lse.as_deref() {
+            Some(l) => Some(self.upload(l)?),
+            None => None,
+        };
+        let stats = self.forward(desc, &dq, &dk, &dv, &mut dout, dlse.as_mut(), opts)?;
+        self.download(&dout, out)?;
+        if let (Some(host), Some(dev)) = (lse, dlse.as_ref()) {
+            self.download(dev, host)?;
+        }
+        Ok(stats)
+    }
+}

@@ -1,0 +1,91 @@
+//! The crate's error type: bad input (the same typed errors as every backend) or a failure of
+//! the CUDA driver, NVRTC or a launch.
+
+use core::fmt;
+use softmax_core::ProblemError;
+
+/// Why a CUDA call of this crate failed.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum CudaError {
+    /// The problem or the buffers were rejected before anything ran (outputs untouched).
+    Problem(ProblemError),
+    /// The CUDA driver library (`libcuda.so`) could not be loaded: no driver on this machine.
+    NoDriver,
+    /// The NVRTC library (`libnvrtc.so`) could not be loaded.
+    NoNvrtc,
+    /// The driver found no device with this ordinal.
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices the driver sees.
+        count: usize,
+    },
+    /// The device is older than the kernels need (compute capability 8.0).
+    UnsupportedArch {
+        /// Compute capability major.
+        major: i32,
+        /// Compute capability minor.
+        minor: i32,
+    },
+    /// A CUDA driver call failed (`what` names the call).
+    Driver {
+        /// The call that failed.
+        what: &'static str,
+        /// The driver's error name and code.
+        error: String,
+    },
+    /// NVRTC rejected a kernel variant.
+    Compile {
+        /// The variant (its defines).
+        variant: String,
+        /// NVRTC's log.
+        log: String,
+    },
+    /// A device buffer belongs to another device or context than the one asked to run.
+    ForeignBuffer,
+}
+
+impl CudaError {
+    /// Wraps a driver error with the name of the call that returned it.
+    pub(crate) fn driver(what: &'static str, error: cudarc::driver::DriverError) -> CudaError {
+        CudaError::Driver {
+            what,
+            error: format!("{error:?}"),
+        }
+    }
+}
+
+impl From<ProblemError> for CudaError {
+    fn from(e: ProblemError) -> Self {
+        CudaError::Problem(e)
+    }
+}
+
+impl fmt::Display for CudaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CudaError::Problem(e) => write!(f, "invalid problem: {e}"),
+            CudaError::NoDriver => f.write_str("no CUDA driver: libcuda could not be loaded"),
+            CudaError::NoNvrtc => {
+                f.write_str("NVRTC not found: libnvrtc could not be loaded (set LD_LIBRARY_PATH)")
+            }
+            CudaError::NoDevice { ordinal, count } => {
+                write!(f, "no CUDA device {ordinal}: the driver sees {count}")
+            }
+            CudaError::UnsupportedArch { major, minor } => write!(
+                f,
+                "compute capability {major}.{minor} is not supported: sm_80 or newer is needed"
+            ),
+            CudaError::Driver { what, error } => write!(f, "CUDA driver call {what} failed: {error}"),
+            CudaError::Compile { variant, log } => {
+                write!(f, "NVRTC failed on kernel variant {variant}:\n{log}")
+            }
+            CudaError::ForeignBuffer => {
+                f.write_str("a device buffer belongs to another CUDA context than this device")
+            }
+        }
+    }
+}
+
+impl std::error::Error for CudaError {}

@@ -1,0 +1,152 @@
+//! The kernel sources, their compile-time variants and the one launch-choice function of the
+//! sm_80 (`mma.sync`) forward family.
+
+use softmax_core::Problem;
+
+/// Source of the FlashAttention-2 style forward kernel (sm_80+).
+pub const FLASH_FWD_SM80_SRC: &str = include_str!("kernels/flash_fwd_sm80.cu");
+
+/// Element type of Q, K, V and O.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Dtype {
+    /// bfloat16.
+    Bf16,
+    /// IEEE half precision.
+    F16,
+}
+
+impl Dtype {
+    /// Short name (`bf16`, `f16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        }
+    }
+}
+
+/// One compiled specialisation of the sm_80 forward kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Variant {
+    /// Head dim the tiles are laid out for (64, 128, 256).
+    pub hdp: u32,
+    /// Query rows per CTA.
+    pub block_m: u32,
+    /// Keys per K/V tile.
+    pub block_n: u32,
+    /// Warps per CTA.
+    pub warps: u32,
+    /// CTAs per SM the register cap is set for.
+    pub min_blocks: u32,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Softcap on.
+    pub softcap: bool,
+}
+
+impl Variant {
+    /// The NVRTC `-D` options of this variant.
+    pub fn defines(&self) -> Vec<String> {
+        vec![
+            format!("-DHDP={}", self.hdp),
+            format!("-DBLOCK_M={}", self.block_m),
+            format!("-DBLOCK_N={}", self.block_n),
+            format!("-DWARPS={}", self.warps),
+            format!("-DMIN_BLOCKS={}", self.min_blocks),
+            format!("-DIS_BF16={}", u32::from(self.dtype == Dtype::Bf16)),
+            format!("-DSOFTCAP={}", u32::from(self.softcap)),
+        ]
+    }
+
+    /// A readable name, e.g. `fwd_sm80_bf16_d128_128x64_w4`.
+    pub fn name(&self) -> String {
+        format!(
+            "fwd_sm80_{}_d{}_{}x{}_w{}{}",
+            self.dtype.name(),
+            self.hdp,
+            self.block_m,
+            self.block_n,
+            self.warps,
+            if self.softcap { "_softcap" } else { "" }
+        )
+    }
+
+    /// Threads per CTA.
+    pub fn threads(&self) -> u32 {
+        self.warps * 32
+    }
+
+    /// Dynamic shared memory per CTA in bytes: the Q tile and one K and one V tile (16-bit).
+    pub fn smem_bytes(&self) -> u32 {
+        (self.block_m + 2 * self.block_n) * self.hdp * 2
+    }
+
+    /// Every variant the launch choice can select (what the CI compile check builds).
+    pub fn all() -> Vec<Variant> {
+        let mut all = Vec::new();
+        for dtype in [Dtype::Bf16, Dtype::F16] {
+            for hdp in [64, 128, 256] {
+                for softcap in [false, true] {
+                    all.push(tile_config(hdp, dtype, softcap));
+                }
+            }
+        }
+        all
+    }
+}
+
+/// Tile sizes per padded head dim (FlashAttention-2's sm80 choices): 128 query rows per CTA;
+/// 4 warps of 32 rows for head dims up to 128 (two CTAs per SM), 8 warps of 16 rows for 256.
+fn tile_config(hdp: u32, dtype: Dtype, softcap: bool) -> Variant {
+    // hdim 64 with softcap: the tanh needs registers that 128-key tiles leave no room for.
+    let (block_n, warps, min_blocks) = match (hdp, softcap) {
+        (64, false) => (128, 4, 2),
+        (64, true) | (128, _) => (64, 4, 2),
+        _ => (64, 8, 1),
+    };
+    Variant {
+        hdp,
+        block_m: 128,
+        block_n,
+        warps,
+        min_blocks,
+        dtype,
+        softcap,
+    }
+}
+
+/// Grid, block and shared memory of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchShape {
+    /// The kernel variant.
+    pub variant: Variant,
+    /// Grid (query blocks, query heads, batch).
+    pub grid: (u32, u32, u32),
+    /// Threads per CTA.
+    pub block: u32,
+    /// Dynamic shared memory in bytes.
+    pub smem_bytes: u32,
+}
+
+/// The launch choice of the sm_80 forward family: variant (head-dim padding, tiles, warps) and
+/// grid over (query block, head, batch). `None` when the problem has nothing to compute.
+pub fn plan_forward(problem: &Problem, dtype: Dtype) -> Option<LaunchShape> {
+    // Tiles are laid out for 64, 128 or 256 columns; smaller head dims are zero-padded.
+    let dim = problem.head_dim().max(problem.head_dim_v()) as u32;
+    let hdp = match dim {
+        0..=64 => 64,
+        65..=128 => 128,
+        _ => 256,
+    };
+    let variant = tile_config(hdp, dtype, problem.softcap().is_some());
+    let m_blocks = (problem.max_seqlen_q() as u32).div_ceil(variant.block_m);
+    if m_blocks == 0 {
+        return None;
+    }
+    Some(LaunchShape {
+        variant,
+        grid: (m_blocks, problem.heads_q() as u32, problem.batch() as u32),
+        block: variant.threads(),
+        smem_bytes: variant.smem_bytes(),
+    })
+}

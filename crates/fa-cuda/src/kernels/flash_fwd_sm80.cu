@@ -1,0 +1,452 @@
+// FlashAttention-2 style forward kernel for sm_80 and newer (mma.sync.m16n8k16, ldmatrix,
+// cp.async). Self-contained: no toolkit header is included; conversions, matrix instructions,
+// shuffles and votes are inline PTX. Compiled by NVRTC with these defines:
+//
+//   HDP         head dim the tiles are laid out for (64, 128 or 256; the real head dims,
+//               passed at run time, may be smaller: missing columns are zero-filled)
+//   BLOCK_M     query rows per CTA          BLOCK_N   keys per K/V tile
+//   WARPS       warps per CTA; each owns BLOCK_M / WARPS contiguous query rows
+//   MIN_BLOCKS  CTAs per SM for __launch_bounds__ (sets the register cap)
+//   IS_BF16     1: bf16 inputs/outputs, 0: fp16
+//   SOFTCAP     1: scores go through cap*tanh(s/cap)
+//
+// Softmax bookkeeping mirrors softmax-core (`RowState::begin_block`, `add_sum`, `finish`):
+// scores in the scaled log2 domain, threshold rescale with tau, an all-masked row keeps the
+// reference at -inf and uses offset 0, a row that saw no key yields 0 and LSE -inf.
+// The mask is softmax-core's `Mask` (bottom-right aligned window (left, right), -1 unbounded),
+// with tiles classified full / partial / empty exactly as `Mask::classify_tile` does.
+
+#if !defined(HDP) || !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(WARPS) || \
+    !defined(MIN_BLOCKS) || !defined(IS_BF16) || !defined(SOFTCAP)
+#error "flash_fwd_sm80.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, MIN_BLOCKS, IS_BF16, SOFTCAP"
+#endif
+
+#define THREADS (WARPS * 32)
+#define MT (BLOCK_M / (16 * WARPS)) // 16-row m-tiles per warp
+#define NT (BLOCK_N / 8)            // 8-key n-tiles of S
+#define DT (HDP / 8)                // 8-column n-tiles of O
+#define KQ (HDP / 16)               // k-steps of S = Q K^T
+#define KP (BLOCK_N / 16)           // k-steps of O += P V
+#define CHUNKS (HDP / 8)            // 16-byte chunks per smem row
+#define ROW_BYTES (HDP * 2)         // bytes per smem row
+
+#if (BLOCK_M % (16 * WARPS)) != 0 || (HDP % 64) != 0 || (BLOCK_N % 16) != 0
+#error "bad tile configuration"
+#endif
+#if ((BLOCK_N * CHUNKS) % THREADS) != 0 || ((BLOCK_M * CHUNKS) % THREADS) != 0
+#error "tile loads must divide evenly among threads"
+#endif
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+struct alignas(16) u32x4 { u32 x, y, z, w; };
+
+// Kernel parameters; the Rust side's `KernelParams` has the same #[repr(C)] layout.
+struct Params {
+    u64 q, k, v, o, lse, cu_q, cu_k;   // device pointers (lse, cu_q, cu_k may be 0)
+    i64 q_bs, q_ss, q_hs;               // element strides: batch, token, head
+    i64 k_bs, k_ss, k_hs;
+    i64 v_bs, v_ss, v_hs;
+    i64 o_bs, o_ss, o_hs;
+    i64 lse_bs, lse_hs;                 // LSE index = b*lse_bs + h*lse_hs + q_start + i
+    int seqlen_q, seqlen_k;             // dense lengths (varlen: read from cu_q/cu_k)
+    int group;                          // heads_q / heads_kv
+    int head_dim, head_dim_v;
+    int win_left, win_right;            // window, -1 = unbounded
+    int num_m_blocks;
+    float pre;                          // scale*log2(e), or scale/cap with softcap
+    float softcap_post;                 // cap*log2(e) with softcap
+    float tau;                          // rescale threshold (log2 units); 0 = always
+    float pad_;
+};
+
+#define NEG_INF (__int_as_float(0xff800000))
+#define LN2 0.6931471805599453f
+
+#if IS_BF16
+#define MMA_TYPE "bf16"
+#else
+#define MMA_TYPE "f16"
+#endif
+
+static __device__ __forceinline__ u32 smem_u32(const void* ptr) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(ptr));
+    return r;
+}
+
+static __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool pred) {
+    const int n = pred ? 16 : 0; // 0 bytes read: the 16 destination bytes are zero-filled
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+static __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+static __device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+
+// D += A * B, m16n8k16, f32 accumulators.
+static __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 to a packed 16-bit pair (round to nearest even); `lo` lands in the low half.
+static __device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if IS_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+static __device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+static __device__ __forceinline__ float lg2(float x) {
+    float y;
+    asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+static __device__ __forceinline__ float shfl_xor(float x, int mask) {
+    float y;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(y) : "f"(x), "r"(mask));
+    return y;
+}
+static __device__ __forceinline__ bool warp_any(bool x) {
+    u32 r;
+    asm volatile("{ .reg .pred p, q; setp.ne.u32 p, %1, 0; vote.sync.any.pred q, p, 0xffffffff; selp.u32 %0, 1, 0, q; }"
+                 : "=r"(r) : "r"((u32)x));
+    return r != 0;
+}
+// tanh through exp2: tanh(y) = 1 - 2 / (2^(2 y log2 e) + 1); exact limits at +-inf.
+static __device__ __forceinline__ float tanh_f(float y) {
+    const float e = ex2(y * 2.8853900817779268f);
+    return 1.0f - 2.0f / (e + 1.0f);
+}
+
+// Element offset of (row, 16-byte chunk) in a swizzled smem tile: the chunk index is XORed with
+// the row's low 3 bits, so the 8 rows one ldmatrix phase reads hit 8 different bank groups.
+static __device__ __forceinline__ int swz(int row, int chunk) {
+    return row * HDP + ((chunk ^ (row & 7)) << 3);
+}
+
+// Copies `ROWS` rows of a tile (each HDP columns; columns >= dim and rows >= rows_valid are
+// zero-filled) from global memory into swizzled smem with cp.async.
+template <int ROWS>
+static __device__ __forceinline__ void load_tile(u16* s, const u16* g, i64 row_stride, int rows_valid, int dim, int tid) {
+    const u32 base = smem_u32(s);
+#if (THREADS % CHUNKS) == 0
+    // Each thread keeps its chunk column; rows advance by THREADS / CHUNKS per step.
+    const int c = tid % CHUNKS, row0 = tid / CHUNKS;
+    const bool col_ok = c * 8 < dim;
+    const u16* src0 = g + row0 * row_stride + c * 8;
+    const i64 step = (i64)(THREADS / CHUNKS) * row_stride;
+#pragma unroll
+    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
+        const int row = row0 + i * (THREADS / CHUNKS);
+        const bool ok = col_ok && row < rows_valid;
+        cp_async16(base + (u32)swz(row, c) * 2u, ok ? src0 + i * step : g, ok);
+    }
+#else
+#pragma unroll
+    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
+        const int id = tid + i * THREADS;
+        const int row = id / CHUNKS, c = id % CHUNKS;
+        const bool ok = row < rows_valid && c * 8 < dim;
+        const u16* src = ok ? g + row * row_stride + c * 8 : g;
+        cp_async16(base + (u32)swz(row, c) * 2u, src, ok);
+    }
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(const Params p) {
+    extern __shared__ __attribute__((aligned(128))) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sK = sQ + BLOCK_M * HDP;
+    u16* sV = sK + BLOCK_N * HDP;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tig = lane & 3;
+    const int b = blockIdx.z, h = blockIdx.y;
+    // Heaviest query blocks first (causal): reverse order.
+    const int m_block = p.num_m_blocks - 1 - (int)blockIdx.x;
+
+    int q_start = 0, k_start = 0, sq = p.seqlen_q, sk = p.seqlen_k;
+    if (p.cu_q != 0) {
+        const u32* cq = reinterpret_cast<const u32*>(p.cu_q);
+        const u32* ck = reinterpret_cast<const u32*>(p.cu_k);
+        q_start = (int)cq[b];
+        sq = (int)cq[b + 1] - q_start;
+        k_start = (int)ck[b];
+        sk = (int)ck[b + 1] - k_start;
+    }
+    const int m0 = m_block * BLOCK_M;
+    if (m0 >= sq) return;
+    const int rows_valid = min(BLOCK_M, sq - m0);
+    const int hk = h / p.group;
+
+    const u16* gq = reinterpret_cast<const u16*>(p.q) + b * p.q_bs + (i64)(q_start + m0) * p.q_ss + h * p.q_hs;
+    const u16* gk = reinterpret_cast<const u16*>(p.k) + b * p.k_bs + (i64)k_start * p.k_ss + hk * p.k_hs;
+    const u16* gv = reinterpret_cast<const u16*>(p.v) + b * p.v_bs + (i64)k_start * p.v_ss + hk * p.v_hs;
+    u16* go = reinterpret_cast<u16*>(p.o) + b * p.o_bs + (i64)(q_start + m0) * p.o_ss + h * p.o_hs;
+
+    // Visible keys of query i: [lo(i), hi(i)), both non-decreasing in i (softmax-core's Mask).
+    const int diag = sk - sq;
+#define LO_OF(i) (p.win_left >= 0 ? max((i) + diag - p.win_left, 0) : 0)
+#define HI_OF(i) (p.win_right >= 0 ? min((i) + diag + p.win_right + 1, sk) : sk)
+    const int first = m0, last = m0 + rows_valid - 1;
+    const int union_lo = LO_OF(first), union_hi = HI_OF(last);
+    const int full_lo = LO_OF(last), full_hi = HI_OF(first);
+    int t_begin = 0, t_end = 0;
+    if (union_hi > union_lo) {
+        t_begin = union_lo / BLOCK_N;
+        t_end = (union_hi + BLOCK_N - 1) / BLOCK_N;
+    }
+
+    const int warp_row0 = warp * MT * 16;
+    int row_lo[MT][2], row_hi[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int i = m0 + warp_row0 + mt * 16 + g + 8 * hh;
+            row_lo[mt][hh] = LO_OF(i);
+            row_hi[mt][hh] = HI_OF(i);
+        }
+
+    load_tile<BLOCK_M>(sQ, gq, p.q_ss, rows_valid, p.head_dim, tid);
+    if (t_begin < t_end)
+        load_tile<BLOCK_N>(sK, gk + (i64)t_begin * BLOCK_N * p.k_ss, p.k_ss, sk - t_begin * BLOCK_N, p.head_dim, tid);
+    cp_async_commit();
+
+    float acc[MT][DT][4];
+    float row_m[MT][2], row_l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int d = 0; d < DT; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][d][e] = 0.0f;
+        row_m[mt][0] = row_m[mt][1] = NEG_INF;
+        row_l[mt][0] = row_l[mt][1] = 0.0f;
+    }
+
+    // ldmatrix addresses. Within a 16-row slab every lane's row has the same low 3 bits
+    // (lane & 7), so the swizzled chunk (2*step + c) ^ (lane & 7) = 8*(step >> 2) +
+    // ((2*(step & 3)) ^ y) with a per-lane y: four base addresses per operand, the rest is an
+    // immediate offset (keeps the unrolled loops from holding one address register per load).
+    u32 q_addr[4], k_addr[4], v_addr[4];
+    {
+        const u32 sQa = smem_u32(sQ), sKa = smem_u32(sK), sVa = smem_u32(sV);
+        const int yq = (lane >> 4) ^ (lane & 7);          // Q: row lane&15, chunk half lane>>4
+        const int yk = ((lane >> 3) & 1) ^ (lane & 7);    // K: row (lane&7)+8*(lane>>4), chunk half (lane>>3)&1
+        const int yv = (lane >> 4) ^ (lane & 7);          // V: row (lane&7)+8*((lane>>3)&1), chunk half lane>>4
+        const int q_row = warp_row0 + (lane & 15);
+        const int k_row = (lane & 7) + ((lane >> 4) << 3);
+        const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            q_addr[j] = sQa + q_row * ROW_BYTES + (((2 * j) ^ yq) << 4);
+            k_addr[j] = sKa + k_row * ROW_BYTES + (((2 * j) ^ yk) << 4);
+            v_addr[j] = sVa + v_row * ROW_BYTES + (((2 * j) ^ yv) << 4);
+        }
+    }
+
+    for (int t = t_begin; t < t_end; ++t) {
+        const int n0 = t * BLOCK_N;
+        cp_async_wait_all();
+        __syncthreads(); // K tile (and Q) visible to all; everyone is done with the last V tile
+        load_tile<BLOCK_N>(sV, gv + (i64)n0 * p.v_ss, p.v_ss, sk - n0, p.head_dim_v, tid);
+        cp_async_commit();
+
+        // S = Q K^T for this warp's rows.
+        float s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.0f;
+        // k-steps in groups of four (one 128-byte swizzle period): the group loop stays rolled.
+#pragma unroll 1
+        for (int kg = 0; kg < KQ / 4; ++kg)
+#pragma unroll
+        for (int kj = 0; kj < 4; ++kj) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldsm_x4(q_addr[kj] + mt * 16 * ROW_BYTES + kg * 128, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(k_addr[kj] + np * 16 * ROW_BYTES + kg * 128, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816(s[mt][2 * np], a[mt], b0, b1);
+                    mma16816(s[mt][2 * np + 1], a[mt], b2, b3);
+                }
+            }
+        }
+
+        // Scores to the log2 domain, mask on partial tiles (classify_tile's rule).
+        const bool partial = !(full_lo <= n0 && n0 + BLOCK_N <= full_hi);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+#if SOFTCAP
+                    float x = tanh_f(s[mt][j][e] * p.pre) * p.softcap_post;
+#else
+                    float x = s[mt][j][e] * p.pre;
+#endif
+                    if (partial) {
+                        const int col = n0 + j * 8 + 2 * tig + (e & 1);
+                        const int hh = e >> 1;
+                        if (col < row_lo[mt][hh] || col >= row_hi[mt][hh]) x = NEG_INF;
+                    }
+                    s[mt][j][e] = x;
+                }
+
+        // Online softmax (RowState::begin_block with the threshold policy).
+        float corr[MT][2];
+        bool any_rescale = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                float bm = NEG_INF;
+#pragma unroll
+                for (int j = 0; j < NT; ++j) bm = fmaxf(bm, fmaxf(s[mt][j][2 * hh], s[mt][j][2 * hh + 1]));
+                bm = fmaxf(bm, shfl_xor(bm, 1));
+                bm = fmaxf(bm, shfl_xor(bm, 2));
+                const float m = row_m[mt][hh];
+                float c = 1.0f;
+                if (bm > m && (m == NEG_INF || bm - m > p.tau)) {
+                    c = ex2(m - bm); // 0 when m = -inf: the (empty) accumulator is zeroed
+                    row_m[mt][hh] = bm;
+                    row_l[mt][hh] *= c;
+                    any_rescale = true;
+                }
+                corr[mt][hh] = c;
+            }
+        if (warp_any(any_rescale)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int d = 0; d < DT; ++d) {
+                    acc[mt][d][0] *= corr[mt][0];
+                    acc[mt][d][1] *= corr[mt][0];
+                    acc[mt][d][2] *= corr[mt][1];
+                    acc[mt][d][3] *= corr[mt][1];
+                }
+        }
+
+        // P = exp2(x - offset), kept in registers as the A operand of the second mma.
+        u32 pa[MT][KP][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float off0 = row_m[mt][0] == NEG_INF ? 0.0f : row_m[mt][0];
+            const float off1 = row_m[mt][1] == NEG_INF ? 0.0f : row_m[mt][1];
+            float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                s[mt][j][0] = ex2(s[mt][j][0] - off0);
+                s[mt][j][1] = ex2(s[mt][j][1] - off0);
+                s[mt][j][2] = ex2(s[mt][j][2] - off1);
+                s[mt][j][3] = ex2(s[mt][j][3] - off1);
+                sum0 += s[mt][j][0] + s[mt][j][1];
+                sum1 += s[mt][j][2] + s[mt][j][3];
+            }
+            row_l[mt][0] += sum0;
+            row_l[mt][1] += sum1;
+#pragma unroll
+            for (int kp = 0; kp < KP; ++kp) {
+                pa[mt][kp][0] = pack2(s[mt][2 * kp][0], s[mt][2 * kp][1]);
+                pa[mt][kp][1] = pack2(s[mt][2 * kp][2], s[mt][2 * kp][3]);
+                pa[mt][kp][2] = pack2(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
+                pa[mt][kp][3] = pack2(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
+            }
+        }
+
+        cp_async_wait_all();
+        __syncthreads(); // V tile visible; everyone is done reading this K tile
+        if (t + 1 < t_end) {
+            load_tile<BLOCK_N>(sK, gk + (i64)(n0 + BLOCK_N) * p.k_ss, p.k_ss, sk - n0 - BLOCK_N, p.head_dim, tid);
+            cp_async_commit();
+        }
+
+        // O += P V
+#pragma unroll
+        for (int kp = 0; kp < KP; ++kp) {
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_trans(v_addr[dp & 3] + kp * 16 * ROW_BYTES + (dp >> 2) * 128, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816(acc[mt][2 * dp], pa[mt][kp], b0, b1);
+                    mma16816(acc[mt][2 * dp + 1], pa[mt][kp], b2, b3);
+                }
+            }
+        }
+    }
+
+    // Finish (RowState::finish): 1/l and LSE; a row that saw no key gives 0 and -inf.
+    cp_async_wait_all();
+    __syncthreads(); // all warps are done with sQ/sK/sV: sQ becomes the output staging tile
+    float* lse_out = reinterpret_cast<float*>(p.lse);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float l = row_l[mt][hh];
+            l += shfl_xor(l, 1);
+            l += shfl_xor(l, 2);
+            float inv, lse;
+            if (l > 0.0f) {
+                inv = 1.0f / l;
+                lse = (row_m[mt][hh] + lg2(l)) * LN2;
+            } else if (l == l) {
+                inv = 0.0f;
+                lse = NEG_INF;
+            } else {
+                inv = l; // NaN propagates
+                lse = l;
+            }
+            const int row = warp_row0 + mt * 16 + g + 8 * hh;
+#pragma unroll
+            for (int d = 0; d < DT; ++d) {
+                const u32 v = pack2(acc[mt][d][2 * hh] * inv, acc[mt][d][2 * hh + 1] * inv);
+                *reinterpret_cast<u32*>(sQ + swz(row, d) + 2 * tig) = v;
+            }
+            if (lse_out != 0 && tig == 0 && row < rows_valid)
+                lse_out[b * p.lse_bs + h * p.lse_hs + q_start + m0 + row] = lse;
+        }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < BLOCK_M * CHUNKS / THREADS; ++i) {
+        const int id = tid + i * THREADS;
+        const int row = id / CHUNKS, c = id % CHUNKS;
+        if (row < rows_valid && c * 8 < p.head_dim_v)
+            *reinterpret_cast<u32x4*>(go + row * p.o_ss + c * 8) = *reinterpret_cast<const u32x4*>(sQ + swz(row, c));
+    }
+#undef LO_OF
+#undef HI_OF
+}

@@ -1,0 +1,250 @@
+//! Host-side preparation of a forward call, without touching the GPU: validation through
+//! `softmax-core`, this backend's own limits, the launch choice and the kernel parameters.
+
+use crate::kernels::{plan_forward, Dtype, LaunchShape};
+use softmax_core::{BufferLens, Problem, ProblemDesc, ProblemError, RescalePolicy};
+
+/// Options of a forward call beyond the problem description.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ForwardOptions {
+    /// When rows move their reference maximum (softmax-core's policy; `Always` is FlashAttention-2,
+    /// the default `Threshold(8)` is FlashAttention-4's conditional rescale).
+    pub rescale: RescalePolicy<f32>,
+    /// Time the kernel with CUDA events and report it in [`crate::ForwardStats::kernel_ms`].
+    pub time_kernel: bool,
+}
+
+impl Default for ForwardOptions {
+    fn default() -> Self {
+        ForwardOptions {
+            rescale: RescalePolicy::default(),
+            time_kernel: false,
+        }
+    }
+}
+
+/// The kernel's parameter block; the `.cu` source's `struct Params` has the same layout.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct KernelParams {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub cu_q: u64,
+    pub cu_k: u64,
+    pub q_strides: [i64; 3],
+    pub k_strides: [i64; 3],
+    pub v_strides: [i64; 3],
+    pub o_strides: [i64; 3],
+    pub lse_bs: i64,
+    pub lse_hs: i64,
+    pub seqlen_q: i32,
+    pub seqlen_k: i32,
+    pub group: i32,
+    pub head_dim: i32,
+    pub head_dim_v: i32,
+    pub win_left: i32,
+    pub win_right: i32,
+    pub num_m_blocks: i32,
+    pub pre: f32,
+    pub softcap_post: f32,
+    pub tau: f32,
+    pub pad: f32,
+}
+
+// SAFETY: plain old data with a C layout matching the kernel's `Params` (checked by the size
+// assertion below and by the GPU tests).
+unsafe impl cudarc::driver::DeviceRepr for KernelParams {}
+const _: () = assert!(core::mem::size_of::<KernelParams>() == 216);
+
+/// A validated call: the problem, the launch (None: nothing to compute) and the parameters
+/// (device pointers still zero).
+#[derive(Clone, Debug)]
+pub(crate) struct Prepared<'a> {
+    pub problem: Problem<'a>,
+    pub launch: Option<LaunchShape>,
+    pub params: KernelParams,
+}
+
+/// Largest token count, window or head count the kernel's 32-bit index arithmetic allows.
+const MAX_TOKENS: usize = 1 << 30;
+
+/// Validates `desc` and the buffer lengths, applies this backend's limits and fills the kernel
+/// parameters. Touches nothing: bad input returns before any device work.
+pub(crate) fn prepare<'a>(
+    desc: &ProblemDesc<'a>,
+    lens: BufferLens,
+    dtype: Dtype,
+    opts: &ForwardOptions,
+) -> Result<Prepared<'a>, ProblemError> {
+    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
+    problem.check_buffers(lens)?;
+    let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
+    if problem.head_dim() % 8 != 0 || problem.head_dim_v() % 8 != 0 {
+        return unsupported("fa-cuda needs head dims that are multiples of 8");
+    }
+    let strides = problem.strides();
+    if strides
+        .iter()
+        .any(|s| s.batch % 8 != 0 || s.seq % 8 != 0 || s.head % 8 != 0)
+    {
+        return unsupported("fa-cuda needs strides that are multiples of 8 elements");
+    }
+    if problem.total_q() >= MAX_TOKENS || problem.total_k() >= MAX_TOKENS {
+        return unsupported("fa-cuda handles fewer than 2^30 tokens per tensor");
+    }
+    if problem.heads_q() > 65535 || problem.batch() > 65535 {
+        return unsupported("fa-cuda handles at most 65535 heads and 65535 sequences");
+    }
+    let tau = match opts.rescale {
+        RescalePolicy::Always => 0.0,
+        RescalePolicy::Threshold(t) => t,
+    };
+    // P is stored as a 16-bit operand and reaches 2^tau: keep it inside the dtype's range.
+    let tau_max = match dtype {
+        Dtype::Bf16 => 64.0,
+        Dtype::F16 => 15.0,
+    };
+    if !(tau.is_finite() && (0.0..=tau_max).contains(&tau)) {
+        return unsupported("rescale threshold must be finite, >= 0 and below log2 of the dtype's max");
+    }
+    let transform = problem.score_transform::<f64>();
+    let mask = problem.mask();
+    let window = |w: Option<usize>| w.map_or(-1, |w| w.min(MAX_TOKENS) as i32);
+    let varlen = problem.is_varlen();
+    let triple = |s: &softmax_core::Strides| {
+        [
+            if varlen { 0 } else { s.batch as i64 },
+            s.seq as i64,
+            s.head as i64,
+        ]
+    };
+    let launch = plan_forward(&problem, dtype);
+    let (lse_bs, lse_hs) = if varlen {
+        (0, problem.total_q() as i64)
+    } else {
+        (
+            (problem.heads_q() * problem.total_q()) as i64,
+            problem.total_q() as i64,
+        )
+    };
+    let params = KernelParams {
+        q_strides: triple(&strides[0]),
+        k_strides: triple(&strides[1]),
+        v_strides: triple(&strides[2]),
+        o_strides: triple(&strides[3]),
+        lse_bs,
+        lse_hs,
+        seqlen_q: if varlen { 0 } else { problem.total_q() as i32 },
+        seqlen_k: if varlen { 0 } else { problem.total_k() as i32 },
+        group: problem.group_size() as i32,
+        head_dim: problem.head_dim() as i32,
+        head_dim_v: problem.head_dim_v() as i32,
+        win_left: window(mask.left),
+        win_right: window(mask.right),
+        num_m_blocks: launch.map_or(0, |l| l.grid.0 as i32),
+        pre: transform.pre_factor() as f32,
+        softcap_post: transform.softcap_post_factor().unwrap_or(0.0) as f32,
+        tau,
+        ..KernelParams::default()
+    };
+    Ok(Prepared {
+        problem,
+        launch,
+        params,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use softmax_core::{Mask, Strides, Tensor};
+
+    fn lens_of(desc: &ProblemDesc) -> BufferLens {
+        desc.validate(256).expect("valid").min_buffer_lens()
+    }
+
+    #[test]
+    fn dense_params_follow_the_problem() {
+        let desc = ProblemDesc::new(2, 100, 300, 8, 2, 128).causal();
+        let p = prepare(&desc, lens_of(&desc), Dtype::Bf16, &ForwardOptions::default())
+            .expect("valid");
+        let launch = p.launch.expect("work to do");
+        assert_eq!(launch.grid, (1, 8, 2));
+        assert_eq!(launch.variant.hdp, 128);
+        assert_eq!(p.params.group, 4);
+        assert_eq!(p.params.q_strides, [100 * 8 * 128, 8 * 128, 128]);
+        assert_eq!(p.params.k_strides, [300 * 2 * 128, 2 * 128, 128]);
+        assert_eq!((p.params.win_left, p.params.win_right), (-1, 0));
+        assert_eq!((p.params.lse_bs, p.params.lse_hs), (8 * 100, 100));
+        let expected_pre = (1.0 / (128f64).sqrt()) * softmax_core::LOG2_E;
+        assert!((p.params.pre as f64 - expected_pre).abs() < 1e-7);
+        assert_eq!(p.params.tau, softmax_core::DEFAULT_RESCALE_THRESHOLD);
+    }
+
+    #[test]
+    fn varlen_params_use_packed_layout() {
+        let cu_q = [0u32, 5, 5, 40];
+        let cu_k = [0u32, 7, 9, 9];
+        let desc = ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 72).window(Some(3), Some(2));
+        let p = prepare(&desc, lens_of(&desc), Dtype::F16, &ForwardOptions::default())
+            .expect("valid");
+        let launch = p.launch.expect("work");
+        assert_eq!(launch.grid, (1, 4, 3));
+        assert_eq!(launch.variant.hdp, 128);
+        assert_eq!(p.params.q_strides[0], 0);
+        assert_eq!((p.params.lse_bs, p.params.lse_hs), (0, 40));
+        assert_eq!((p.params.win_left, p.params.win_right), (3, 2));
+    }
+
+    #[test]
+    fn bad_input_gets_typed_errors() {
+        let opts = ForwardOptions::default();
+        let desc = ProblemDesc::new(1, 4, 4, 3, 2, 64);
+        assert!(matches!(
+            prepare(&desc, BufferLens { q: 0, k: 0, v: 0, o: 0, lse: None }, Dtype::Bf16, &opts),
+            Err(ProblemError::GqaRatio { .. })
+        ));
+        let desc = ProblemDesc::new(1, 4, 4, 2, 2, 64);
+        let mut lens = lens_of(&desc);
+        lens.o -= 1;
+        assert!(matches!(
+            prepare(&desc, lens, Dtype::Bf16, &opts),
+            Err(ProblemError::BufferTooSmall { tensor: Tensor::O, .. })
+        ));
+        let desc = ProblemDesc::new(1, 4, 4, 2, 2, 60);
+        assert!(matches!(
+            prepare(&desc, lens_of(&desc), Dtype::Bf16, &opts),
+            Err(ProblemError::Unsupported { .. })
+        ));
+        let desc = ProblemDesc::new(1, 4, 4, 2, 2, 64).strides(
+            Tensor::Q,
+            Strides {
+                batch: 4 * 132,
+                seq: 132,
+                head: 66,
+            },
+        );
+        assert!(matches!(
+            prepare(&desc, lens_of(&desc), Dtype::Bf16, &opts),
+            Err(ProblemError::Unsupported { .. })
+        ));
+        let desc = ProblemDesc::new(1, 4, 4, 2, 2, 64).with_mask(Mask::CAUSAL);
+        let bad_tau = ForwardOptions {
+            rescale: RescalePolicy::Threshold(20.0),
+            ..opts
+        };
+        assert!(prepare(&desc, lens_of(&desc), Dtype::F16, &bad_tau).is_err());
+        assert!(prepare(&desc, lens_of(&desc), Dtype::Bf16, &bad_tau).is_ok());
+    }
+
+    #[test]
+    fn empty_problem_has_no_launch() {
+        let desc = ProblemDesc::new(1, 0, 5, 2, 2, 64);
+        let p = prepare(&desc, lens_of(&desc), Dtype::Bf16, &ForwardOptions::default())
+            .expect("valid");
+        assert!(p.launch.is_none());
+    }
+}
