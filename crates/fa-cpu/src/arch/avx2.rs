@@ -1,0 +1,133 @@
+//! AVX2 + FMA + F16C: 8 f32 lanes, 16 registers.
+
+use super::Simd;
+use std::arch::x86_64::*;
+
+/// The AVX2 vector of eight f32 lanes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx2;
+
+// SAFETY: every method uses AVX/AVX2/FMA/F16C intrinsics only; the trait's contract makes the
+// caller run them on a CPU that has those features, from code compiled for them.
+unsafe impl Simd for Avx2 {
+    type V = __m256;
+    const W: usize = 8;
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m256 {
+        // SAFETY: 8 readable f32 at p (trait contract).
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m256) {
+        // SAFETY: 8 writable f32 at p (trait contract).
+        unsafe { _mm256_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_add_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn div(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_div_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+        // SAFETY: FMA present (trait contract).
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX present (trait contract). vmaxps returns the second operand when
+        // either is NaN: a > b ? a : b.
+        unsafe { _mm256_max_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn min(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_min_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn abs(a: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_andnot_ps(_mm256_set1_ps(-0.0), a) }
+    }
+    #[inline(always)]
+    unsafe fn round(a: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(a) }
+    }
+    #[inline(always)]
+    unsafe fn floor(a: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a) }
+    }
+    #[inline(always)]
+    unsafe fn add_exponent(p: __m256, n: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe {
+            let shifted = _mm256_slli_epi32::<23>(_mm256_cvtps_epi32(n));
+            _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), shifted))
+        }
+    }
+    #[inline(always)]
+    unsafe fn select_lt(a: __m256, b: __m256, t: __m256, f: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_blendv_ps(f, t, _mm256_cmp_ps::<_CMP_LT_OQ>(a, b)) }
+    }
+    #[inline(always)]
+    unsafe fn select_nan(x: __m256, t: __m256, f: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_blendv_ps(f, t, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x)) }
+    }
+    #[inline(always)]
+    unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 ≤ n: 8 readable u16 and 8 writable f32 (caller's contract);
+            // F16C present (trait contract).
+            unsafe {
+                let h = _mm_loadu_si128(src.add(i) as *const __m128i);
+                _mm256_storeu_ps(dst.add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+        for j in i..n {
+            // SAFETY: j < n (caller's contract).
+            unsafe { *dst.add(j) = half::f16::from_bits(*src.add(j)).to_f32() };
+        }
+    }
+}
+
+super::arch_entry!(
+    Avx2,
+    ["avx2", "fma", "f16c"],
+    crate::kernel::Tiling {
+        rows: 96,
+        keys: 64,
+        lanes: 8,
+        row_vectors: 3,
+        qk_keys: 4,
+        pv_channels: 4,
+    },
+    4,
+    3,
+    4
+);

@@ -1,0 +1,138 @@
+//! AVX-512F: 16 f32 lanes, 32 registers.
+
+use super::Simd;
+use std::arch::x86_64::*;
+
+/// The AVX-512 vector of sixteen f32 lanes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx512;
+
+// SAFETY: every method uses AVX-512F intrinsics only; the trait's contract makes the caller
+// run them on a CPU that has AVX-512F, from code compiled for it.
+unsafe impl Simd for Avx512 {
+    type V = __m512;
+    const W: usize = 16;
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m512 {
+        // SAFETY: 16 readable f32 at p (trait contract).
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m512) {
+        // SAFETY: 16 writable f32 at p (trait contract).
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn div(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_div_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract). Spelled as a compare and blend so that
+        // the NaN rule is a > b ? a : b, like the other architectures.
+        unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b), b, a) }
+    }
+    #[inline(always)]
+    unsafe fn min(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b), b, a) }
+    }
+    #[inline(always)]
+    unsafe fn abs(a: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe {
+            _mm512_castsi512_ps(_mm512_and_si512(
+                _mm512_castps_si512(a),
+                _mm512_set1_epi32(0x7fff_ffff),
+            ))
+        }
+    }
+    #[inline(always)]
+    unsafe fn round(a: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(a) }
+    }
+    #[inline(always)]
+    unsafe fn floor(a: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a) }
+    }
+    #[inline(always)]
+    unsafe fn add_exponent(p: __m512, n: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe {
+            let shifted = _mm512_slli_epi32::<23>(_mm512_cvtps_epi32(n));
+            _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), shifted))
+        }
+    }
+    #[inline(always)]
+    unsafe fn select_lt(a: __m512, b: __m512, t: __m512, f: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b), f, t) }
+    }
+    #[inline(always)]
+    unsafe fn select_nan(x: __m512, t: __m512, f: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x), f, t) }
+    }
+    #[inline(always)]
+    unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 ≤ n: 16 readable u16 and 16 writable f32 (caller's contract);
+            // AVX-512F present (trait contract).
+            unsafe {
+                let h = _mm256_loadu_si256(src.add(i) as *const __m256i);
+                _mm512_storeu_ps(dst.add(i), _mm512_cvtph_ps(h));
+            }
+            i += 16;
+        }
+        for j in i..n {
+            // SAFETY: j < n (caller's contract).
+            unsafe { *dst.add(j) = half::f16::from_bits(*src.add(j)).to_f32() };
+        }
+    }
+}
+
+super::arch_entry!(
+    Avx512,
+    ["avx512f", "avx2", "fma", "f16c"],
+    crate::kernel::Tiling {
+        rows: 96,
+        keys: 64,
+        lanes: 16,
+        row_vectors: 3,
+        qk_keys: 8,
+        pv_channels: 8,
+    },
+    8,
+    3,
+    8
+);

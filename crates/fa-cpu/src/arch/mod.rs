@@ -1,0 +1,349 @@
+//! The one SIMD dispatch point: a small vector trait ([`Simd`]) implemented for AVX-512F,
+//! AVX2+FMA and a portable scalar fallback, the run-time detection (done once, cached), and
+//! the element-wise functions written once on top of the trait (`exp2`, `tanh`).
+//!
+//! Kernels in [`crate::kernel`] are generic over [`Simd`] and marked `#[inline(always)]`; each
+//! architecture module has one `#[target_feature]` entry point that instantiates them, so the
+//! whole tile loop is compiled with that architecture's instructions.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+pub(crate) mod scalar;
+
+#[cfg(test)]
+mod tests;
+
+/// The instruction set a call runs on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum SimdLevel {
+    /// The best the CPU supports (detected once per process).
+    #[default]
+    Auto,
+    /// AVX-512F (16 f32 lanes, 32 registers).
+    Avx512f,
+    /// AVX2 with FMA and F16C (8 f32 lanes, 16 registers).
+    Avx2Fma,
+    /// Portable code (no intrinsics; the compiler may still auto-vectorise it).
+    Scalar,
+}
+
+impl SimdLevel {
+    /// The name [`crate::simd_level`] reports: `"avx512f"`, `"avx2+fma"` or `"scalar"`
+    /// (`"auto"` for [`SimdLevel::Auto`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Auto => "auto",
+            SimdLevel::Avx512f => "avx512f",
+            SimdLevel::Avx2Fma => "avx2+fma",
+            SimdLevel::Scalar => "scalar",
+        }
+    }
+
+    /// Whether this CPU can run the level (`Auto` and `Scalar` always can).
+    pub fn is_available(self) -> bool {
+        match self {
+            SimdLevel::Auto | SimdLevel::Scalar => true,
+            SimdLevel::Avx2Fma => detect_avx2(),
+            SimdLevel::Avx512f => detect_avx512(),
+        }
+    }
+
+    /// `Auto` resolved to the detected level; other levels unchanged.
+    pub fn resolve(self) -> SimdLevel {
+        match self {
+            SimdLevel::Auto => detected(),
+            other => other,
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+#[cfg(not(target_arch = "x86_64"))]
+fn detect_avx2() -> bool {
+    false
+}
+#[cfg(target_arch = "x86_64")]
+fn detect_avx512() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f") && detect_avx2()
+}
+#[cfg(not(target_arch = "x86_64"))]
+fn detect_avx512() -> bool {
+    false
+}
+
+/// 0: not detected yet; otherwise 1 + the level's index.
+static DETECTED: AtomicU8 = AtomicU8::new(0);
+
+/// The best level this CPU supports, detected on first use and cached.
+pub(crate) fn detected() -> SimdLevel {
+    match DETECTED.load(Ordering::Relaxed) {
+        1 => SimdLevel::Avx512f,
+        2 => SimdLevel::Avx2Fma,
+        3 => SimdLevel::Scalar,
+        _ => {
+            let level = if detect_avx512() {
+                SimdLevel::Avx512f
+            } else if detect_avx2() {
+                SimdLevel::Avx2Fma
+            } else {
+                SimdLevel::Scalar
+            };
+            let code = match level {
+                SimdLevel::Avx512f => 1,
+                SimdLevel::Avx2Fma => 2,
+                _ => 3,
+            };
+            DETECTED.store(code, Ordering::Relaxed);
+            level
+        }
+    }
+}
+
+/// A vector of `W` f32 lanes and the operations the kernels need.
+///
+/// # Safety
+/// Every method may use instructions of its architecture: call them only from code compiled
+/// for that architecture (inside its `#[target_feature]` entry point) after detection said
+/// the CPU has it. Pointer arguments must be valid for `W` consecutive f32 (loads/stores).
+pub(crate) unsafe trait Simd: Copy + 'static {
+    /// The vector type.
+    type V: Copy;
+    /// Lanes per vector.
+    const W: usize;
+    /// All lanes `x`.
+    unsafe fn splat(x: f32) -> Self::V;
+    /// Loads `W` f32 from `p` (no alignment needed).
+    unsafe fn load(p: *const f32) -> Self::V;
+    /// Stores `W` f32 to `p` (no alignment needed).
+    unsafe fn store(p: *mut f32, v: Self::V);
+    /// `a + b`.
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    /// `a − b`.
+    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
+    /// `a · b`.
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    /// `a / b`.
+    unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
+    /// `a·b + c` (fused where the architecture has FMA, else two roundings).
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// `if a > b { a } else { b }` per lane (so a NaN in `a` yields `b`: NaN never wins).
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
+    /// `if a < b { a } else { b }` per lane.
+    unsafe fn min(a: Self::V, b: Self::V) -> Self::V;
+    /// `|a|`.
+    unsafe fn abs(a: Self::V) -> Self::V;
+    /// Round to nearest, ties to even.
+    unsafe fn round(a: Self::V) -> Self::V;
+    /// Round down.
+    unsafe fn floor(a: Self::V) -> Self::V;
+    /// `p · 2^n` by adding the integer `n` (an integral float in `[−126, 128]`) into the
+    /// exponent field of `p` (the caller keeps the result's exponent field in `[1, 254]`).
+    unsafe fn add_exponent(p: Self::V, n: Self::V) -> Self::V;
+    /// `if a < b { t } else { f }` per lane.
+    unsafe fn select_lt(a: Self::V, b: Self::V, t: Self::V, f: Self::V) -> Self::V;
+    /// `if x is NaN { t } else { f }` per lane.
+    unsafe fn select_nan(x: Self::V, t: Self::V, f: Self::V) -> Self::V;
+    /// Widens `n` f16 values (bit patterns) at `src` to f32 at `dst`.
+    unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize);
+}
+
+/// Cephes' `exp2f` polynomial on `[−½, ½]`: `2^f ≈ 1 + f·P(f)`, `P` of degree 5.
+const EXP2_EXACT: [f32; 6] = [
+    1.535_336_2e-4,
+    1.339_887_4e-3,
+    9.618_437e-3,
+    5.550_332_5e-2,
+    2.402_264_8e-1,
+    6.931_472e-1,
+];
+
+/// Results below `2^EXP2_MIN` are flushed to 0 by both exponentials.
+const EXP2_MIN: f32 = -125.0;
+/// Inputs at or above this give `+∞`.
+const EXP2_MAX: f32 = 128.0;
+
+/// Accurate `2^x` per lane: round-to-nearest range reduction and Cephes' degree-6 polynomial,
+/// relative error below 3e-7 (about 2.5 ulp; measured in the tests) for `x ∈ [−125, 128)`.
+/// Special values: NaN → NaN, `x ≥ 128` → `+∞`, `x < −125` (and `−∞`) → 0.
+#[inline(always)]
+pub(crate) unsafe fn exp2_exact<S: Simd>(x: S::V) -> S::V {
+    // SAFETY: the caller runs on S's architecture (trait contract).
+    unsafe {
+        let lo = S::splat(EXP2_MIN);
+        let hi = S::splat(EXP2_MAX);
+        let xc = S::min(S::max(x, lo), hi);
+        let n = S::round(xc);
+        let f = S::sub(xc, n);
+        let mut p = S::splat(EXP2_EXACT[0]);
+        for &c in &EXP2_EXACT[1..] {
+            p = S::fma(p, f, S::splat(c));
+        }
+        let p = S::fma(p, f, S::splat(1.0));
+        let r = S::add_exponent(p, n);
+        finish_exp2::<S>(x, r, lo, hi)
+    }
+}
+
+/// FlashAttention-4's cubic `2^x` per lane, the polynomial [`softmax_core::EXP2_CUBIC`]
+/// evaluated in the same order as [`softmax_core::exp2_cubic`] (fused multiply-adds where the
+/// architecture has them), same special values.
+#[inline(always)]
+pub(crate) unsafe fn exp2_cubic<S: Simd>(x: S::V) -> S::V {
+    // SAFETY: the caller runs on S's architecture (trait contract).
+    unsafe {
+        let lo = S::splat(EXP2_MIN);
+        let hi = S::splat(EXP2_MAX);
+        let xc = S::min(S::max(x, lo), hi);
+        let whole = S::floor(xc);
+        let frac = S::sub(xc, whole);
+        let [c0, c1, c2, c3] = softmax_core::EXP2_CUBIC;
+        let p = S::fma(S::splat(c3), frac, S::splat(c2));
+        let p = S::fma(p, frac, S::splat(c1));
+        let p = S::fma(p, frac, S::splat(c0));
+        let r = S::add_exponent(p, whole);
+        finish_exp2::<S>(x, r, lo, hi)
+    }
+}
+
+/// The special values shared by both exponentials.
+#[inline(always)]
+unsafe fn finish_exp2<S: Simd>(x: S::V, r: S::V, lo: S::V, hi: S::V) -> S::V {
+    // SAFETY: the caller runs on S's architecture (trait contract).
+    unsafe {
+        let r = S::select_lt(x, lo, S::splat(0.0), r);
+        let r = S::select_lt(x, hi, r, S::splat(f32::INFINITY));
+        S::select_nan(x, x, r)
+    }
+}
+
+/// `tanh(y)` per lane as `1 − 2/(e^{2|y|} + 1)` with the sign of `y`: absolute error below
+/// 1e-6 (what a softcap needs; measured in the tests). NaN → NaN.
+#[inline(always)]
+pub(crate) unsafe fn tanh<S: Simd>(y: S::V) -> S::V {
+    // SAFETY: the caller runs on S's architecture (trait contract).
+    unsafe {
+        let a = S::min(S::abs(y), S::splat(9.0));
+        let e = exp2_exact::<S>(S::mul(a, S::splat(2.0 * std::f32::consts::LOG2_E)));
+        let one = S::splat(1.0);
+        let t = S::sub(one, S::div(S::splat(2.0), S::add(e, one)));
+        let signed = S::select_lt(y, S::splat(0.0), S::sub(S::splat(0.0), t), t);
+        S::select_nan(y, y, signed)
+    }
+}
+
+/// Generates an architecture's entry points: `TILING` and `run_task` (and, for the tests,
+/// slice-level wrappers of the kernels), all compiled with the architecture's features.
+macro_rules! arch_entry {
+    ($simd:ty, [$($feature:literal),*], $tiling:expr, $qmr:literal, $nr:literal, $vmr:literal) => {
+        /// Tile sizes of this architecture.
+        pub(crate) const TILING: crate::kernel::Tiling = $tiling;
+
+        /// Runs one task of the forward pass with this architecture's kernels.
+        ///
+        /// # Safety
+        /// The CPU must have this architecture's features (checked by the dispatch).
+        $(#[target_feature(enable = $feature)])*
+        pub(crate) unsafe fn run_task<T: crate::Element, O: crate::Element>(
+            ctx: &crate::kernel::Ctx<'_, T, O>,
+            task: &crate::kernel::Task,
+            scratch: &mut crate::kernel::Scratch,
+        ) -> crate::kernel::TaskStats {
+            // SAFETY: features present (caller); the constants are this module's tiling.
+            unsafe { crate::kernel::run_task::<$simd, T, O, $qmr, $nr, $vmr>(ctx, task, scratch) }
+        }
+
+        /// Slice-level wrappers of the kernels, for the twin tests.
+        #[cfg(test)]
+        pub(crate) mod twin {
+            use super::*;
+            use crate::arch::Simd;
+
+            /// `Sᵀ = K·Qᵀ` over a whole tile (`nk` a multiple of the micro-kernel's keys,
+            /// `rows` a multiple of its rows).
+            ///
+            /// # Safety
+            /// Features present; slices large enough (the test sizes them).
+            $(#[target_feature(enable = $feature)])*
+            pub(crate) unsafe fn qk(qt: &[f32], k: &[f32], d: usize, rows: usize, nk: usize, st: &mut [f32]) {
+                assert!(qt.len() >= d * rows && k.len() >= nk * d && st.len() >= nk * rows);
+                assert!(rows % ($nr * <$simd as Simd>::W) == 0 && nk % $qmr == 0);
+                for rv0 in (0..rows).step_by($nr * <$simd as Simd>::W) {
+                    for j in (0..nk).step_by($qmr) {
+                        // SAFETY: bounds asserted above.
+                        unsafe {
+                            crate::kernel::qk_micro::<$simd, $qmr, $nr>(
+                                qt.as_ptr().add(rv0), rows, k.as_ptr().add(j * d), d, d,
+                                st.as_mut_ptr().add(j * rows + rv0), rows,
+                            )
+                        }
+                    }
+                }
+            }
+
+            /// `Oᵀ = Oᵀ·corr + Vᵀ·Pᵀ` over a whole tile.
+            ///
+            /// # Safety
+            /// Features present; slices large enough.
+            $(#[target_feature(enable = $feature)])*
+            pub(crate) unsafe fn pv(pt: &[f32], v: &[f32], dv: usize, rows: usize, nk: usize, ot: &mut [f32], corr: Option<&[f32]>) {
+                assert!(pt.len() >= nk * rows && v.len() >= nk * dv && ot.len() >= dv * rows);
+                assert!(rows % ($nr * <$simd as Simd>::W) == 0 && dv % $vmr == 0);
+                for rv0 in (0..rows).step_by($nr * <$simd as Simd>::W) {
+                    let c = corr.map_or(std::ptr::null(), |c| c[rv0..].as_ptr());
+                    for c0 in (0..dv).step_by($vmr) {
+                        // SAFETY: bounds asserted above.
+                        unsafe {
+                            crate::kernel::pv_micro::<$simd, $vmr, $nr>(
+                                pt.as_ptr().add(rv0), rows, v.as_ptr().add(c0), dv, nk,
+                                ot.as_mut_ptr().add(c0 * rows + rv0), rows, c,
+                            )
+                        }
+                    }
+                }
+            }
+
+            /// `exp2` over a slice (length a multiple of W).
+            ///
+            /// # Safety
+            /// Features present.
+            $(#[target_feature(enable = $feature)])*
+            pub(crate) unsafe fn exp2(x: &mut [f32], imp: crate::Exp2Impl) {
+                assert!(x.len() % <$simd as Simd>::W == 0);
+                // SAFETY: length asserted.
+                unsafe { crate::kernel::exp2_slice::<$simd>(x.as_mut_ptr(), x.len(), imp) }
+            }
+
+            /// `post·tanh` over a slice (length a multiple of W).
+            ///
+            /// # Safety
+            /// Features present.
+            $(#[target_feature(enable = $feature)])*
+            pub(crate) unsafe fn softcap(x: &mut [f32], post: f32) {
+                assert!(x.len() % <$simd as Simd>::W == 0);
+                // SAFETY: length asserted.
+                unsafe { crate::kernel::softcap_slice::<$simd>(x.as_mut_ptr(), x.len(), post) }
+            }
+
+            /// Widens f16 bit patterns.
+            ///
+            /// # Safety
+            /// Features present.
+            $(#[target_feature(enable = $feature)])*
+            pub(crate) unsafe fn widen_f16(src: &[u16], dst: &mut [f32]) {
+                let n = src.len().min(dst.len());
+                // SAFETY: n elements on both sides.
+                unsafe { <$simd as Simd>::widen_f16(src.as_ptr(), dst.as_mut_ptr(), n) }
+            }
+        }
+    };
+}
+pub(crate) use arch_entry;

@@ -1,0 +1,197 @@
+//! The forward pass: validation, the task list, the thread pool, the dispatch.
+
+use crate::arch::{self, SimdLevel};
+use crate::kernel::{self, Ctx, Scratch, SharedOut, Task, TaskStats, Tiling};
+use crate::{Element, ForwardOptions, ForwardStats};
+use rayon::prelude::*;
+use softmax_core::{BufferLens, Problem, ProblemDesc, ProblemError};
+use std::sync::Mutex;
+
+/// Reusable scratch and thread pool for [`crate::forward_with_workspace`]: per-thread tile
+/// buffers (sized by the problem's head dims and the tiling, never by the sequence length)
+/// and, when [`ForwardOptions::threads`] is set, a local rayon pool of that size.
+#[derive(Debug, Default)]
+pub struct Workspace {
+    slots: Vec<Mutex<Scratch>>,
+    pool: Option<(usize, rayon::ThreadPool)>,
+}
+
+impl Workspace {
+    /// An empty workspace; buffers grow on the first call that needs them.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Bytes of scratch currently held (all threads).
+    pub fn scratch_bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .map(|s| s.lock().map_or(0, |s| s.bytes()))
+            .sum()
+    }
+
+    fn ensure_slots(&mut self, n: usize) {
+        while self.slots.len() < n {
+            self.slots.push(Mutex::new(Scratch::default()));
+        }
+    }
+}
+
+/// Bytes of scratch one worker thread needs for a problem of these head dims at a SIMD
+/// level (the scratch-size companion of [`Workspace`]): independent of sequence length and
+/// batch, so the total is this times the thread count.
+pub fn scratch_bytes_per_thread(head_dim: usize, head_dim_v: usize, level: SimdLevel) -> usize {
+    4 * kernel::scratch_elems(&tiling(level.resolve()), head_dim, head_dim_v, true)
+}
+
+fn tiling(level: SimdLevel) -> Tiling {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512f => arch::avx512::TILING,
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2Fma => arch::avx2::TILING,
+        _ => arch::scalar::TILING,
+    }
+}
+
+/// The tasks of a problem: (sequence, KV head, group of query heads, query block), in an
+/// order that depends only on the problem and the tiling (never on the thread count).
+fn tasks(p: &Problem, tiling: &Tiling) -> Vec<Task> {
+    let group = p.group_size();
+    let heads_per_task = group.min(tiling.rows);
+    let block = (tiling.rows / heads_per_task).max(1);
+    let mut out = Vec::new();
+    for batch in 0..p.batch() {
+        let seq = p.seq(batch);
+        for head_kv in 0..p.heads_kv() {
+            for head0 in (head_kv * group..(head_kv + 1) * group).step_by(heads_per_task) {
+                let heads = heads_per_task.min((head_kv + 1) * group - head0);
+                for i0 in (0..seq.seqlen_q).step_by(block) {
+                    out.push(Task {
+                        batch,
+                        head_kv,
+                        head0,
+                        heads,
+                        i0,
+                        len: block.min(seq.seqlen_q - i0),
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// [`crate::forward`] with caller-owned scratch and pool (reused across calls).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_with_workspace<T: Element, O: Element>(
+    desc: &ProblemDesc,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &mut [O],
+    lse: Option<&mut [f32]>,
+    opts: &ForwardOptions,
+    ws: &mut Workspace,
+) -> Result<ForwardStats, ProblemError> {
+    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
+    problem.check_buffers(BufferLens {
+        q: q.len(),
+        k: k.len(),
+        v: v.len(),
+        o: out.len(),
+        lse: lse.as_ref().map(|l| l.len()),
+    })?;
+    if let softmax_core::RescalePolicy::Threshold(tau) = opts.rescale {
+        // exp2(x − m) ≤ 2^τ must stay finite in f32.
+        if !(tau.is_finite() && (0.0..=64.0).contains(&tau)) {
+            return Err(ProblemError::Unsupported {
+                what: "rescale threshold outside 0..=64",
+            });
+        }
+    }
+    let level = opts.simd.resolve();
+    if !level.is_available() {
+        return Err(ProblemError::Unsupported {
+            what: "the requested SIMD level is not available on this CPU",
+        });
+    }
+    let threads = match opts.threads {
+        Some(0) => return Err(ProblemError::ZeroDim { what: "threads" }),
+        other => other,
+    };
+    let tiling = tiling(level);
+    let task_list = tasks(&problem, &tiling);
+    let ctx = Ctx {
+        problem: &problem,
+        q,
+        k,
+        v,
+        out: SharedOut::new(out),
+        lse: lse.map(SharedOut::new),
+        policy: opts.rescale,
+        exp2: opts.exp2,
+        hook: opts.probability_hook,
+        tiling,
+    };
+
+    if let Some(n) = threads {
+        if ws.pool.as_ref().is_none_or(|(m, _)| *m != n) {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .map_err(|_| ProblemError::Unsupported {
+                    what: "could not start the worker threads",
+                })?;
+            ws.pool = Some((n, pool));
+        }
+    }
+    let slots = match (&ws.pool, threads) {
+        (Some((n, _)), Some(_)) => *n,
+        _ => rayon::current_num_threads(),
+    };
+    ws.ensure_slots(slots.max(1));
+    let slots = &ws.slots;
+
+    let run = || -> TaskStats {
+        task_list
+            .par_iter()
+            .map(|task| {
+                let slot = rayon::current_thread_index().unwrap_or(0) % slots.len();
+                let mut guard = match slots[slot].lock() {
+                    Ok(g) => g,
+                    Err(poisoned) => poisoned.into_inner(),
+                };
+                run_task(level, &ctx, task, &mut guard)
+            })
+            .reduce(TaskStats::default, TaskStats::add)
+    };
+    let stats = match (&ws.pool, threads) {
+        (Some((_, pool)), Some(_)) => pool.install(run),
+        _ => run(),
+    };
+    Ok(ForwardStats {
+        rescale: stats.rescale,
+        tiles_computed: stats.computed,
+        tiles_skipped: stats.skipped,
+    })
+}
+
+/// The one dispatch point.
+fn run_task<T: Element, O: Element>(
+    level: SimdLevel,
+    ctx: &Ctx<'_, T, O>,
+    task: &Task,
+    scratch: &mut Scratch,
+) -> TaskStats {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level was checked available before any task ran.
+        SimdLevel::Avx512f => unsafe { arch::avx512::run_task(ctx, task, scratch) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        SimdLevel::Avx2Fma => unsafe { arch::avx2::run_task(ctx, task, scratch) },
+        // SAFETY: the scalar path needs no CPU feature.
+        _ => unsafe { arch::scalar::run_task(ctx, task, scratch) },
+    }
+}

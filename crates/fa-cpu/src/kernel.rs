@@ -1,0 +1,616 @@
+//! The tiled forward kernel, written once over [`Simd`] and instantiated per architecture.
+//!
+//! # Layout: query rows along the vector lanes
+//! A task owns a block of query rows (the rows of every query head of one GQA group, for a
+//! range of query positions) and keeps them **transposed**: `Qᵀ[c][r]` (`head_dim × rows`),
+//! the score tile `Sᵀ[j][r]` (`keys × rows`) and the accumulator `Oᵀ[c][r]`. Then
+//! - `Sᵀ = K·Qᵀ` is a GEMM micro-kernel that broadcasts `K[j][c]` (K in its natural
+//!   row-major layout: packing a K tile is a plain copy, no transposition) against vectors of
+//!   `Qᵀ[c][r..r+W]`, `MR × NR` accumulators in registers;
+//! - the online softmax runs down the key axis with one row per lane: row maxima and sums are
+//!   vertical `max`/`add` of vectors (no horizontal reductions), `exp2` is vectorised;
+//! - `Oᵀ += Vᵀ·Pᵀ` broadcasts `V[j][c]` (natural layout again) against vectors of `Pᵀ[j][r..]`,
+//!   and the accumulator correction of the online softmax is folded into the load of `Oᵀ`.
+//!
+//! Q is transposed once per task and O once at the end; K and V tiles are copied (and widened
+//! from bf16/f16) once per key tile for all the query heads of the group.
+
+use crate::arch::{exp2_cubic, exp2_exact, tanh, Simd};
+use crate::element::{sealed, Element};
+use crate::Exp2Impl;
+use softmax_core::{Problem, RescalePolicy, RescaleStats, RowState, TileKind};
+
+/// Tile sizes of one architecture (all in elements).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Tiling {
+    /// Largest number of query rows (heads × positions) in a task: a multiple of `W·NR`.
+    pub rows: usize,
+    /// Keys per key tile (`Bc`): a multiple of the QKᵀ micro-kernel's `MR`.
+    pub keys: usize,
+    /// Lanes per vector.
+    pub lanes: usize,
+    /// Row vectors per micro-kernel (`NR`): rows are padded to a multiple of `lanes·NR`.
+    pub row_vectors: usize,
+    /// Keys per QKᵀ micro-kernel (`MR`).
+    pub qk_keys: usize,
+    /// Channels per PV micro-kernel (`MR`): `head_dim_v` is padded to a multiple of it.
+    pub pv_channels: usize,
+}
+
+impl Tiling {
+    /// Rows padded for the micro-kernels.
+    pub fn padded_rows(&self, rows: usize) -> usize {
+        rows.div_ceil(self.lanes * self.row_vectors) * self.lanes * self.row_vectors
+    }
+}
+
+/// One unit of parallel work: query heads `head0..head0+heads` (all reading KV head `head_kv`)
+/// × query positions `i0..i0+len` of sequence `batch`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Task {
+    /// Sequence.
+    pub batch: usize,
+    /// KV head shared by the task's query heads.
+    pub head_kv: usize,
+    /// First query head.
+    pub head0: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// First query position (within the sequence).
+    pub i0: usize,
+    /// Query positions.
+    pub len: usize,
+}
+
+/// What one task counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct TaskStats {
+    /// Rescale decisions over all rows and key tiles.
+    pub rescale: RescaleStats,
+    /// Key tiles computed.
+    pub computed: u64,
+    /// Key tiles skipped by the mask.
+    pub skipped: u64,
+}
+
+impl TaskStats {
+    /// Adds another task's counts.
+    pub fn add(mut self, other: TaskStats) -> TaskStats {
+        self.rescale.add(&other.rescale);
+        self.computed += other.computed;
+        self.skipped += other.skipped;
+        self
+    }
+}
+
+/// A pointer to an output buffer shared by the tasks, each writing its own elements.
+#[derive(Debug)]
+pub(crate) struct SharedOut<E> {
+    ptr: *mut E,
+    len: usize,
+}
+
+impl<E> Clone for SharedOut<E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<E> Copy for SharedOut<E> {}
+
+// SAFETY: tasks write disjoint elements (each (sequence, head, query) row belongs to exactly
+// one task, and validation rejects output strides under which two rows overlap), and the
+// buffer outlives the parallel region (it is borrowed mutably by `forward` for its whole run).
+unsafe impl<E: Send> Send for SharedOut<E> {}
+// SAFETY: as for Send: concurrent writes never touch the same element.
+unsafe impl<E: Send> Sync for SharedOut<E> {}
+
+impl<E> SharedOut<E> {
+    /// Wraps a buffer that outlives every use of the result.
+    pub fn new(buf: &mut [E]) -> Self {
+        SharedOut {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        }
+    }
+
+    /// Writes `value` at `index` (ignored out of bounds, which validation rules out).
+    #[inline(always)]
+    fn write(&self, index: usize, value: E) {
+        if index < self.len {
+            // SAFETY: in bounds (checked); no other task writes this element (see Send).
+            unsafe { self.ptr.add(index).write(value) };
+        }
+    }
+}
+
+/// Everything a task reads, shared by all tasks of a call.
+pub(crate) struct Ctx<'a, T, O> {
+    pub problem: &'a Problem<'a>,
+    pub q: &'a [T],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub out: SharedOut<O>,
+    pub lse: Option<SharedOut<f32>>,
+    pub policy: RescalePolicy<f32>,
+    pub exp2: Exp2Impl,
+    pub hook: Option<&'a (dyn Fn(&mut [f32]) + Sync)>,
+    pub tiling: Tiling,
+}
+
+/// Per-thread scratch, grown on demand and reused across tasks and calls.
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    qt: Vec<f32>,
+    ot: Vec<f32>,
+    st: Vec<f32>,
+    kt: Vec<f32>,
+    vt: Vec<f32>,
+    row: Vec<f32>,
+    probs: Vec<f32>,
+    corr: Vec<f32>,
+    states: Vec<RowState<f32>>,
+}
+
+/// f32 elements a task's scratch needs (the companion of [`crate::Workspace`]).
+pub(crate) fn scratch_elems(
+    tiling: &Tiling,
+    head_dim: usize,
+    head_dim_v: usize,
+    hook: bool,
+) -> usize {
+    let rows = tiling.rows;
+    let dv_pad = head_dim_v.div_ceil(tiling.pv_channels) * tiling.pv_channels;
+    head_dim * rows
+        + dv_pad * rows
+        + tiling.keys * rows
+        + tiling.keys * head_dim
+        + tiling.keys * dv_pad
+        + head_dim.max(head_dim_v)
+        + if hook { tiling.keys * rows } else { 0 }
+        + rows * 3
+}
+
+impl Scratch {
+    /// Bytes currently held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.qt.capacity()
+            + self.ot.capacity()
+            + self.st.capacity()
+            + self.kt.capacity()
+            + self.vt.capacity()
+            + self.row.capacity()
+            + self.probs.capacity()
+            + self.corr.capacity())
+            + self.states.capacity() * std::mem::size_of::<RowState<f32>>()
+    }
+}
+
+/// Grows `buf` to at least `len` elements (never shrinks) and returns the first `len`.
+fn ensure<E: Copy>(buf: &mut Vec<E>, len: usize, fill: E) -> &mut [E] {
+    if buf.len() < len {
+        buf.resize(len, fill);
+    }
+    &mut buf[..len]
+}
+
+/// Widens `n` elements of `src` starting at `offset` into `dst[..n]`.
+#[inline(always)]
+unsafe fn widen<S: Simd, T: Element>(src: &[T], offset: usize, n: usize, dst: &mut [f32]) {
+    let dst = &mut dst[..n];
+    match <T as sealed::Sealed>::view(src) {
+        sealed::Slice::F32(s) => dst.copy_from_slice(&s[offset..offset + n]),
+        sealed::Slice::Bf16(s) => {
+            for (d, x) in dst.iter_mut().zip(&s[offset..offset + n]) {
+                *d = f32::from_bits((x.to_bits() as u32) << 16);
+            }
+        }
+        sealed::Slice::F16(s) => {
+            let s = &s[offset..offset + n];
+            // SAFETY: f16 is a transparent u16; `s` and `dst` both hold n elements; the caller
+            // runs on S's architecture.
+            unsafe { S::widen_f16(s.as_ptr() as *const u16, dst.as_mut_ptr(), n) }
+        }
+    }
+}
+
+/// `Sᵀ[j][r] = Σ_c K[j][c]·Qᵀ[c][r]` for `MR` keys × `NR·W` rows.
+///
+/// # Safety
+/// `qt` readable for `d` rows of stride `qt_stride` and `NR·W` columns; `k` readable for `MR`
+/// rows of stride `k_stride` and `d` columns; `st` writable for `MR` rows of stride
+/// `st_stride` and `NR·W` columns; S's architecture available.
+#[inline(always)]
+pub(crate) unsafe fn qk_micro<S: Simd, const MR: usize, const NR: usize>(
+    qt: *const f32,
+    qt_stride: usize,
+    k: *const f32,
+    k_stride: usize,
+    d: usize,
+    st: *mut f32,
+    st_stride: usize,
+) {
+    // SAFETY: the bounds are the caller's contract.
+    unsafe {
+        let mut acc = [[S::splat(0.0); NR]; MR];
+        for c in 0..d {
+            let mut qv = [S::splat(0.0); NR];
+            for (n, v) in qv.iter_mut().enumerate() {
+                *v = S::load(qt.add(c * qt_stride + n * S::W));
+            }
+            for (m, row) in acc.iter_mut().enumerate() {
+                let kb = S::splat(*k.add(m * k_stride + c));
+                for (a, &v) in row.iter_mut().zip(&qv) {
+                    *a = S::fma(kb, v, *a);
+                }
+            }
+        }
+        for (m, row) in acc.iter().enumerate() {
+            for (n, &a) in row.iter().enumerate() {
+                S::store(st.add(m * st_stride + n * S::W), a);
+            }
+        }
+    }
+}
+
+/// `Oᵀ[c][r] = Oᵀ[c][r]·corr[r] + Σ_j V[j][c]·Pᵀ[j][r]` for `MR` channels × `NR·W` rows and
+/// `nk` keys (`corr` null: no correction).
+///
+/// # Safety
+/// `pt` readable for `nk` rows of stride `pt_stride` and `NR·W` columns; `v` readable for `nk`
+/// rows of stride `v_stride` and `MR` columns; `ot` read/writable for `MR` rows of stride
+/// `ot_stride` and `NR·W` columns; `corr` null or readable for `NR·W`; S available.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn pv_micro<S: Simd, const MR: usize, const NR: usize>(
+    pt: *const f32,
+    pt_stride: usize,
+    v: *const f32,
+    v_stride: usize,
+    nk: usize,
+    ot: *mut f32,
+    ot_stride: usize,
+    corr: *const f32,
+) {
+    // SAFETY: the bounds are the caller's contract.
+    unsafe {
+        let mut acc = [[S::splat(0.0); NR]; MR];
+        for (m, row) in acc.iter_mut().enumerate() {
+            for (n, a) in row.iter_mut().enumerate() {
+                *a = S::load(ot.add(m * ot_stride + n * S::W));
+                if !corr.is_null() {
+                    *a = S::mul(*a, S::load(corr.add(n * S::W)));
+                }
+            }
+        }
+        for j in 0..nk {
+            let mut pv = [S::splat(0.0); NR];
+            for (n, p) in pv.iter_mut().enumerate() {
+                *p = S::load(pt.add(j * pt_stride + n * S::W));
+            }
+            for (m, row) in acc.iter_mut().enumerate() {
+                let vb = S::splat(*v.add(j * v_stride + m));
+                for (a, &p) in row.iter_mut().zip(&pv) {
+                    *a = S::fma(vb, p, *a);
+                }
+            }
+        }
+        for (m, row) in acc.iter().enumerate() {
+            for (n, &a) in row.iter().enumerate() {
+                S::store(ot.add(m * ot_stride + n * S::W), a);
+            }
+        }
+    }
+}
+
+/// Applies `exp2` (exact or cubic) to `n` values (a multiple of `W`) at `x`, in place.
+///
+/// # Safety
+/// `x` read/writable for `n` f32, `n % W == 0`; S available.
+#[inline(always)]
+#[cfg(test)]
+pub(crate) unsafe fn exp2_slice<S: Simd>(x: *mut f32, n: usize, imp: Exp2Impl) {
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + W ≤ n (n is a multiple of W).
+        unsafe {
+            let v = S::load(x.add(i));
+            let e = match imp {
+                Exp2Impl::Exact => exp2_exact::<S>(v),
+                Exp2Impl::Cubic => exp2_cubic::<S>(v),
+            };
+            S::store(x.add(i), e);
+        }
+        i += S::W;
+    }
+}
+
+/// Applies `tanh` to `n` values (a multiple of `W`) at `x`, multiplied by `post`, in place.
+///
+/// # Safety
+/// As [`exp2_slice`].
+#[inline(always)]
+pub(crate) unsafe fn softcap_slice<S: Simd>(x: *mut f32, n: usize, post: f32) {
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + W ≤ n.
+        unsafe {
+            let v = S::load(x.add(i));
+            S::store(x.add(i), S::mul(tanh::<S>(v), S::splat(post)));
+        }
+        i += S::W;
+    }
+}
+
+/// The online-softmax step of one score tile for the row vector at column `rv` of `Sᵀ`:
+/// block maxima, [`RowState::begin_block`], `exp2(x − offset)` in place, row sums,
+/// [`RowState::add_sum`]. Writes each row's accumulator correction into `corr`.
+///
+/// # Safety
+/// `st` read/writable for `nk` rows of stride `st_stride` and `W` columns from `rv`; `states`
+/// and `corr` hold at least `rv + W` entries; S available.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn softmax_rows<S: Simd>(
+    st: *mut f32,
+    st_stride: usize,
+    nk: usize,
+    rv: usize,
+    valid_rows: usize,
+    states: &mut [RowState<f32>],
+    corr: &mut [f32],
+    policy: &RescalePolicy<f32>,
+    stats: &mut RescaleStats,
+    imp: Exp2Impl,
+) {
+    let w = S::W;
+    let mut lanes = [0.0f32; 16];
+    // SAFETY: bounds are the caller's contract; `lanes` holds 16 ≥ W floats.
+    unsafe {
+        let mut mx = S::splat(f32::NEG_INFINITY);
+        for j in 0..nk {
+            mx = S::max(S::load(st.add(j * st_stride + rv)), mx);
+        }
+        S::store(lanes.as_mut_ptr(), mx);
+        for lane in 0..w {
+            let r = rv + lane;
+            if r < valid_rows {
+                let step = states[r].begin_block(lanes[lane], policy, stats);
+                lanes[lane] = step.offset;
+                corr[r] = step.correction;
+            } else {
+                lanes[lane] = 0.0;
+                corr[r] = 1.0;
+            }
+        }
+        let offset = S::load(lanes.as_ptr());
+        let mut sum = S::splat(0.0);
+        for j in 0..nk {
+            let p = st.add(j * st_stride + rv);
+            let x = S::sub(S::load(p), offset);
+            let e = match imp {
+                Exp2Impl::Exact => exp2_exact::<S>(x),
+                Exp2Impl::Cubic => exp2_cubic::<S>(x),
+            };
+            S::store(p, e);
+            sum = S::add(sum, e);
+        }
+        S::store(lanes.as_mut_ptr(), sum);
+        for lane in 0..w {
+            let r = rv + lane;
+            if r < valid_rows {
+                states[r].add_sum(lanes[lane]);
+            }
+        }
+    }
+}
+
+/// Runs one task: packs Qᵀ, streams the key tiles the mask leaves, writes O and the LSE.
+///
+/// # Safety
+/// S's architecture must be available; `T::NR`-style constants must match the tiling
+/// (`QMR == tiling.qk_keys`, `NR == tiling.row_vectors`, `VMR == tiling.pv_channels`,
+/// `S::W == tiling.lanes`); the context's problem validated and buffers checked.
+#[inline(always)]
+pub(crate) unsafe fn run_task<
+    S: Simd,
+    T: Element,
+    O: Element,
+    const QMR: usize,
+    const NR: usize,
+    const VMR: usize,
+>(
+    ctx: &Ctx<'_, T, O>,
+    task: &Task,
+    scratch: &mut Scratch,
+) -> TaskStats {
+    let p = ctx.problem;
+    let tiling = ctx.tiling;
+    let w = S::W;
+    let panel = w * NR;
+    let d = p.head_dim();
+    let dv = p.head_dim_v();
+    let dv_pad = dv.div_ceil(VMR) * VMR;
+    let rows = task.heads * task.len;
+    let br = tiling.padded_rows(rows);
+    let bc = tiling.keys;
+    let seq = p.seq(task.batch);
+    let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
+    let q_rows = task.i0..task.i0 + task.len;
+    let transform = p.score_transform::<f32>();
+    let pre = transform.pre_factor();
+    let post = transform.softcap_post_factor();
+    let mask = p.mask();
+    let mut stats = TaskStats::default();
+
+    let Scratch {
+        qt,
+        ot,
+        st,
+        kt,
+        vt,
+        row,
+        probs,
+        corr,
+        states,
+    } = scratch;
+    let qt = ensure(qt, d * br, 0.0);
+    let ot = ensure(ot, dv_pad * br, 0.0);
+    let st = ensure(st, bc * br, 0.0);
+    let kt = ensure(kt, bc * d, 0.0);
+    let vt = ensure(vt, bc * dv_pad, 0.0);
+    let row = ensure(row, d.max(dv), 0.0);
+    let corr = ensure(corr, br, 1.0);
+    let states = ensure(states, br, RowState::new());
+    qt.fill(0.0);
+    ot.fill(0.0);
+    states.fill(RowState::new());
+
+    // Qᵀ, pre-multiplied by scale·log2(e) (or scale/cap under a softcap).
+    for r in 0..rows {
+        let head = task.head0 + r / task.len;
+        let i = task.i0 + r % task.len;
+        // SAFETY: S available (caller); the offsets are inside the checked buffer.
+        unsafe { widen::<S, T>(ctx.q, p.q_offset(task.batch, i, head), d, row) };
+        for (c, &x) in row[..d].iter().enumerate() {
+            qt[c * br + r] = x * pre;
+        }
+    }
+
+    let total_tiles = sk.div_ceil(bc) as u64;
+    let tiles = mask.key_tile_range(q_rows.clone(), bc, sq, sk);
+    for tile in tiles {
+        let j0 = tile * bc;
+        let nk = bc.min(sk - j0);
+        let kind = mask.classify_tile(q_rows.clone(), j0..j0 + nk, sq, sk);
+        if kind == TileKind::Empty {
+            continue;
+        }
+        stats.computed += 1;
+        let nk_pad = nk.div_ceil(QMR) * QMR;
+        // Pack K (rows j, d contiguous) and V (rows j, dv_pad contiguous) as f32.
+        for j in 0..nk {
+            let ko = p.k_offset(task.batch, j0 + j, task.head_kv);
+            let vo = p.v_offset(task.batch, j0 + j, task.head_kv);
+            // SAFETY: S available; offsets inside the checked buffers.
+            unsafe {
+                widen::<S, T>(ctx.k, ko, d, &mut kt[j * d..]);
+                widen::<S, T>(ctx.v, vo, dv, &mut vt[j * dv_pad..]);
+            }
+            vt[j * dv_pad + dv..(j + 1) * dv_pad].fill(0.0);
+        }
+        kt[nk * d..nk_pad * d].fill(0.0);
+
+        // Sᵀ = K·Qᵀ, panel by panel of rows (the Qᵀ panel stays in L1).
+        for rv0 in (0..br).step_by(panel) {
+            for j in (0..nk_pad).step_by(QMR) {
+                // SAFETY: rv0 + panel ≤ br; j + QMR ≤ nk_pad ≤ bc; kt holds bc·d, qt d·br,
+                // st bc·br.
+                unsafe {
+                    qk_micro::<S, QMR, NR>(
+                        qt.as_ptr().add(rv0),
+                        br,
+                        kt.as_ptr().add(j * d),
+                        d,
+                        d,
+                        st.as_mut_ptr().add(j * br + rv0),
+                        br,
+                    );
+                }
+            }
+        }
+
+        // The softcap comes before the mask (tanh(−∞) would be finite).
+        if let Some(post) = post {
+            // SAFETY: nk·br is a multiple of W (br is); st holds bc·br ≥ nk·br.
+            unsafe { softcap_slice::<S>(st.as_mut_ptr(), nk * br, post) };
+        }
+        if kind == TileKind::Partial {
+            for r in 0..rows {
+                let visible = mask.key_range(task.i0 + r % task.len, sq, sk);
+                for j in 0..nk {
+                    if !visible.contains(&(j0 + j)) {
+                        st[j * br + r] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        for rv in (0..br).step_by(w) {
+            // SAFETY: rv + W ≤ br; st holds nk rows of stride br; states/corr hold br.
+            unsafe {
+                softmax_rows::<S>(
+                    st.as_mut_ptr(),
+                    br,
+                    nk,
+                    rv,
+                    rows,
+                    states,
+                    corr,
+                    &ctx.policy,
+                    &mut stats.rescale,
+                    ctx.exp2,
+                );
+            }
+        }
+        if let Some(hook) = ctx.hook {
+            let probs = ensure(probs, rows * nk, 0.0);
+            for r in 0..rows {
+                for j in 0..nk {
+                    probs[r * nk + j] = st[j * br + r];
+                }
+            }
+            hook(probs);
+            for r in 0..rows {
+                for j in 0..nk {
+                    st[j * br + r] = probs[r * nk + j];
+                }
+            }
+        }
+        let rescale = corr[..rows].iter().any(|&c| c != 1.0);
+
+        // Oᵀ = Oᵀ·corr + Vᵀ·Pᵀ, panel by panel of rows (the Pᵀ panel stays in L1).
+        for rv0 in (0..br).step_by(panel) {
+            let corr_ptr = if rescale {
+                corr[rv0..].as_ptr()
+            } else {
+                std::ptr::null()
+            };
+            for c0 in (0..dv_pad).step_by(VMR) {
+                // SAFETY: rv0 + panel ≤ br; c0 + VMR ≤ dv_pad; st holds nk rows of stride
+                // br, vt nk rows of stride dv_pad, ot dv_pad rows of stride br, corr br.
+                unsafe {
+                    pv_micro::<S, VMR, NR>(
+                        st.as_ptr().add(rv0),
+                        br,
+                        vt.as_ptr().add(c0),
+                        dv_pad,
+                        nk,
+                        ot.as_mut_ptr().add(c0 * br + rv0),
+                        br,
+                        corr_ptr,
+                    );
+                }
+            }
+        }
+    }
+    stats.skipped = total_tiles - stats.computed;
+
+    // Normalise once per row and write O (transposing back) and the LSE.
+    for r in 0..rows {
+        let head = task.head0 + r / task.len;
+        let i = task.i0 + r % task.len;
+        let result = states[r].finish();
+        let oo = p.o_offset(task.batch, i, head);
+        for c in 0..dv {
+            let x = if result.inv_sum == 0.0 {
+                0.0 // a row that saw no key: 0, whatever V holds
+            } else {
+                ot[c * br + r] * result.inv_sum
+            };
+            ctx.out.write(oo + c, O::from_f32(x));
+        }
+        if let Some(lse) = &ctx.lse {
+            lse.write(p.lse_offset(task.batch, head, i), result.lse);
+        }
+    }
+    stats
+}
