@@ -47,7 +47,8 @@ impl Mask {
         let left = usize::try_from(window_left).ok();
         let mut right = usize::try_from(window_right).ok();
         if causal {
-            right = Some(right.map_or(0, |r| r.min(0)));
+            // A window's right bound is never negative, so the intersection is the diagonal.
+            right = Some(0);
         }
         Mask { left, right }
     }

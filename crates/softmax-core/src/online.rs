@@ -157,7 +157,7 @@ impl<T: Float> RowState<T> {
     /// Normalisation of the finished row: `1/ℓ` and `LSE = (m + log2 ℓ)·ln 2`.
     #[inline]
     pub fn finish(&self) -> RowResult<T> {
-        if !(self.sum > T::zero()) && !self.sum.is_nan() {
+        if self.sum <= T::zero() {
             return RowResult {
                 inv_sum: T::zero(),
                 lse: T::neg_infinity(),

@@ -138,7 +138,8 @@ impl<'a> ProblemDesc<'a> {
 
     /// Sets the causal (bottom-right aligned) mask, intersected with any window.
     pub fn causal(mut self) -> Self {
-        self.mask.right = Some(self.mask.right.map_or(0, |r| r.min(0)));
+        // Right bounds are never negative: intersecting with causal leaves the diagonal.
+        self.mask.right = Some(0);
         self
     }
 

@@ -70,7 +70,7 @@ impl<T: Float> RescalePolicy<T> {
         stats.blocks += 1;
         // NaN never compares greater, so a NaN block maximum keeps the reference; the NaN
         // still reaches the output through exp2(NaN − m).
-        if !(block_max > current) {
+        if block_max.is_nan() || block_max <= current {
             return Decision::Keep;
         }
         if current == T::neg_infinity() {
