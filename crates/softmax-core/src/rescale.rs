@@ -63,6 +63,24 @@ pub enum Decision {
 }
 
 impl<T: Float> RescalePolicy<T> {
+    /// The largest `log2` an unnormalised probability `exp2(x − m)` can reach under this
+    /// policy: 0 for [`RescalePolicy::Always`], `τ` for the threshold policy. A P operand
+    /// stored in a narrow type after multiplying by `2^offset_log2` stays finite when
+    /// `max_term_log2() + offset_log2 < log2(type max)` (e.g. e4m3: `τ + 8 < log2 448 ≈ 8.81`,
+    /// so FP8 with FlashAttention-3's offset needs `Always`).
+    pub fn max_term_log2(&self) -> T {
+        match *self {
+            RescalePolicy::Always => T::zero(),
+            RescalePolicy::Threshold(tau) => tau,
+        }
+    }
+
+    /// Whether terms scaled by `2^offset_log2` stay below `dtype_max` (see
+    /// [`RescalePolicy::max_term_log2`]).
+    pub fn fits(&self, offset_log2: T, dtype_max: T) -> bool {
+        self.max_term_log2() + offset_log2 < dtype_max.log2()
+    }
+
     /// Decides for a row whose reference is `current` (−∞ before any visible key) when a block
     /// with maximum `block_max` arrives, and records the decision in `stats`.
     #[inline]

@@ -219,3 +219,13 @@ fn threshold_policy_bounds_terms_and_saves_rescales() {
     let (la, lt) = (state_a.finish().lse, state_t.finish().lse);
     assert!((la - lt).abs() <= 1e-5 * la.abs(), "{la} vs {lt}");
 }
+
+/// The headroom rule of DESIGN.md §3: τ + offset < log2(dtype max).
+#[test]
+fn policy_headroom() {
+    let threshold = RescalePolicy::Threshold(8.0f32);
+    assert!(threshold.fits(0.0, 65504.0)); // f16 P, no offset
+    assert!(!threshold.fits(8.0, 448.0)); // e4m3 with FA3's 2^8 offset: needs Always
+    assert!(RescalePolicy::<f32>::Always.fits(8.0, 448.0));
+    assert!(!RescalePolicy::<f32>::Always.fits(9.0, 448.0));
+}
