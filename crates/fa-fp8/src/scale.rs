@@ -320,6 +320,31 @@ impl Quantized {
         self.scales[self.layout.index(b, h, token)]
     }
 
+    /// The codes transposed per (sequence, head) to token-contiguous
+    /// `[batch][heads][dim][padded]`, `padded = ceil(max_seqlen / pad_to)·pad_to`: the
+    /// K-major V that FP8 `wgmma` needs for P·V (see the crate doc). Entries past a sequence's
+    /// end are 0 (the code of +0). `problem` must be the one the tensor was quantised for.
+    pub fn transposed(&self, problem: &Problem, pad_to: usize) -> Result<Vec<u8>, Fp8Error> {
+        if pad_to == 0 {
+            return Err(Fp8Error::ZeroBlock);
+        }
+        let geo = Geometry {
+            problem,
+            operand: self.operand,
+        };
+        geo.check(self.codes.len())?;
+        let (heads, dim) = (geo.heads(), geo.dim());
+        let padded = geo.max_seqlen().div_ceil(pad_to) * pad_to;
+        let mut out = vec![0u8; problem.batch() * heads * dim * padded];
+        geo.for_each_row(|b, h, t, off| {
+            let base = (b * heads + h) * dim * padded;
+            for (c, &code) in self.codes[off..off + dim].iter().enumerate() {
+                out[base + c * padded + t] = code;
+            }
+        });
+        Ok(out)
+    }
+
     /// Writes `decode(code)·scale` for every element of the tensor into `out` (same layout as
     /// the input; elements outside the tensor are left as they are). `problem` must be the
     /// one the tensor was quantised for.

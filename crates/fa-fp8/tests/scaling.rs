@@ -245,3 +245,38 @@ fn bad_input_is_a_typed_error() {
     assert!(qt.dequantize_into(&problem, &mut out).is_err());
     assert!(out.iter().all(|&x| x == 7.0));
 }
+
+#[test]
+fn transposed_codes_are_token_contiguous() {
+    let mut rng = Rng::new(12);
+    let case = Case::varlen(&mut rng, &[3, 10], &[7, 20], 2, 2, 8);
+    let p = case.desc();
+    let problem = p.validate(256).unwrap();
+    let qt = quantize(
+        &problem,
+        Operand::V,
+        &case.v,
+        &opts(Granularity::PerBlock { rows: 4 }, false),
+    )
+    .unwrap();
+    let t = qt.transposed(&problem, 16).unwrap();
+    let padded = 32; // max seqlen_k 20 padded to 16s
+    assert_eq!(t.len(), 2 * 2 * 8 * padded);
+    for b in 0..2 {
+        let s = problem.seq(b);
+        for h in 0..2 {
+            for c in 0..8 {
+                for j in 0..padded {
+                    let got = t[((b * 2 + h) * 8 + c) * padded + j];
+                    let want = if j < s.seqlen_k {
+                        qt.codes[problem.v_offset(b, j, h) + c]
+                    } else {
+                        0
+                    };
+                    assert_eq!(got, want, "b{b} h{h} c{c} j{j}");
+                }
+            }
+        }
+    }
+    assert_eq!(qt.transposed(&problem, 0), Err(Fp8Error::ZeroBlock));
+}
