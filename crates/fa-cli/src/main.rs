@@ -1,37 +1,505 @@
-//! The `fa` command. **Status:** only `fa exp2-error` exists so far; `run`, `verify`, `bench`,
-//! `plan` and `demo` come with the fa-cpu issue.
+//! The `fa` command: run, verify, bench, plan and demo exact attention.
+//!
+//! `fa` with no arguments runs `fa demo`. See `fa --help` and `fa <command> --help`.
 
-use softmax_core::EXP2_CUBIC_MAX_REL_ERROR;
+use clap::{Args, Parser, Subcommand};
+use fa_cli::backend::{Backend, BackendChoice, CallOptions, Exp2Choice};
+use fa_cli::bench::{self, BenchShape};
+use fa_cli::demo::{demo, DemoRequest};
+use fa_cli::plan;
+use fa_cli::run::{parse_window, run, RunRequest};
+use fa_cli::tensor::DType;
+use fa_cli::verify;
+use fa_cli::CliError;
+use std::path::PathBuf;
+use std::process::ExitCode;
 
-fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("exp2-error") => {
-            let (worst_x, worst) = sweep_exp2();
-            println!(
-                "exp2_cubic: max relative error {worst:.3e} at x = {worst_x:e} over every f32 in [-125, 128) (documented bound {EXP2_CUBIC_MAX_REL_ERROR:e})"
-            );
-            if worst > EXP2_CUBIC_MAX_REL_ERROR {
-                std::process::exit(1);
-            }
-        }
-        _ => {
-            eprintln!("usage: fa exp2-error   (measures the software exp2 over every f32 input)");
-            std::process::exit(2);
+#[derive(Parser)]
+#[command(
+    name = "fa",
+    version,
+    about = "Exact attention (FlashAttention-style tiling) on CPU and GPU: run, verify, bench, plan, demo",
+    long_about = "Exact attention (FlashAttention-style tiling) on CPU and GPU.\n\n\
+                  With no command, `fa` runs `fa demo`."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Attention over Q, K, V from .npy/.safetensors files (BSHD); writes O (and the LSE).
+    Run(RunArgs),
+    /// Check a backend against the f64 reference on random problems; non-zero exit on failure.
+    Verify(VerifyArgs),
+    /// Time the forward pass: the FlashAttention paper shapes, or the given ones.
+    Bench(BenchArgs),
+    /// Memory arithmetic: KV cache (MHA/GQA/MQA) and naive score matrix vs the tiled kernel.
+    Plan(PlanArgs),
+    /// One long sequence on the best backend, checked against the reference on sampled rows.
+    Demo(DemoArgs),
+    /// Measure the software exp2's max relative error over every f32 input in [-125, 128).
+    #[command(name = "exp2-error")]
+    Exp2Error,
+}
+
+/// Backend, threads and exp2, shared by the compute commands.
+#[derive(Args, Clone, Copy)]
+struct ComputeArgs {
+    /// Backend: auto (CUDA when a device opens, else CPU), cpu or cuda.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    backend: BackendChoice,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// exp2 of the CPU kernel: exact (library) or cubic (FlashAttention-4 polynomial).
+    #[arg(long, value_enum, default_value_t = Exp2Choice::Exact)]
+    exp2: Exp2Choice,
+}
+
+impl ComputeArgs {
+    fn options(&self) -> CallOptions {
+        CallOptions {
+            threads: self.threads,
+            exp2: self.exp2,
         }
     }
 }
 
-/// Every f32 in [-125, 128): returns the input with the largest relative error and that error.
-fn sweep_exp2() -> (f32, f64) {
-    use softmax_core::exp2::{exp2_max_rel_error, EXP2_DOMAIN_LEN};
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
-    let chunk = EXP2_DOMAIN_LEN.div_ceil(threads);
-    let handles: Vec<_> = (0..threads)
-        .map(|t| std::thread::spawn(move || exp2_max_rel_error(t * chunk..(t + 1) * chunk, 1)))
-        .collect();
-    handles
-        .into_iter()
-        .filter_map(|h| h.join().ok())
-        .fold((0.0, 0.0), |a, b| if b.1 > a.1 { b } else { a })
+#[derive(Args)]
+struct RunArgs {
+    /// Queries: [batch, seqlen_q, heads_q, head_dim] (.npy, or tensor `q` of a .safetensors).
+    #[arg(long)]
+    q: PathBuf,
+    /// Keys: [batch, seqlen_k, heads_kv, head_dim] (tensor `k` of a .safetensors).
+    #[arg(long)]
+    k: PathBuf,
+    /// Values: [batch, seqlen_k, heads_kv, head_dim_v] (tensor `v` of a .safetensors).
+    #[arg(long)]
+    v: PathBuf,
+    /// Output [batch, seqlen_q, heads_q, head_dim_v], in the inputs' dtype; format from the
+    /// extension (.npy / .safetensors, tensor `out`), else the input's format.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Also write the LSE (natural log, f32, [batch, heads_q, seqlen_q]); may be the output's
+    /// .safetensors path (tensor `lse`).
+    #[arg(long)]
+    lse: Option<PathBuf>,
+    /// Causal mask, bottom-right aligned when seqlen_q ≠ seqlen_k.
+    #[arg(long)]
+    causal: bool,
+    /// Sliding window LEFT,RIGHT around the aligned diagonal (-1: unbounded).
+    #[arg(long, value_parser = parse_window, allow_hyphen_values = true)]
+    window: Option<(i64, i64)>,
+    /// Softcap: cap·tanh(s/cap) on the scaled scores.
+    #[arg(long)]
+    softcap: Option<f32>,
+    /// Softmax scale (default 1/sqrt(head_dim)).
+    #[arg(long)]
+    scale: Option<f32>,
+    /// After the run, check this many sampled rows against the f64 reference.
+    #[arg(long, default_value_t = 0)]
+    check_rows: usize,
+    #[command(flatten)]
+    compute: ComputeArgs,
+}
+
+#[derive(Args)]
+struct VerifyArgs {
+    /// Dtypes to verify (comma-separated; default all three).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [DType::F32, DType::Bf16, DType::F16])]
+    dtype: Vec<DType>,
+    /// Random problems in addition to the fixed cases.
+    #[arg(long, default_value_t = 8)]
+    random: usize,
+    /// Seed (default: fresh from the clock, printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Write 16-bit results as f32 instead of the input dtype.
+    #[arg(long)]
+    out_f32: bool,
+    #[command(flatten)]
+    compute: ComputeArgs,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Sequences (comma-separated list sweeps).
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
+    /// Query heads (comma-separated list sweeps).
+    #[arg(long, value_delimiter = ',')]
+    heads: Vec<usize>,
+    /// KV heads (default: = heads).
+    #[arg(long)]
+    heads_kv: Option<usize>,
+    /// Tokens per sequence (comma-separated list sweeps).
+    #[arg(long, value_delimiter = ',')]
+    seqlen: Vec<usize>,
+    /// Keys per sequence when different from --seqlen.
+    #[arg(long)]
+    seqlen_k: Option<usize>,
+    /// Head dimension (comma-separated list sweeps).
+    #[arg(long, value_delimiter = ',')]
+    head_dim: Vec<usize>,
+    /// Causal mask only (the paper sweep runs both masks unless given).
+    #[arg(long)]
+    causal: bool,
+    /// Element type (default: f32 on the CPU, bf16 on CUDA).
+    #[arg(long, value_enum)]
+    dtype: Option<DType>,
+    /// Timed iterations per shape (median reported).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Untimed iterations before timing.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Print one JSON object per shape instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Seed of the N(0,1) inputs.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    #[command(flatten)]
+    compute: ComputeArgs,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Model preset for both sections: llama3-70b or qwen3.8-27b (default: Llama-3 70B for the
+    /// KV cache, Qwen3.8-27B for the score matrix).
+    #[arg(long)]
+    preset: Option<String>,
+    /// Layers.
+    #[arg(long)]
+    layers: Option<u64>,
+    /// Query heads.
+    #[arg(long)]
+    heads: Option<u64>,
+    /// KV heads.
+    #[arg(long)]
+    heads_kv: Option<u64>,
+    /// Head dimension.
+    #[arg(long)]
+    head_dim: Option<u64>,
+    /// Context length in tokens.
+    #[arg(long)]
+    tokens: Option<u64>,
+    /// Sequences.
+    #[arg(long)]
+    batch: Option<u64>,
+    /// Bytes per element (2: fp16/bf16, 1: fp8, 4: fp32).
+    #[arg(long)]
+    bytes: Option<u64>,
+    /// Threads of the tiled kernel (its per-thread tile scratch).
+    #[arg(long)]
+    threads: Option<u64>,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Tokens of the sequence (default: 16384 on the CPU, 131072 on CUDA).
+    #[arg(long)]
+    seqlen: Option<usize>,
+    /// Query heads.
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    /// KV heads (default: = heads).
+    #[arg(long)]
+    heads_kv: Option<usize>,
+    /// Head dimension.
+    #[arg(long, default_value_t = 128)]
+    head_dim: usize,
+    /// No causal mask (the demo is causal by default).
+    #[arg(long)]
+    no_causal: bool,
+    /// Element type (default: f32 on the CPU, bf16 on CUDA).
+    #[arg(long, value_enum)]
+    dtype: Option<DType>,
+    /// Rows checked against the f64 reference.
+    #[arg(long, default_value_t = 32)]
+    check_rows: usize,
+    #[command(flatten)]
+    compute: ComputeArgs,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        None => cmd_demo(&DemoArgs {
+            seqlen: None,
+            heads: 8,
+            heads_kv: None,
+            head_dim: 128,
+            no_causal: false,
+            dtype: None,
+            check_rows: 32,
+            compute: ComputeArgs {
+                backend: BackendChoice::Auto,
+                threads: None,
+                exp2: Exp2Choice::Exact,
+            },
+        }),
+        Some(Command::Run(a)) => cmd_run(a),
+        Some(Command::Verify(a)) => cmd_verify(&a),
+        Some(Command::Bench(a)) => cmd_bench(&a),
+        Some(Command::Plan(a)) => cmd_plan(&a),
+        Some(Command::Demo(a)) => cmd_demo(&a),
+        Some(Command::Exp2Error) => cmd_exp2_error(),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
+    let req = RunRequest {
+        q: a.q,
+        k: a.k,
+        v: a.v,
+        output: a.output,
+        lse: a.lse,
+        causal: a.causal,
+        window: a.window,
+        softcap: a.softcap,
+        scale: a.scale,
+        backend: a.compute.backend,
+        options: a.compute.options(),
+        check_rows: a.check_rows,
+    };
+    let summary = run(&req)?;
+    eprintln!(
+        "fa run: {} on {} in {:.3} s -> {}",
+        summary.shape,
+        summary.backend,
+        summary.seconds,
+        req.output.display()
+    );
+    if let Some(c) = summary.check {
+        eprintln!(
+            "check: {} rows against the f64 reference: rel_l2 {:.2e}, LSE err {:.2e}",
+            a.check_rows, c.rel_l2, c.lse_max_abs
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
+    let backend = Backend::open(a.compute.backend)?;
+    let seed = a
+        .seed
+        .unwrap_or_else(|| fa_reference::Rng::fresh().next_u64());
+    println!(
+        "fa verify: backend {}, exp2 {:?}, seed {seed}",
+        backend.describe(),
+        a.compute.exp2
+    );
+    let mut rng = fa_reference::Rng::new(seed);
+    let cases = verify::cases(&mut rng, a.random);
+    println!("{}", verify::table_header());
+    let (mut failed, mut total) = (0, 0);
+    for dtype in &a.dtype {
+        for case in &cases {
+            let row = verify::verify_case(&backend, case, *dtype, a.out_f32, a.compute.options());
+            println!("{}", verify::table_row(&row));
+            total += 1;
+            failed += row.failed() as usize;
+        }
+    }
+    println!("{} of {total} cases passed", total - failed);
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
+    let given = !(a.batch.is_empty()
+        && a.heads.is_empty()
+        && a.seqlen.is_empty()
+        && a.head_dim.is_empty()
+        && a.heads_kv.is_none()
+        && a.seqlen_k.is_none());
+    let shapes: Vec<BenchShape> = if given {
+        let or = |v: &Vec<usize>, d: usize| if v.is_empty() { vec![d] } else { v.clone() };
+        let mut shapes = Vec::new();
+        for &head_dim in &or(&a.head_dim, 128) {
+            for &seqlen in &or(&a.seqlen, 4096) {
+                for &heads in &or(&a.heads, 8) {
+                    for &batch in &or(&a.batch, 1) {
+                        shapes.push(BenchShape {
+                            batch,
+                            heads,
+                            heads_kv: a.heads_kv.unwrap_or(heads),
+                            seqlen_q: seqlen,
+                            seqlen_k: a.seqlen_k.unwrap_or(seqlen),
+                            head_dim,
+                            causal: a.causal,
+                        });
+                    }
+                }
+            }
+        }
+        shapes
+    } else {
+        bench::paper_shapes()
+            .into_iter()
+            .filter(|s| !a.causal || s.causal)
+            .collect()
+    };
+    let backend = Backend::open(a.compute.backend)?;
+    let dtype = a.dtype.unwrap_or_else(|| backend.default_dtype());
+    let bar = if shapes.len() > 1 {
+        let bar = indicatif::ProgressBar::new(shapes.len() as u64);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} shapes, {elapsed} elapsed, eta {eta} {msg}",
+        ) {
+            bar.set_style(style);
+        }
+        Some(bar)
+    } else {
+        None
+    };
+    let print = |line: String| match &bar {
+        Some(b) if !b.is_hidden() => b.println(line),
+        _ => println!("{line}"),
+    };
+    if !a.json {
+        print(format!(
+            "fa bench: {}, {} timed iterations after {} warm-up (median)",
+            backend.describe(),
+            a.iters.max(1),
+            a.warmup
+        ));
+        print(bench::table_header());
+    }
+    for shape in &shapes {
+        if let Some(b) = &bar {
+            b.set_message(format!(
+                "b{} h{} n{} d{}{}",
+                shape.batch,
+                shape.heads,
+                shape.seqlen_q,
+                shape.head_dim,
+                if shape.causal { " causal" } else { "" }
+            ));
+        }
+        let r = bench::bench_shape(
+            &backend,
+            shape,
+            dtype,
+            a.compute.options(),
+            a.warmup,
+            a.iters,
+            a.seed,
+        )?;
+        let line = if a.json {
+            serde_json::to_string(&r).map_err(|e| CliError::Usage(e.to_string()))?
+        } else {
+            bench::table_row(&r)
+        };
+        print(line);
+        if let Some(b) = &bar {
+            b.inc(1);
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cmd_plan(a: &PlanArgs) -> Result<ExitCode, CliError> {
+    let base = |default: plan::ModelShape| -> Result<plan::ModelShape, CliError> {
+        let mut m = match &a.preset {
+            Some(name) => plan::preset(name).ok_or_else(|| {
+                CliError::Usage(format!(
+                    "unknown preset '{name}' (known: {})",
+                    plan::PRESETS.join(", ")
+                ))
+            })?,
+            None => default,
+        };
+        let set = |field: &mut u64, v: Option<u64>| {
+            if let Some(v) = v {
+                *field = v;
+            }
+        };
+        set(&mut m.layers, a.layers);
+        set(&mut m.heads_q, a.heads);
+        set(&mut m.heads_kv, a.heads_kv);
+        set(&mut m.head_dim, a.head_dim);
+        set(&mut m.tokens, a.tokens);
+        set(&mut m.batch, a.batch);
+        set(&mut m.bytes, a.bytes);
+        let custom = [
+            a.layers, a.heads, a.heads_kv, a.head_dim, a.tokens, a.batch, a.bytes,
+        ]
+        .iter()
+        .any(Option::is_some);
+        if custom {
+            m.name = format!("{} (modified)", m.name);
+        }
+        for (what, v) in [
+            ("--heads", m.heads_q),
+            ("--heads-kv", m.heads_kv),
+            ("--head-dim", m.head_dim),
+            ("--bytes", m.bytes),
+            ("--batch", m.batch),
+        ] {
+            if v == 0 {
+                return Err(CliError::Usage(format!("{what} must be at least 1")));
+            }
+        }
+        Ok(m)
+    };
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as u64);
+    let kv = base(plan::llama3_70b())?;
+    let scores = base(plan::qwen_27b())?;
+    println!("{}", plan::kv_cache_report(&kv));
+    print!("{}", plan::score_report(&scores, threads));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cmd_demo(a: &DemoArgs) -> Result<ExitCode, CliError> {
+    let req = DemoRequest {
+        backend: a.compute.backend,
+        options: a.compute.options(),
+        seqlen: a.seqlen,
+        heads: a.heads,
+        heads_kv: a.heads_kv.unwrap_or(a.heads),
+        head_dim: a.head_dim,
+        causal: !a.no_causal,
+        dtype: a.dtype,
+        check_rows: a.check_rows,
+        ..DemoRequest::default()
+    };
+    let (report, pass) = demo(&req)?;
+    print!("{report}");
+    Ok(if pass {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn cmd_exp2_error() -> Result<ExitCode, CliError> {
+    let (worst_x, worst) = fa_cli::exp2_error::sweep_exp2();
+    let bound = softmax_core::EXP2_CUBIC_MAX_REL_ERROR;
+    println!(
+        "exp2_cubic: max relative error {worst:.3e} at x = {worst_x:e} over every f32 in [-125, 128) (documented bound {bound:e})"
+    );
+    Ok(if worst > bound {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }

@@ -1,0 +1,60 @@
+//! The command's error type: every failure is a value with a message, never a panic.
+
+use softmax_core::ProblemError;
+use std::path::PathBuf;
+
+/// Why a subcommand failed.
+#[derive(Debug)]
+pub enum CliError {
+    /// A file could not be read or written.
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// A file was read but its content is not usable.
+    BadFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The inputs' shapes or dtypes do not fit together.
+    Shape(String),
+    /// The attention problem was rejected (softmax-core's typed error).
+    Problem(ProblemError),
+    /// The requested backend is not available or failed.
+    Backend(String),
+    /// A bad combination of arguments.
+    Usage(String),
+}
+
+impl core::fmt::Display for CliError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            CliError::Io { path, source } => write!(f, "{}: {source}", path.display()),
+            CliError::BadFile { path, reason } => write!(f, "{}: {reason}", path.display()),
+            CliError::Shape(why) => write!(f, "shape mismatch: {why}"),
+            CliError::Problem(e) => write!(f, "invalid attention problem: {e}"),
+            CliError::Backend(why) => write!(f, "backend: {why}"),
+            CliError::Usage(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for CliError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CliError::Io { source, .. } => Some(source),
+            CliError::Problem(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<ProblemError> for CliError {
+    fn from(e: ProblemError) -> Self {
+        CliError::Problem(e)
+    }
+}

@@ -1,0 +1,347 @@
+//! `fa plan`: the memory arithmetic of attention at long context.
+//!
+//! - KV cache: `2 · layers · batch · tokens · heads_kv · head_dim · bytes` (K and V of every
+//!   layer), shown for MHA, the model's GQA and MQA side by side.
+//! - The score matrix a naive implementation materialises: `batch · tokens² · bytes` per head,
+//!   times the heads of a layer, against what the tiled kernel holds: Q, K, V, O and the LSE
+//!   (all O(tokens)) plus a fixed tile scratch per thread.
+
+use std::fmt::Write as _;
+
+/// The shape of a model and a context, as the arithmetic needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Display name.
+    pub name: String,
+    /// Attention layers.
+    pub layers: u64,
+    /// Query heads per layer.
+    pub heads_q: u64,
+    /// Key/value heads per layer.
+    pub heads_kv: u64,
+    /// Head dimension.
+    pub head_dim: u64,
+    /// Context length in tokens.
+    pub tokens: u64,
+    /// Sequences.
+    pub batch: u64,
+    /// Bytes per element (2 for fp16/bf16).
+    pub bytes: u64,
+}
+
+/// Llama-3 70B at its 128k context in fp16: 80 layers, 64 query heads, 8 KV heads of 128.
+pub fn llama3_70b() -> ModelShape {
+    ModelShape {
+        name: "Llama-3 70B".into(),
+        layers: 80,
+        heads_q: 64,
+        heads_kv: 8,
+        head_dim: 128,
+        tokens: 128 * 1024,
+        batch: 1,
+        bytes: 2,
+    }
+}
+
+/// The long-context example of the lessons ("Qwen3.8-27B"): 262,144 tokens, 24 query heads,
+/// fp16. Its layer count (64), KV heads (4) and head dim (256, the full-attention layers' size)
+/// are assumptions of this preset, not quoted figures; override them with the free parameters.
+pub fn qwen_27b() -> ModelShape {
+    ModelShape {
+        name: "Qwen3.8-27B".into(),
+        layers: 64,
+        heads_q: 24,
+        heads_kv: 4,
+        head_dim: 256,
+        tokens: 262_144,
+        batch: 1,
+        bytes: 2,
+    }
+}
+
+/// The preset called `name` (`llama3-70b` or `qwen3.8-27b`, case-insensitive).
+pub fn preset(name: &str) -> Option<ModelShape> {
+    match name.to_ascii_lowercase().as_str() {
+        "llama3-70b" | "llama-3-70b" | "llama3" => Some(llama3_70b()),
+        "qwen3.8-27b" | "qwen" | "qwen-27b" => Some(qwen_27b()),
+        _ => None,
+    }
+}
+
+/// The names `preset` accepts (first of each).
+pub const PRESETS: [&str; 2] = ["llama3-70b", "qwen3.8-27b"];
+
+/// KV-cache bytes: `2 · layers · batch · tokens · heads_kv · head_dim · bytes`.
+pub fn kv_cache_bytes(m: &ModelShape) -> u128 {
+    2 * m.layers as u128
+        * m.batch as u128
+        * m.tokens as u128
+        * m.heads_kv as u128
+        * m.head_dim as u128
+        * m.bytes as u128
+}
+
+/// Bytes of one head's naive score matrix over the batch: `batch · tokens² · bytes`.
+pub fn score_matrix_bytes_per_head(m: &ModelShape) -> u128 {
+    m.batch as u128 * m.tokens as u128 * m.tokens as u128 * m.bytes as u128
+}
+
+/// Bytes of the naive score matrices of one layer (all query heads at once).
+pub fn score_matrix_bytes_per_layer(m: &ModelShape) -> u128 {
+    score_matrix_bytes_per_head(m) * m.heads_q as u128
+}
+
+/// Per-thread scratch of fa-cpu's tiled kernel for this head dim on this CPU (its tiles are
+/// fixed by the SIMD level, never by the sequence length).
+pub fn tile_scratch_bytes(head_dim: u64) -> u128 {
+    fa_cpu::scratch_bytes_per_thread(
+        head_dim as usize,
+        head_dim as usize,
+        fa_cpu::SimdLevel::Auto,
+    ) as u128
+}
+
+/// What the tiled kernel holds for one layer: every term is O(tokens) except the fixed tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TiledBytes {
+    /// Q and O: `2 · batch · tokens · heads_q · head_dim · bytes`.
+    pub q_and_o: u128,
+    /// K and V: `2 · batch · tokens · heads_kv · head_dim · bytes`.
+    pub k_and_v: u128,
+    /// The f32 LSE: `batch · heads_q · tokens · 4`.
+    pub lse: u128,
+    /// `threads ·` [`tile_scratch_bytes`].
+    pub scratch: u128,
+}
+
+impl TiledBytes {
+    /// Sum of the parts.
+    pub fn total(&self) -> u128 {
+        self.q_and_o + self.k_and_v + self.lse + self.scratch
+    }
+}
+
+/// The memory of one layer's attention computed by the tiled kernel on `threads` threads.
+pub fn tiled_bytes(m: &ModelShape, threads: u64) -> TiledBytes {
+    let tokens = m.batch as u128 * m.tokens as u128;
+    let per_head = tokens * m.head_dim as u128 * m.bytes as u128;
+    TiledBytes {
+        q_and_o: 2 * per_head * m.heads_q as u128,
+        k_and_v: 2 * per_head * m.heads_kv as u128,
+        lse: tokens * m.heads_q as u128 * 4,
+        scratch: threads as u128 * tile_scratch_bytes(m.head_dim),
+    }
+}
+
+/// `bytes` in binary units: an exact multiple prints without decimals (`40 GiB`).
+pub fn human_bytes(bytes: u128) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut unit = 0;
+    let mut div = 1u128;
+    while unit + 1 < UNITS.len() && bytes >= div * 1024 {
+        div *= 1024;
+        unit += 1;
+    }
+    if bytes % div == 0 {
+        format!("{} {}", bytes / div, UNITS[unit])
+    } else {
+        format!("{:.2} {}", bytes as f64 / div as f64, UNITS[unit])
+    }
+}
+
+/// `n` with thousands separators.
+pub fn grouped(n: u128) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn precision(bytes: u64) -> &'static str {
+    match bytes {
+        1 => "fp8",
+        2 => "fp16/bf16",
+        4 => "fp32",
+        _ => "custom",
+    }
+}
+
+/// The KV-cache section: MHA, the model's GQA and MQA side by side.
+pub fn kv_cache_report(m: &ModelShape) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "KV cache = 2 · layers · batch · tokens · heads_kv · head_dim · bytes\n  \
+         {}: {} layers, {} query heads, head_dim {}, batch {}, {} tokens, {} bytes ({})",
+        m.name,
+        m.layers,
+        m.heads_q,
+        m.head_dim,
+        m.batch,
+        grouped(m.tokens as u128),
+        m.bytes,
+        precision(m.bytes)
+    );
+    let mut rows: Vec<(String, u64)> =
+        vec![(format!("MHA (heads_kv = heads = {})", m.heads_q), m.heads_q)];
+    if m.heads_kv != m.heads_q && m.heads_kv != 1 {
+        rows.push((format!("GQA-{}", m.heads_kv), m.heads_kv));
+    }
+    if m.heads_q != 1 {
+        rows.push(("MQA".into(), 1));
+    }
+    let _ = writeln!(
+        s,
+        "  {:<30} {:>9} {:>12} {:>22}",
+        "attention", "heads_kv", "KV cache", "bytes"
+    );
+    for (label, heads_kv) in rows {
+        let shape = ModelShape {
+            heads_kv,
+            ..m.clone()
+        };
+        let bytes = kv_cache_bytes(&shape);
+        let mark = if heads_kv == m.heads_kv {
+            "  <- the model"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            s,
+            "  {label:<30} {heads_kv:>9} {:>12} {:>22}{mark}",
+            human_bytes(bytes),
+            grouped(bytes)
+        );
+    }
+    s
+}
+
+/// The score-matrix section: the naive N² scores against the tiled kernel's O(N) memory.
+pub fn score_report(m: &ModelShape, threads: u64) -> String {
+    let mut s = String::new();
+    let per_head = score_matrix_bytes_per_head(m);
+    let per_layer = score_matrix_bytes_per_layer(m);
+    let _ = writeln!(
+        s,
+        "Naive attention materialises the scores: batch · tokens² · bytes per head\n  \
+         {}: {} tokens, batch {}, {} query heads, {} KV heads, head_dim {}, {} bytes ({})",
+        m.name,
+        grouped(m.tokens as u128),
+        m.batch,
+        m.heads_q,
+        m.heads_kv,
+        m.head_dim,
+        m.bytes,
+        precision(m.bytes)
+    );
+    let line = |s: &mut String, label: &str, bytes: u128| {
+        let _ = writeln!(
+            s,
+            "  {label:<44} {:>12} {:>24}",
+            human_bytes(bytes),
+            grouped(bytes)
+        );
+    };
+    line(&mut s, "score matrix, one head", per_head);
+    line(
+        &mut s,
+        &format!("score matrix, one layer ({} heads)", m.heads_q),
+        per_layer,
+    );
+    let t = tiled_bytes(m, threads);
+    let _ = writeln!(
+        s,
+        "Tiled exact attention (fa) for the same layer: O(tokens), no score matrix"
+    );
+    line(&mut s, "Q and O", t.q_and_o);
+    line(&mut s, "K and V", t.k_and_v);
+    line(&mut s, "LSE (f32)", t.lse);
+    line(
+        &mut s,
+        &format!(
+            "tiles: {threads} threads × {} scratch (fa-cpu)",
+            human_bytes(tile_scratch_bytes(m.head_dim))
+        ),
+        t.scratch,
+    );
+    line(&mut s, "total", t.total());
+    let _ = writeln!(
+        s,
+        "  the naive score matrix alone is {:.0}× what the tiled kernel needs",
+        per_layer as f64 / t.total() as f64
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u128 = 1 << 30;
+
+    #[test]
+    fn llama3_70b_kv_cache_is_40_gib_per_sequence() {
+        let m = llama3_70b();
+        assert_eq!(kv_cache_bytes(&m), 40 * GIB);
+        assert_eq!(human_bytes(kv_cache_bytes(&m)), "40 GiB");
+        let mha = ModelShape {
+            heads_kv: 64,
+            ..m.clone()
+        };
+        assert_eq!(kv_cache_bytes(&mha), 320 * GIB);
+        let mqa = ModelShape { heads_kv: 1, ..m };
+        assert_eq!(kv_cache_bytes(&mqa), 5 * GIB);
+    }
+
+    #[test]
+    fn qwen_scores_are_128_gib_per_head_3_tib_per_layer() {
+        let m = qwen_27b();
+        assert_eq!(score_matrix_bytes_per_head(&m), 262_144u128 * 262_144 * 2);
+        assert_eq!(score_matrix_bytes_per_head(&m), 128 * GIB);
+        assert_eq!(score_matrix_bytes_per_layer(&m), 3 * 1024 * GIB);
+        assert_eq!(human_bytes(score_matrix_bytes_per_layer(&m)), "3 TiB");
+    }
+
+    #[test]
+    fn tiled_memory_is_linear_in_tokens() {
+        let m = qwen_27b();
+        let t = tiled_bytes(&m, 2);
+        // Q and O: 2 · 262144 · 24 · 256 · 2 bytes = 6 GiB; K and V with 4 heads: 1 GiB.
+        assert_eq!(t.q_and_o, 6 * GIB);
+        assert_eq!(t.k_and_v, GIB);
+        assert_eq!(t.lse, 262_144 * 24 * 4);
+        let doubled = tiled_bytes(
+            &ModelShape {
+                tokens: 2 * m.tokens,
+                ..m.clone()
+            },
+            2,
+        );
+        assert_eq!(
+            doubled.total() - doubled.scratch,
+            2 * (t.total() - t.scratch)
+        );
+        assert_eq!(doubled.scratch, t.scratch);
+    }
+
+    #[test]
+    fn byte_formatting() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(1536), "1.50 KiB");
+        assert_eq!(grouped(42_949_672_960), "42,949,672,960");
+        assert_eq!(grouped(999), "999");
+    }
+
+    #[test]
+    fn presets_by_name() {
+        assert_eq!(preset("Llama3-70B"), Some(llama3_70b()));
+        assert_eq!(preset("qwen3.8-27b"), Some(qwen_27b()));
+        assert_eq!(preset("gpt-9"), None);
+    }
+}

@@ -1,0 +1,207 @@
+//! `fa run`: attention over Q, K, V read from files, output (and LSE) written back.
+
+use crate::backend::{Backend, BackendChoice, CallOptions};
+use crate::error::CliError;
+use crate::files::{read_tensor, write_tensors, FileFormat};
+use crate::rows::{compare_rows, reference_rows, sample_rows, RowErrors};
+use crate::tensor::HostTensor;
+use softmax_core::{Mask, ProblemDesc};
+use std::path::PathBuf;
+
+/// What `fa run` does.
+#[derive(Clone, Debug)]
+pub struct RunRequest {
+    /// Queries `[batch, seqlen_q, heads_q, head_dim]` (or `[seqlen_q, heads_q, head_dim]`).
+    pub q: PathBuf,
+    /// Keys `[batch, seqlen_k, heads_kv, head_dim]`.
+    pub k: PathBuf,
+    /// Values `[batch, seqlen_k, heads_kv, head_dim_v]`.
+    pub v: PathBuf,
+    /// Output path.
+    pub output: PathBuf,
+    /// LSE path (`[batch, heads_q, seqlen_q]`, f32).
+    pub lse: Option<PathBuf>,
+    /// Causal (bottom-right aligned) mask.
+    pub causal: bool,
+    /// Sliding window `(left, right)`; negative is unbounded.
+    pub window: Option<(i64, i64)>,
+    /// Softcap.
+    pub softcap: Option<f32>,
+    /// Softmax scale (default `1/sqrt(head_dim)`).
+    pub scale: Option<f32>,
+    /// Backend.
+    pub backend: BackendChoice,
+    /// Thread bound and exp2 choice.
+    pub options: CallOptions,
+    /// Rows to check against the f64 reference after the run (0: none).
+    pub check_rows: usize,
+}
+
+/// What `fa run` did.
+#[derive(Clone, Debug)]
+pub struct RunSummary {
+    /// Backend description.
+    pub backend: String,
+    /// Shape summary.
+    pub shape: String,
+    /// Seconds of the forward call.
+    pub seconds: f64,
+    /// Errors of the checked rows, when asked.
+    pub check: Option<RowErrors>,
+}
+
+/// The `[batch, seqlen, heads, head_dim]` view of a rank-3 or rank-4 shape.
+fn bshd(name: &str, shape: &[usize]) -> Result<[usize; 4], CliError> {
+    match *shape {
+        [b, s, h, d] => Ok([b, s, h, d]),
+        [s, h, d] => Ok([1, s, h, d]),
+        _ => Err(CliError::Shape(format!(
+            "{name} has shape {shape:?}: expected [batch, seqlen, heads, head_dim] \
+             (or [seqlen, heads, head_dim])"
+        ))),
+    }
+}
+
+/// Checks that Q, K and V fit together and builds the problem (GQA from the head counts).
+pub fn problem_from_shapes(
+    q: &HostTensor,
+    k: &HostTensor,
+    v: &HostTensor,
+) -> Result<ProblemDesc<'static>, CliError> {
+    let [bq, sq, hq, dq] = bshd("q", &q.shape)?;
+    let [bk, sk, hk, dk] = bshd("k", &k.shape)?;
+    let [bv, sv, hv, dv] = bshd("v", &v.shape)?;
+    if q.shape.len() != k.shape.len() || k.shape.len() != v.shape.len() {
+        return Err(CliError::Shape(format!(
+            "q, k and v must have the same rank (got {:?}, {:?}, {:?})",
+            q.shape, k.shape, v.shape
+        )));
+    }
+    if q.dtype() != k.dtype() || k.dtype() != v.dtype() {
+        return Err(CliError::Shape(format!(
+            "q, k and v must share one dtype (got q {}, k {}, v {})",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        )));
+    }
+    if bq != bk || bk != bv {
+        return Err(CliError::Shape(format!(
+            "batch differs: q {bq}, k {bk}, v {bv}"
+        )));
+    }
+    if sk != sv {
+        return Err(CliError::Shape(format!(
+            "k has {sk} keys per sequence but v has {sv}"
+        )));
+    }
+    if hk != hv {
+        return Err(CliError::Shape(format!("k has {hk} heads but v has {hv}")));
+    }
+    if dq != dk {
+        return Err(CliError::Shape(format!(
+            "q's head_dim {dq} differs from k's {dk}"
+        )));
+    }
+    Ok(ProblemDesc::new(bq, sq, sk, hq, hk, dq).head_dim_v(dv))
+}
+
+/// Reads the inputs, runs the forward pass and writes the output (and LSE).
+pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
+    let (q, format) = read_tensor(&req.q, "q")?;
+    let (k, _) = read_tensor(&req.k, "k")?;
+    let (v, _) = read_tensor(&req.v, "v")?;
+    let mut desc = problem_from_shapes(&q, &k, &v)?;
+    let (left, right) = req.window.unwrap_or((-1, -1));
+    desc.mask = Mask::from_flash_args(req.causal, left, right);
+    desc.softmax_scale = req.scale;
+    desc.softcap = req.softcap;
+    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
+    let backend = Backend::open(req.backend)?;
+
+    let [b, sq, hq, _] = bshd("q", &q.shape)?;
+    let mut out_shape = q.shape.clone();
+    if let Some(last) = out_shape.last_mut() {
+        *last = desc.head_dim_v;
+    }
+    let mut out = HostTensor::zeros(q.dtype(), out_shape);
+    let mut lse = vec![0.0f32; problem.lse_len()];
+    let start = std::time::Instant::now();
+    backend.forward(
+        &desc,
+        &q.data,
+        &k.data,
+        &v.data,
+        &mut out.data,
+        Some(&mut lse),
+        req.options,
+    )?;
+    let seconds = start.elapsed().as_secs_f64();
+
+    let check = (req.check_rows > 0).then(|| {
+        let mut rng = fa_reference::Rng::new(0x5eed);
+        let rows = sample_rows(&problem, req.check_rows, &mut rng);
+        let refs = reference_rows(&problem, &q.data, &k.data, &v.data, &rows).unwrap_or_default();
+        compare_rows(&problem, &out.data, &lse, &rows, &refs)
+    });
+
+    let out_format = FileFormat::from_extension(&req.output).unwrap_or(format);
+    let lse_shape = if q.shape.len() == 4 {
+        vec![b, hq, sq]
+    } else {
+        vec![hq, sq]
+    };
+    let lse_tensor = HostTensor {
+        shape: lse_shape,
+        data: crate::tensor::Data::F32(lse),
+    };
+    match &req.lse {
+        // One .safetensors file can hold both.
+        Some(path) if *path == req.output && out_format == FileFormat::Safetensors => {
+            write_tensors(path, out_format, &[("out", &out), ("lse", &lse_tensor)])?;
+        }
+        Some(path) if *path == req.output => {
+            return Err(CliError::Usage(
+                "--lse names the output file: only a .safetensors file holds both".into(),
+            ))
+        }
+        Some(path) => {
+            write_tensors(&req.output, out_format, &[("out", &out)])?;
+            let lse_format = FileFormat::from_extension(path).unwrap_or(out_format);
+            write_tensors(path, lse_format, &[("lse", &lse_tensor)])?;
+        }
+        None => write_tensors(&req.output, out_format, &[("out", &out)])?,
+    }
+    Ok(RunSummary {
+        backend: backend.describe(),
+        shape: format!(
+            "batch {b}, seqlen_q {sq}, seqlen_k {}, heads {hq}/{} (q/kv), head_dim {}, {}",
+            desc_seqlen_k(&desc),
+            desc.heads_kv,
+            desc.head_dim,
+            q.dtype()
+        ),
+        seconds,
+        check,
+    })
+}
+
+fn desc_seqlen_k(desc: &ProblemDesc) -> usize {
+    match desc.sequences {
+        softmax_core::Sequences::Fixed { seqlen_k, .. } => seqlen_k,
+        softmax_core::Sequences::Varlen { .. } => 0,
+    }
+}
+
+/// Parses `L,R` (either may be negative: unbounded).
+pub fn parse_window(s: &str) -> Result<(i64, i64), String> {
+    let (l, r) = s
+        .split_once(',')
+        .ok_or_else(|| format!("expected LEFT,RIGHT (e.g. 128,0), got '{s}'"))?;
+    let parse = |x: &str| {
+        x.trim()
+            .parse::<i64>()
+            .map_err(|_| format!("'{x}' is not an integer (use -1 for unbounded)"))
+    };
+    Ok((parse(l)?, parse(r)?))
+}

@@ -1,0 +1,187 @@
+//! Host tensors as the command reads and writes them: a shape and typed data (f32, bf16, f16).
+
+use half::{bf16, f16};
+
+/// Element type of a tensor the command handles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// IEEE single precision.
+    F32,
+    /// bfloat16 (8-bit exponent, 7-bit mantissa).
+    Bf16,
+    /// IEEE half precision.
+    F16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 | DType::F16 => 2,
+        }
+    }
+    /// The name used in tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+        }
+    }
+}
+
+impl core::fmt::Display for DType {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Typed element storage.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Data {
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// bf16 elements.
+    Bf16(Vec<bf16>),
+    /// f16 elements.
+    F16(Vec<f16>),
+}
+
+/// A dense, C-ordered tensor in host memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    /// Dimensions, outermost first.
+    pub shape: Vec<usize>,
+    /// Elements in C order; `shape.iter().product()` of them.
+    pub data: Data,
+}
+
+impl HostTensor {
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            Data::F32(_) => DType::F32,
+            Data::Bf16(_) => DType::Bf16,
+            Data::F16(_) => DType::F16,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match &self.data {
+            Data::F32(v) => v.len(),
+            Data::Bf16(v) => v.len(),
+            Data::F16(v) => v.len(),
+        }
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of the element data.
+    pub fn byte_len(&self) -> usize {
+        self.len() * self.dtype().size()
+    }
+
+    /// A tensor of `dtype` filled with zeros.
+    pub fn zeros(dtype: DType, shape: Vec<usize>) -> HostTensor {
+        let n = shape.iter().product();
+        let data = match dtype {
+            DType::F32 => Data::F32(vec![0.0; n]),
+            DType::Bf16 => Data::Bf16(vec![bf16::ZERO; n]),
+            DType::F16 => Data::F16(vec![f16::ZERO; n]),
+        };
+        HostTensor { shape, data }
+    }
+
+    /// A tensor of `dtype` from f32 values (rounded to nearest even).
+    pub fn from_f32(dtype: DType, shape: Vec<usize>, values: &[f32]) -> HostTensor {
+        let data = match dtype {
+            DType::F32 => Data::F32(values.to_vec()),
+            DType::Bf16 => Data::Bf16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
+            DType::F16 => Data::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
+        };
+        HostTensor { shape, data }
+    }
+
+    /// The elements widened to f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        match &self.data {
+            Data::F32(v) => v.clone(),
+            Data::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Data::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    /// Decodes raw element bytes (`big_endian` selects the byte order). The caller checked
+    /// that `bytes.len()` is the element count times the element size.
+    pub fn from_bytes(dtype: DType, shape: Vec<usize>, bytes: &[u8], big_endian: bool) -> Self {
+        let two = |c: &[u8]| {
+            let b = [c[0], c[1]];
+            if big_endian {
+                u16::from_be_bytes(b)
+            } else {
+                u16::from_le_bytes(b)
+            }
+        };
+        let data = match dtype {
+            DType::F32 => Data::F32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| {
+                        let b = [c[0], c[1], c[2], c[3]];
+                        if big_endian {
+                            f32::from_be_bytes(b)
+                        } else {
+                            f32::from_le_bytes(b)
+                        }
+                    })
+                    .collect(),
+            ),
+            DType::Bf16 => Data::Bf16(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| bf16::from_bits(two(c)))
+                    .collect(),
+            ),
+            DType::F16 => Data::F16(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| f16::from_bits(two(c)))
+                    .collect(),
+            ),
+        };
+        HostTensor { shape, data }
+    }
+
+    /// Appends the elements as little-endian bytes.
+    pub fn append_le_bytes(&self, out: &mut Vec<u8>) {
+        out.reserve(self.byte_len());
+        match &self.data {
+            Data::F32(v) => v
+                .iter()
+                .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Data::Bf16(v) => v
+                .iter()
+                .for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
+            Data::F16(v) => v
+                .iter()
+                .for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
+        }
+    }
+}
+
+/// N(0,1) values from the shared test generator (never zeros), for benchmarks and the demo.
+pub fn random_normal(rng: &mut fa_reference::Rng, dtype: DType, shape: Vec<usize>) -> HostTensor {
+    let n: usize = shape.iter().product();
+    let data = match dtype {
+        DType::F32 => Data::F32((0..n).map(|_| rng.normal() as f32).collect()),
+        DType::Bf16 => Data::Bf16((0..n).map(|_| bf16::from_f64(rng.normal())).collect()),
+        DType::F16 => Data::F16((0..n).map(|_| f16::from_f64(rng.normal())).collect()),
+    };
+    HostTensor { shape, data }
+}

@@ -1,0 +1,282 @@
+//! `fa verify`: a backend against the f64 reference on fresh random problems.
+//!
+//! Every case draws N(0,1) inputs (rounded to bf16/f16 for those dtypes, so that the backend
+//! and the oracle see the very same values), poisons the output with NaN, runs the backend and
+//! compares with `fa_reference::compare`. Bounds (DESIGN.md §3): normwise error ≤ 1e-5 for f32,
+//! ≤ 1e-2 for 16-bit inputs; LSE within 1e-4 (f32) or 1e-3 (16-bit; the LSE is always f32).
+//! With the cubic software exp2 the bounds widen by twice its documented relative error.
+
+use crate::backend::{Backend, CallOptions, Exp2Choice};
+use crate::error::CliError;
+use crate::tensor::{DType, Data};
+use fa_reference::{attention_f64, compare, poison, Case, Rng, Rounding};
+use softmax_core::{Mask, ProblemError, EXP2_CUBIC_MAX_REL_ERROR};
+
+/// One line of the verification table.
+#[derive(Clone, Debug)]
+pub struct VerifyRow {
+    /// `batch×seqlen_q×seqlen_k, heads_q/heads_kv × head_dim` (or the varlen lengths).
+    pub shape: String,
+    /// Mask, softcap and scale.
+    pub mask: String,
+    /// Input dtype → output dtype.
+    pub dtype: String,
+    /// The outcome.
+    pub outcome: Outcome,
+}
+
+/// The result of one case.
+#[derive(Clone, Debug)]
+pub enum Outcome {
+    /// Compared with the reference.
+    Compared {
+        /// Normwise error of the output.
+        rel_l2: f64,
+        /// Largest LSE error.
+        lse_max_abs: f64,
+        /// Rows whose LSE is −∞/NaN in one and not the other.
+        lse_kind_mismatches: usize,
+        /// Bound on `rel_l2`.
+        bound: f64,
+        /// Bound on the LSE error.
+        lse_bound: f64,
+    },
+    /// The backend does not support this case (typed `Unsupported` error).
+    Unsupported(String),
+    /// The backend failed otherwise.
+    Failed(String),
+}
+
+impl VerifyRow {
+    /// Whether the row counts as a failure.
+    pub fn failed(&self) -> bool {
+        match &self.outcome {
+            Outcome::Compared {
+                rel_l2,
+                lse_max_abs,
+                lse_kind_mismatches,
+                bound,
+                lse_bound,
+            } => !(*rel_l2 <= *bound && *lse_max_abs <= *lse_bound && *lse_kind_mismatches == 0),
+            Outcome::Unsupported(_) => false,
+            Outcome::Failed(_) => true,
+        }
+    }
+}
+
+/// The bounds `(rel_l2, lse)` of a dtype and exp2 choice.
+pub fn bounds(dtype: DType, exp2: Exp2Choice) -> (f64, f64) {
+    let (rel, lse) = match dtype {
+        DType::F32 => (1e-5, 1e-4),
+        DType::Bf16 | DType::F16 => (1e-2, 1e-3),
+    };
+    match exp2 {
+        Exp2Choice::Exact => (rel, lse),
+        Exp2Choice::Cubic => {
+            let e = 2.0 * EXP2_CUBIC_MAX_REL_ERROR;
+            (rel + e, lse + e)
+        }
+    }
+}
+
+fn describe_mask(case: &Case) -> String {
+    let m = case.mask;
+    let mut s = match (m.left, m.right) {
+        (None, None) => "none".to_string(),
+        (None, Some(0)) => "causal".to_string(),
+        (l, r) => {
+            let side = |x: Option<usize>| x.map_or("-1".to_string(), |v| v.to_string());
+            let causal = if m.is_causal() { "causal+" } else { "" };
+            format!("{causal}window({},{})", side(l), side(r))
+        }
+    };
+    if let Some(c) = case.softcap {
+        s.push_str(&format!(" cap {c}"));
+    }
+    if let Some(sc) = case.softmax_scale {
+        s.push_str(&format!(" scale {sc}"));
+    }
+    s
+}
+
+fn describe_shape(case: &Case) -> String {
+    let heads = format!("{}/{}", case.heads_q, case.heads_kv);
+    let dims = if case.head_dim_v == case.head_dim {
+        case.head_dim.to_string()
+    } else {
+        format!("{}/{}", case.head_dim, case.head_dim_v)
+    };
+    if case.cu_seqlens_q.is_empty() {
+        let (b, sq, sk) = case.dense;
+        format!("{b}x{sq}x{sk} h{heads} d{dims}")
+    } else {
+        let lens = |cu: &[u32]| {
+            cu.windows(2)
+                .map(|w| (w[1] - w[0]).to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        format!(
+            "varlen q[{}] k[{}] h{heads} d{dims}",
+            lens(&case.cu_seqlens_q),
+            lens(&case.cu_seqlens_k)
+        )
+    }
+}
+
+/// The fixed cases (odd shapes, GQA/MQA, every mask kind, seqlen_q ≠ seqlen_k, fully masked
+/// rows, softcap, explicit scale, padded strides, varlen) followed by `random` drawn ones.
+pub fn cases(rng: &mut Rng, random: usize) -> Vec<Case> {
+    let mut v = vec![
+        Case::dense(rng, 1, 1, 1, 1, 1, 1),
+        Case::dense(rng, 2, 37, 37, 4, 4, 64),
+        Case::dense(rng, 1, 130, 130, 8, 2, 128).causal(),
+        Case::dense(rng, 2, 65, 200, 6, 3, 80).causal(),
+        // seqlen_q > seqlen_k with causal: the first rows see no key (output 0, LSE −∞).
+        Case::dense(rng, 1, 200, 65, 4, 1, 32).causal(),
+        Case::dense(rng, 1, 300, 300, 2, 2, 256).with_mask(Mask::from_flash_args(true, 64, -1)),
+        Case::dense(rng, 1, 97, 131, 4, 2, 48)
+            .with_mask(Mask::from_flash_args(false, 16, 16))
+            .with_softcap(30.0),
+        Case::dense(rng, 3, 33, 47, 2, 1, 128).with_scale(0.3),
+        Case::dense(rng, 2, 31, 33, 4, 2, 127).padded(rng, 3, Rounding::F32),
+        Case::varlen(rng, &[5, 64, 1, 100], &[7, 64, 33, 100], 4, 2, 64).causal(),
+    ];
+    let dims = [1, 16, 32, 64, 96, 128, 192, 256];
+    for _ in 0..random {
+        let heads_kv = 1 + rng.below(3);
+        let heads_q = heads_kv * (1 + rng.below(4));
+        let d = dims[rng.below(dims.len())];
+        let sq = 1 + rng.below(300);
+        let sk = if rng.below(2) == 0 {
+            sq
+        } else {
+            1 + rng.below(300)
+        };
+        let batch = 1 + rng.below(2);
+        let mut c = Case::dense(rng, batch, sq, sk, heads_q, heads_kv, d);
+        c = match rng.below(4) {
+            0 => c,
+            1 => c.causal(),
+            2 => c.with_mask(Mask::from_flash_args(
+                false,
+                rng.below(64) as i64,
+                rng.below(64) as i64,
+            )),
+            _ => c.with_mask(Mask::from_flash_args(true, rng.below(128) as i64, -1)),
+        };
+        if rng.below(4) == 0 {
+            c = c.with_softcap(5.0 + 45.0 * rng.uniform() as f32);
+        }
+        v.push(c);
+    }
+    v
+}
+
+fn to_data(values: &[f32], dtype: DType) -> Data {
+    crate::tensor::HostTensor::from_f32(dtype, vec![values.len()], values).data
+}
+
+/// Runs one case on the backend at `dtype`, output in `dtype` (or f32 when `out_f32`).
+pub fn verify_case(
+    backend: &Backend,
+    case: &Case,
+    dtype: DType,
+    out_f32: bool,
+    opts: CallOptions,
+) -> VerifyRow {
+    let rounding = match dtype {
+        DType::F32 => Rounding::F32,
+        DType::Bf16 => Rounding::Bf16,
+        DType::F16 => Rounding::F16,
+    };
+    let case = case.clone().round(rounding);
+    let out_dtype = if out_f32 { DType::F32 } else { dtype };
+    let row = |outcome| VerifyRow {
+        shape: describe_shape(&case),
+        mask: describe_mask(&case),
+        dtype: if out_dtype == dtype {
+            dtype.to_string()
+        } else {
+            format!("{dtype}->{out_dtype}")
+        },
+        outcome,
+    };
+    let desc = case.desc();
+    let problem = match desc.validate(softmax_core::MAX_HEAD_DIM) {
+        Ok(p) => p,
+        Err(e) => return row(Outcome::Failed(e.to_string())),
+    };
+    let lens = problem.min_buffer_lens();
+    let (q, k, v) = (
+        to_data(&case.q, dtype),
+        to_data(&case.k, dtype),
+        to_data(&case.v, dtype),
+    );
+    let mut out = vec![0.0f32; lens.o];
+    poison(&mut out);
+    let mut out = to_data(&out, out_dtype);
+    let mut lse = vec![0.0f32; problem.lse_len()];
+    poison(&mut lse);
+    match backend.forward(&desc, &q, &k, &v, &mut out, Some(&mut lse), opts) {
+        Ok(()) => {}
+        Err(CliError::Problem(ProblemError::Unsupported { what })) => {
+            return row(Outcome::Unsupported(what.to_string()))
+        }
+        Err(e) => return row(Outcome::Failed(e.to_string())),
+    }
+    let oracle = attention_f64(&problem, &case.q, &case.k, &case.v);
+    let report = match &out {
+        Data::F32(o) => compare(&problem, o, Some(&lse), &oracle),
+        Data::Bf16(o) => compare(&problem, o, Some(&lse), &oracle),
+        Data::F16(o) => compare(&problem, o, Some(&lse), &oracle),
+    };
+    let (bound, lse_bound) = bounds(dtype, opts.exp2);
+    row(Outcome::Compared {
+        rel_l2: report.rel_l2,
+        lse_max_abs: report.lse_max_abs,
+        lse_kind_mismatches: report.lse_kind_mismatches,
+        bound,
+        lse_bound,
+    })
+}
+
+/// The table header.
+pub fn table_header() -> String {
+    format!(
+        "{:<34} {:<26} {:<9} {:>10} {:>10} {:>8} {:>8}  result",
+        "shape (b x sq x sk, heads q/kv, d)",
+        "mask",
+        "dtype",
+        "rel_l2",
+        "LSE err",
+        "bound",
+        "LSE bnd"
+    )
+}
+
+/// One table row.
+pub fn table_row(r: &VerifyRow) -> String {
+    let head = format!("{:<34} {:<26} {:<9}", r.shape, r.mask, r.dtype);
+    match &r.outcome {
+        Outcome::Compared {
+            rel_l2,
+            lse_max_abs,
+            lse_kind_mismatches,
+            bound,
+            lse_bound,
+        } => {
+            let verdict = if r.failed() { "FAIL" } else { "pass" };
+            let kinds = if *lse_kind_mismatches > 0 {
+                format!(" ({lse_kind_mismatches} LSE rows differ in kind)")
+            } else {
+                String::new()
+            };
+            format!(
+                "{head} {rel_l2:>10.2e} {lse_max_abs:>10.2e} {bound:>8.0e} {lse_bound:>8.0e}  {verdict}{kinds}"
+            )
+        }
+        Outcome::Unsupported(what) => format!("{head} {:>50}  skip (unsupported: {what})", ""),
+        Outcome::Failed(why) => format!("{head} {:>50}  FAIL ({why})", ""),
+    }
+}

@@ -1,0 +1,431 @@
+//! End-to-end tests of the `fa` binary: files in, files out, messages for bad input.
+
+use fa_cli::files::{read_tensor, write_tensors, FileFormat};
+use fa_cli::tensor::{random_normal, DType, Data, HostTensor};
+use fa_reference::Rng;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fa(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_fa"))
+        .args(args)
+        .output()
+        .expect("the fa binary runs")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+struct Inputs {
+    q: HostTensor,
+    k: HostTensor,
+    v: HostTensor,
+}
+
+fn inputs(rng: &mut Rng, dtype: DType, q: [usize; 4], kv: [usize; 4]) -> Inputs {
+    Inputs {
+        q: random_normal(rng, dtype, q.to_vec()),
+        k: random_normal(rng, dtype, kv.to_vec()),
+        v: random_normal(rng, dtype, kv.to_vec()),
+    }
+}
+
+fn save(dir: &Path, name: &str, t: &HostTensor) -> PathBuf {
+    let path = dir.join(name);
+    let format = FileFormat::from_extension(&path).unwrap();
+    write_tensors(&path, format, &[(name.split('.').next().unwrap(), t)]).unwrap();
+    path
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// fa-cpu's forward on the same data, output in the input dtype, with the LSE.
+fn cpu_forward(inp: &Inputs, desc: &softmax_core::ProblemDesc) -> (Data, Vec<f32>) {
+    let p = desc.validate(256).unwrap();
+    let mut out = HostTensor::zeros(inp.q.dtype(), vec![p.min_buffer_lens().o]).data;
+    let mut lse = vec![0.0f32; p.lse_len()];
+    let opts = fa_cpu::ForwardOptions::default();
+    let r = match (&inp.q.data, &inp.k.data, &inp.v.data, &mut out) {
+        (Data::F32(q), Data::F32(k), Data::F32(v), Data::F32(o)) => {
+            fa_cpu::forward(desc, q, k, v, o, Some(&mut lse), &opts)
+        }
+        (Data::Bf16(q), Data::Bf16(k), Data::Bf16(v), Data::Bf16(o)) => {
+            fa_cpu::forward(desc, q, k, v, o, Some(&mut lse), &opts)
+        }
+        (Data::F16(q), Data::F16(k), Data::F16(v), Data::F16(o)) => {
+            fa_cpu::forward(desc, q, k, v, o, Some(&mut lse), &opts)
+        }
+        _ => unreachable!(),
+    };
+    r.unwrap();
+    (out, lse)
+}
+
+#[test]
+fn run_npy_equals_fa_cpu_forward_with_gqa_and_causal() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(1);
+    // 6 query heads over 2 KV heads (GQA 3), seqlen_q ≠ seqlen_k, odd head dim.
+    let inp = inputs(&mut rng, DType::F32, [2, 37, 6, 40], [2, 53, 2, 40]);
+    let (q, k, v) = (
+        save(dir.path(), "q.npy", &inp.q),
+        save(dir.path(), "k.npy", &inp.k),
+        save(dir.path(), "v.npy", &inp.v),
+    );
+    let out = dir.path().join("out.npy");
+    let lse = dir.path().join("lse.npy");
+    let o = fa(&[
+        "run",
+        "--q",
+        s(&q),
+        "--k",
+        s(&k),
+        "--v",
+        s(&v),
+        "-o",
+        s(&out),
+        "--lse",
+        s(&lse),
+        "--causal",
+        "--backend",
+        "cpu",
+        "--check-rows",
+        "8",
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let (got, format) = read_tensor(&out, "out").unwrap();
+    assert_eq!(format, FileFormat::Npy);
+    assert_eq!(got.shape, vec![2, 37, 6, 40]);
+    let (got_lse, _) = read_tensor(&lse, "lse").unwrap();
+    assert_eq!(got_lse.shape, vec![2, 6, 37]);
+
+    let desc = softmax_core::ProblemDesc::new(2, 37, 53, 6, 2, 40).causal();
+    let (want, want_lse) = cpu_forward(&inp, &desc);
+    assert_eq!(got.data, want, "fa run writes exactly what fa-cpu computes");
+    assert_eq!(got_lse.data, Data::F32(want_lse));
+
+    // And it is the right answer: the f64 oracle on the same inputs.
+    let p = desc.validate(256).unwrap();
+    let (qf, kf, vf) = (inp.q.to_f32(), inp.k.to_f32(), inp.v.to_f32());
+    let oracle = fa_reference::attention_f64(&p, &qf, &kf, &vf);
+    let report = fa_reference::compare(&p, &got.to_f32(), Some(&got_lse.to_f32()), &oracle);
+    assert!(report.within(1e-5, 1e-4), "{report:?}");
+}
+
+#[test]
+fn run_bf16_npy_and_window_softcap_scale() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(2);
+    let inp = inputs(&mut rng, DType::Bf16, [1, 70, 4, 64], [1, 70, 4, 64]);
+    let (q, k, v) = (
+        save(dir.path(), "q.npy", &inp.q),
+        save(dir.path(), "k.npy", &inp.k),
+        save(dir.path(), "v.npy", &inp.v),
+    );
+    let out = dir.path().join("out.npy");
+    let o = fa(&[
+        "run",
+        "--q",
+        s(&q),
+        "--k",
+        s(&k),
+        "--v",
+        s(&v),
+        "-o",
+        s(&out),
+        "--window",
+        "8,-1",
+        "--softcap",
+        "20",
+        "--scale",
+        "0.2",
+        "--threads",
+        "1",
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let (got, _) = read_tensor(&out, "out").unwrap();
+    assert_eq!(got.dtype(), DType::Bf16, "output in the input's dtype");
+    let desc = softmax_core::ProblemDesc::new(1, 70, 70, 4, 4, 64)
+        .window(Some(8), None)
+        .softcap(20.0)
+        .scale(0.2);
+    let (want, _) = cpu_forward(&inp, &desc);
+    assert_eq!(got.data, want);
+}
+
+#[test]
+fn run_safetensors_single_file_in_and_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(3);
+    let inp = inputs(&mut rng, DType::F16, [1, 33, 4, 32], [1, 33, 1, 32]);
+    let qkv = dir.path().join("qkv.safetensors");
+    write_tensors(
+        &qkv,
+        FileFormat::Safetensors,
+        &[("q", &inp.q), ("k", &inp.k), ("v", &inp.v)],
+    )
+    .unwrap();
+    let out = dir.path().join("out.safetensors");
+    let o = fa(&[
+        "run",
+        "--q",
+        s(&qkv),
+        "--k",
+        s(&qkv),
+        "--v",
+        s(&qkv),
+        "-o",
+        s(&out),
+        "--lse",
+        s(&out),
+        "--causal",
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let (got, format) = read_tensor(&out, "out").unwrap();
+    assert_eq!(format, FileFormat::Safetensors);
+    assert_eq!(got.dtype(), DType::F16);
+    let (lse, _) = read_tensor(&out, "lse").unwrap();
+    assert_eq!(lse.shape, vec![1, 4, 33]);
+    // MQA: 4 query heads share the one KV head.
+    let desc = softmax_core::ProblemDesc::new(1, 33, 33, 4, 1, 32).causal();
+    let (want, want_lse) = cpu_forward(&inp, &desc);
+    assert_eq!(got.data, want);
+    assert_eq!(lse.data, Data::F32(want_lse));
+}
+
+#[test]
+fn bad_files_and_shapes_have_clear_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(4);
+    let inp = inputs(&mut rng, DType::F32, [1, 8, 4, 16], [1, 8, 2, 16]);
+    let q = save(dir.path(), "q.npy", &inp.q);
+    let k = save(dir.path(), "k.npy", &inp.k);
+    let v = save(dir.path(), "v.npy", &inp.v);
+    let out = dir.path().join("out.npy");
+    let run = |q: &Path, k: &Path, v: &Path| {
+        let o = fa(&["run", "--q", s(q), "--k", s(k), "--v", s(v), "-o", s(&out)]);
+        assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+        assert!(!out.exists(), "no output written on error");
+        text(&o).1
+    };
+
+    let garbage = dir.path().join("garbage.npy");
+    std::fs::write(&garbage, b"this is not an array").unwrap();
+    let err = run(&garbage, &k, &v);
+    assert!(
+        err.contains("garbage.npy") && err.contains("not a .npy file"),
+        "{err}"
+    );
+
+    let truncated = dir.path().join("truncated.npy");
+    let bytes = std::fs::read(&q).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() - 3]).unwrap();
+    let err = run(&truncated, &k, &v);
+    assert!(err.contains("data section holds"), "{err}");
+
+    let missing = dir.path().join("missing.npy");
+    let err = run(&missing, &k, &v);
+    assert!(err.contains("missing.npy"), "{err}");
+
+    // v with 4 heads while k has 2.
+    let v4 = save(
+        dir.path(),
+        "v4.npy",
+        &random_normal(&mut rng, DType::F32, vec![1, 8, 4, 16]),
+    );
+    let err = run(&q, &k, &v4);
+    assert!(
+        err.contains("shape mismatch") && err.contains("k has 2 heads but v has 4"),
+        "{err}"
+    );
+
+    // 4 query heads over 3 KV heads: softmax-core's typed error surfaces with its text.
+    let k3 = save(
+        dir.path(),
+        "k3.npy",
+        &random_normal(&mut rng, DType::F32, vec![1, 8, 3, 16]),
+    );
+    let v3 = save(
+        dir.path(),
+        "v3.npy",
+        &random_normal(&mut rng, DType::F32, vec![1, 8, 3, 16]),
+    );
+    let err = run(&q, &k3, &v3);
+    assert!(
+        err.contains("heads_q = 4 is not a multiple of heads_kv = 3"),
+        "{err}"
+    );
+
+    // Mixed dtypes.
+    let kb = save(
+        dir.path(),
+        "kb.npy",
+        &random_normal(&mut rng, DType::Bf16, vec![1, 8, 2, 16]),
+    );
+    let err = run(&q, &kb, &v);
+    assert!(err.contains("share one dtype"), "{err}");
+
+    // Rank 2.
+    let flat = save(
+        dir.path(),
+        "flat.npy",
+        &random_normal(&mut rng, DType::F32, vec![8, 64]),
+    );
+    let err = run(&flat, &k, &v);
+    assert!(
+        err.contains("expected [batch, seqlen, heads, head_dim]"),
+        "{err}"
+    );
+
+    // A safetensors file without the tensor.
+    let st = dir.path().join("two.safetensors");
+    write_tensors(
+        &st,
+        FileFormat::Safetensors,
+        &[("a", &inp.k), ("b", &inp.v)],
+    )
+    .unwrap();
+    let err = run(&q, &st, &v);
+    assert!(
+        err.contains("no tensor named 'k' (the file holds: a, b)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn cuda_backend_without_device_is_an_error_not_a_panic() {
+    let o = fa(&["demo", "--backend", "cuda", "--seqlen", "16"]);
+    let (_, err) = text(&o);
+    // Either a device is there and it runs, or the error says why.
+    if !o.status.success() {
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.starts_with("error: backend"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn plan_prints_the_lesson_numbers() {
+    let o = fa(&["plan"]);
+    assert!(o.status.success());
+    let (out, _) = text(&o);
+    for needle in [
+        "GQA-8",
+        "40 GiB",
+        "42,949,672,960",
+        "320 GiB",
+        "5 GiB",
+        "128 GiB",
+        "3 TiB",
+    ] {
+        assert!(out.contains(needle), "missing {needle} in\n{out}");
+    }
+    // Free parameters: 32 layers × 8 KV heads × 128 × 8192 tokens × 2 bytes × 2 = 1 GiB.
+    let o = fa(&[
+        "plan",
+        "--layers",
+        "32",
+        "--heads",
+        "32",
+        "--heads-kv",
+        "8",
+        "--head-dim",
+        "128",
+        "--tokens",
+        "8192",
+    ]);
+    let (out, _) = text(&o);
+    assert!(out.contains("GQA-8") && out.contains(" 1 GiB"), "{out}");
+    let o = fa(&["plan", "--preset", "gpt-9"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn bench_json_lines_have_the_documented_keys() {
+    let o = fa(&[
+        "bench",
+        "--seqlen",
+        "64,96",
+        "--heads",
+        "2",
+        "--head-dim",
+        "32",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+        "--json",
+        "--causal",
+        "--dtype",
+        "bf16",
+        "--threads",
+        "1",
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let (out, _) = text(&o);
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for (l, n) in lines.iter().zip([64u64, 96]) {
+        for key in [
+            "backend",
+            "dtype",
+            "batch",
+            "heads",
+            "seqlen_q",
+            "seqlen_k",
+            "head_dim",
+            "causal",
+            "threads",
+            "time_ms_median",
+            "gflops",
+            "peak_rss_bytes",
+        ] {
+            assert!(l.get(key).is_some(), "missing {key} in {l}");
+        }
+        assert_eq!(l["seqlen_q"], n);
+        assert_eq!(l["dtype"], "bf16");
+        assert_eq!(l["threads"], 1);
+        assert_eq!(l["causal"], true);
+        assert!(l["gflops"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn verify_and_demo_pass_on_small_problems() {
+    let o = fa(&["verify", "--random", "3", "--seed", "5", "--backend", "cpu"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("pass") && !out.contains("FAIL"), "{out}");
+    let o = fa(&[
+        "demo",
+        "--seqlen",
+        "300",
+        "--heads",
+        "4",
+        "--heads-kv",
+        "2",
+        "--head-dim",
+        "64",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(
+        out.contains("pass") && out.contains("naive attention"),
+        "{out}"
+    );
+}
+
+#[test]
+fn exp2_error_subcommand_still_exists() {
+    let o = fa(&["exp2-error", "--help"]);
+    assert!(o.status.success());
+}
