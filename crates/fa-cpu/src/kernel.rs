@@ -198,7 +198,18 @@ fn ensure<E: Copy>(buf: &mut Vec<E>, len: usize, fill: E) -> &mut [E] {
 unsafe fn widen<S: Simd, T: Element>(src: &[T], offset: usize, n: usize, dst: &mut [f32]) {
     let dst = &mut dst[..n];
     match <T as sealed::Sealed>::view(src) {
-        sealed::Slice::F32(s) => dst.copy_from_slice(&s[offset..offset + n]),
+        sealed::Slice::F32(s) => {
+            // A vector loop rather than memcpy: rows are short (≤ 256 floats), where the
+            // library call's start-up cost showed up in profiles.
+            let s = &s[offset..offset + n];
+            let mut i = 0;
+            while i + S::W <= n {
+                // SAFETY: i + W ≤ n on both sides; S available (caller).
+                unsafe { S::store(dst.as_mut_ptr().add(i), S::load(s.as_ptr().add(i))) };
+                i += S::W;
+            }
+            dst[i..].copy_from_slice(&s[i..]);
+        }
         sealed::Slice::Bf16(s) => {
             for (d, x) in dst.iter_mut().zip(&s[offset..offset + n]) {
                 *d = f32::from_bits((x.to_bits() as u32) << 16);
@@ -210,6 +221,23 @@ unsafe fn widen<S: Simd, T: Element>(src: &[T], offset: usize, n: usize, dst: &m
             // runs on S's architecture.
             unsafe { S::widen_f16(s.as_ptr() as *const u16, dst.as_mut_ptr(), n) }
         }
+    }
+}
+
+/// Prefetches the cache lines of `src[offset..offset + n]` (bounds-checked: nothing past the
+/// slice is touched).
+#[inline(always)]
+fn prefetch_row<S: Simd, T: Element>(src: &[T], offset: usize, n: usize) {
+    let Some(row) = src.get(offset..offset + n) else {
+        return;
+    };
+    let bytes = std::mem::size_of_val(row);
+    let base = row.as_ptr() as *const u8;
+    let mut at = 0;
+    while at < bytes {
+        // SAFETY: `at < bytes`: inside the row; a prefetch has no architectural effect.
+        unsafe { S::prefetch(base.add(at)) };
+        at += 64;
     }
 }
 
@@ -476,9 +504,13 @@ pub(crate) unsafe fn run_task<
         }
     }
 
+    let [_, k_strides, v_strides, _] = p.strides();
+    let (k_seq, v_seq) = (k_strides.seq, v_strides.seq);
+    let k_base = p.k_offset(task.batch, 0, task.head_kv);
+    let v_base = p.v_offset(task.batch, 0, task.head_kv);
     let total_tiles = sk.div_ceil(bc) as u64;
     let tiles = mask.key_tile_range(q_rows.clone(), bc, sq, sk);
-    for tile in tiles {
+    for tile in tiles.clone() {
         let j0 = tile * bc;
         let nk = bc.min(sk - j0);
         let kind = mask.classify_tile(q_rows.clone(), j0..j0 + nk, sq, sk);
@@ -487,16 +519,24 @@ pub(crate) unsafe fn run_task<
         }
         stats.computed += 1;
         let nk_pad = nk.div_ceil(QMR) * QMR;
-        // Pack K (rows j, d contiguous) and V (rows j, dv_pad contiguous) as f32.
+        // Pack K (rows j, d contiguous) and V (rows j, dv_pad contiguous) as f32, and ask
+        // for the next tile's rows now: they arrive while this tile computes (rows are a
+        // head stride apart, too far apart for the hardware prefetchers). Row offsets are
+        // linear in the key index: `k_offset(b, j, h) = k_offset(b, 0, h) + j·seq_stride`.
+        let prefetch_next = tile + 1 < tiles.end;
         for j in 0..nk {
-            let ko = p.k_offset(task.batch, j0 + j, task.head_kv);
-            let vo = p.v_offset(task.batch, j0 + j, task.head_kv);
+            let ko = k_base + (j0 + j) * k_seq;
+            let vo = v_base + (j0 + j) * v_seq;
             // SAFETY: S available; offsets inside the checked buffers.
             unsafe {
                 widen::<S, T>(ctx.k, ko, d, &mut kt[j * d..]);
                 widen::<S, T>(ctx.v, vo, dv, &mut vt[j * dv_pad..]);
             }
             vt[j * dv_pad + dv..(j + 1) * dv_pad].fill(0.0);
+            if prefetch_next && j0 + bc + j < sk {
+                prefetch_row::<S, T>(ctx.k, ko + bc * k_seq, d);
+                prefetch_row::<S, T>(ctx.v, vo + bc * v_seq, dv);
+            }
         }
         kt[nk * d..nk_pad * d].fill(0.0);
 

@@ -80,11 +80,11 @@ unsafe impl Simd for Avx2 {
         unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a) }
     }
     #[inline(always)]
-    unsafe fn add_exponent(p: __m256, n: __m256) -> __m256 {
+    unsafe fn pow2i(n: __m256) -> __m256 {
         // SAFETY: AVX2 present (trait contract).
         unsafe {
-            let shifted = _mm256_slli_epi32::<23>(_mm256_cvtps_epi32(n));
-            _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), shifted))
+            let biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased))
         }
     }
     #[inline(always)]
@@ -96,6 +96,11 @@ unsafe impl Simd for Avx2 {
     unsafe fn select_nan(x: __m256, t: __m256, f: __m256) -> __m256 {
         // SAFETY: AVX2 present (trait contract).
         unsafe { _mm256_blendv_ps(f, t, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x)) }
+    }
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        // SAFETY: a prefetch never faults, whatever the address; SSE present.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
     }
     #[inline(always)]
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
@@ -121,13 +126,13 @@ super::arch_entry!(
     ["avx2", "fma", "f16c"],
     crate::kernel::Tiling {
         rows: 96,
-        keys: 64,
+        keys: 66,
         lanes: 8,
-        row_vectors: 3,
-        qk_keys: 4,
-        pv_channels: 4,
+        row_vectors: 2,
+        qk_keys: 6,
+        pv_channels: 6,
     },
-    4,
-    3,
-    4
+    6,
+    2,
+    6
 );

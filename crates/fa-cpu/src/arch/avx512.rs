@@ -85,11 +85,11 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a) }
     }
     #[inline(always)]
-    unsafe fn add_exponent(p: __m512, n: __m512) -> __m512 {
+    unsafe fn pow2i(n: __m512) -> __m512 {
         // SAFETY: AVX-512F present (trait contract).
         unsafe {
-            let shifted = _mm512_slli_epi32::<23>(_mm512_cvtps_epi32(n));
-            _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), shifted))
+            let biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased))
         }
     }
     #[inline(always)]
@@ -101,6 +101,11 @@ unsafe impl Simd for Avx512 {
     unsafe fn select_nan(x: __m512, t: __m512, f: __m512) -> __m512 {
         // SAFETY: AVX-512F present (trait contract).
         unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x), f, t) }
+    }
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        // SAFETY: a prefetch never faults, whatever the address; SSE present.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
     }
     #[inline(always)]
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {

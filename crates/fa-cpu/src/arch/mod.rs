@@ -145,13 +145,16 @@ pub(crate) unsafe trait Simd: Copy + 'static {
     unsafe fn round(a: Self::V) -> Self::V;
     /// Round down.
     unsafe fn floor(a: Self::V) -> Self::V;
-    /// `p · 2^n` by adding the integer `n` (an integral float in `[−126, 128]`) into the
-    /// exponent field of `p` (the caller keeps the result's exponent field in `[1, 254]`).
-    unsafe fn add_exponent(p: Self::V, n: Self::V) -> Self::V;
+    /// `2^n` for an integral float `n ∈ [−127, 128]`, built from exponent bits `n + 127`:
+    /// 0 for `n = −127`, `+∞` for `n = 128` (NaN in gives some finite value: callers
+    /// multiply it by a NaN anyway).
+    unsafe fn pow2i(n: Self::V) -> Self::V;
     /// `if a < b { t } else { f }` per lane.
     unsafe fn select_lt(a: Self::V, b: Self::V, t: Self::V, f: Self::V) -> Self::V;
     /// `if x is NaN { t } else { f }` per lane.
     unsafe fn select_nan(x: Self::V, t: Self::V, f: Self::V) -> Self::V;
+    /// Hints the cache to fetch the line holding `p` (no effect on results; any address).
+    unsafe fn prefetch(p: *const u8);
     /// Widens `n` f16 values (bit patterns) at `src` to f32 at `dst`.
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize);
 }
@@ -166,21 +169,25 @@ const EXP2_EXACT: [f32; 6] = [
     6.931_472e-1,
 ];
 
-/// Results below `2^EXP2_MIN` are flushed to 0 by both exponentials.
-const EXP2_MIN: f32 = -125.0;
-/// Inputs at or above this give `+∞`.
-const EXP2_MAX: f32 = 128.0;
+/// Inputs are clamped to `[EXP2_LO, EXP2_HI]` before the range reduction: `2^−127` is built
+/// as the scale 0 (so `−∞` and anything below −126.5 give exactly 0) and `2^128` as `+∞`.
+const EXP2_LO: f32 = -127.0;
+/// See [`EXP2_LO`].
+const EXP2_HI: f32 = 128.0;
 
-/// Accurate `2^x` per lane: round-to-nearest range reduction and Cephes' degree-6 polynomial,
-/// relative error below 3e-7 (about 2.5 ulp; measured in the tests) for `x ∈ [−125, 128)`.
-/// Special values: NaN → NaN, `x ≥ 128` → `+∞`, `x < −125` (and `−∞`) → 0.
+/// Accurate `2^x` per lane: `2^x = p(x − n)·2^n` with `n = round(x)` and Cephes' degree-6
+/// polynomial `p` on `[−½, ½]`; relative error below 3e-7 (about 2.5 ulp; measured in the
+/// tests) wherever the result is a normal f32.
+///
+/// Special values without a branch or a blend: `x` is clamped to `[−127, 128]` (NaN passes
+/// through the clamp) and `2^n` is built from its exponent bits, which is 0 for `n = −127` and
+/// `+∞` for `n = 128`. So NaN → NaN, `x ≥ 127.5` → `+∞`, `x ≤ −126.5` (and `−∞`) → 0, and
+/// results between 2^−127 and 2^−126 come out subnormal.
 #[inline(always)]
 pub(crate) unsafe fn exp2_exact<S: Simd>(x: S::V) -> S::V {
     // SAFETY: the caller runs on S's architecture (trait contract).
     unsafe {
-        let lo = S::splat(EXP2_MIN);
-        let hi = S::splat(EXP2_MAX);
-        let xc = S::min(S::max(x, lo), hi);
+        let xc = S::min(S::splat(EXP2_HI), S::max(S::splat(EXP2_LO), x));
         let n = S::round(xc);
         let f = S::sub(xc, n);
         let mut p = S::splat(EXP2_EXACT[0]);
@@ -188,40 +195,27 @@ pub(crate) unsafe fn exp2_exact<S: Simd>(x: S::V) -> S::V {
             p = S::fma(p, f, S::splat(c));
         }
         let p = S::fma(p, f, S::splat(1.0));
-        let r = S::add_exponent(p, n);
-        finish_exp2::<S>(x, r, lo, hi)
+        S::mul(p, S::pow2i(n))
     }
 }
 
-/// FlashAttention-4's cubic `2^x` per lane, the polynomial [`softmax_core::EXP2_CUBIC`]
-/// evaluated in the same order as [`softmax_core::exp2_cubic`] (fused multiply-adds where the
-/// architecture has them), same special values.
+/// FlashAttention-4's cubic `2^x` per lane: the polynomial [`softmax_core::EXP2_CUBIC`] on
+/// `[0, 1)` after `n = floor(x)`, evaluated in the same order as [`softmax_core::exp2_cubic`]
+/// (with fused multiply-adds where the architecture has them). Special values as
+/// [`exp2_exact`] (NaN → NaN, `−∞` → 0, `+∞` → `+∞`); unlike the scalar version it does not
+/// flush results in `[2^−127, 2^−125)` to zero.
 #[inline(always)]
 pub(crate) unsafe fn exp2_cubic<S: Simd>(x: S::V) -> S::V {
     // SAFETY: the caller runs on S's architecture (trait contract).
     unsafe {
-        let lo = S::splat(EXP2_MIN);
-        let hi = S::splat(EXP2_MAX);
-        let xc = S::min(S::max(x, lo), hi);
+        let xc = S::min(S::splat(EXP2_HI), S::max(S::splat(EXP2_LO), x));
         let whole = S::floor(xc);
         let frac = S::sub(xc, whole);
         let [c0, c1, c2, c3] = softmax_core::EXP2_CUBIC;
         let p = S::fma(S::splat(c3), frac, S::splat(c2));
         let p = S::fma(p, frac, S::splat(c1));
         let p = S::fma(p, frac, S::splat(c0));
-        let r = S::add_exponent(p, whole);
-        finish_exp2::<S>(x, r, lo, hi)
-    }
-}
-
-/// The special values shared by both exponentials.
-#[inline(always)]
-unsafe fn finish_exp2<S: Simd>(x: S::V, r: S::V, lo: S::V, hi: S::V) -> S::V {
-    // SAFETY: the caller runs on S's architecture (trait contract).
-    unsafe {
-        let r = S::select_lt(x, lo, S::splat(0.0), r);
-        let r = S::select_lt(x, hi, r, S::splat(f32::INFINITY));
-        S::select_nan(x, x, r)
+        S::mul(p, S::pow2i(whole))
     }
 }
 

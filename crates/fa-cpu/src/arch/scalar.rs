@@ -124,9 +124,9 @@ unsafe impl Simd for Scalar {
         map(a, floor)
     }
     #[inline(always)]
-    unsafe fn add_exponent(p: V, n: V) -> V {
-        zip(p, n, |p, n| {
-            f32::from_bits((p.to_bits() as i32).wrapping_add((n as i32) << 23) as u32)
+    unsafe fn pow2i(n: V) -> V {
+        map(n, |n| {
+            f32::from_bits(((n as i32).wrapping_add(127) as u32) << 23)
         })
     }
     #[inline(always)]
@@ -145,6 +145,8 @@ unsafe impl Simd for Scalar {
         }
         r
     }
+    #[inline(always)]
+    unsafe fn prefetch(_p: *const u8) {}
     #[inline(always)]
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
         for i in 0..n {
