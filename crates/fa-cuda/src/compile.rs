@@ -106,6 +106,16 @@ fn log_of(prog: &Program) -> String {
 
 /// Compiles `variant` to a cubin for `arch` (`sm_80`, `sm_90a`, ...) with ptxas' verbose report.
 pub fn compile_variant(variant: &Variant, arch: &str) -> Result<Compiled, CudaError> {
+    compile_variant_with(variant, arch, &[])
+}
+
+/// [`compile_variant`] with extra NVRTC options (e.g. a define that defeats a compile cache,
+/// so that ptxas runs and reports).
+pub fn compile_variant_with(
+    variant: &Variant,
+    arch: &str,
+    extra_options: &[String],
+) -> Result<Compiled, CudaError> {
     if !nvrtc_available() {
         return Err(CudaError::NoNvrtc);
     }
@@ -126,7 +136,10 @@ pub fn compile_variant(variant: &Variant, arch: &str) -> Result<Compiled, CudaEr
         "--std=c++17".to_string(),
         "--ptxas-options=-v".to_string(),
         "--fmad=true".to_string(),
+        // The source has no host code; this makes its local lambda a device function.
+        "-default-device".to_string(),
     ]);
+    options.extend(extra_options.iter().cloned());
     // SAFETY: `prog` is live; the options are plain strings without NUL bytes.
     let compiled = unsafe { nvrtc::compile_program(prog.0, &options) };
     let log = log_of(&prog);

@@ -236,9 +236,11 @@ impl Device {
         host: &mut [T],
     ) -> Result<(), CudaError> {
         if host.len() != buf.len() {
-            return Err(CudaError::Problem(softmax_core::ProblemError::Unsupported {
-                what: "download needs a host slice of the buffer's length",
-            }));
+            return Err(CudaError::Problem(
+                softmax_core::ProblemError::Unsupported {
+                    what: "download needs a host slice of the buffer's length",
+                },
+            ));
         }
         self.stream
             .memcpy_dtoh(&buf.slice, T::raw_mut(host))
@@ -265,9 +267,11 @@ impl Device {
         }
         let (compiled, fresh) = compile_cached(variant, &self.arch)?;
         if variant.smem_bytes() > self.smem_optin {
-            return Err(CudaError::Problem(softmax_core::ProblemError::Unsupported {
-                what: "the kernel's shared memory exceeds this device's limit",
-            }));
+            return Err(CudaError::Problem(
+                softmax_core::ProblemError::Unsupported {
+                    what: "the kernel's shared memory exceeds this device's limit",
+                },
+            ));
         }
         let module = self
             .ctx
@@ -406,7 +410,9 @@ impl Device {
         let (v_ptr, _gv) = v.slice.device_ptr(stream);
         let (o_ptr, _go) = out.slice.device_ptr(stream);
         let lse_guard = lse.map(|l| l.slice.device_ptr(stream));
-        let cu_guards = cu.as_ref().map(|(a, b)| (a.device_ptr(stream), b.device_ptr(stream)));
+        let cu_guards = cu
+            .as_ref()
+            .map(|(a, b)| (a.device_ptr(stream), b.device_ptr(stream)));
         let params = KernelParams {
             q: q_ptr,
             k: k_ptr,

@@ -77,7 +77,9 @@ impl fmt::Display for CudaError {
                 f,
                 "compute capability {major}.{minor} is not supported: sm_80 or newer is needed"
             ),
-            CudaError::Driver { what, error } => write!(f, "CUDA driver call {what} failed: {error}"),
+            CudaError::Driver { what, error } => {
+                write!(f, "CUDA driver call {what} failed: {error}")
+            }
             CudaError::Compile { variant, log } => {
                 write!(f, "NVRTC failed on kernel variant {variant}:\n{log}")
             }

@@ -40,8 +40,9 @@ pub struct Variant {
     pub min_blocks: u32,
     /// Element type.
     pub dtype: Dtype,
-    /// Softcap on.
-    pub softcap: bool,
+    /// General score transform (softcap, or a scale ≤ 0) applied before the row max; without
+    /// it the scale must be positive and is folded into the exponent's FMA.
+    pub general_scores: bool,
 }
 
 impl Variant {
@@ -54,20 +55,21 @@ impl Variant {
             format!("-DWARPS={}", self.warps),
             format!("-DMIN_BLOCKS={}", self.min_blocks),
             format!("-DIS_BF16={}", u32::from(self.dtype == Dtype::Bf16)),
-            format!("-DSOFTCAP={}", u32::from(self.softcap)),
+            format!("-DGENERAL_SCORES={}", u32::from(self.general_scores)),
         ]
     }
 
-    /// A readable name, e.g. `fwd_sm80_bf16_d128_128x64_w4`.
+    /// A readable name, e.g. `fwd_sm80_bf16_d128_128x64_w4_b2`.
     pub fn name(&self) -> String {
         format!(
-            "fwd_sm80_{}_d{}_{}x{}_w{}{}",
+            "fwd_sm80_{}_d{}_{}x{}_w{}_b{}{}",
             self.dtype.name(),
             self.hdp,
             self.block_m,
             self.block_n,
             self.warps,
-            if self.softcap { "_softcap" } else { "" }
+            self.min_blocks,
+            if self.general_scores { "_gen" } else { "" }
         )
     }
 
@@ -86,8 +88,8 @@ impl Variant {
         let mut all = Vec::new();
         for dtype in [Dtype::Bf16, Dtype::F16] {
             for hdp in [64, 128, 256] {
-                for softcap in [false, true] {
-                    all.push(tile_config(hdp, dtype, softcap));
+                for general_scores in [false, true] {
+                    all.push(tile_config(hdp, dtype, general_scores));
                 }
             }
         }
@@ -97,9 +99,9 @@ impl Variant {
 
 /// Tile sizes per padded head dim (FlashAttention-2's sm80 choices): 128 query rows per CTA;
 /// 4 warps of 32 rows for head dims up to 128 (two CTAs per SM), 8 warps of 16 rows for 256.
-fn tile_config(hdp: u32, dtype: Dtype, softcap: bool) -> Variant {
+fn tile_config(hdp: u32, dtype: Dtype, general_scores: bool) -> Variant {
     // hdim 64 with softcap: the tanh needs registers that 128-key tiles leave no room for.
-    let (block_n, warps, min_blocks) = match (hdp, softcap) {
+    let (block_n, warps, min_blocks) = match (hdp, general_scores) {
         (64, false) => (128, 4, 2),
         (64, true) | (128, _) => (64, 4, 2),
         _ => (64, 8, 1),
@@ -111,7 +113,45 @@ fn tile_config(hdp: u32, dtype: Dtype, softcap: bool) -> Variant {
         warps,
         min_blocks,
         dtype,
-        softcap,
+        general_scores,
+    }
+}
+
+/// Tile sizes of the sm_80 kernel, for overriding the launch choice in tuning experiments
+/// (see [`crate::ForwardOptions::tiles`]); `block_m` must be a multiple of `16·warps`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tiles {
+    /// Query rows per CTA.
+    pub block_m: u32,
+    /// Keys per K/V tile (multiple of 16).
+    pub block_n: u32,
+    /// Warps per CTA.
+    pub warps: u32,
+    /// CTAs per SM the register cap is set for.
+    pub min_blocks: u32,
+}
+
+impl Tiles {
+    /// Parses `BMxBNxWARPSxMINBLOCKS`, e.g. `128x64x4x2`.
+    pub fn parse(s: &str) -> Option<Tiles> {
+        let v: Vec<u32> = s
+            .split('x')
+            .map(|x| x.parse().ok())
+            .collect::<Option<_>>()?;
+        let [block_m, block_n, warps, min_blocks] = v[..] else {
+            return None;
+        };
+        let ok = warps > 0
+            && block_m % (16 * warps) == 0
+            && block_n % 16 == 0
+            && block_n > 0
+            && min_blocks > 0;
+        ok.then_some(Tiles {
+            block_m,
+            block_n,
+            warps,
+            min_blocks,
+        })
     }
 }
 
@@ -130,7 +170,7 @@ pub struct LaunchShape {
 
 /// The launch choice of the sm_80 forward family: variant (head-dim padding, tiles, warps) and
 /// grid over (query block, head, batch). `None` when the problem has nothing to compute.
-pub fn plan_forward(problem: &Problem, dtype: Dtype) -> Option<LaunchShape> {
+pub fn plan_forward(problem: &Problem, dtype: Dtype, tiles: Option<Tiles>) -> Option<LaunchShape> {
     // Tiles are laid out for 64, 128 or 256 columns; smaller head dims are zero-padded.
     let dim = problem.head_dim().max(problem.head_dim_v()) as u32;
     let hdp = match dim {
@@ -138,7 +178,14 @@ pub fn plan_forward(problem: &Problem, dtype: Dtype) -> Option<LaunchShape> {
         65..=128 => 128,
         _ => 256,
     };
-    let variant = tile_config(hdp, dtype, problem.softcap().is_some());
+    let general = problem.softcap().is_some() || problem.softmax_scale() <= 0.0;
+    let mut variant = tile_config(hdp, dtype, general);
+    if let Some(t) = tiles {
+        variant.block_m = t.block_m;
+        variant.block_n = t.block_n;
+        variant.warps = t.warps;
+        variant.min_blocks = t.min_blocks;
+    }
     let m_blocks = (problem.max_seqlen_q() as u32).div_ceil(variant.block_m);
     if m_blocks == 0 {
         return None;

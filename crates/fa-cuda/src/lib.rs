@@ -48,5 +48,5 @@ pub use device::{
     arch_for, driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, ForwardStats,
 };
 pub use error::CudaError;
-pub use kernels::{Dtype, LaunchShape, Variant};
+pub use kernels::{Dtype, LaunchShape, Tiles, Variant};
 pub use params::ForwardOptions;

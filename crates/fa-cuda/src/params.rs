@@ -1,7 +1,7 @@
 //! Host-side preparation of a forward call, without touching the GPU: validation through
 //! `softmax-core`, this backend's own limits, the launch choice and the kernel parameters.
 
-use crate::kernels::{plan_forward, Dtype, LaunchShape};
+use crate::kernels::{plan_forward, Dtype, LaunchShape, Tiles};
 use softmax_core::{BufferLens, Problem, ProblemDesc, ProblemError, RescalePolicy};
 
 /// Options of a forward call beyond the problem description.
@@ -12,6 +12,8 @@ pub struct ForwardOptions {
     pub rescale: RescalePolicy<f32>,
     /// Time the kernel with CUDA events and report it in [`crate::ForwardStats::kernel_ms`].
     pub time_kernel: bool,
+    /// Override the launch choice's tile sizes (tuning experiments; `None`: the tuned choice).
+    pub tiles: Option<Tiles>,
 }
 
 impl Default for ForwardOptions {
@@ -19,6 +21,7 @@ impl Default for ForwardOptions {
         ForwardOptions {
             rescale: RescalePolicy::default(),
             time_kernel: false,
+            tiles: None,
         }
     }
 }
@@ -108,7 +111,9 @@ pub(crate) fn prepare<'a>(
         Dtype::F16 => 15.0,
     };
     if !(tau.is_finite() && (0.0..=tau_max).contains(&tau)) {
-        return unsupported("rescale threshold must be finite, >= 0 and below log2 of the dtype's max");
+        return unsupported(
+            "rescale threshold must be finite, >= 0 and below log2 of the dtype's max",
+        );
     }
     let transform = problem.score_transform::<f64>();
     let mask = problem.mask();
@@ -121,7 +126,7 @@ pub(crate) fn prepare<'a>(
             s.head as i64,
         ]
     };
-    let launch = plan_forward(&problem, dtype);
+    let launch = plan_forward(&problem, dtype, opts.tiles);
     let (lse_bs, lse_hs) = if varlen {
         (0, problem.total_q() as i64)
     } else {
@@ -169,8 +174,13 @@ mod tests {
     #[test]
     fn dense_params_follow_the_problem() {
         let desc = ProblemDesc::new(2, 100, 300, 8, 2, 128).causal();
-        let p = prepare(&desc, lens_of(&desc), Dtype::Bf16, &ForwardOptions::default())
-            .expect("valid");
+        let p = prepare(
+            &desc,
+            lens_of(&desc),
+            Dtype::Bf16,
+            &ForwardOptions::default(),
+        )
+        .expect("valid");
         let launch = p.launch.expect("work to do");
         assert_eq!(launch.grid, (1, 8, 2));
         assert_eq!(launch.variant.hdp, 128);
@@ -189,8 +199,13 @@ mod tests {
         let cu_q = [0u32, 5, 5, 40];
         let cu_k = [0u32, 7, 9, 9];
         let desc = ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 72).window(Some(3), Some(2));
-        let p = prepare(&desc, lens_of(&desc), Dtype::F16, &ForwardOptions::default())
-            .expect("valid");
+        let p = prepare(
+            &desc,
+            lens_of(&desc),
+            Dtype::F16,
+            &ForwardOptions::default(),
+        )
+        .expect("valid");
         let launch = p.launch.expect("work");
         assert_eq!(launch.grid, (1, 4, 3));
         assert_eq!(launch.variant.hdp, 128);
@@ -204,7 +219,18 @@ mod tests {
         let opts = ForwardOptions::default();
         let desc = ProblemDesc::new(1, 4, 4, 3, 2, 64);
         assert!(matches!(
-            prepare(&desc, BufferLens { q: 0, k: 0, v: 0, o: 0, lse: None }, Dtype::Bf16, &opts),
+            prepare(
+                &desc,
+                BufferLens {
+                    q: 0,
+                    k: 0,
+                    v: 0,
+                    o: 0,
+                    lse: None
+                },
+                Dtype::Bf16,
+                &opts
+            ),
             Err(ProblemError::GqaRatio { .. })
         ));
         let desc = ProblemDesc::new(1, 4, 4, 2, 2, 64);
@@ -212,7 +238,10 @@ mod tests {
         lens.o -= 1;
         assert!(matches!(
             prepare(&desc, lens, Dtype::Bf16, &opts),
-            Err(ProblemError::BufferTooSmall { tensor: Tensor::O, .. })
+            Err(ProblemError::BufferTooSmall {
+                tensor: Tensor::O,
+                ..
+            })
         ));
         let desc = ProblemDesc::new(1, 4, 4, 2, 2, 60);
         assert!(matches!(
@@ -243,8 +272,13 @@ mod tests {
     #[test]
     fn empty_problem_has_no_launch() {
         let desc = ProblemDesc::new(1, 0, 5, 2, 2, 64);
-        let p = prepare(&desc, lens_of(&desc), Dtype::Bf16, &ForwardOptions::default())
-            .expect("valid");
+        let p = prepare(
+            &desc,
+            lens_of(&desc),
+            Dtype::Bf16,
+            &ForwardOptions::default(),
+        )
+        .expect("valid");
         assert!(p.launch.is_none());
     }
 }

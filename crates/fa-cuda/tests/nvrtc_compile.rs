@@ -3,7 +3,7 @@
 //! loaded the test is skipped with a message, except when the `CI` variable is set: then it
 //! fails, so that CI never passes it silently (`.ci/install-nvrtc.sh` provides the library).
 
-use fa_cuda::compile::{compile_variant, nvrtc_available, Compiled};
+use fa_cuda::compile::{compile_variant_with, nvrtc_available, Compiled};
 use fa_cuda::Variant;
 use std::sync::Mutex;
 
@@ -28,7 +28,9 @@ fn every_variant_compiles_without_spills() {
         .collect();
     let results: Mutex<Vec<Result<Compiled, String>>> = Mutex::new(Vec::new());
     let next = Mutex::new(0usize);
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(8);
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .min(8);
     let start = std::time::Instant::now();
     std::thread::scope(|s| {
         for _ in 0..threads {
@@ -42,7 +44,13 @@ fn every_variant_compiles_without_spills() {
                 let Some((variant, arch)) = jobs.get(i) else {
                     break;
                 };
-                let r = compile_variant(variant, arch).map_err(|e| e.to_string());
+                // A unique define defeats any NVRTC compile cache (seen on the GPU machine),
+                // which would skip ptxas and its resource report.
+                let nonce = vec![format!(
+                    "-DFA_COMPILE_CHECK_NONCE={}_{i}",
+                    std::process::id()
+                )];
+                let r = compile_variant_with(variant, arch, &nonce).map_err(|e| e.to_string());
                 results.lock().expect("lock").push(r);
             });
         }
@@ -68,7 +76,12 @@ fn every_variant_compiles_without_spills() {
                     c.compile_ms
                 );
                 if c.usage.registers == 0 {
-                    failures.push(format!("{} {}: no ptxas report in log:\n{}", c.variant.name(), c.arch, c.log));
+                    failures.push(format!(
+                        "{} {}: no ptxas report in log:\n{}",
+                        c.variant.name(),
+                        c.arch,
+                        c.log
+                    ));
                 } else if c.usage.spills() || c.usage.stack_frame > 0 {
                     failures.push(format!(
                         "{} {}: spills or stack frame: {:?}",

@@ -8,7 +8,8 @@
 //   WARPS       warps per CTA; each owns BLOCK_M / WARPS contiguous query rows
 //   MIN_BLOCKS  CTAs per SM for __launch_bounds__ (sets the register cap)
 //   IS_BF16     1: bf16 inputs/outputs, 0: fp16
-//   SOFTCAP     1: scores go through cap*tanh(s/cap)
+//   GENERAL_SCORES 1: scores are transformed before the max (softcap cap*tanh(s/cap), or a
+//               non-positive scale); 0: scale > 0, folded into the exponent's FMA
 //
 // Softmax bookkeeping mirrors softmax-core (`RowState::begin_block`, `add_sum`, `finish`):
 // scores in the scaled log2 domain, threshold rescale with tau, an all-masked row keeps the
@@ -17,8 +18,8 @@
 // with tiles classified full / partial / empty exactly as `Mask::classify_tile` does.
 
 #if !defined(HDP) || !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(WARPS) || \
-    !defined(MIN_BLOCKS) || !defined(IS_BF16) || !defined(SOFTCAP)
-#error "flash_fwd_sm80.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, MIN_BLOCKS, IS_BF16, SOFTCAP"
+    !defined(MIN_BLOCKS) || !defined(IS_BF16) || !defined(GENERAL_SCORES)
+#error "flash_fwd_sm80.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, MIN_BLOCKS, IS_BF16, GENERAL_SCORES"
 #endif
 
 #define THREADS (WARPS * 32)
@@ -267,12 +268,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         }
     }
 
-    for (int t = t_begin; t < t_end; ++t) {
+    // One K/V tile; `masked`: apply the mask element by element (partial tiles only, as
+    // Mask::classify_tile says). One copy of the body: two (masked / unmasked) spill.
+    auto tile = [&](const int t, const bool masked) {
         const int n0 = t * BLOCK_N;
-        cp_async_wait_all();
-        __syncthreads(); // K tile (and Q) visible to all; everyone is done with the last V tile
-        load_tile<BLOCK_N>(sV, gv + (i64)n0 * p.v_ss, p.v_ss, sk - n0, p.head_dim_v, tid);
-        cp_async_commit();
 
         // S = Q K^T for this warp's rows.
         float s[MT][NT][4];
@@ -303,20 +302,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
             }
         }
 
-        // Scores to the log2 domain, mask on partial tiles (classify_tile's rule).
-        const bool partial = !(full_lo <= n0 && n0 + BLOCK_N <= full_hi);
+        // Scores. GENERAL_SCORES: x = t(s*pre) (softcap or a non-positive scale) first.
+        // Otherwise pre > 0, so the max of the raw dot products times pre is the max of the
+        // log2 scores, and the scale folds into the exponent's FMA.
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int j = 0; j < NT; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-#if SOFTCAP
-                    float x = tanh_f(s[mt][j][e] * p.pre) * p.softcap_post;
-#else
-                    float x = s[mt][j][e] * p.pre;
+                    float x = s[mt][j][e];
+#if GENERAL_SCORES
+                    x = p.softcap_post != 0.0f ? tanh_f(x * p.pre) * p.softcap_post : x * p.pre;
 #endif
-                    if (partial) {
+                    if (masked) {
                         const int col = n0 + j * 8 + 2 * tig + (e & 1);
                         const int hh = e >> 1;
                         if (col < row_lo[mt][hh] || col >= row_hi[mt][hh]) x = NEG_INF;
@@ -324,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
                     s[mt][j][e] = x;
                 }
 
-        // Online softmax (RowState::begin_block with the threshold policy).
+        // Online softmax (RowState::begin_block with the threshold policy; tau = 0 is `Always`).
         float corr[MT][2];
         bool any_rescale = false;
 #pragma unroll
@@ -336,14 +335,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
                 for (int j = 0; j < NT; ++j) bm = fmaxf(bm, fmaxf(s[mt][j][2 * hh], s[mt][j][2 * hh + 1]));
                 bm = fmaxf(bm, shfl_xor(bm, 1));
                 bm = fmaxf(bm, shfl_xor(bm, 2));
+#if !GENERAL_SCORES
+                bm *= p.pre; // pre > 0: -inf stays -inf
+#endif
                 const float m = row_m[mt][hh];
-                float c = 1.0f;
-                if (bm > m && (m == NEG_INF || bm - m > p.tau)) {
-                    c = ex2(m - bm); // 0 when m = -inf: the (empty) accumulator is zeroed
-                    row_m[mt][hh] = bm;
-                    row_l[mt][hh] *= c;
-                    any_rescale = true;
-                }
+                const bool move = bm > m && (m == NEG_INF || bm - m > p.tau);
+                // exp2(-inf - bm) = 0 when m = -inf: the (empty) accumulator is zeroed.
+                const float c = move ? ex2(m - bm) : 1.0f;
+                row_m[mt][hh] = move ? bm : m;
+                row_l[mt][hh] *= c;
+                any_rescale |= move;
                 corr[mt][hh] = c;
             }
         if (warp_any(any_rescale)) {
@@ -367,10 +368,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
             float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
-                s[mt][j][0] = ex2(s[mt][j][0] - off0);
-                s[mt][j][1] = ex2(s[mt][j][1] - off0);
-                s[mt][j][2] = ex2(s[mt][j][2] - off1);
-                s[mt][j][3] = ex2(s[mt][j][3] - off1);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float off = e < 2 ? off0 : off1;
+#if GENERAL_SCORES
+                    s[mt][j][e] = ex2(s[mt][j][e] - off);
+#else
+                    s[mt][j][e] = ex2(fmaf(s[mt][j][e], p.pre, -off));
+#endif
+                }
                 sum0 += s[mt][j][0] + s[mt][j][1];
                 sum1 += s[mt][j][2] + s[mt][j][3];
             }
@@ -406,6 +412,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
                 }
             }
         }
+    };
+
+    for (int t = t_begin; t < t_end; ++t) {
+        const int n0 = t * BLOCK_N;
+        cp_async_wait_all();
+        __syncthreads(); // K tile (and Q) visible to all; everyone is done with the last V tile
+        load_tile<BLOCK_N>(sV, gv + (i64)n0 * p.v_ss, p.v_ss, sk - n0, p.head_dim_v, tid);
+        cp_async_commit();
+        tile(t, !(full_lo <= n0 && n0 + BLOCK_N <= full_hi));
     }
 
     // Finish (RowState::finish): 1/l and LSE; a row that saw no key gives 0 and -inf.

@@ -1,0 +1,339 @@
+//! GPU tests against the f64 reference (`fa_reference::attention_f64`) on fresh random inputs
+//! rounded to bf16/fp16, outputs and LSE poisoned (NaN) before each launch. Bounds: normwise
+//! ‖out − ref‖/‖ref‖ ≤ 1e-2 and LSE within 1e-3 (absolute), the DESIGN's contract for 16-bit
+//! inputs with f32 accumulation. Ignored by default: they need a CUDA GPU
+//! (`cargo test -p fa-cuda -- --include-ignored`, or `../shared/bin/gpu-pack` and the device).
+
+use fa_cuda::{CudaElement, CudaError, Device, ForwardOptions};
+use fa_reference::{attention_f64, compare, poison, Case, Rng, Rounding};
+use half::{bf16, f16};
+use softmax_core::{Mask, ProblemError, RescalePolicy};
+use std::sync::OnceLock;
+
+const REL_L2_BOUND: f64 = 1e-2;
+const LSE_BOUND: f64 = 1e-3;
+
+fn device() -> &'static Device {
+    static DEVICE: OnceLock<Device> = OnceLock::new();
+    DEVICE.get_or_init(|| match Device::open(0) {
+        Ok(d) => d,
+        Err(e) => panic!("these tests need a CUDA GPU: {e}"),
+    })
+}
+
+/// Runs `case` (already rounded to `T`) on the GPU and checks it against the oracle.
+fn check_as<T: CudaElement + fa_reference::Element>(
+    label: &str,
+    case: &Case,
+    opts: &ForwardOptions,
+) -> f64 {
+    let desc = case.desc();
+    let problem = desc.validate(256).expect("valid case");
+    let to_t = |x: &[f32]| x.iter().map(|&v| T::from_f64(v as f64)).collect::<Vec<T>>();
+    let (q, k, v) = (to_t(&case.q), to_t(&case.k), to_t(&case.v));
+    let lens = problem.min_buffer_lens();
+    let mut out = vec![T::from_f64(0.0); lens.o];
+    poison(&mut out);
+    let mut lse = vec![0.0f32; problem.lse_len()];
+    poison(&mut lse);
+    let stats = device()
+        .forward_host(&desc, &q, &k, &v, &mut out, Some(&mut lse), opts)
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+    let oracle = attention_f64(&problem, &case.q, &case.k, &case.v);
+    let report = compare(&problem, &out, Some(&lse), &oracle);
+    println!(
+        "{label:<48} rel_l2 {:.2e} max_abs {:.2e} lse {:.2e} ({} elements, {})",
+        report.rel_l2,
+        report.max_abs,
+        report.lse_max_abs,
+        report.elements,
+        stats
+            .launch
+            .map_or("no launch".to_string(), |l| l.variant.name())
+    );
+    assert!(
+        report.within(REL_L2_BOUND, LSE_BOUND),
+        "{label}: {report:?} exceeds rel_l2 {REL_L2_BOUND} / lse {LSE_BOUND}"
+    );
+    report.rel_l2
+}
+
+fn check(label: &str, case: Case) -> f64 {
+    check_as::<bf16>(
+        label,
+        &case.round(Rounding::Bf16),
+        &ForwardOptions::default(),
+    )
+}
+
+fn masks() -> Vec<(&'static str, Mask)> {
+    vec![
+        ("none", Mask::NONE),
+        ("causal", Mask::CAUSAL),
+        (
+            "window(32,8)",
+            Mask {
+                left: Some(32),
+                right: Some(8),
+            },
+        ),
+        (
+            "window(0,0)",
+            Mask {
+                left: Some(0),
+                right: Some(0),
+            },
+        ),
+        (
+            "window(-,5)",
+            Mask {
+                left: None,
+                right: Some(5),
+            },
+        ),
+        (
+            "window(70,-)",
+            Mask {
+                left: Some(70),
+                right: None,
+            },
+        ),
+        (
+            "causal+left 64",
+            Mask {
+                left: Some(64),
+                right: Some(0),
+            },
+        ),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn seqlens_and_head_dims() {
+    let mut rng = Rng::new(1);
+    for &s in &[1usize, 17, 127, 1000] {
+        for &d in &[64usize, 96, 128, 256] {
+            for causal in [false, true] {
+                let mut case = Case::dense(&mut rng, 2, s, s, 3, 3, d);
+                if causal {
+                    case = case.causal();
+                }
+                check(&format!("s={s} d={d} causal={causal}"), case);
+            }
+        }
+    }
+    // A long sequence (one head, sampled by the full oracle: kept moderate for the host CPU).
+    for causal in [false, true] {
+        let mut case = Case::dense(&mut rng, 1, 4097, 4097, 1, 1, 64);
+        if causal {
+            case = case.causal();
+        }
+        check(&format!("s=4097 d=64 causal={causal}"), case);
+    }
+    let case = Case::dense(&mut rng, 1, 4097, 4097, 1, 1, 128).causal();
+    check("s=4097 d=128 causal", case);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn odd_head_dims() {
+    let mut rng = Rng::new(2);
+    for &d in &[8usize, 40, 72, 136, 200, 248] {
+        for causal in [false, true] {
+            let mut case = Case::dense(&mut rng, 1, 129, 200, 2, 1, d);
+            if causal {
+                case = case.causal();
+            }
+            check(&format!("d={d} s=129x200 causal={causal}"), case);
+        }
+    }
+    // head_dim_v != head_dim
+    let mut case = Case::dense(&mut rng, 1, 70, 90, 2, 2, 64);
+    case.head_dim_v = 128;
+    case.fill(&mut rng, Rounding::Bf16);
+    check("d=64 dv=128", case);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_mask_with_unequal_lengths() {
+    let mut rng = Rng::new(3);
+    for &(sq, sk) in &[
+        (17usize, 1000usize),
+        (1000, 17),
+        (1, 4097),
+        (127, 300),
+        (300, 127),
+        (200, 200),
+    ] {
+        for (name, mask) in masks() {
+            let case = Case::dense(&mut rng, 1, sq, sk, 2, 1, 64).with_mask(mask);
+            check(&format!("sq={sq} sk={sk} mask={name}"), case);
+        }
+    }
+    // Rows that see no key at all (causal with seqlen_q > seqlen_k): output 0, LSE -inf.
+    let case = Case::dense(&mut rng, 1, 300, 40, 2, 2, 128).causal();
+    check("sq=300 sk=40 causal (empty rows)", case);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gqa_mqa_and_strides() {
+    let mut rng = Rng::new(4);
+    for &(hq, hk) in &[(8usize, 1usize), (16, 2), (6, 3)] {
+        for causal in [false, true] {
+            let mut case = Case::dense(&mut rng, 2, 257, 257, hq, hk, 128);
+            if causal {
+                case = case.causal();
+            }
+            check(&format!("heads {hq}:{hk} causal={causal}"), case);
+        }
+    }
+    let case = Case::dense(&mut rng, 2, 150, 190, 4, 2, 64)
+        .causal()
+        .padded(&mut rng, 8, Rounding::Bf16);
+    check("padded strides d=64", case);
+    let case = Case::dense(&mut rng, 2, 150, 190, 4, 1, 256).padded(&mut rng, 16, Rounding::Bf16);
+    check("padded strides d=256 MQA", case);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn varlen_with_empty_and_single_token_sequences() {
+    let mut rng = Rng::new(5);
+    let seqlens_q = [0u32, 1, 17, 300, 5, 1, 129];
+    let seqlens_k = [3u32, 1, 0, 280, 9, 200, 129];
+    for (name, mask) in masks() {
+        for &d in &[64usize, 128] {
+            let case = Case::varlen(&mut rng, &seqlens_q, &seqlens_k, 4, 2, d).with_mask(mask);
+            check(&format!("varlen d={d} mask={name}"), case);
+        }
+    }
+    let case = Case::varlen(&mut rng, &seqlens_q, &seqlens_k, 8, 1, 256)
+        .causal()
+        .padded(&mut rng, 8, Rounding::Bf16);
+    check("varlen padded d=256 MQA causal", case);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp16_softcap_scale_and_rescale_policies() {
+    let mut rng = Rng::new(6);
+    for &d in &[64usize, 128, 256] {
+        let case = Case::dense(&mut rng, 1, 300, 300, 2, 1, d)
+            .causal()
+            .round(Rounding::F16);
+        check_as::<f16>(
+            &format!("fp16 d={d} causal"),
+            &case,
+            &ForwardOptions::default(),
+        );
+        let case = Case::dense(&mut rng, 1, 300, 333, 2, 2, d)
+            .with_softcap(5.0)
+            .with_scale(0.5)
+            .round(Rounding::Bf16);
+        check_as::<bf16>(
+            &format!("softcap 5 scale 0.5 d={d}"),
+            &case,
+            &ForwardOptions::default(),
+        );
+    }
+    // A wide dynamic range (large scale) makes the running max move often: both policies must
+    // agree with the oracle.
+    for policy in [
+        RescalePolicy::Always,
+        RescalePolicy::Threshold(8.0),
+        RescalePolicy::Threshold(0.5),
+    ] {
+        let case = Case::dense(&mut rng, 1, 500, 700, 2, 2, 128)
+            .with_scale(1.5)
+            .round(Rounding::Bf16);
+        let opts = ForwardOptions {
+            rescale: policy,
+            ..ForwardOptions::default()
+        };
+        check_as::<bf16>(&format!("scale 1.5 policy {policy:?}"), &case, &opts);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_input_is_rejected_and_outputs_untouched() {
+    let mut rng = Rng::new(7);
+    let case = Case::dense(&mut rng, 1, 64, 64, 2, 2, 64).round(Rounding::Bf16);
+    let desc = case.desc();
+    let to_bf = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+    let (q, k, v) = (to_bf(&case.q), to_bf(&case.k), to_bf(&case.v));
+    let mut out = vec![bf16::from_f32(7.0); q.len() - 1];
+    let err = device()
+        .forward_host(
+            &desc,
+            &q,
+            &k,
+            &v,
+            &mut out,
+            None,
+            &ForwardOptions::default(),
+        )
+        .expect_err("short output");
+    assert!(matches!(
+        err,
+        CudaError::Problem(ProblemError::BufferTooSmall { .. })
+    ));
+    assert!(out.iter().all(|&x| x == bf16::from_f32(7.0)));
+    let mut out = vec![bf16::from_f32(7.0); q.len()];
+    let bad = desc.scale(f32::NAN);
+    let err = device()
+        .forward_host(&bad, &q, &k, &v, &mut out, None, &ForwardOptions::default())
+        .expect_err("NaN scale");
+    assert!(matches!(
+        err,
+        CudaError::Problem(ProblemError::NonFiniteScale { .. })
+    ));
+    assert!(out.iter().all(|&x| x == bf16::from_f32(7.0)));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn repeated_runs_agree_bitwise() {
+    // A race would show as run-to-run differences on the same inputs.
+    let mut rng = Rng::new(8);
+    let case = Case::dense(&mut rng, 2, 1000, 1000, 4, 1, 128)
+        .causal()
+        .round(Rounding::Bf16);
+    let desc = case.desc();
+    let to_bf = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+    let (q, k, v) = (to_bf(&case.q), to_bf(&case.k), to_bf(&case.v));
+    let mut first = vec![bf16::ZERO; q.len()];
+    device()
+        .forward_host(
+            &desc,
+            &q,
+            &k,
+            &v,
+            &mut first,
+            None,
+            &ForwardOptions::default(),
+        )
+        .expect("runs");
+    for _ in 0..3 {
+        let mut again = vec![bf16::ZERO; q.len()];
+        poison(&mut again);
+        device()
+            .forward_host(
+                &desc,
+                &q,
+                &k,
+                &v,
+                &mut again,
+                None,
+                &ForwardOptions::default(),
+            )
+            .expect("runs");
+        assert!(first
+            .iter()
+            .zip(&again)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
