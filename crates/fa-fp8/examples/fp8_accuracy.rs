@@ -8,8 +8,8 @@
 //! compared on the sampled rows.
 //!
 //! ```text
-//! cargo run --release -p fa-fp8 --example fp8_accuracy [-- --seqlens 1024,4096,8192 \
-//!     --heads 1 --sample 512 --seed 1 --block-q 128 --block-k 128]
+//! cargo run --release -p fa-fp8 --example fp8_accuracy [-- --seqlens 1024,4096,8192,16384 \
+//!     --heads 2 --sample 1024 --seed 1 --block-q 128 --block-k 128]
 //! ```
 //!
 //! Besides the table it prints: the per-tensor / per-block+Hadamard RMSE ratio at each seqlen,
@@ -39,9 +39,9 @@ struct Args {
 
 fn parse_args() -> Args {
     let mut a = Args {
-        seqlens: vec![1024, 4096, 8192],
-        heads: 1,
-        sample: 512,
+        seqlens: vec![1024, 4096, 8192, 16384],
+        heads: 2,
+        sample: 1024,
         seed: 1,
         block_q: 128,
         block_k: 128,
@@ -300,6 +300,24 @@ fn main() {
             Some(fp8(block, true)),
             None,
             "9.1e-3",
+        ),
+        (
+            "(FP8 per-tensor, P kept in f32)",
+            Some(Fp8Options {
+                quantize_p: false,
+                ..fp8(Fp8Scaling::PerTensor, false)
+            }),
+            None,
+            "-",
+        ),
+        (
+            "(FP8 per-block + Hadamard, P kept in f32)",
+            Some(Fp8Options {
+                quantize_p: false,
+                ..fp8(block, true)
+            }),
+            None,
+            "-",
         ),
     ];
     println!(

@@ -46,6 +46,9 @@ use softmax_core::{BufferLens, Problem, ProblemDesc, RescalePolicy};
 /// conversion.
 pub const P_OFFSET_LOG2: f32 = 8.0;
 
+/// The probability hook's type (fa-cpu's `ForwardOptions::probability_hook`).
+type PHook<'a> = dyn Fn(&mut [f32]) + Sync + 'a;
+
 /// How Q, K and V are scaled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fp8Scaling {
@@ -103,11 +106,10 @@ impl Default for Fp8Options {
 /// Checks that unnormalised probabilities under `policy`, times `2^offset_log2`, stay inside
 /// e4m3: `τ + offset < log2(448)` (`τ = 0` for [`RescalePolicy::Always`]).
 pub fn check_p_range(policy: &RescalePolicy<f32>, offset_log2: f32) -> Result<(), Fp8Error> {
-    let tau = match *policy {
-        RescalePolicy::Always => 0.0,
-        RescalePolicy::Threshold(t) => t,
-    };
-    if !(tau >= 0.0 && tau + offset_log2 < Fp8Format::E4m3.log2_max()) {
+    // The rule itself lives in softmax-core (`RescalePolicy::fits`); a negative τ is not a
+    // policy at all.
+    let tau = policy.max_term_log2();
+    if !(tau >= 0.0 && policy.fits(offset_log2, Fp8Format::E4m3.max())) {
         return Err(Fp8Error::PRange {
             tau,
             offset: offset_log2,
@@ -276,7 +278,7 @@ fn forward_operands(
     let quantize_p = |p: &mut [f32]| {
         round_in_place_unchecked(Fp8Format::E4m3, p, offset, 1.0 / offset);
     };
-    let hook: Option<&(dyn Fn(&mut [f32]) + Sync)> = if opts.quantize_p {
+    let hook: Option<&PHook> = if opts.quantize_p {
         Some(&quantize_p)
     } else {
         None

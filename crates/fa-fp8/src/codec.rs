@@ -137,13 +137,17 @@ fn decode_any(format: Fp8Format, src: &[u8], scale: Option<f32>, dst: &mut [f32]
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn encode_avx2(format: Fp8Format, src: &[f32], inv_scale: Option<f32>, dst: &mut [u8]) {
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+unsafe fn encode_avx2(format: Fp8Format, src: &[f32], inv_scale: Option<f32>, dst: &mut [u8]) {
     encode_any(format, src, inv_scale, dst)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn decode_avx2(format: Fp8Format, src: &[u8], scale: Option<f32>, dst: &mut [f32]) {
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+unsafe fn decode_avx2(format: Fp8Format, src: &[u8], scale: Option<f32>, dst: &mut [f32]) {
     decode_any(format, src, scale, dst)
 }
 
@@ -262,7 +266,9 @@ fn round_any(format: Fp8Format, values: &mut [f32], inv_scale: f32, scale: f32) 
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn round_avx2(format: Fp8Format, values: &mut [f32], inv_scale: f32, scale: f32) {
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+unsafe fn round_avx2(format: Fp8Format, values: &mut [f32], inv_scale: f32, scale: f32) {
     round_any(format, values, inv_scale, scale)
 }
 

@@ -128,7 +128,7 @@ impl ScaleLayout {
 /// `amax / format.max()` (rounded up to a power of two if asked), 1 for an all-zero group,
 /// never below the smallest normal f32 (so that `1/scale` is finite).
 pub fn scale_from_amax(amax: f32, format: Fp8Format, power_of_two: bool) -> f32 {
-    if !(amax > 0.0) || !amax.is_finite() {
+    if amax.is_nan() || amax <= 0.0 || amax.is_infinite() {
         return 1.0;
     }
     let mut scale = (amax / format.max()).max(f32::MIN_POSITIVE);

@@ -115,10 +115,12 @@ fn without_p_rounding_the_output_is_exact_attention_of_the_dequantised_operands(
 fn p_rounding_error_is_bounded_and_present() {
     let mut rng = Rng::fresh();
     for case in cases(&mut rng) {
-        let mut opts = Fp8Options::default();
-        opts.scaling = Fp8Scaling::PerBlock {
-            block_q: 16,
-            block_k: 16,
+        let opts = Fp8Options {
+            scaling: Fp8Scaling::PerBlock {
+                block_q: 16,
+                block_k: 16,
+            },
+            ..Fp8Options::default()
         };
         let (q, k, v) = dequantised(&case, &opts);
         let desc = case.desc();
