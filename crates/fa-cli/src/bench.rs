@@ -13,7 +13,7 @@ use crate::tensor::{random_normal, DType, HostTensor};
 use softmax_core::ProblemDesc;
 
 /// One benchmark shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct BenchShape {
     /// Sequences.
     pub batch: usize,
@@ -103,20 +103,9 @@ pub struct BenchResult {
     pub backend: &'static str,
     /// Input dtype.
     pub dtype: DType,
-    /// Sequences.
-    pub batch: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads.
-    pub heads_kv: usize,
-    /// Queries per sequence.
-    pub seqlen_q: usize,
-    /// Keys per sequence.
-    pub seqlen_k: usize,
-    /// Head dimension.
-    pub head_dim: usize,
-    /// Causal mask.
-    pub causal: bool,
+    /// The shape (its fields appear at the top level of the JSON).
+    #[serde(flatten)]
+    pub shape: BenchShape,
     /// Threads used.
     pub threads: usize,
     /// Median time of the timed iterations, milliseconds.
@@ -196,13 +185,7 @@ pub fn bench_shape(
     Ok(BenchResult {
         backend: backend.name(),
         dtype,
-        batch: b,
-        heads: shape.heads,
-        heads_kv: shape.heads_kv,
-        seqlen_q: shape.seqlen_q,
-        seqlen_k: shape.seqlen_k,
-        head_dim: d,
-        causal: shape.causal,
+        shape: *shape,
         threads: backend.effective_threads(opts.threads),
         time_ms_median: med * 1e3,
         time_ms_min: min * 1e3,
@@ -235,21 +218,22 @@ pub fn table_header() -> String {
 
 /// One table row.
 pub fn table_row(r: &BenchResult) -> String {
-    let heads = if r.heads_kv == r.heads {
-        r.heads.to_string()
+    let s = &r.shape;
+    let heads = if s.heads_kv == s.heads {
+        s.heads.to_string()
     } else {
-        format!("{}/{}", r.heads, r.heads_kv)
+        format!("{}/{}", s.heads, s.heads_kv)
     };
     format!(
         "{:<7} {:<5} {:>5} {:>7} {:>7} {:>7} {:>5} {:<6} {:>3} {:>11.3} {:>9.1} {:>11} {:>11}",
         r.backend,
         r.dtype.name(),
-        r.batch,
+        s.batch,
         heads,
-        r.seqlen_q,
-        r.seqlen_k,
-        r.head_dim,
-        if r.causal { "yes" } else { "no" },
+        s.seqlen_q,
+        s.seqlen_k,
+        s.head_dim,
+        if s.causal { "yes" } else { "no" },
         r.threads,
         r.time_ms_median,
         r.gflops,

@@ -56,9 +56,21 @@ impl Default for DemoRequest {
     }
 }
 
-/// The demo's report text and whether the check passed.
+/// The demo's report text and whether the check passed. With `--backend auto`, a CUDA
+/// failure (driver, compilation) is reported on stderr and the demo runs on the CPU.
 pub fn demo(req: &DemoRequest) -> Result<(String, bool), CliError> {
     let backend = Backend::open(req.backend)?;
+    match demo_on(req, backend) {
+        Err(CliError::Backend(why)) if req.backend == BackendChoice::Auto => {
+            let first = why.lines().next().unwrap_or("");
+            eprintln!("warning: the CUDA backend failed ({first}); running on the CPU instead");
+            demo_on(req, Backend::Cpu)
+        }
+        other => other,
+    }
+}
+
+fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliError> {
     let dtype = req.dtype.unwrap_or_else(|| backend.default_dtype());
     let seqlen = req.seqlen.unwrap_or(match backend {
         Backend::Cpu => 16384,

@@ -91,10 +91,10 @@ fn describe_mask(case: &Case) -> String {
         }
     };
     if let Some(c) = case.softcap {
-        s.push_str(&format!(" cap {c}"));
+        s.push_str(&format!(" cap {c:.2}"));
     }
     if let Some(sc) = case.softmax_scale {
-        s.push_str(&format!(" scale {sc}"));
+        s.push_str(&format!(" scale {sc:.3}"));
     }
     s
 }
@@ -244,7 +244,7 @@ pub fn verify_case(
 /// The table header.
 pub fn table_header() -> String {
     format!(
-        "{:<34} {:<26} {:<9} {:>10} {:>10} {:>8} {:>8}  result",
+        "{:<46} {:<26} {:<9} {:>10} {:>10} {:>8} {:>8}  result",
         "shape (b x sq x sk, heads q/kv, d)",
         "mask",
         "dtype",
@@ -257,7 +257,7 @@ pub fn table_header() -> String {
 
 /// One table row.
 pub fn table_row(r: &VerifyRow) -> String {
-    let head = format!("{:<34} {:<26} {:<9}", r.shape, r.mask, r.dtype);
+    let head = format!("{:<46} {:<26} {:<9}", r.shape, r.mask, r.dtype);
     match &r.outcome {
         Outcome::Compared {
             rel_l2,
@@ -277,6 +277,15 @@ pub fn table_row(r: &VerifyRow) -> String {
             )
         }
         Outcome::Unsupported(what) => format!("{head} {:>50}  skip (unsupported: {what})", ""),
-        Outcome::Failed(why) => format!("{head} {:>50}  FAIL ({why})", ""),
+        Outcome::Failed(why) => {
+            // Keep the table one line per case (NVRTC logs span many lines).
+            let first = why.lines().next().unwrap_or("");
+            let more = if why.lines().nth(1).is_some() {
+                " …"
+            } else {
+                ""
+            };
+            format!("{head} {:>50}  FAIL ({first}{more})", "")
+        }
     }
 }

@@ -45,6 +45,32 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// Saves Q, K, V as `q.npy`, `k.npy`, `v.npy` in `dir`.
+fn save_npy(dir: &Path, inp: &Inputs) -> [PathBuf; 3] {
+    [
+        save(dir, "q.npy", &inp.q),
+        save(dir, "k.npy", &inp.k),
+        save(dir, "v.npy", &inp.v),
+    ]
+}
+
+/// `fa run --q q --k k --v v -o out` plus `extra`.
+fn fa_run(qkv: &[PathBuf; 3], out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "run",
+        "--q",
+        s(&qkv[0]),
+        "--k",
+        s(&qkv[1]),
+        "--v",
+        s(&qkv[2]),
+        "-o",
+        s(out),
+    ];
+    args.extend_from_slice(extra);
+    fa(&args)
+}
+
 /// fa-cpu's forward on the same data, output in the input dtype, with the LSE.
 fn cpu_forward(inp: &Inputs, desc: &softmax_core::ProblemDesc) -> (Data, Vec<f32>) {
     let p = desc.validate(256).unwrap();
@@ -73,23 +99,10 @@ fn run_npy_equals_fa_cpu_forward_with_gqa_and_causal() {
     let mut rng = Rng::new(1);
     // 6 query heads over 2 KV heads (GQA 3), seqlen_q ≠ seqlen_k, odd head dim.
     let inp = inputs(&mut rng, DType::F32, [2, 37, 6, 40], [2, 53, 2, 40]);
-    let (q, k, v) = (
-        save(dir.path(), "q.npy", &inp.q),
-        save(dir.path(), "k.npy", &inp.k),
-        save(dir.path(), "v.npy", &inp.v),
-    );
+    let qkv = save_npy(dir.path(), &inp);
     let out = dir.path().join("out.npy");
     let lse = dir.path().join("lse.npy");
-    let o = fa(&[
-        "run",
-        "--q",
-        s(&q),
-        "--k",
-        s(&k),
-        "--v",
-        s(&v),
-        "-o",
-        s(&out),
+    let extra = [
         "--lse",
         s(&lse),
         "--causal",
@@ -97,7 +110,8 @@ fn run_npy_equals_fa_cpu_forward_with_gqa_and_causal() {
         "cpu",
         "--check-rows",
         "8",
-    ]);
+    ];
+    let o = fa_run(&qkv, &out, &extra);
     assert!(o.status.success(), "{:?}", text(&o));
     let (got, format) = read_tensor(&out, "out").unwrap();
     assert_eq!(format, FileFormat::Npy);
@@ -123,22 +137,9 @@ fn run_bf16_npy_and_window_softcap_scale() {
     let dir = tempfile::tempdir().unwrap();
     let mut rng = Rng::new(2);
     let inp = inputs(&mut rng, DType::Bf16, [1, 70, 4, 64], [1, 70, 4, 64]);
-    let (q, k, v) = (
-        save(dir.path(), "q.npy", &inp.q),
-        save(dir.path(), "k.npy", &inp.k),
-        save(dir.path(), "v.npy", &inp.v),
-    );
+    let qkv = save_npy(dir.path(), &inp);
     let out = dir.path().join("out.npy");
-    let o = fa(&[
-        "run",
-        "--q",
-        s(&q),
-        "--k",
-        s(&k),
-        "--v",
-        s(&v),
-        "-o",
-        s(&out),
+    let extra = [
         "--window",
         "8,-1",
         "--softcap",
@@ -147,7 +148,8 @@ fn run_bf16_npy_and_window_softcap_scale() {
         "0.2",
         "--threads",
         "1",
-    ]);
+    ];
+    let o = fa_run(&qkv, &out, &extra);
     assert!(o.status.success(), "{:?}", text(&o));
     let (got, _) = read_tensor(&out, "out").unwrap();
     assert_eq!(got.dtype(), DType::Bf16, "output in the input's dtype");
@@ -172,20 +174,8 @@ fn run_safetensors_single_file_in_and_out() {
     )
     .unwrap();
     let out = dir.path().join("out.safetensors");
-    let o = fa(&[
-        "run",
-        "--q",
-        s(&qkv),
-        "--k",
-        s(&qkv),
-        "--v",
-        s(&qkv),
-        "-o",
-        s(&out),
-        "--lse",
-        s(&out),
-        "--causal",
-    ]);
+    let three = [qkv.clone(), qkv.clone(), qkv];
+    let o = fa_run(&three, &out, &["--lse", s(&out), "--causal"]);
     assert!(o.status.success(), "{:?}", text(&o));
     let (got, format) = read_tensor(&out, "out").unwrap();
     assert_eq!(format, FileFormat::Safetensors);
@@ -204,12 +194,11 @@ fn bad_files_and_shapes_have_clear_messages() {
     let dir = tempfile::tempdir().unwrap();
     let mut rng = Rng::new(4);
     let inp = inputs(&mut rng, DType::F32, [1, 8, 4, 16], [1, 8, 2, 16]);
-    let q = save(dir.path(), "q.npy", &inp.q);
-    let k = save(dir.path(), "k.npy", &inp.k);
-    let v = save(dir.path(), "v.npy", &inp.v);
+    let [q, k, v] = save_npy(dir.path(), &inp);
     let out = dir.path().join("out.npy");
     let run = |q: &Path, k: &Path, v: &Path| {
-        let o = fa(&["run", "--q", s(q), "--k", s(k), "--v", s(v), "-o", s(&out)]);
+        let qkv = [q.to_path_buf(), k.to_path_buf(), v.to_path_buf()];
+        let o = fa_run(&qkv, &out, &[]);
         assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
         assert!(!out.exists(), "no output written on error");
         text(&o).1
