@@ -103,6 +103,20 @@ fn peak_rss_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// CPU time of the whole process (every thread) in milliseconds, from
+/// `/proc/self/task/*/schedstat` (nanoseconds on a CPU); 0 where unavailable.
+fn process_cpu_ms() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+        .sum::<f64>()
+        / 1e6
+}
+
 fn bench<T: Element>(a: &Args) -> Result<(), String> {
     let heads_kv = a.heads_kv.unwrap_or(a.heads);
     let mut desc = ProblemDesc::new(
@@ -137,16 +151,20 @@ fn bench<T: Element>(a: &Args) -> Result<(), String> {
     };
     let mut ws = Workspace::new();
     let mut times = Vec::new();
+    let mut cpu_times = Vec::new();
     for rep in 0..a.warmup + a.reps {
+        let cpu_start = process_cpu_ms();
         let start = Instant::now();
         forward_with_workspace(&desc, &q, &k, &v, &mut out, Some(&mut lse), &opts, &mut ws)
             .map_err(|e| e.to_string())?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         if rep >= a.warmup {
             times.push(ms);
+            cpu_times.push(process_cpu_ms() - cpu_start);
         }
     }
     times.sort_by(f64::total_cmp);
+    cpu_times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     let mut flops = 4.0
         * a.batch as f64
@@ -159,7 +177,7 @@ fn bench<T: Element>(a: &Args) -> Result<(), String> {
     }
     let threads = a.threads.unwrap_or_else(rayon_threads);
     println!(
-        "{{\"backend\":\"cpu\",\"dtype\":\"{}\",\"batch\":{},\"heads\":{},\"seqlen_q\":{},\"seqlen_k\":{},\"head_dim\":{},\"causal\":{},\"threads\":{},\"time_ms_median\":{:.4},\"time_ms_min\":{:.4},\"gflops\":{:.2},\"peak_rss_bytes\":{},\"simd\":\"{}\"}}",
+        "{{\"backend\":\"cpu\",\"dtype\":\"{}\",\"batch\":{},\"heads\":{},\"seqlen_q\":{},\"seqlen_k\":{},\"head_dim\":{},\"causal\":{},\"threads\":{},\"time_ms_median\":{:.4},\"time_ms_min\":{:.4},\"cpu_ms_median\":{:.4},\"gflops\":{:.2},\"peak_rss_bytes\":{},\"simd\":\"{}\"}}",
         T::NAME,
         a.batch,
         a.heads,
@@ -170,6 +188,7 @@ fn bench<T: Element>(a: &Args) -> Result<(), String> {
         threads,
         median,
         times[0],
+        cpu_times[cpu_times.len() / 2],
         flops / median / 1e6,
         peak_rss_bytes(),
         a.simd.resolve().name(),

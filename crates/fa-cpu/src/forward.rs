@@ -58,8 +58,9 @@ fn tiling(level: SimdLevel) -> Tiling {
 /// order that depends only on the problem and the tiling (never on the thread count).
 fn tasks(p: &Problem, tiling: &Tiling) -> Vec<Task> {
     let group = p.group_size();
-    let heads_per_task = group.min(tiling.rows);
-    let block = (tiling.rows / heads_per_task).max(1);
+    let rows = tiling.rows_for(p.head_dim(), p.head_dim_v());
+    let heads_per_task = group.min(rows);
+    let block = (rows / heads_per_task).max(1);
     let mut out = Vec::new();
     for batch in 0..p.batch() {
         let seq = p.seq(batch);

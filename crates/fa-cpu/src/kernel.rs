@@ -12,6 +12,11 @@
 //! - `Oᵀ += Vᵀ·Pᵀ` broadcasts `V[j][c]` (natural layout again) against vectors of `Pᵀ[j][r..]`,
 //!   and the accumulator correction of the online softmax is folded into the load of `Oᵀ`.
 //!
+//! The transposed tiles are stored **panel-major**: the rows are cut into panels of `W·NR`
+//! (the micro-kernels' width) and each panel is contiguous (`Qᵀ` panel `p` holds
+//! `[c][W·NR]` at `p·d·W·NR`), so a micro-kernel walks unit-stride memory; a row-major
+//! `[c][rows]` layout put every `Qᵀ` row a multiple of 1 KiB apart, into a handful of L1 sets.
+//!
 //! Q is transposed once per task and O once at the end; K and V tiles are copied (and widened
 //! from bf16/f16) once per key tile for all the query heads of the group.
 
@@ -23,7 +28,8 @@ use softmax_core::{Problem, RescalePolicy, RescaleStats, RowState, TileKind};
 /// Tile sizes of one architecture (all in elements).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Tiling {
-    /// Largest number of query rows (heads × positions) in a task: a multiple of `W·NR`.
+    /// Largest number of query rows (heads × positions) in a task: a multiple of `W·NR`
+    /// (see [`Tiling::rows_for`]).
     pub rows: usize,
     /// Keys per key tile (`Bc`): a multiple of the QKᵀ micro-kernel's `MR`.
     pub keys: usize,
@@ -38,6 +44,15 @@ pub(crate) struct Tiling {
 }
 
 impl Tiling {
+    /// Query rows per task for these head dims: as many as keep `Qᵀ` and `Oᵀ` within
+    /// 256 KiB (half of a Zen 3 L2), a multiple of the micro-kernel's rows, at most `rows`.
+    pub fn rows_for(&self, head_dim: usize, head_dim_v: usize) -> usize {
+        let panel = self.lanes * self.row_vectors;
+        let dv_pad = head_dim_v.div_ceil(self.pv_channels) * self.pv_channels;
+        let budget = (256 * 1024) / (4 * (head_dim + dv_pad));
+        (budget / panel * panel).clamp(panel, self.rows.max(panel))
+    }
+
     /// Rows padded for the micro-kernels.
     pub fn padded_rows(&self, rows: usize) -> usize {
         rows.div_ceil(self.lanes * self.row_vectors) * self.lanes * self.row_vectors
@@ -369,12 +384,13 @@ pub(crate) unsafe fn softcap_slice<S: Simd>(x: *mut f32, n: usize, post: f32) {
     }
 }
 
-/// The online-softmax step of one score tile for the row vector at column `rv` of `Sᵀ`:
+/// The online-softmax step of one score tile for the row vector of rows `rv..rv+W`, whose
+/// scores are `W` floats at `st + j·st_stride` for keys `j < nk`:
 /// block maxima, [`RowState::begin_block`], `exp2(x − offset)` in place, row sums,
 /// [`RowState::add_sum`]. Writes each row's accumulator correction into `corr`.
 ///
 /// # Safety
-/// `st` read/writable for `nk` rows of stride `st_stride` and `W` columns from `rv`; `states`
+/// `st` read/writable for `nk` rows of stride `st_stride` and `W` columns; `states`
 /// and `corr` hold at least `rv + W` entries; S available.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -396,7 +412,7 @@ pub(crate) unsafe fn softmax_rows<S: Simd>(
     unsafe {
         let mut mx = S::splat(f32::NEG_INFINITY);
         for j in 0..nk {
-            mx = S::max(S::load(st.add(j * st_stride + rv)), mx);
+            mx = S::max(S::load(st.add(j * st_stride)), mx);
         }
         S::store(lanes.as_mut_ptr(), mx);
         for lane in 0..w {
@@ -413,7 +429,7 @@ pub(crate) unsafe fn softmax_rows<S: Simd>(
         let offset = S::load(lanes.as_ptr());
         let mut sum = S::splat(0.0);
         for j in 0..nk {
-            let p = st.add(j * st_stride + rv);
+            let p = st.add(j * st_stride);
             let x = S::sub(S::load(p), offset);
             let e = match imp {
                 Exp2Impl::Exact => exp2_exact::<S>(x),
@@ -460,6 +476,8 @@ pub(crate) unsafe fn run_task<
     let dv_pad = dv.div_ceil(VMR) * VMR;
     let rows = task.heads * task.len;
     let br = tiling.padded_rows(rows);
+    // Panel-major index of (row r, column c) in a transposed tile of `cols` columns.
+    let at = |r: usize, c: usize, cols: usize| (r / panel) * cols * panel + c * panel + r % panel;
     let bc = tiling.keys;
     let seq = p.seq(task.batch);
     let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
@@ -500,7 +518,7 @@ pub(crate) unsafe fn run_task<
         // SAFETY: S available (caller); the offsets are inside the checked buffer.
         unsafe { widen::<S, T>(ctx.q, p.q_offset(task.batch, i, head), d, row) };
         for (c, &x) in row[..d].iter().enumerate() {
-            qt[c * br + r] = x * pre;
+            qt[at(r, c, d)] = x * pre;
         }
     }
 
@@ -519,11 +537,9 @@ pub(crate) unsafe fn run_task<
         }
         stats.computed += 1;
         let nk_pad = nk.div_ceil(QMR) * QMR;
-        // Pack K (rows j, d contiguous) and V (rows j, dv_pad contiguous) as f32, and ask
-        // for the next tile's rows now: they arrive while this tile computes (rows are a
-        // head stride apart, too far apart for the hardware prefetchers). Row offsets are
-        // linear in the key index: `k_offset(b, j, h) = k_offset(b, 0, h) + j·seq_stride`.
-        let prefetch_next = tile + 1 < tiles.end;
+        // Pack K (rows j, d contiguous) and V (rows j, dv_pad contiguous) as f32. Row
+        // offsets are linear in the key index: `k_offset(b, j, h) = k_offset(b, 0, h) +
+        // j·seq_stride`.
         for j in 0..nk {
             let ko = k_base + (j0 + j) * k_seq;
             let vo = v_base + (j0 + j) * v_seq;
@@ -533,10 +549,6 @@ pub(crate) unsafe fn run_task<
                 widen::<S, T>(ctx.v, vo, dv, &mut vt[j * dv_pad..]);
             }
             vt[j * dv_pad + dv..(j + 1) * dv_pad].fill(0.0);
-            if prefetch_next && j0 + bc + j < sk {
-                prefetch_row::<S, T>(ctx.k, ko + bc * k_seq, d);
-                prefetch_row::<S, T>(ctx.v, vo + bc * v_seq, dv);
-            }
         }
         kt[nk * d..nk_pad * d].fill(0.0);
 
@@ -544,16 +556,16 @@ pub(crate) unsafe fn run_task<
         for rv0 in (0..br).step_by(panel) {
             for j in (0..nk_pad).step_by(QMR) {
                 // SAFETY: rv0 + panel ≤ br; j + QMR ≤ nk_pad ≤ bc; kt holds bc·d, qt d·br,
-                // st bc·br.
+                // st bc·br (panel-major: panel rv0/panel starts at rv0·d, resp. rv0·bc).
                 unsafe {
                     qk_micro::<S, QMR, NR>(
-                        qt.as_ptr().add(rv0),
-                        br,
+                        qt.as_ptr().add(rv0 * d),
+                        panel,
                         kt.as_ptr().add(j * d),
                         d,
                         d,
-                        st.as_mut_ptr().add(j * br + rv0),
-                        br,
+                        st.as_mut_ptr().add(rv0 * bc + j * panel),
+                        panel,
                     );
                 }
             }
@@ -561,25 +573,26 @@ pub(crate) unsafe fn run_task<
 
         // The softcap comes before the mask (tanh(−∞) would be finite).
         if let Some(post) = post {
-            // SAFETY: nk·br is a multiple of W (br is); st holds bc·br ≥ nk·br.
-            unsafe { softcap_slice::<S>(st.as_mut_ptr(), nk * br, post) };
+            // SAFETY: bc·br is a multiple of W (br is); st holds bc·br.
+            unsafe { softcap_slice::<S>(st.as_mut_ptr(), bc * br, post) };
         }
         if kind == TileKind::Partial {
             for r in 0..rows {
                 let visible = mask.key_range(task.i0 + r % task.len, sq, sk);
                 for j in 0..nk {
                     if !visible.contains(&(j0 + j)) {
-                        st[j * br + r] = f32::NEG_INFINITY;
+                        st[at(r, j, bc)] = f32::NEG_INFINITY;
                     }
                 }
             }
         }
         for rv in (0..br).step_by(w) {
-            // SAFETY: rv + W ≤ br; st holds nk rows of stride br; states/corr hold br.
+            // SAFETY: rv + W ≤ br; the row vector's scores sit at `at(rv, j, bc)` with stride
+            // `panel` in st (bc·br); states/corr hold br.
             unsafe {
                 softmax_rows::<S>(
-                    st.as_mut_ptr(),
-                    br,
+                    st.as_mut_ptr().add(at(rv, 0, bc)),
+                    panel,
                     nk,
                     rv,
                     rows,
@@ -595,19 +608,29 @@ pub(crate) unsafe fn run_task<
             let probs = ensure(probs, rows * nk, 0.0);
             for r in 0..rows {
                 for j in 0..nk {
-                    probs[r * nk + j] = st[j * br + r];
+                    probs[r * nk + j] = st[at(r, j, bc)];
                 }
             }
             hook(probs);
             for r in 0..rows {
                 for j in 0..nk {
-                    st[j * br + r] = probs[r * nk + j];
+                    st[at(r, j, bc)] = probs[r * nk + j];
                 }
             }
         }
         let rescale = corr[..rows].iter().any(|&c| c != 1.0);
 
         // Oᵀ = Oᵀ·corr + Vᵀ·Pᵀ, panel by panel of rows (the Pᵀ panel stays in L1).
+        // Meanwhile the next tile's K and V rows are prefetched, a few rows per micro-kernel
+        // call: rows are a head stride apart, too far for the hardware prefetchers, and a
+        // burst of prefetches would stall on the miss queue.
+        let next_rows = if tile + 1 < tiles.end {
+            bc.min(sk.saturating_sub(j0 + bc))
+        } else {
+            0
+        };
+        let (pf_total, calls) = (2 * next_rows, (br / panel) * (dv_pad / VMR));
+        let (mut pf_done, mut call) = (0, 0);
         for rv0 in (0..br).step_by(panel) {
             let corr_ptr = if rescale {
                 corr[rv0..].as_ptr()
@@ -615,19 +638,31 @@ pub(crate) unsafe fn run_task<
                 std::ptr::null()
             };
             for c0 in (0..dv_pad).step_by(VMR) {
-                // SAFETY: rv0 + panel ≤ br; c0 + VMR ≤ dv_pad; st holds nk rows of stride
-                // br, vt nk rows of stride dv_pad, ot dv_pad rows of stride br, corr br.
+                // SAFETY: rv0 + panel ≤ br; c0 + VMR ≤ dv_pad; panel-major st (bc·br) and
+                // ot (dv_pad·br) hold this panel's nk resp. dv_pad rows of `panel` floats;
+                // vt holds nk rows of stride dv_pad; corr holds br.
                 unsafe {
                     pv_micro::<S, VMR, NR>(
-                        st.as_ptr().add(rv0),
-                        br,
+                        st.as_ptr().add(rv0 * bc),
+                        panel,
                         vt.as_ptr().add(c0),
                         dv_pad,
                         nk,
-                        ot.as_mut_ptr().add(c0 * br + rv0),
-                        br,
+                        ot.as_mut_ptr().add(rv0 * dv_pad + c0 * panel),
+                        panel,
                         corr_ptr,
                     );
+                }
+                call += 1;
+                let target = call * pf_total / calls.max(1);
+                while pf_done < target {
+                    let j = j0 + bc + pf_done % next_rows;
+                    if pf_done < next_rows {
+                        prefetch_row::<S, T>(ctx.k, k_base + j * k_seq, d);
+                    } else {
+                        prefetch_row::<S, T>(ctx.v, v_base + j * v_seq, dv);
+                    }
+                    pf_done += 1;
                 }
             }
         }
@@ -644,7 +679,7 @@ pub(crate) unsafe fn run_task<
             let x = if result.inv_sum == 0.0 {
                 0.0 // a row that saw no key: 0, whatever V holds
             } else {
-                ot[c * br + r] * result.inv_sum
+                ot[at(r, c, dv_pad)] * result.inv_sum
             };
             ctx.out.write(oo + c, O::from_f32(x));
         }

@@ -125,7 +125,7 @@ super::arch_entry!(
     Avx2,
     ["avx2", "fma", "f16c"],
     crate::kernel::Tiling {
-        rows: 96,
+        rows: 256,
         keys: 66,
         lanes: 8,
         row_vectors: 2,

@@ -130,7 +130,7 @@ super::arch_entry!(
     Avx512,
     ["avx512f", "avx2", "fma", "f16c"],
     crate::kernel::Tiling {
-        rows: 96,
+        rows: 288,
         keys: 64,
         lanes: 16,
         row_vectors: 3,

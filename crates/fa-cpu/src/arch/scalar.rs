@@ -160,7 +160,7 @@ super::arch_entry!(
     Scalar,
     [],
     crate::kernel::Tiling {
-        rows: 96,
+        rows: 256,
         keys: 64,
         lanes: 8,
         row_vectors: 2,
