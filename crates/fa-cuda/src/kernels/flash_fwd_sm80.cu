@@ -63,6 +63,12 @@ struct Params {
     float pad_;
 };
 
+#ifdef FA_COMPILE_CHECK_NONCE
+// Set only by the CI compile check: a unique symbol makes the PTX unique, so that no compile
+// cache can skip ptxas (and its resource report).
+__device__ const int fa_compile_check_nonce = FA_COMPILE_CHECK_NONCE;
+#endif
+
 #define NEG_INF (__int_as_float(0xff800000))
 #define LN2 0.6931471805599453f
 
@@ -134,11 +140,13 @@ static __device__ __forceinline__ bool warp_any(bool x) {
                  : "=r"(r) : "r"((u32)x));
     return r != 0;
 }
+#if GENERAL_SCORES
 // tanh through exp2: tanh(y) = 1 - 2 / (2^(2 y log2 e) + 1); exact limits at +-inf.
 static __device__ __forceinline__ float tanh_f(float y) {
     const float e = ex2(y * 2.8853900817779268f);
     return 1.0f - 2.0f / (e + 1.0f);
 }
+#endif
 
 // Element offset of (row, 16-byte chunk) in a swizzled smem tile: the chunk index is XORed with
 // the row's low 3 bits, so the 8 rows one ldmatrix phase reads hit 8 different bank groups.
@@ -330,9 +338,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                float bm = NEG_INF;
+                // Four interleaved partial maxima: short dependency chains.
+                float part[4] = {NEG_INF, NEG_INF, NEG_INF, NEG_INF};
 #pragma unroll
-                for (int j = 0; j < NT; ++j) bm = fmaxf(bm, fmaxf(s[mt][j][2 * hh], s[mt][j][2 * hh + 1]));
+                for (int j = 0; j < NT; ++j)
+                    part[j & 3] = fmaxf(part[j & 3], fmaxf(s[mt][j][2 * hh], s[mt][j][2 * hh + 1]));
+                float bm = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
                 bm = fmaxf(bm, shfl_xor(bm, 1));
                 bm = fmaxf(bm, shfl_xor(bm, 2));
 #if !GENERAL_SCORES
@@ -365,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         for (int mt = 0; mt < MT; ++mt) {
             const float off0 = row_m[mt][0] == NEG_INF ? 0.0f : row_m[mt][0];
             const float off1 = row_m[mt][1] == NEG_INF ? 0.0f : row_m[mt][1];
-            float sum0 = 0.0f, sum1 = 0.0f;
+            float sum0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sum1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -377,11 +388,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
                     s[mt][j][e] = ex2(fmaf(s[mt][j][e], p.pre, -off));
 #endif
                 }
-                sum0 += s[mt][j][0] + s[mt][j][1];
-                sum1 += s[mt][j][2] + s[mt][j][3];
+                sum0[j & 3] += s[mt][j][0] + s[mt][j][1];
+                sum1[j & 3] += s[mt][j][2] + s[mt][j][3];
             }
-            row_l[mt][0] += sum0;
-            row_l[mt][1] += sum1;
+            sum0[0] = (sum0[0] + sum0[1]) + (sum0[2] + sum0[3]);
+            sum1[0] = (sum1[0] + sum1[1]) + (sum1[2] + sum1[3]);
+            row_l[mt][0] += sum0[0];
+            row_l[mt][1] += sum1[0];
 #pragma unroll
             for (int kp = 0; kp < KP; ++kp) {
                 pa[mt][kp][0] = pack2(s[mt][2 * kp][0], s[mt][2 * kp][1]);
