@@ -83,9 +83,14 @@ impl Backend {
         }
     }
 
-    /// The thread count a run with `threads` uses on this backend (for reports).
+    /// The CPU thread count a run with `threads` uses on this backend (for reports; 0 on
+    /// CUDA, where host threads do not compute).
     pub fn effective_threads(&self, threads: Option<usize>) -> usize {
-        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        match self {
+            Backend::Cpu => threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+            Backend::Cuda(_) => 0,
+        }
     }
 
     /// Runs the forward pass. `q`, `k`, `v` share one dtype; `out` is that dtype or f32.

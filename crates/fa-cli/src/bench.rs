@@ -106,7 +106,7 @@ pub struct BenchResult {
     /// The shape (its fields appear at the top level of the JSON).
     #[serde(flatten)]
     pub shape: BenchShape,
-    /// Threads used.
+    /// CPU threads used (0 on CUDA).
     pub threads: usize,
     /// Median time of the timed iterations, milliseconds.
     pub time_ms_median: f64,
@@ -196,10 +196,19 @@ pub fn bench_shape(
     })
 }
 
+/// `gflops` as `62.9 GFLOP/s`, or `315.1 TFLOP/s` from 1000 GFLOP/s on.
+pub fn throughput(gflops: f64) -> String {
+    if gflops >= 1000.0 {
+        format!("{:.1} TFLOP/s", gflops / 1000.0)
+    } else {
+        format!("{gflops:.1} GFLOP/s")
+    }
+}
+
 /// The table header matching [`table_row`].
 pub fn table_header() -> String {
     format!(
-        "{:<7} {:<5} {:>5} {:>7} {:>7} {:>7} {:>5} {:<6} {:>3} {:>11} {:>9} {:>11} {:>11}",
+        "{:<7} {:<5} {:>5} {:>7} {:>7} {:>7} {:>5} {:<6} {:>3} {:>11} {:>15} {:>11} {:>11}",
         "backend",
         "dtype",
         "batch",
@@ -210,7 +219,7 @@ pub fn table_header() -> String {
         "causal",
         "thr",
         "median ms",
-        "GFLOP/s",
+        "throughput",
         "peak RSS",
         "in+out"
     )
@@ -225,7 +234,7 @@ pub fn table_row(r: &BenchResult) -> String {
         format!("{}/{}", s.heads, s.heads_kv)
     };
     format!(
-        "{:<7} {:<5} {:>5} {:>7} {:>7} {:>7} {:>5} {:<6} {:>3} {:>11.3} {:>9.1} {:>11} {:>11}",
+        "{:<7} {:<5} {:>5} {:>7} {:>7} {:>7} {:>5} {:<6} {:>3} {:>11.3} {:>15} {:>11} {:>11}",
         r.backend,
         r.dtype.name(),
         s.batch,
@@ -234,9 +243,13 @@ pub fn table_row(r: &BenchResult) -> String {
         s.seqlen_k,
         s.head_dim,
         if s.causal { "yes" } else { "no" },
-        r.threads,
+        if r.threads == 0 {
+            "-".to_string()
+        } else {
+            r.threads.to_string()
+        },
         r.time_ms_median,
-        r.gflops,
+        throughput(r.gflops),
         human_bytes(r.peak_rss_bytes as u128),
         human_bytes(r.io_bytes as u128)
     )
@@ -277,6 +290,8 @@ mod tests {
     fn median_of_odd_and_even() {
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(throughput(62.94), "62.9 GFLOP/s");
+        assert_eq!(throughput(315_100.5), "315.1 TFLOP/s");
     }
 
     #[test]

@@ -155,7 +155,7 @@ fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliErr
     );
     let _ = writeln!(
         s,
-        "  time       {:.4} s ({timing}{}), {:.1} GFLOP/s ({:.3e} FLOPs)",
+        "  time       {:.4} s ({timing}{}), {} ({:.3e} FLOPs)",
         seconds,
         match backend {
             Backend::Cpu => format!(
@@ -164,7 +164,7 @@ fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliErr
             ),
             Backend::Cuda(_) => String::new(),
         },
-        shape.flops() / seconds / 1e9,
+        crate::bench::throughput(shape.flops() / seconds / 1e9),
         shape.flops()
     );
     let _ = writeln!(

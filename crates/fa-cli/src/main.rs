@@ -47,7 +47,7 @@ enum Command {
 /// Backend, threads and exp2, shared by the compute commands.
 #[derive(Args, Clone, Copy)]
 struct ComputeArgs {
-    /// Backend: auto (CUDA when a device opens, else CPU), cpu or cuda.
+    /// Backend: auto (CUDA when a device opens, for bf16/f16; else the CPU), cpu or cuda.
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
     backend: BackendChoice,
     /// Worker threads (default: all cores).

@@ -117,7 +117,11 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
     desc.softmax_scale = req.scale;
     desc.softcap = req.softcap;
     let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
-    let backend = Backend::open(req.backend)?;
+    let mut backend = Backend::open(req.backend)?;
+    if req.backend == BackendChoice::Auto && q.dtype() == crate::tensor::DType::F32 {
+        // fa-cuda takes 16-bit inputs: f32 files run on the CPU under `auto`.
+        backend = Backend::Cpu;
+    }
 
     let [b, sq, hq, _] = bshd("q", &q.shape)?;
     let mut out_shape = q.shape.clone();
