@@ -164,6 +164,7 @@ pub(crate) struct Scratch {
     probs: Vec<f32>,
     corr: Vec<f32>,
     states: Vec<RowState<f32>>,
+    kinds: Vec<TileKind>,
 }
 
 /// f32 elements a task's scratch needs (the companion of [`crate::Workspace`]).
@@ -498,6 +499,7 @@ pub(crate) unsafe fn run_task<
         probs,
         corr,
         states,
+        kinds,
     } = scratch;
     let qt = ensure(qt, d * br, 0.0);
     let ot = ensure(ot, dv_pad * br, 0.0);
@@ -552,8 +554,34 @@ pub(crate) unsafe fn run_task<
         }
         kt[nk * d..nk_pad * d].fill(0.0);
 
+        // Classify each panel of rows against this key tile: on the diagonal of a causal or
+        // windowed mask whole panels can be empty, and those skip QKᵀ, softmax and PV.
+        let kinds = ensure(kinds, br / panel, TileKind::Full);
+        for (pi, k) in kinds.iter_mut().enumerate() {
+            let (r0, r1) = (pi * panel, ((pi + 1) * panel).min(rows));
+            *k = if r0 >= rows {
+                TileKind::Empty // padding only
+            } else if kind == TileKind::Full {
+                TileKind::Full
+            } else {
+                // Positions of rows r0..r1: contiguous unless the panel crosses into the
+                // next head's rows (then take the task's whole range: conservative).
+                let i_range = if r0 / task.len == (r1 - 1) / task.len {
+                    task.i0 + r0 % task.len..task.i0 + (r1 - 1) % task.len + 1
+                } else {
+                    q_rows.clone()
+                };
+                mask.classify_tile(i_range, j0..j0 + nk, sq, sk)
+            };
+        }
+
         // Sᵀ = K·Qᵀ, panel by panel of rows (the Qᵀ panel stays in L1).
         for rv0 in (0..br).step_by(panel) {
+            if kinds[rv0 / panel] == TileKind::Empty {
+                // Probabilities 0 (what the hook sees); the panel is skipped below.
+                st[rv0 * bc..rv0 * bc + nk * panel].fill(0.0);
+                continue;
+            }
             for j in (0..nk_pad).step_by(QMR) {
                 // SAFETY: rv0 + panel ≤ br; j + QMR ≤ nk_pad ≤ bc; kt holds bc·d, qt d·br,
                 // st bc·br (panel-major: panel rv0/panel starts at rv0·d, resp. rv0·bc).
@@ -576,17 +604,24 @@ pub(crate) unsafe fn run_task<
             // SAFETY: bc·br is a multiple of W (br is); st holds bc·br.
             unsafe { softcap_slice::<S>(st.as_mut_ptr(), bc * br, post) };
         }
-        if kind == TileKind::Partial {
-            for r in 0..rows {
-                let visible = mask.key_range(task.i0 + r % task.len, sq, sk);
-                for j in 0..nk {
-                    if !visible.contains(&(j0 + j)) {
-                        st[at(r, j, bc)] = f32::NEG_INFINITY;
-                    }
-                }
+        for r in 0..rows {
+            if kinds[r / panel] != TileKind::Partial {
+                continue;
+            }
+            // Hide the keys outside the row's visible range, two runs of −∞.
+            let visible = mask.key_range(task.i0 + r % task.len, sq, sk);
+            let lo = visible.start.clamp(j0, j0 + nk) - j0;
+            let hi = visible.end.clamp(j0 + lo, j0 + nk) - j0;
+            let base = at(r, 0, bc);
+            for j in (0..lo).chain(hi..nk) {
+                st[base + j * panel] = f32::NEG_INFINITY;
             }
         }
         for rv in (0..br).step_by(w) {
+            if kinds[rv / panel] == TileKind::Empty {
+                corr[rv..rv + w].fill(1.0);
+                continue;
+            }
             // SAFETY: rv + W ≤ br; the row vector's scores sit at `at(rv, j, bc)` with stride
             // `panel` in st (bc·br); states/corr hold br.
             unsafe {
@@ -629,7 +664,8 @@ pub(crate) unsafe fn run_task<
         } else {
             0
         };
-        let (pf_total, calls) = (2 * next_rows, (br / panel) * (dv_pad / VMR));
+        let live_panels = kinds.iter().filter(|&&k| k != TileKind::Empty).count();
+        let (pf_total, calls) = (2 * next_rows, live_panels * (dv_pad / VMR));
         let (mut pf_done, mut call) = (0, 0);
         for rv0 in (0..br).step_by(panel) {
             let corr_ptr = if rescale {
@@ -637,6 +673,9 @@ pub(crate) unsafe fn run_task<
             } else {
                 std::ptr::null()
             };
+            if kinds[rv0 / panel] == TileKind::Empty {
+                continue; // P = 0 and no rescale in this panel: nothing to add
+            }
             for c0 in (0..dv_pad).step_by(VMR) {
                 // SAFETY: rv0 + panel ≤ br; c0 + VMR ≤ dv_pad; panel-major st (bc·br) and
                 // ot (dv_pad·br) hold this panel's nk resp. dv_pad rows of `panel` floats;
