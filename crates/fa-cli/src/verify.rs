@@ -273,7 +273,7 @@ pub fn table_row(r: &VerifyRow) -> String {
                 String::new()
             };
             format!(
-                "{head} {rel_l2:>10.2e} {lse_max_abs:>10.2e} {bound:>8.0e} {lse_bound:>8.0e}  {verdict}{kinds}"
+                "{head} {rel_l2:>10.2e} {lse_max_abs:>10.2e} {bound:>8.1e} {lse_bound:>8.1e}  {verdict}{kinds}"
             )
         }
         Outcome::Unsupported(what) => format!("{head} {:>50}  skip (unsupported: {what})", ""),
