@@ -140,6 +140,11 @@ pub fn compile_variant_with(
         "-default-device".to_string(),
     ]);
     options.extend(extra_options.iter().cloned());
+    // Tuning experiments: extra `-D` switches of the kernel source (e.g.
+    // `FA_CUDA_DEFINES="-DQK_UNROLL_ALL=1"`); not for production use.
+    if let Ok(extra) = std::env::var("FA_CUDA_DEFINES") {
+        options.extend(extra.split_whitespace().map(str::to_string));
+    }
     // SAFETY: `prog` is live; the options are plain strings without NUL bytes.
     let compiled = unsafe { nvrtc::compile_program(prog.0, &options) };
     let log = log_of(&prog);

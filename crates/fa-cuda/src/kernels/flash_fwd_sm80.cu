@@ -22,6 +22,17 @@
 #error "flash_fwd_sm80.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, MIN_BLOCKS, IS_BF16, GENERAL_SCORES"
 #endif
 
+// Experiment switches (0 unless set through FA_CUDA_DEFINES; see compile.rs).
+#ifndef QK_UNROLL_ALL
+#define QK_UNROLL_ALL 0 // 1: unroll every k-step of S = QK^T (more registers)
+#endif
+#ifndef MASK_SELECT
+#define MASK_SELECT 0 // 1: mask every tile with selects instead of a branch on partial tiles
+#endif
+#ifndef RESCALE_ALWAYS
+#define RESCALE_ALWAYS 0 // 1: multiply the accumulator by the correction without a warp vote
+#endif
+
 #define THREADS (WARPS * 32)
 #define MT (BLOCK_M / (16 * WARPS)) // 16-row m-tiles per warp
 #define NT (BLOCK_N / 8)            // 8-key n-tiles of S
@@ -290,7 +301,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.0f;
         // k-steps in groups of four (one 128-byte swizzle period): the group loop stays rolled.
+#if QK_UNROLL_ALL
+#pragma unroll
+#else
 #pragma unroll 1
+#endif
         for (int kg = 0; kg < KQ / 4; ++kg)
 #pragma unroll
         for (int kj = 0; kj < 4; ++kj) {
@@ -323,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #if GENERAL_SCORES
                     x = p.softcap_post != 0.0f ? tanh_f(x * p.pre) * p.softcap_post : x * p.pre;
 #endif
-                    if (masked) {
+                    if (MASK_SELECT || masked) {
                         const int col = n0 + j * 8 + 2 * tig + (e & 1);
                         const int hh = e >> 1;
                         if (col < row_lo[mt][hh] || col >= row_hi[mt][hh]) x = NEG_INF;
@@ -358,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
                 any_rescale |= move;
                 corr[mt][hh] = c;
             }
-        if (warp_any(any_rescale)) {
+        if (RESCALE_ALWAYS || warp_any(any_rescale)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
