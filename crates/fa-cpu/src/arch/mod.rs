@@ -170,7 +170,7 @@ const EXP2_EXACT: [f32; 6] = [
 ];
 
 /// Inputs are clamped to `[EXP2_LO, EXP2_HI]` before the range reduction: `2^−127` is built
-/// as the scale 0 (so `−∞` and anything below −126.5 give exactly 0) and `2^128` as `+∞`.
+/// as the scale 0 (so `−∞` and anything below −126.5 gives exactly 0) and `2^128` as `+∞`.
 const EXP2_LO: f32 = -127.0;
 /// See [`EXP2_LO`].
 const EXP2_HI: f32 = 128.0;
@@ -181,7 +181,7 @@ const EXP2_HI: f32 = 128.0;
 ///
 /// Special values without a branch or a blend: `x` is clamped to `[−127, 128]` (NaN passes
 /// through the clamp) and `2^n` is built from its exponent bits, which is 0 for `n = −127` and
-/// `+∞` for `n = 128`. So NaN → NaN, `x ≥ 127.5` → `+∞`, `x ≤ −126.5` (and `−∞`) → 0, and
+/// `+∞` for `n = 128`. So NaN → NaN, `x ≥ 127.5` → `+∞`, `x < −126.5` (and `−∞`) → 0, and
 /// results between 2^−127 and 2^−126 come out subnormal.
 #[inline(always)]
 pub(crate) unsafe fn exp2_exact<S: Simd>(x: S::V) -> S::V {

@@ -1,1 +1,340 @@
+//! Every SIMD kernel against its scalar twin over size sweeps, and the exponentials against
+//! f64.
 
+use super::SimdLevel;
+use crate::Exp2Impl;
+use fa_reference::Rng;
+
+const SIZES: [usize; 9] = [0, 1, 7, 31, 33, 64, 127, 128, 257];
+
+/// One architecture's kernel wrappers.
+struct Arch {
+    name: &'static str,
+    lanes: usize,
+    row_vectors: usize,
+    qk_keys: usize,
+    pv_channels: usize,
+    qk: unsafe fn(&[f32], &[f32], usize, usize, usize, &mut [f32]),
+    pv: unsafe fn(&[f32], &[f32], usize, usize, usize, &mut [f32], Option<&[f32]>),
+    exp2: unsafe fn(&mut [f32], Exp2Impl),
+    softcap: unsafe fn(&mut [f32], f32),
+    widen_f16: unsafe fn(&[u16], &mut [f32]),
+}
+
+macro_rules! arch {
+    ($m:path, $name:literal) => {{
+        use $m as m;
+        Arch {
+            name: $name,
+            lanes: m::TILING.lanes,
+            row_vectors: m::TILING.row_vectors,
+            qk_keys: m::TILING.qk_keys,
+            pv_channels: m::TILING.pv_channels,
+            qk: m::twin::qk,
+            pv: m::twin::pv,
+            exp2: m::twin::exp2,
+            softcap: m::twin::softcap,
+            widen_f16: m::twin::widen_f16,
+        }
+    }};
+}
+
+fn scalar() -> Arch {
+    arch!(crate::arch::scalar, "scalar")
+}
+
+/// The SIMD architectures this CPU can run (each is compared with the scalar twin).
+fn simd_archs() -> Vec<Arch> {
+    #[allow(unused_mut)]
+    let mut v = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if SimdLevel::Avx2Fma.is_available() {
+            v.push(arch!(crate::arch::avx2, "avx2"));
+        }
+        if SimdLevel::Avx512f.is_available() {
+            v.push(arch!(crate::arch::avx512, "avx512"));
+        }
+    }
+    if v.is_empty() {
+        eprintln!("no SIMD level on this CPU: only the scalar kernels are tested");
+    }
+    v
+}
+
+fn draw(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.normal() as f32).collect()
+}
+
+fn round_up(x: usize, m: usize) -> usize {
+    x.div_ceil(m).max(1) * m
+}
+
+/// Largest `|a − b| / (1 + |b|)`.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0.0, f32::max)
+}
+
+/// Transposed-tile products computed in f64 from the panel-major layout the twins use
+/// (one panel when `rows` equals the micro-kernel's width; here rows are a single panel
+/// stride, so the layout is plain `[c][rows]`).
+#[test]
+fn qk_matches_scalar_twin_and_f64() {
+    let mut rng = Rng::new(21);
+    let s = scalar();
+    for a in simd_archs() {
+        for &d in &SIZES[1..] {
+            for &keys in &[1usize, 7, 33, 66] {
+                // The twin wrappers take `rows` as the row stride: one panel per call.
+                let rows = a.lanes * a.row_vectors;
+                let nk = round_up(keys, a.qk_keys.max(s.qk_keys) * 2);
+                let qt = draw(&mut rng, d * rows);
+                let k = draw(&mut rng, nk * d);
+                let mut got = vec![f32::NAN; nk * rows];
+                let mut want = vec![f32::NAN; nk * rows];
+                // SAFETY: the level is available (checked by simd_archs); sizes as asserted.
+                unsafe { (a.qk)(&qt, &k, d, rows, nk, &mut got) };
+                let srows = s.lanes * s.row_vectors;
+                // The scalar twin's panel is narrower: run it panel by panel of its width.
+                for p0 in (0..rows).step_by(srows) {
+                    let qp: Vec<f32> = (0..d)
+                        .flat_map(|c| qt[c * rows + p0..c * rows + p0 + srows].to_vec())
+                        .collect();
+                    let mut sp = vec![f32::NAN; nk * srows];
+                    // SAFETY: the scalar path needs no CPU feature.
+                    unsafe { (s.qk)(&qp, &k, d, srows, nk, &mut sp) };
+                    for j in 0..nk {
+                        want[j * rows + p0..j * rows + p0 + srows]
+                            .copy_from_slice(&sp[j * srows..(j + 1) * srows]);
+                    }
+                }
+                let exact: Vec<f32> = (0..nk * rows)
+                    .map(|i| {
+                        let (j, r) = (i / rows, i % rows);
+                        (0..d)
+                            .map(|c| k[j * d + c] as f64 * qt[c * rows + r] as f64)
+                            .sum::<f64>() as f32
+                    })
+                    .collect();
+                let bound = 1e-5 * (d as f32).sqrt();
+                assert!(max_diff(&got, &want) < bound, "{} qk d={d} nk={nk}", a.name);
+                assert!(max_diff(&got, &exact) < bound, "{} qk f64 d={d}", a.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn pv_matches_scalar_twin_and_f64() {
+    let mut rng = Rng::new(22);
+    let s = scalar();
+    for a in simd_archs() {
+        for &dv in &SIZES[1..] {
+            for &nk in &SIZES {
+                for with_corr in [false, true] {
+                    let rows = a.lanes * a.row_vectors;
+                    let srows = s.lanes * s.row_vectors;
+                    let dvp = round_up(dv, a.pv_channels * s.pv_channels);
+                    let pt = draw(&mut rng, nk.max(1) * rows);
+                    let v = draw(&mut rng, nk.max(1) * dvp);
+                    let ot0 = draw(&mut rng, dvp * rows);
+                    let corr: Vec<f32> = (0..rows).map(|i| 0.5 + (i % 3) as f32 * 0.25).collect();
+                    let c = with_corr.then_some(&corr[..]);
+                    let mut got = ot0.clone();
+                    // SAFETY: level available; sizes as asserted in the wrapper.
+                    unsafe { (a.pv)(&pt, &v, dvp, rows, nk, &mut got, c) };
+                    let mut want = ot0.clone();
+                    for p0 in (0..rows).step_by(srows) {
+                        let pp: Vec<f32> = (0..nk)
+                            .flat_map(|j| pt[j * rows + p0..j * rows + p0 + srows].to_vec())
+                            .collect();
+                        let mut op: Vec<f32> = (0..dvp)
+                            .flat_map(|ch| ot0[ch * rows + p0..ch * rows + p0 + srows].to_vec())
+                            .collect();
+                        let cp = c.map(|c| &c[p0..p0 + srows]);
+                        // SAFETY: the scalar path needs no CPU feature.
+                        unsafe { (s.pv)(&pp, &v, dvp, srows, nk, &mut op, cp) };
+                        for ch in 0..dvp {
+                            want[ch * rows + p0..ch * rows + p0 + srows]
+                                .copy_from_slice(&op[ch * srows..(ch + 1) * srows]);
+                        }
+                    }
+                    let exact: Vec<f32> = (0..dvp * rows)
+                        .map(|i| {
+                            let (ch, r) = (i / rows, i % rows);
+                            let scale = c.map_or(1.0, |c| c[r] as f64);
+                            (ot0[i] as f64 * scale
+                                + (0..nk)
+                                    .map(|j| v[j * dvp + ch] as f64 * pt[j * rows + r] as f64)
+                                    .sum::<f64>()) as f32
+                        })
+                        .collect();
+                    let bound = 1e-5 * (nk as f32 + 1.0).sqrt();
+                    assert!(
+                        max_diff(&got, &want) < bound,
+                        "{} pv dv={dv} nk={nk}",
+                        a.name
+                    );
+                    assert!(
+                        max_diff(&got, &exact) < bound,
+                        "{} pv f64 dv={dv} nk={nk}",
+                        a.name
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Inputs for the exponentials: a sweep over the whole interesting range plus specials.
+fn exp2_inputs(n: usize, lanes: usize) -> Vec<f32> {
+    let mut x: Vec<f32> = (0..n)
+        .map(|i| -140.0 + 280.0 * (i as f32 / n.max(1) as f32))
+        .collect();
+    x.extend([
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        0.5,
+        -0.5,
+        127.4,
+        127.6,
+        -126.4,
+        -126.6,
+        8.0,
+        -1e-9,
+    ]);
+    let len = round_up(x.len(), lanes * 2);
+    x.resize(len, 1.0);
+    x
+}
+
+#[test]
+fn exp2_exact_accuracy_and_specials_every_arch() {
+    let mut archs = simd_archs();
+    archs.push(scalar());
+    for a in archs {
+        let x = exp2_inputs(200_003, a.lanes);
+        let mut y = x.clone();
+        // SAFETY: level available (or scalar).
+        unsafe { (a.exp2)(&mut y, Exp2Impl::Exact) };
+        let mut worst = 0.0f64;
+        for (&xi, &yi) in x.iter().zip(&y) {
+            let exact = (xi as f64).exp2();
+            if xi.is_nan() {
+                assert!(yi.is_nan(), "{}: exp2(NaN) = {yi}", a.name);
+            } else if xi >= 127.5 {
+                assert_eq!(yi, f32::INFINITY, "{}: exp2({xi})", a.name);
+            } else if xi < -126.5 {
+                assert_eq!(yi, 0.0, "{}: exp2({xi})", a.name);
+            } else if exact >= f32::MIN_POSITIVE as f64 {
+                worst = worst.max(((yi as f64 - exact) / exact).abs());
+            } else {
+                assert!((yi as f64 - exact).abs() < 2.0 * f32::MIN_POSITIVE as f64);
+            }
+        }
+        assert!(
+            worst < 3e-7,
+            "{}: exp2 max relative error {worst:e}",
+            a.name
+        );
+    }
+}
+
+#[test]
+fn exp2_cubic_matches_softmax_core() {
+    let mut archs = simd_archs();
+    archs.push(scalar());
+    for a in archs {
+        let x = exp2_inputs(100_001, a.lanes);
+        let mut y = x.clone();
+        // SAFETY: level available (or scalar).
+        unsafe { (a.exp2)(&mut y, Exp2Impl::Cubic) };
+        for (&xi, &yi) in x.iter().zip(&y) {
+            let want = softmax_core::exp2_cubic(xi);
+            if xi.is_nan() {
+                assert!(yi.is_nan());
+            } else if (-125.0..127.0).contains(&xi) {
+                // Same polynomial; FMA may round differently in the last place.
+                assert!(
+                    ((yi - want) / want).abs() < 1e-6,
+                    "{}: cubic({xi}) = {yi}, softmax-core {want}",
+                    a.name
+                );
+            } else if xi < -127.0 {
+                assert_eq!(yi, 0.0);
+            } else if xi >= 128.0 {
+                assert_eq!(yi, f32::INFINITY);
+            }
+        }
+    }
+}
+
+#[test]
+fn softcap_tanh_matches_f64() {
+    let mut archs = simd_archs();
+    archs.push(scalar());
+    for a in archs {
+        let mut x: Vec<f32> = (0..4096).map(|i| (i as f32 - 2048.0) / 100.0).collect();
+        x.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e-7]);
+        x.resize(round_up(x.len(), a.lanes), 0.25);
+        let mut y = x.clone();
+        // SAFETY: level available (or scalar).
+        unsafe { (a.softcap)(&mut y, 3.0) };
+        for (&xi, &yi) in x.iter().zip(&y) {
+            if xi.is_nan() {
+                assert!(yi.is_nan());
+                continue;
+            }
+            let want = 3.0 * (xi as f64).tanh();
+            assert!(
+                (yi as f64 - want).abs() < 3.0 * 1e-6,
+                "{}: 3·tanh({xi}) = {yi}, want {want}",
+                a.name
+            );
+        }
+    }
+}
+
+#[test]
+fn widen_f16_matches_half() {
+    let mut archs = simd_archs();
+    archs.push(scalar());
+    for a in archs {
+        for &n in &SIZES {
+            let src: Vec<u16> = (0..n).map(|i| (i as u16).wrapping_mul(40_503)).collect();
+            let mut dst = vec![f32::NAN; n];
+            // SAFETY: level available (or scalar).
+            unsafe { (a.widen_f16)(&src, &mut dst) };
+            for (&h, &f) in src.iter().zip(&dst) {
+                let want = half::f16::from_bits(h).to_f32();
+                assert!(want.to_bits() == f.to_bits() || (want.is_nan() && f.is_nan()));
+            }
+        }
+        // Every f16 bit pattern once.
+        let all: Vec<u16> = (0..=u16::MAX).collect();
+        let mut dst = vec![0.0f32; all.len()];
+        // SAFETY: as above.
+        unsafe { (a.widen_f16)(&all, &mut dst) };
+        for (&h, &f) in all.iter().zip(&dst) {
+            let want = half::f16::from_bits(h).to_f32();
+            assert!(
+                want.to_bits() == f.to_bits() || (want.is_nan() && f.is_nan()),
+                "{h:#x}"
+            );
+        }
+    }
+}
+
+#[test]
+fn detection_is_cached_and_consistent() {
+    let level = super::detected();
+    assert_eq!(level, super::detected());
+    assert!(level.is_available());
+    assert_eq!(crate::simd_level(), level.name());
+}
