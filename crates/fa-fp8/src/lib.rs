@@ -2,7 +2,7 @@
 //! Hadamard incoherent processing, and an FP8 attention forward on the CPU that follows
 //! FlashAttention-3's FP8 recipe and reproduces its accuracy experiment.
 //!
-//! - [`format`]: the two formats and the scalar codecs, bit-exact with CUDA's
+//! - [`format`](mod@format): the two formats and the scalar codecs, bit-exact with CUDA's
 //!   `__nv_cvt_float_to_fp8(x, __NV_SATFINITE, ..)` (round to nearest even, subnormals,
 //!   saturation to ±max, ±∞ → ±max, NaN → `0x7f`); all 512 codes are tested against a decoder
 //!   written from the format definitions and the encoder at every midpoint;
