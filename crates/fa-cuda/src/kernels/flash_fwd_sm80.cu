@@ -23,11 +23,16 @@
 #endif
 
 // Experiment switches (0 unless set through FA_CUDA_DEFINES; see compile.rs).
+// Measured on the H200 (docs/gpu-notes.md, run 4): selects instead of a branch +7-10 %;
+// full unrolling of QK^T +6 % at hdim 256 (spills at hdim 128).
 #ifndef QK_UNROLL_ALL
-#define QK_UNROLL_ALL 0 // 1: unroll every k-step of S = QK^T (more registers)
+#define QK_UNROLL_ALL (HDP == 256) // 1: unroll every k-step of S = QK^T (more registers)
 #endif
 #ifndef MASK_SELECT
-#define MASK_SELECT 0 // 1: mask every tile with selects instead of a branch on partial tiles
+#define MASK_SELECT 1 // 1: mask every tile with selects, 0: branch on partial tiles
+#endif
+#ifndef KLOAD_ALWAYS
+#define KLOAD_ALWAYS 0 // 1: issue the next K load unconditionally (zero-fill only after the last tile; spills at hdim 64)
 #endif
 #ifndef RESCALE_ALWAYS
 #define RESCALE_ALWAYS 0 // 1: multiply the accumulator by the correction without a warp vote
@@ -338,11 +343,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #if GENERAL_SCORES
                     x = p.softcap_post != 0.0f ? tanh_f(x * p.pre) * p.softcap_post : x * p.pre;
 #endif
-                    if (MASK_SELECT || masked) {
+#if MASK_SELECT
+                    // Every tile: on a full tile every column lies inside every valid row's
+                    // bounds, so the selects change nothing there (rows past seqlen_q are
+                    // never stored).
+                    {
+                        const int col = n0 + j * 8 + 2 * tig + (e & 1);
+                        const int hh = e >> 1;
+                        x = (col < row_lo[mt][hh] || col >= row_hi[mt][hh]) ? NEG_INF : x;
+                    }
+#else
+                    if (masked) {
                         const int col = n0 + j * 8 + 2 * tig + (e & 1);
                         const int hh = e >> 1;
                         if (col < row_lo[mt][hh] || col >= row_hi[mt][hh]) x = NEG_INF;
                     }
+#endif
                     s[mt][j][e] = x;
                 }
 
@@ -421,10 +437,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 
         cp_async_wait_all();
         __syncthreads(); // V tile visible; everyone is done reading this K tile
+#if KLOAD_ALWAYS
+        // After the last tile no row is valid: zero-fill only, nothing read from global memory.
+        const bool more = t + 1 < t_end;
+        load_tile<BLOCK_N>(sK, more ? gk + (i64)(n0 + BLOCK_N) * p.k_ss : gk, p.k_ss,
+                           more ? sk - n0 - BLOCK_N : 0, p.head_dim, tid);
+        cp_async_commit();
+#else
         if (t + 1 < t_end) {
             load_tile<BLOCK_N>(sK, gk + (i64)(n0 + BLOCK_N) * p.k_ss, p.k_ss, sk - n0 - BLOCK_N, p.head_dim, tid);
             cp_async_commit();
         }
+#endif
 
         // O += P V
 #pragma unroll
