@@ -38,6 +38,8 @@ pub struct Variant {
     pub warps: u32,
     /// CTAs per SM the register cap is set for.
     pub min_blocks: u32,
+    /// K/V buffers: 1 (FlashAttention-2's single buffers) or 2 (double buffering).
+    pub stages: u32,
     /// Element type.
     pub dtype: Dtype,
     /// General score transform (softcap, or a scale ≤ 0) applied before the row max; without
@@ -54,21 +56,23 @@ impl Variant {
             format!("-DBLOCK_N={}", self.block_n),
             format!("-DWARPS={}", self.warps),
             format!("-DMIN_BLOCKS={}", self.min_blocks),
+            format!("-DSTAGES={}", self.stages),
             format!("-DIS_BF16={}", u32::from(self.dtype == Dtype::Bf16)),
             format!("-DGENERAL_SCORES={}", u32::from(self.general_scores)),
         ]
     }
 
-    /// A readable name, e.g. `fwd_sm80_bf16_d128_128x64_w4_b2`.
+    /// A readable name, e.g. `fwd_sm80_bf16_d128_128x64_w4_b2_s1`.
     pub fn name(&self) -> String {
         format!(
-            "fwd_sm80_{}_d{}_{}x{}_w{}_b{}{}",
+            "fwd_sm80_{}_d{}_{}x{}_w{}_b{}_s{}{}",
             self.dtype.name(),
             self.hdp,
             self.block_m,
             self.block_n,
             self.warps,
             self.min_blocks,
+            self.stages,
             if self.general_scores { "_gen" } else { "" }
         )
     }
@@ -78,9 +82,9 @@ impl Variant {
         self.warps * 32
     }
 
-    /// Dynamic shared memory per CTA in bytes: the Q tile and one K and one V tile (16-bit).
+    /// Dynamic shared memory per CTA in bytes: the Q tile and `stages` K and V tiles (16-bit).
     pub fn smem_bytes(&self) -> u32 {
-        (self.block_m + 2 * self.block_n) * self.hdp * 2
+        (self.block_m + 2 * self.stages * self.block_n) * self.hdp * 2
     }
 
     /// Every variant the launch choice can select (what the CI compile check builds).
@@ -112,6 +116,7 @@ fn tile_config(hdp: u32, dtype: Dtype, general_scores: bool) -> Variant {
         block_n,
         warps,
         min_blocks,
+        stages: 1,
         dtype,
         general_scores,
     }
@@ -129,28 +134,34 @@ pub struct Tiles {
     pub warps: u32,
     /// CTAs per SM the register cap is set for.
     pub min_blocks: u32,
+    /// K/V buffers (1 or 2).
+    pub stages: u32,
 }
 
 impl Tiles {
-    /// Parses `BMxBNxWARPSxMINBLOCKS`, e.g. `128x64x4x2`.
+    /// Parses `BMxBNxWARPSxMINBLOCKS[xSTAGES]`, e.g. `128x64x4x2` or `128x64x4x2x2`.
     pub fn parse(s: &str) -> Option<Tiles> {
         let v: Vec<u32> = s
             .split('x')
             .map(|x| x.parse().ok())
             .collect::<Option<_>>()?;
-        let [block_m, block_n, warps, min_blocks] = v[..] else {
-            return None;
+        let (block_m, block_n, warps, min_blocks, stages) = match v[..] {
+            [m, n, w, b] => (m, n, w, b, 1),
+            [m, n, w, b, st] => (m, n, w, b, st),
+            _ => return None,
         };
         let ok = warps > 0
             && block_m % (16 * warps) == 0
             && block_n % 16 == 0
             && block_n > 0
-            && min_blocks > 0;
+            && min_blocks > 0
+            && (stages == 1 || stages == 2);
         ok.then_some(Tiles {
             block_m,
             block_n,
             warps,
             min_blocks,
+            stages,
         })
     }
 }
@@ -185,6 +196,7 @@ pub fn plan_forward(problem: &Problem, dtype: Dtype, tiles: Option<Tiles>) -> Op
         variant.block_n = t.block_n;
         variant.warps = t.warps;
         variant.min_blocks = t.min_blocks;
+        variant.stages = t.stages;
     }
     let m_blocks = (problem.max_seqlen_q() as u32).div_ceil(variant.block_m);
     if m_blocks == 0 {

@@ -210,7 +210,10 @@ fn run(args: &Args) -> Result<(), String> {
                     fmt(f), fmt(c), ratio(f), ratio(c)
                 );
                     let name = tiles.map_or("default".to_string(), |t| {
-                        format!("{}x{}x{}x{}", t.block_m, t.block_n, t.warps, t.min_blocks)
+                        format!(
+                            "{}x{}x{}x{}x{}",
+                            t.block_m, t.block_n, t.warps, t.min_blocks, t.stages
+                        )
                     });
                     let line = format!("{line} {name}");
                     println!(

@@ -7,6 +7,8 @@
 //   BLOCK_M     query rows per CTA          BLOCK_N   keys per K/V tile
 //   WARPS       warps per CTA; each owns BLOCK_M / WARPS contiguous query rows
 //   MIN_BLOCKS  CTAs per SM for __launch_bounds__ (sets the register cap)
+//   STAGES      1: one K and one V buffer (FA2's overlap: V loads under QK^T, the next K under
+//               PV; two barriers per tile); 2: double-buffered K and V (one barrier per tile)
 //   IS_BF16     1: bf16 inputs/outputs, 0: fp16
 //   GENERAL_SCORES 1: scores are transformed before the max (softcap cap*tanh(s/cap), or a
 //               non-positive scale); 0: scale > 0, folded into the exponent's FMA
@@ -18,8 +20,8 @@
 // with tiles classified full / partial / empty exactly as `Mask::classify_tile` does.
 
 #if !defined(HDP) || !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(WARPS) || \
-    !defined(MIN_BLOCKS) || !defined(IS_BF16) || !defined(GENERAL_SCORES)
-#error "flash_fwd_sm80.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, MIN_BLOCKS, IS_BF16, GENERAL_SCORES"
+    !defined(MIN_BLOCKS) || !defined(IS_BF16) || !defined(GENERAL_SCORES) || !defined(STAGES)
+#error "flash_fwd_sm80.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, MIN_BLOCKS, STAGES, IS_BF16, GENERAL_SCORES"
 #endif
 
 // Experiment switches (0 unless set through FA_CUDA_DEFINES; see compile.rs).
@@ -32,7 +34,7 @@
 #define MASK_SELECT 1 // 1: mask every tile with selects, 0: branch on partial tiles
 #endif
 #ifndef KLOAD_ALWAYS
-#define KLOAD_ALWAYS 0 // 1: issue the next K load unconditionally (zero-fill only after the last tile; spills at hdim 64)
+#define KLOAD_ALWAYS (HDP == 256) // 1: issue the next K load unconditionally (zero-fill only after the last tile); +6 % at hdim 256, -4 % at 128, spills at 64
 #endif
 #ifndef RESCALE_ALWAYS
 #define RESCALE_ALWAYS 0 // 1: multiply the accumulator by the correction without a warp vote
@@ -203,7 +205,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
     extern __shared__ __attribute__((aligned(128))) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);
     u16* sK = sQ + BLOCK_M * HDP;
-    u16* sV = sK + BLOCK_N * HDP;
+    u16* sV = sK + STAGES * BLOCK_N * HDP;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;
@@ -255,8 +257,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         }
 
     load_tile<BLOCK_M>(sQ, gq, p.q_ss, rows_valid, p.head_dim, tid);
-    if (t_begin < t_end)
+    if (t_begin < t_end) {
         load_tile<BLOCK_N>(sK, gk + (i64)t_begin * BLOCK_N * p.k_ss, p.k_ss, sk - t_begin * BLOCK_N, p.head_dim, tid);
+#if STAGES == 2
+        load_tile<BLOCK_N>(sV, gv + (i64)t_begin * BLOCK_N * p.v_ss, p.v_ss, sk - t_begin * BLOCK_N, p.head_dim_v, tid);
+#endif
+    }
     cp_async_commit();
 
     float acc[MT][DT][4];
@@ -294,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 
     // One K/V tile; `masked`: apply the mask element by element (partial tiles only, as
     // Mask::classify_tile says). One copy of the body: two (masked / unmasked) spill.
-    auto tile = [&](const int t, const bool masked) {
+    auto tile = [&](const int t, const bool masked, const u32 buf_bytes) {
         const int n0 = t * BLOCK_N;
 
         // S = Q K^T for this warp's rows.
@@ -321,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
                 u32 b0, b1, b2, b3;
-                ldsm_x4(k_addr[kj] + np * 16 * ROW_BYTES + kg * 128, b0, b1, b2, b3);
+                ldsm_x4(k_addr[kj] + buf_bytes + np * 16 * ROW_BYTES + kg * 128, b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma16816(s[mt][2 * np], a[mt], b0, b1);
@@ -435,9 +441,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
             }
         }
 
+#if STAGES == 1
         cp_async_wait_all();
         __syncthreads(); // V tile visible; everyone is done reading this K tile
-#if KLOAD_ALWAYS
+#endif
+#if STAGES == 2
+        // Double buffering: the next tiles were issued at the top of this one.
+#elif KLOAD_ALWAYS
         // After the last tile no row is valid: zero-fill only, nothing read from global memory.
         const bool more = t + 1 < t_end;
         load_tile<BLOCK_N>(sK, more ? gk + (i64)(n0 + BLOCK_N) * p.k_ss : gk, p.k_ss,
@@ -456,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #pragma unroll
             for (int dp = 0; dp < DT / 2; ++dp) {
                 u32 b0, b1, b2, b3;
-                ldsm_x4_trans(v_addr[dp & 3] + kp * 16 * ROW_BYTES + (dp >> 2) * 128, b0, b1, b2, b3);
+                ldsm_x4_trans(v_addr[dp & 3] + buf_bytes + kp * 16 * ROW_BYTES + (dp >> 2) * 128, b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma16816(acc[mt][2 * dp], pa[mt][kp], b0, b1);
@@ -469,10 +479,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
     for (int t = t_begin; t < t_end; ++t) {
         const int n0 = t * BLOCK_N;
         cp_async_wait_all();
+#if STAGES == 2
+        __syncthreads(); // tile t visible to all; everyone is done with tile t-1's buffers
+        const int buf = (t - t_begin) & 1;
+        if (t + 1 < t_end) {
+            const int nb = buf ^ 1, n1 = n0 + BLOCK_N;
+            load_tile<BLOCK_N>(sK + nb * BLOCK_N * HDP, gk + (i64)n1 * p.k_ss, p.k_ss, sk - n1, p.head_dim, tid);
+            load_tile<BLOCK_N>(sV + nb * BLOCK_N * HDP, gv + (i64)n1 * p.v_ss, p.v_ss, sk - n1, p.head_dim_v, tid);
+            cp_async_commit();
+        }
+        tile(t, !(full_lo <= n0 && n0 + BLOCK_N <= full_hi), (u32)(buf * BLOCK_N * ROW_BYTES));
+#else
         __syncthreads(); // K tile (and Q) visible to all; everyone is done with the last V tile
         load_tile<BLOCK_N>(sV, gv + (i64)n0 * p.v_ss, p.v_ss, sk - n0, p.head_dim_v, tid);
         cp_async_commit();
-        tile(t, !(full_lo <= n0 && n0 + BLOCK_N <= full_hi));
+        tile(t, !(full_lo <= n0 && n0 + BLOCK_N <= full_hi), 0u);
+#endif
     }
 
     // Finish (RowState::finish): 1/l and LSE; a row that saw no key gives 0 and -inf.
