@@ -33,6 +33,9 @@
 #ifndef MASK_SELECT
 #define MASK_SELECT 1 // 1: mask every tile with selects, 0: branch on partial tiles
 #endif
+#ifndef MASK_UNSIGNED
+#define MASK_UNSIGNED 0 // 1: one unsigned compare per element ((col - lo) < width) instead of two
+#endif
 #ifndef KLOAD_ALWAYS
 #define KLOAD_ALWAYS (HDP == 256) // 1: issue the next K load unconditionally (zero-fill only after the last tile); +6 % at hdim 256, -4 % at 128, spills at 64
 #endif
@@ -336,6 +339,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
             }
         }
 
+#if MASK_SELECT && MASK_UNSIGNED
+        int rel[MT][2];
+        u32 width[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                rel[mt][hh] = n0 + 2 * tig - row_lo[mt][hh];
+                width[mt][hh] = row_hi[mt][hh] > row_lo[mt][hh] ? (u32)(row_hi[mt][hh] - row_lo[mt][hh]) : 0u;
+            }
+#endif
         // Scores. GENERAL_SCORES: x = t(s*pre) (softcap or a non-positive scale) first.
         // Otherwise pre > 0, so the max of the raw dot products times pre is the max of the
         // log2 scores, and the scale folds into the exponent's FMA.
@@ -349,7 +363,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #if GENERAL_SCORES
                     x = p.softcap_post != 0.0f ? tanh_f(x * p.pre) * p.softcap_post : x * p.pre;
 #endif
-#if MASK_SELECT
+#if MASK_SELECT && MASK_UNSIGNED
+                    // (col - lo) as unsigned < hi - lo  <=>  lo <= col < hi (empty when hi <= lo).
+                    x = (u32)(rel[mt][e >> 1] + j * 8 + (e & 1)) < width[mt][e >> 1] ? x : NEG_INF;
+#elif MASK_SELECT
                     // Every tile: on a full tile every column lies inside every valid row's
                     // bounds, so the selects change nothing there (rows past seqlen_q are
                     // never stored).
