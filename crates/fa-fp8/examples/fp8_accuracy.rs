@@ -10,10 +10,10 @@
 //! ```text
 //! cargo run --release -p fa-fp8 --example fp8_accuracy [-- --seqlens 1024,4096,8192,16384 \
 //!     --heads 2 --sample 1024 --seed 1 --block-q 128 --block-k 128 --data both \
-//!     --repeats 1]
+//!     --repeats 1 --pow2]
 //! ```
 //!
-//! `--repeats R` draws R independent problems per seqlen and pools their squared errors
+//! `--pow2` rounds every scale up to a power of two. `--repeats R` draws R independent problems per seqlen and pools their squared errors
 //! (the per-tensor error is dominated by rare outlier-outlier products, so one draw's RMSE
 //! varies by ±15%); the ratio row then also shows its range over the draws.
 //!
@@ -59,6 +59,9 @@ fn parse_args() -> Args {
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
+    while i < argv.len() && argv[i] == "--pow2" {
+        i += 1; // read by `fp8()`
+    }
     while i + 1 < argv.len() {
         let v = &argv[i + 1];
         let num = |s: &str| -> usize {
@@ -84,6 +87,9 @@ fn parse_args() -> Args {
             other => panic!("unknown option {other}"),
         }
         i += 2;
+        while i < argv.len() && argv[i] == "--pow2" {
+            i += 1;
+        }
     }
     a
 }
@@ -273,6 +279,7 @@ fn fp8(scaling: Fp8Scaling, hadamard: bool) -> Fp8Options {
     Fp8Options {
         scaling,
         hadamard_seed: hadamard.then_some(0x5eed_f8f8),
+        power_of_two_scales: std::env::args().any(|a| a == "--pow2"),
         ..Fp8Options::default()
     }
 }
