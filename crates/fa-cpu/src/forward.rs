@@ -3,8 +3,8 @@
 use crate::arch::{self, SimdLevel};
 use crate::kernel::{self, Ctx, Scratch, SharedOut, Task, TaskStats, Tiling};
 use crate::{Element, ForwardOptions, ForwardStats};
-use rayon::prelude::*;
 use softmax_core::{BufferLens, Problem, ProblemDesc, ProblemError};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// Reusable scratch and thread pool for [`crate::forward_with_workspace`]: per-thread tile
@@ -67,7 +67,9 @@ fn tasks(p: &Problem, tiling: &Tiling) -> Vec<Task> {
         for head_kv in 0..p.heads_kv() {
             for head0 in (head_kv * group..(head_kv + 1) * group).step_by(heads_per_task) {
                 let heads = heads_per_task.min((head_kv + 1) * group - head0);
-                for i0 in (0..seq.seqlen_q).step_by(block) {
+                // Last query block first: under a causal mask it is the heaviest.
+                let starts: Vec<usize> = (0..seq.seqlen_q).step_by(block).collect();
+                for &i0 in starts.iter().rev() {
                     out.push(Task {
                         batch,
                         head_kv,
@@ -154,22 +156,41 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     ws.ensure_slots(slots.max(1));
     let slots = &ws.slots;
 
-    let run = || -> TaskStats {
-        task_list
-            .par_iter()
-            .map(|task| {
-                let slot = rayon::current_thread_index().unwrap_or(0) % slots.len();
-                let mut guard = match slots[slot].lock() {
-                    Ok(g) => g,
-                    Err(poisoned) => poisoned.into_inner(),
-                };
-                run_task(level, &ctx, task, &mut guard)
-            })
-            .reduce(TaskStats::default, TaskStats::add)
+    // Dynamic scheduling: every worker takes the next task from one shared counter, so the
+    // workers move through the list together and read the same K/V head at the same time
+    // (shared in L3), and the heaviest causal blocks (listed first) go out first. Which
+    // worker runs a task never changes its arithmetic.
+    let next = AtomicUsize::new(0);
+    let totals = Mutex::new(TaskStats::default());
+    let work = |_: rayon::BroadcastContext<'_>| {
+        let slot = rayon::current_thread_index().unwrap_or(0) % slots.len();
+        let mut guard = match slots[slot].lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let mut mine = TaskStats::default();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(task) = task_list.get(i) else { break };
+            mine = mine.add(run_task(level, &ctx, task, &mut guard));
+        }
+        let mut t = match totals.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        *t = t.add(mine);
     };
-    let stats = match (&ws.pool, threads) {
-        (Some((_, pool)), Some(_)) => pool.install(run),
-        _ => run(),
+    match (&ws.pool, threads) {
+        (Some((_, pool)), Some(_)) => {
+            pool.broadcast(work);
+        }
+        _ => {
+            rayon::broadcast(work);
+        }
+    }
+    let stats = match totals.into_inner() {
+        Ok(s) => s,
+        Err(poisoned) => poisoned.into_inner(),
     };
     Ok(ForwardStats {
         rescale: stats.rescale,

@@ -529,6 +529,10 @@ pub(crate) unsafe fn run_task<
     let k_base = p.k_offset(task.batch, 0, task.head_kv);
     let v_base = p.v_offset(task.batch, 0, task.head_kv);
     let total_tiles = sk.div_ceil(bc) as u64;
+    let k_f32: Option<&[f32]> = match <T as sealed::Sealed>::view(ctx.k) {
+        sealed::Slice::F32(s) => Some(s),
+        _ => None,
+    };
     let tiles = mask.key_tile_range(q_rows.clone(), bc, sq, sk);
     for tile in tiles.clone() {
         let j0 = tile * bc;
@@ -542,12 +546,17 @@ pub(crate) unsafe fn run_task<
         // Pack K (rows j, d contiguous) and V (rows j, dv_pad contiguous) as f32. Row
         // offsets are linear in the key index: `k_offset(b, j, h) = k_offset(b, 0, h) +
         // j·seq_stride`.
+        // f32 K is read in place by the micro-kernel (rows `k_seq` apart), except the last,
+        // partial group of QMR keys, which is packed with zero rows after it.
+        let k_direct_end = if k_f32.is_some() { nk / QMR * QMR } else { 0 };
         for j in 0..nk {
-            let ko = k_base + (j0 + j) * k_seq;
             let vo = v_base + (j0 + j) * v_seq;
             // SAFETY: S available; offsets inside the checked buffers.
             unsafe {
-                widen::<S, T>(ctx.k, ko, d, &mut kt[j * d..]);
+                if j >= k_direct_end {
+                    let ko = k_base + (j0 + j) * k_seq;
+                    widen::<S, T>(ctx.k, ko, d, &mut kt[j * d..]);
+                }
                 widen::<S, T>(ctx.v, vo, dv, &mut vt[j * dv_pad..]);
             }
             vt[j * dv_pad + dv..(j + 1) * dv_pad].fill(0.0);
@@ -583,14 +592,23 @@ pub(crate) unsafe fn run_task<
                 continue;
             }
             for j in (0..nk_pad).step_by(QMR) {
-                // SAFETY: rv0 + panel ≤ br; j + QMR ≤ nk_pad ≤ bc; kt holds bc·d, qt d·br,
-                // st bc·br (panel-major: panel rv0/panel starts at rv0·d, resp. rv0·bc).
+                let (k_ptr, k_stride) = match k_f32 {
+                    Some(src) if j < k_direct_end => {
+                        // In place: rows j0+j .. j0+j+QMR all exist (j + QMR ≤ nk).
+                        (src[k_base + (j0 + j) * k_seq..].as_ptr(), k_seq)
+                    }
+                    _ => (kt[j * d..].as_ptr(), d),
+                };
+                // SAFETY: rv0 + panel ≤ br; j + QMR ≤ nk_pad ≤ bc; kt holds bc·d, and in place
+                // rows j0+j.. j0+j+QMR−1 of K (d elements each) lie inside the checked buffer;
+                // qt holds d·br, st bc·br (panel-major: panel rv0/panel starts at rv0·d,
+                // resp. rv0·bc).
                 unsafe {
                     qk_micro::<S, QMR, NR>(
                         qt.as_ptr().add(rv0 * d),
                         panel,
-                        kt.as_ptr().add(j * d),
-                        d,
+                        k_ptr,
+                        k_stride,
                         d,
                         st.as_mut_ptr().add(rv0 * bc + j * panel),
                         panel,

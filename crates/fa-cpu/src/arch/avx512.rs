@@ -104,8 +104,9 @@ unsafe impl Simd for Avx512 {
     }
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {
-        // SAFETY: a prefetch never faults, whatever the address; SSE present.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+        // SAFETY: a prefetch never faults, whatever the address; SSE present. Into L2
+        // (T1): a whole tile would not fit in L1 beside the working set.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
     }
     #[inline(always)]
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
