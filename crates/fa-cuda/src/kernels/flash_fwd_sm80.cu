@@ -36,6 +36,9 @@
 #ifndef MASK_UNSIGNED
 #define MASK_UNSIGNED 0 // 1: one unsigned compare per element ((col - lo) < width) instead of two
 #endif
+#ifndef EARLY_KLOAD
+#define EARLY_KLOAD 0 // 1: barrier and next-K load right after QK^T (before the softmax)
+#endif
 #ifndef KLOAD_ALWAYS
 #define KLOAD_ALWAYS (HDP == 256) // 1: issue the next K load unconditionally (zero-fill only after the last tile); +6 % at hdim 256, -4 % at 128, spills at 64
 #endif
@@ -339,6 +342,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
             }
         }
 
+#if EARLY_KLOAD
+        // FlashAttention-2's order: wait for V and issue the next K before the softmax, so the
+        // load has the softmax and PV to complete.
+#if STAGES == 1
+        cp_async_wait_all();
+        __syncthreads(); // V tile visible; everyone is done reading this K tile
+#endif
+#if STAGES == 2
+        // Double buffering: the next tiles were issued at the top of this one.
+#elif KLOAD_ALWAYS
+        // After the last tile no row is valid: zero-fill only, nothing read from global memory.
+        const bool more = t + 1 < t_end;
+        load_tile<BLOCK_N>(sK, more ? gk + (i64)(n0 + BLOCK_N) * p.k_ss : gk, p.k_ss,
+                           more ? sk - n0 - BLOCK_N : 0, p.head_dim, tid);
+        cp_async_commit();
+#else
+        if (t + 1 < t_end) {
+            load_tile<BLOCK_N>(sK, gk + (i64)(n0 + BLOCK_N) * p.k_ss, p.k_ss, sk - n0 - BLOCK_N, p.head_dim, tid);
+            cp_async_commit();
+        }
+#endif
+#endif
 #if MASK_SELECT && MASK_UNSIGNED
         int rel[MT][2];
         u32 width[MT][2];
@@ -458,6 +483,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
             }
         }
 
+#if !EARLY_KLOAD
 #if STAGES == 1
         cp_async_wait_all();
         __syncthreads(); // V tile visible; everyone is done reading this K tile
@@ -475,6 +501,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
             load_tile<BLOCK_N>(sK, gk + (i64)(n0 + BLOCK_N) * p.k_ss, p.k_ss, sk - n0 - BLOCK_N, p.head_dim, tid);
             cp_async_commit();
         }
+#endif
 #endif
 
         // O += P V
