@@ -126,7 +126,7 @@ super::arch_entry!(
     Avx2,
     ["avx2", "fma", "f16c"],
     crate::kernel::Tiling {
-        rows: 256,
+        rows: 1024,
         keys: 66,
         lanes: 8,
         row_vectors: 2,

@@ -131,7 +131,7 @@ super::arch_entry!(
     Avx512,
     ["avx512f", "avx2", "fma", "f16c"],
     crate::kernel::Tiling {
-        rows: 288,
+        rows: 1008,
         keys: 64,
         lanes: 16,
         row_vectors: 3,
