@@ -85,9 +85,9 @@ pub(crate) struct Task {
 pub(crate) struct TaskStats {
     /// Rescale decisions over all rows and key tiles.
     pub rescale: RescaleStats,
-    /// Key tiles computed.
+    /// (row panel, key tile) pairs computed.
     pub computed: u64,
-    /// Key tiles skipped by the mask.
+    /// (row panel, key tile) pairs skipped because the mask hides them.
     pub skipped: u64,
 }
 
@@ -544,7 +544,6 @@ pub(crate) unsafe fn run_task<
         if kind == TileKind::Empty {
             continue;
         }
-        stats.computed += 1;
         let nk_pad = nk.div_ceil(QMR) * QMR;
         // Pack K (rows j, d contiguous) and V (rows j, dv_pad contiguous) as f32. Row
         // offsets are linear in the key index: `k_offset(b, j, h) = k_offset(b, 0, h) +
@@ -686,6 +685,7 @@ pub(crate) unsafe fn run_task<
             0
         };
         let live_panels = kinds.iter().filter(|&&k| k != TileKind::Empty).count();
+        stats.computed += live_panels as u64;
         let (pf_total, calls) = (2 * next_rows, live_panels * (dv_pad / VMR));
         let (mut pf_done, mut call) = (0, 0);
         for rv0 in (0..br).step_by(panel) {
@@ -727,7 +727,7 @@ pub(crate) unsafe fn run_task<
             }
         }
     }
-    stats.skipped = total_tiles - stats.computed;
+    stats.skipped = total_tiles * rows.div_ceil(panel) as u64 - stats.computed;
 
     // Normalise once per row and write O (transposing back) and the LSE.
     for r in 0..rows {

@@ -32,7 +32,7 @@
 //! // output is a convex combination of V rows 0 and 1.
 //! assert!(out[..8].iter().zip(0..8).all(|(&o, c)| o >= c as f32 - 1e-4 && o <= (8 + c) as f32 + 1e-4));
 //! assert!(lse.iter().all(|x| x.is_finite()));
-//! assert_eq!(stats.tiles_computed, 1);
+//! assert_eq!(stats.tiles_computed, 1); // one panel of rows, one tile of keys
 //! # Ok::<(), softmax_core::ProblemError>(())
 //! ```
 
@@ -109,9 +109,10 @@ impl std::fmt::Debug for ForwardOptions<'_> {
 pub struct ForwardStats {
     /// Rescale decisions, summed over rows and key tiles.
     pub rescale: RescaleStats,
-    /// (query block, key tile) pairs computed.
+    /// (row panel, key tile) pairs computed: a row panel is the micro-kernels' block of
+    /// query rows (16 with AVX2, 48 with AVX-512, 16 scalar), a key tile 64–66 keys.
     pub tiles_computed: u64,
-    /// (query block, key tile) pairs skipped because the mask hides them entirely.
+    /// (row panel, key tile) pairs skipped because the mask hides them entirely.
     pub tiles_skipped: u64,
 }
 
