@@ -25,10 +25,11 @@
 #endif
 
 // Experiment switches (0 unless set through FA_CUDA_DEFINES; see compile.rs).
-// Measured on the H200 (docs/gpu-notes.md, run 4): selects instead of a branch +7-10 %;
-// full unrolling of QK^T +6 % at hdim 256 (spills at hdim 128).
+// Measured on the H200 (docs/gpu-notes.md, runs 4-9): selects instead of a branch +7-10 %;
+// with 8 warps (1 CTA per SM) full unrolling of QK^T, FA2's barrier order and a branch-free
+// next-K load pay; with 4 warps (2 CTAs per SM) they cost.
 #ifndef QK_UNROLL_ALL
-#define QK_UNROLL_ALL (HDP == 256) // 1: unroll every k-step of S = QK^T (more registers)
+#define QK_UNROLL_ALL (WARPS == 8) // 1: unroll every k-step of S = QK^T (more registers)
 #endif
 #ifndef MASK_SELECT
 #define MASK_SELECT 1 // 1: mask every tile with selects, 0: branch on partial tiles
@@ -37,10 +38,10 @@
 #define MASK_UNSIGNED 0 // 1: one unsigned compare per element ((col - lo) < width) instead of two
 #endif
 #ifndef EARLY_KLOAD
-#define EARLY_KLOAD (HDP == 256) // 1: barrier and next-K load right after QK^T (before the softmax): +5 % at hdim 256, -3.5 % at 128
+#define EARLY_KLOAD (WARPS == 8) // 1: barrier and next-K load right after QK^T (before the softmax): +5 % with 8 warps (hdim 256), -3.5 % with 4 (hdim 128)
 #endif
 #ifndef KLOAD_ALWAYS
-#define KLOAD_ALWAYS (HDP == 256) // 1: issue the next K load unconditionally (zero-fill only after the last tile); +6 % at hdim 256, -4 % at 128, spills at 64
+#define KLOAD_ALWAYS (WARPS == 8) // 1: issue the next K load unconditionally (zero-fill only after the last tile); +6 % with 8 warps (hdim 256), -4 % with 4 (hdim 128), spills at hdim 64
 #endif
 #ifndef RESCALE_ALWAYS
 #define RESCALE_ALWAYS 0 // 1: multiply the accumulator by the correction without a warp vote
