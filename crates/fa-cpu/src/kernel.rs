@@ -260,18 +260,18 @@ fn prefetch_row<S: Simd, T: Element>(src: &[T], offset: usize, n: usize) {
     }
 }
 
-/// `Sᵀ[j][r] = Σ_c K[j][c]·Qᵀ[c][r]` for `MR` keys × `NR·W` rows.
+/// `Sᵀ[j][r] = Σ_c K[j][c]·Qᵀ[c][r]` for `MR` keys × `NR·W` rows, K packed as `[c][MR]`
+/// (the `MR` broadcasts of a step are adjacent floats behind one pointer).
 ///
 /// # Safety
-/// `qt` readable for `d` rows of stride `qt_stride` and `NR·W` columns; `k` readable for `MR`
-/// rows of stride `k_stride` and `d` columns; `st` writable for `MR` rows of stride
-/// `st_stride` and `NR·W` columns; S's architecture available.
+/// `qt` readable for `d` rows of stride `qt_stride` and `NR·W` columns; `k` readable for
+/// `d·MR` floats; `st` writable for `MR` rows of stride `st_stride` and `NR·W` columns; S's
+/// architecture available.
 #[inline(always)]
 pub(crate) unsafe fn qk_micro<S: Simd, const MR: usize, const NR: usize>(
     qt: *const f32,
     qt_stride: usize,
     k: *const f32,
-    k_stride: usize,
     d: usize,
     st: *mut f32,
     st_stride: usize,
@@ -285,7 +285,7 @@ pub(crate) unsafe fn qk_micro<S: Simd, const MR: usize, const NR: usize>(
                 *v = S::load(qt.add(c * qt_stride + n * S::W));
             }
             for (m, row) in acc.iter_mut().enumerate() {
-                let kb = S::splat(*k.add(m * k_stride + c));
+                let kb = S::splat(*k.add(c * MR + m));
                 for (a, &v) in row.iter_mut().zip(&qv) {
                     *a = S::fma(kb, v, *a);
                 }
@@ -532,10 +532,6 @@ pub(crate) unsafe fn run_task<
     let k_base = p.k_offset(task.batch, 0, task.head_kv);
     let v_base = p.v_offset(task.batch, 0, task.head_kv);
     let total_tiles = sk.div_ceil(bc) as u64;
-    let k_f32: Option<&[f32]> = match <T as sealed::Sealed>::view(ctx.k) {
-        sealed::Slice::F32(s) => Some(s),
-        _ => None,
-    };
     let tiles = mask.key_tile_range(q_rows.clone(), bc, sq, sk);
     for tile in tiles.clone() {
         let j0 = tile * bc;
@@ -548,22 +544,28 @@ pub(crate) unsafe fn run_task<
         // Pack K (rows j, d contiguous) and V (rows j, dv_pad contiguous) as f32. Row
         // offsets are linear in the key index: `k_offset(b, j, h) = k_offset(b, 0, h) +
         // j·seq_stride`.
-        // f32 K is read in place by the micro-kernel (rows `k_seq` apart), except the last,
-        // partial group of QMR keys, which is packed with zero rows after it.
-        let k_direct_end = if k_f32.is_some() { nk / QMR * QMR } else { 0 };
+        // K is packed in groups of QMR keys as `[c][QMR]` (key j of group g at
+        // `g·d·QMR + c·QMR + j % QMR`), zero keys after the last; V row-major.
         for j in 0..nk {
+            let ko = k_base + (j0 + j) * k_seq;
             let vo = v_base + (j0 + j) * v_seq;
             // SAFETY: S available; offsets inside the checked buffers.
             unsafe {
-                if j >= k_direct_end {
-                    let ko = k_base + (j0 + j) * k_seq;
-                    widen::<S, T>(ctx.k, ko, d, &mut kt[j * d..]);
-                }
+                widen::<S, T>(ctx.k, ko, d, row);
                 widen::<S, T>(ctx.v, vo, dv, &mut vt[j * dv_pad..]);
+            }
+            let group = &mut kt[(j / QMR) * d * QMR..(j / QMR + 1) * d * QMR];
+            for (c, &x) in row[..d].iter().enumerate() {
+                group[c * QMR + j % QMR] = x;
             }
             vt[j * dv_pad + dv..(j + 1) * dv_pad].fill(0.0);
         }
-        kt[nk * d..nk_pad * d].fill(0.0);
+        for j in nk..nk_pad {
+            let group = &mut kt[(j / QMR) * d * QMR..(j / QMR + 1) * d * QMR];
+            for c in 0..d {
+                group[c * QMR + j % QMR] = 0.0;
+            }
+        }
 
         // Classify each panel of rows against this key tile: on the diagonal of a causal or
         // windowed mask whole panels can be empty, and those skip QKᵀ, softmax and PV.
@@ -594,23 +596,14 @@ pub(crate) unsafe fn run_task<
                 continue;
             }
             for j in (0..nk_pad).step_by(QMR) {
-                let (k_ptr, k_stride) = match k_f32 {
-                    Some(src) if j < k_direct_end => {
-                        // In place: rows j0+j .. j0+j+QMR all exist (j + QMR ≤ nk).
-                        (src[k_base + (j0 + j) * k_seq..].as_ptr(), k_seq)
-                    }
-                    _ => (kt[j * d..].as_ptr(), d),
-                };
-                // SAFETY: rv0 + panel ≤ br; j + QMR ≤ nk_pad ≤ bc; kt holds bc·d, and in place
-                // rows j0+j.. j0+j+QMR−1 of K (d elements each) lie inside the checked buffer;
-                // qt holds d·br, st bc·br (panel-major: panel rv0/panel starts at rv0·d,
-                // resp. rv0·bc).
+                // SAFETY: rv0 + panel ≤ br; j + QMR ≤ nk_pad ≤ bc; kt holds bc·d (group j/QMR
+                // at j·d); qt holds d·br, st bc·br (panel-major: panel rv0/panel starts at
+                // rv0·d, resp. rv0·bc).
                 unsafe {
                     qk_micro::<S, QMR, NR>(
                         qt.as_ptr().add(rv0 * d),
                         panel,
-                        k_ptr,
-                        k_stride,
+                        kt.as_ptr().add(j * d),
                         d,
                         st.as_mut_ptr().add(rv0 * bc + j * panel),
                         panel,

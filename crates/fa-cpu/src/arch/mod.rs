@@ -270,12 +270,19 @@ macro_rules! arch_entry {
             pub(crate) unsafe fn qk(qt: &[f32], k: &[f32], d: usize, rows: usize, nk: usize, st: &mut [f32]) {
                 assert!(qt.len() >= d * rows && k.len() >= nk * d && st.len() >= nk * rows);
                 assert!(rows % ($nr * <$simd as Simd>::W) == 0 && nk % $qmr == 0);
+                // Pack K ([nk][d] row-major) into groups of QMR keys laid out [c][QMR].
+                let mut kp = vec![0.0f32; nk * d];
+                for j in 0..nk {
+                    for c in 0..d {
+                        kp[(j / $qmr) * d * $qmr + c * $qmr + j % $qmr] = k[j * d + c];
+                    }
+                }
                 for rv0 in (0..rows).step_by($nr * <$simd as Simd>::W) {
                     for j in (0..nk).step_by($qmr) {
                         // SAFETY: bounds asserted above.
                         unsafe {
                             crate::kernel::qk_micro::<$simd, $qmr, $nr>(
-                                qt.as_ptr().add(rv0), rows, k.as_ptr().add(j * d), d, d,
+                                qt.as_ptr().add(rv0), rows, kp[j * d..].as_ptr(), d,
                                 st.as_mut_ptr().add(j * rows + rv0), rows,
                             )
                         }
