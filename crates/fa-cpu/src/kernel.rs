@@ -151,7 +151,7 @@ pub(crate) struct Ctx<'a, T, O> {
     pub lse: Option<SharedOut<f32>>,
     pub policy: RescalePolicy<f32>,
     pub exp2: Exp2Impl,
-    pub hook: Option<&'a (dyn Fn(&mut [f32]) + Sync)>,
+    pub hook: Option<crate::ProbabilityHook<'a>>,
     pub tiling: Tiling,
 }
 
@@ -419,14 +419,14 @@ pub(crate) unsafe fn softmax_rows<S: Simd>(
             mx = S::max(S::load(st.add(j * st_stride)), mx);
         }
         S::store(lanes.as_mut_ptr(), mx);
-        for lane in 0..w {
+        for (lane, x) in lanes.iter_mut().enumerate().take(w) {
             let r = rv + lane;
             if r < valid_rows {
-                let step = states[r].begin_block(lanes[lane], policy, stats);
-                lanes[lane] = step.offset;
+                let step = states[r].begin_block(*x, policy, stats);
+                *x = step.offset;
                 corr[r] = step.correction;
             } else {
-                lanes[lane] = 0.0;
+                *x = 0.0;
                 corr[r] = 1.0;
             }
         }
@@ -443,10 +443,10 @@ pub(crate) unsafe fn softmax_rows<S: Simd>(
             sum = S::add(sum, e);
         }
         S::store(lanes.as_mut_ptr(), sum);
-        for lane in 0..w {
+        for (lane, &x) in lanes.iter().enumerate().take(w) {
             let r = rv + lane;
             if r < valid_rows {
-                states[r].add_sum(lanes[lane]);
+                states[r].add_sum(x);
             }
         }
     }

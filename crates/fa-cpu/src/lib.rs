@@ -60,6 +60,10 @@ pub enum Exp2Impl {
     Cubic,
 }
 
+/// A function applied to tiles of unnormalised probabilities (see
+/// [`ForwardOptions::probability_hook`]).
+pub type ProbabilityHook<'a> = &'a (dyn Fn(&mut [f32]) + Sync);
+
 /// Options of a forward call.
 #[derive(Clone, Copy)]
 pub struct ForwardOptions<'a> {
@@ -74,7 +78,7 @@ pub struct ForwardOptions<'a> {
     /// product (after the row sums are taken), as a row-major `rows × keys` slice (the task's
     /// query rows by the tile's keys; masked entries are 0). Used by fa-fp8 to quantise P.
     /// `None`: nothing is called and nothing is copied.
-    pub probability_hook: Option<&'a (dyn Fn(&mut [f32]) + Sync)>,
+    pub probability_hook: Option<ProbabilityHook<'a>>,
     /// The instruction set (default [`SimdLevel::Auto`]); asking for one the CPU lacks is an
     /// error.
     pub simd: SimdLevel,

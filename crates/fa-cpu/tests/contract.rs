@@ -11,10 +11,13 @@ use fa_cpu::{
 use fa_reference::{attention_f64, compare, Case, Rng};
 use softmax_core::{ProblemDesc, ProblemError, RescalePolicy, Strides, Tensor};
 
+/// Buffer lengths of Q, K, V, O and the LSE.
+type Lens = (usize, usize, usize, usize, Option<usize>);
+
 /// Runs `forward` on a bad call and checks the error and that O and the LSE are untouched.
 fn expect_error(
     desc: &ProblemDesc,
-    lens: (usize, usize, usize, usize, Option<usize>),
+    lens: Lens,
     opts: &ForwardOptions,
     want: impl Fn(&ProblemError) -> bool,
 ) {
@@ -81,7 +84,7 @@ fn every_bad_input_is_a_typed_error_and_leaves_outputs_untouched() {
         });
     }
     // Buffers too small, one tensor at a time.
-    let cases: [((usize, usize, usize, usize, Option<usize>), Tensor); 5] = [
+    let cases: [(Lens, Tensor); 5] = [
         ((good.0 - 1, good.1, good.2, good.3, good.4), Tensor::Q),
         ((good.0, good.1 - 1, good.2, good.3, good.4), Tensor::K),
         ((good.0, good.1, good.2 - 1, good.3, good.4), Tensor::V),

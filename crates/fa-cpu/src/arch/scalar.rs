@@ -34,7 +34,7 @@ fn zip(a: V, b: V, f: impl Fn(f32, f32) -> f32) -> V {
 fn round_even(x: f32) -> f32 {
     // 2^23: adding and subtracting it rounds to an integer in the current (nearest-even) mode.
     const BIG: f32 = 8_388_608.0;
-    if !(x.abs() < BIG) {
+    if x.is_nan() || x.abs() >= BIG {
         return x;
     }
     let r = if x >= 0.0 {

@@ -7,6 +7,11 @@ use fa_reference::Rng;
 
 const SIZES: [usize; 9] = [0, 1, 7, 31, 33, 64, 127, 128, 257];
 
+/// `(Qᵀ, K, d, rows, keys, Sᵀ)`.
+type QkFn = unsafe fn(&[f32], &[f32], usize, usize, usize, &mut [f32]);
+/// `(Pᵀ, V, dv, rows, keys, Oᵀ, correction)`.
+type PvFn = unsafe fn(&[f32], &[f32], usize, usize, usize, &mut [f32], Option<&[f32]>);
+
 /// One architecture's kernel wrappers.
 struct Arch {
     name: &'static str,
@@ -14,8 +19,8 @@ struct Arch {
     row_vectors: usize,
     qk_keys: usize,
     pv_channels: usize,
-    qk: unsafe fn(&[f32], &[f32], usize, usize, usize, &mut [f32]),
-    pv: unsafe fn(&[f32], &[f32], usize, usize, usize, &mut [f32], Option<&[f32]>),
+    qk: QkFn,
+    pv: PvFn,
     exp2: unsafe fn(&mut [f32], Exp2Impl),
     softcap: unsafe fn(&mut [f32], f32),
     widen_f16: unsafe fn(&[u16], &mut [f32]),
