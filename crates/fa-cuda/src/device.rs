@@ -314,21 +314,7 @@ impl Device {
         lse: Option<&mut DeviceBuffer<f32>>,
         opts: &ForwardOptions,
     ) -> Result<ForwardStats, CudaError> {
-        let lens = BufferLens {
-            q: q.len(),
-            k: k.len(),
-            v: v.len(),
-            o: out.len(),
-            lse: lse.as_ref().map(|l| l.len()),
-        };
-        let prepared = prepare(desc, lens, T::DTYPE, opts)?;
-        self.owns(q)?;
-        self.owns(k)?;
-        self.owns(v)?;
-        self.owns(out)?;
-        if let Some(l) = lse.as_deref() {
-            self.owns(l)?;
-        }
+        let prepared = self.check(desc, [q, k, v, &*out], lse.as_deref(), opts)?;
         let stats = self.launch(&prepared, q, k, v, out, lse.as_deref(), opts.time_kernel, 1)?;
         self.synchronize()?;
         Ok(stats.into_iter().next().unwrap_or_default())
@@ -348,22 +334,37 @@ impl Device {
         warmup: usize,
         iters: usize,
     ) -> Result<Vec<f32>, CudaError> {
+        let prepared = self.check(desc, [q, k, v, &*out], None, opts)?;
+        self.launch(&prepared, q, k, v, out, None, false, warmup)?;
+        let stats = self.launch(&prepared, q, k, v, out, None, true, iters)?;
+        self.synchronize()?;
+        Ok(stats.iter().filter_map(|s| s.kernel_ms).collect())
+    }
+
+    /// Validates a call on device buffers (`[q, k, v, out]`): the problem and the lengths
+    /// through `softmax-core`, this backend's limits, and that every buffer is this device's.
+    fn check<'a, T: CudaElement>(
+        &self,
+        desc: &ProblemDesc<'a>,
+        [q, k, v, out]: [&DeviceBuffer<T>; 4],
+        lse: Option<&DeviceBuffer<f32>>,
+        opts: &ForwardOptions,
+    ) -> Result<Prepared<'a>, CudaError> {
         let lens = BufferLens {
             q: q.len(),
             k: k.len(),
             v: v.len(),
             o: out.len(),
-            lse: None,
+            lse: lse.map(|l| l.len()),
         };
         let prepared = prepare(desc, lens, T::DTYPE, opts)?;
-        for b in [q, k, v] {
+        for b in [q, k, v, out] {
             self.owns(b)?;
         }
-        self.owns(out)?;
-        self.launch(&prepared, q, k, v, out, None, false, warmup)?;
-        let stats = self.launch(&prepared, q, k, v, out, None, true, iters)?;
-        self.synchronize()?;
-        Ok(stats.iter().filter_map(|s| s.kernel_ms).collect())
+        if let Some(l) = lse {
+            self.owns(l)?;
+        }
+        Ok(prepared)
     }
 
     /// Queues `repeat` launches of a prepared call (buffers already checked).
@@ -514,5 +515,33 @@ impl Device {
             self.download(dev, host)?;
         }
         Ok(stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn open_is_an_error_value_where_there_is_no_device() {
+        if driver_available() && nvrtc_available() {
+            // A machine with CUDA: an ordinal that cannot exist.
+            assert!(matches!(
+                Device::open(1 << 20),
+                Err(CudaError::NoDevice { ordinal, .. }) if ordinal == 1 << 20
+            ));
+        } else if !driver_available() {
+            assert_eq!(Device::open(0).unwrap_err(), CudaError::NoDriver);
+        } else {
+            assert_eq!(Device::open(0).unwrap_err(), CudaError::NoNvrtc);
+        }
+    }
+
+    #[test]
+    fn hopper_gets_the_a_target() {
+        assert_eq!(arch_for(9, 0), "sm_90a");
+        assert_eq!(arch_for(8, 0), "sm_80");
+        assert_eq!(arch_for(8, 9), "sm_89");
+        assert_eq!(arch_for(12, 0), "sm_120");
     }
 }

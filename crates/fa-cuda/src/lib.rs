@@ -17,6 +17,19 @@
 //! - [`kernels`]: the `.cu` sources (embedded with `include_str!`), their variants and the one
 //!   launch-choice function of the family.
 //!
+//! # Performance (H200, bf16, 16k tokens, same-call PyTorch SDPA peers; docs/benchmarks.md)
+//! At seqlen 8k: hdim 128 0.92–0.96× PyTorch's FlashAttention-2 (non-causal) and 0.98×
+//! (causal), hdim 256 0.99–1.02×, hdim 64 0.90×; cuDNN's Hopper kernels stay ~2× ahead (the
+//! `wgmma` kernel is a separate issue). Tile sizes come from measurements
+//! (docs/gpu-notes.md); [`ForwardOptions::tiles`] overrides them and the `FA_CUDA_DEFINES`
+//! environment variable passes extra `-D` switches to NVRTC, both for tuning experiments only.
+//!
+//! # Testing without a GPU
+//! The unit tests and the NVRTC compile check (`tests/nvrtc_compile.rs`: every variant for
+//! sm_80 and sm_90a, no register spill) need no GPU; the check needs `libnvrtc` on the loader
+//! path (`source .ci/install-nvrtc.sh`) and fails when `CI` is set and it is missing. The GPU
+//! tests (`tests/gpu.rs`) are ignored by default.
+//!
 //! # Example
 //! ```no_run
 //! use fa_cuda::{Device, ForwardOptions};

@@ -4,8 +4,9 @@
 use crate::kernels::{plan_forward, Dtype, LaunchShape, Tiles};
 use softmax_core::{BufferLens, Problem, ProblemDesc, ProblemError, RescalePolicy};
 
-/// Options of a forward call beyond the problem description.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// Options of a forward call beyond the problem description. The default: threshold rescale
+/// with τ = 8, no timing, the tuned tile choice.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ForwardOptions {
     /// When rows move their reference maximum (softmax-core's policy; `Always` is FlashAttention-2,
     /// the default `Threshold(8)` is FlashAttention-4's conditional rescale).
@@ -14,16 +15,6 @@ pub struct ForwardOptions {
     pub time_kernel: bool,
     /// Override the launch choice's tile sizes (tuning experiments; `None`: the tuned choice).
     pub tiles: Option<Tiles>,
-}
-
-impl Default for ForwardOptions {
-    fn default() -> Self {
-        ForwardOptions {
-            rescale: RescalePolicy::default(),
-            time_kernel: false,
-            tiles: None,
-        }
-    }
 }
 
 /// The kernel's parameter block; the `.cu` source's `struct Params` has the same layout.

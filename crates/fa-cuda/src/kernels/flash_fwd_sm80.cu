@@ -305,6 +305,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         }
     }
 
+    // Between the two matrix products (single buffers): wait for this tile's V, make sure every
+    // warp is done reading K, and issue the next K tile. Double buffering needs none of it.
+    auto wait_v_and_issue_next_k = [&](const int t) {
+        const int n0 = t * BLOCK_N;
+#if STAGES == 1
+        cp_async_wait_all();
+        __syncthreads(); // V tile visible; everyone is done reading this K tile
+#endif
+#if STAGES == 2
+        (void)n0; // the next tiles were issued at the top of this one
+#elif KLOAD_ALWAYS
+        // After the last tile no row is valid: zero-fill only, nothing read from global memory.
+        const bool more = t + 1 < t_end;
+        load_tile<BLOCK_N>(sK, more ? gk + (i64)(n0 + BLOCK_N) * p.k_ss : gk, p.k_ss,
+                           more ? sk - n0 - BLOCK_N : 0, p.head_dim, tid);
+        cp_async_commit();
+#else
+        if (t + 1 < t_end) {
+            load_tile<BLOCK_N>(sK, gk + (i64)(n0 + BLOCK_N) * p.k_ss, p.k_ss, sk - n0 - BLOCK_N, p.head_dim, tid);
+            cp_async_commit();
+        }
+#endif
+    };
+
     // One K/V tile; `masked`: apply the mask element by element (partial tiles only, as
     // Mask::classify_tile says). One copy of the body: two (masked / unmasked) spill.
     auto tile = [&](const int t, const bool masked, const u32 buf_bytes) {
@@ -344,26 +368,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         }
 
 #if EARLY_KLOAD
-        // FlashAttention-2's order: wait for V and issue the next K before the softmax, so the
-        // load has the softmax and PV to complete.
-#if STAGES == 1
-        cp_async_wait_all();
-        __syncthreads(); // V tile visible; everyone is done reading this K tile
-#endif
-#if STAGES == 2
-        // Double buffering: the next tiles were issued at the top of this one.
-#elif KLOAD_ALWAYS
-        // After the last tile no row is valid: zero-fill only, nothing read from global memory.
-        const bool more = t + 1 < t_end;
-        load_tile<BLOCK_N>(sK, more ? gk + (i64)(n0 + BLOCK_N) * p.k_ss : gk, p.k_ss,
-                           more ? sk - n0 - BLOCK_N : 0, p.head_dim, tid);
-        cp_async_commit();
-#else
-        if (t + 1 < t_end) {
-            load_tile<BLOCK_N>(sK, gk + (i64)(n0 + BLOCK_N) * p.k_ss, p.k_ss, sk - n0 - BLOCK_N, p.head_dim, tid);
-            cp_async_commit();
-        }
-#endif
+        // FlashAttention-2's order: before the softmax, so the load has the softmax and PV.
+        wait_v_and_issue_next_k(t);
 #endif
 #if MASK_SELECT && MASK_UNSIGNED
         int rel[MT][2];
@@ -485,24 +491,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         }
 
 #if !EARLY_KLOAD
-#if STAGES == 1
-        cp_async_wait_all();
-        __syncthreads(); // V tile visible; everyone is done reading this K tile
-#endif
-#if STAGES == 2
-        // Double buffering: the next tiles were issued at the top of this one.
-#elif KLOAD_ALWAYS
-        // After the last tile no row is valid: zero-fill only, nothing read from global memory.
-        const bool more = t + 1 < t_end;
-        load_tile<BLOCK_N>(sK, more ? gk + (i64)(n0 + BLOCK_N) * p.k_ss : gk, p.k_ss,
-                           more ? sk - n0 - BLOCK_N : 0, p.head_dim, tid);
-        cp_async_commit();
-#else
-        if (t + 1 < t_end) {
-            load_tile<BLOCK_N>(sK, gk + (i64)(n0 + BLOCK_N) * p.k_ss, p.k_ss, sk - n0 - BLOCK_N, p.head_dim, tid);
-            cp_async_commit();
-        }
-#endif
+        wait_v_and_issue_next_k(t);
 #endif
 
         // O += P V
