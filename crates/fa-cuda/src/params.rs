@@ -162,16 +162,15 @@ mod tests {
         desc.validate(256).expect("valid").min_buffer_lens()
     }
 
+    /// A valid description prepared with exact buffer lengths and default options.
+    fn prepared<'a>(desc: &ProblemDesc<'a>, dtype: Dtype) -> Prepared<'a> {
+        prepare(desc, lens_of(desc), dtype, &ForwardOptions::default()).expect("valid")
+    }
+
     #[test]
     fn dense_params_follow_the_problem() {
         let desc = ProblemDesc::new(2, 100, 300, 8, 2, 128).causal();
-        let p = prepare(
-            &desc,
-            lens_of(&desc),
-            Dtype::Bf16,
-            &ForwardOptions::default(),
-        )
-        .expect("valid");
+        let p = prepared(&desc, Dtype::Bf16);
         let launch = p.launch.expect("work to do");
         assert_eq!(launch.grid, (1, 8, 2));
         assert_eq!(launch.variant.hdp, 128);
@@ -190,13 +189,7 @@ mod tests {
         let cu_q = [0u32, 5, 5, 40];
         let cu_k = [0u32, 7, 9, 9];
         let desc = ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 72).window(Some(3), Some(2));
-        let p = prepare(
-            &desc,
-            lens_of(&desc),
-            Dtype::F16,
-            &ForwardOptions::default(),
-        )
-        .expect("valid");
+        let p = prepared(&desc, Dtype::F16);
         let launch = p.launch.expect("work");
         assert_eq!(launch.grid, (1, 4, 3));
         assert_eq!(launch.variant.hdp, 128);
@@ -263,13 +256,7 @@ mod tests {
     #[test]
     fn empty_problem_has_no_launch() {
         let desc = ProblemDesc::new(1, 0, 5, 2, 2, 64);
-        let p = prepare(
-            &desc,
-            lens_of(&desc),
-            Dtype::Bf16,
-            &ForwardOptions::default(),
-        )
-        .expect("valid");
+        let p = prepared(&desc, Dtype::Bf16);
         assert!(p.launch.is_none());
     }
 }
