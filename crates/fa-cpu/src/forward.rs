@@ -57,13 +57,34 @@ fn tiling(level: SimdLevel) -> Tiling {
 /// The tasks of a problem: (sequence, KV head, group of query heads, query block), in an
 /// order that depends only on the problem and the tiling (never on the thread count).
 fn tasks(p: &Problem, tiling: &Tiling) -> Vec<Task> {
+    /// Enough tasks that a worker slowed down by a noisy neighbour does not hold up the
+    /// end of the call (a problem-size rule: the split never depends on the thread count).
+    const MIN_TASKS: usize = 24;
+    /// Rows below which K/V tiles are reused too little to be worth packing.
+    const MIN_ROWS: usize = 256;
     let group = p.group_size();
     let rows = tiling.rows_for(p.head_dim(), p.head_dim_v());
     let heads_per_task = group.min(rows);
-    let block = (rows / heads_per_task).max(1);
+    let block_max = (rows / heads_per_task).max(1);
+    let block_min = (MIN_ROWS / heads_per_task).clamp(1, block_max);
+    let units = p.batch() * p.heads_kv() * group.div_ceil(heads_per_task);
+    let wanted_blocks = MIN_TASKS.div_ceil(units.max(1));
+    // With one head per task, blocks are whole row panels.
+    let align = if heads_per_task == 1 {
+        tiling.lanes * tiling.row_vectors
+    } else {
+        1
+    };
     let mut out = Vec::new();
     for batch in 0..p.batch() {
         let seq = p.seq(batch);
+        let blocks = seq
+            .seqlen_q
+            .div_ceil(block_max)
+            .max(wanted_blocks.min(seq.seqlen_q.div_ceil(block_min)))
+            .max(1);
+        let block = seq.seqlen_q.div_ceil(blocks).div_ceil(align) * align;
+        let block = block.clamp(1, block_max.max(align));
         for head_kv in 0..p.heads_kv() {
             for head0 in (head_kv * group..(head_kv + 1) * group).step_by(heads_per_task) {
                 let heads = heads_per_task.min((head_kv + 1) * group - head0);

@@ -125,7 +125,14 @@ pub struct ForwardStats {
 ///
 /// The problem is validated (`desc.validate(256)`) and the buffer lengths checked before
 /// anything is written: on error the outputs are untouched. NaN/∞ in the inputs propagate
-/// as in the f64 reference; a row that sees no key gets output 0 and LSE −∞.
+/// as in the f64 reference; a row that sees no key gets output 0 and LSE −∞. One difference
+/// from the reference, shared with FlashAttention: a masked key inside a computed tile gets
+/// probability 0, so an ∞ or NaN in its V row still reaches the row as `0·∞ = NaN`.
+///
+/// Work is split into tasks of up to ~1000 query rows (all query heads of a GQA group ×
+/// a block of positions); each task streams 64–66-key tiles of K and V, packed (and widened
+/// from bf16/f16) once per tile for all its rows, through register-blocked micro-kernels
+/// (AVX2: 6 keys × 16 rows for `QKᵀ`, 6 channels × 16 rows for `PV`; AVX-512: 8 × 48).
 pub fn forward<T: Element, O: Element>(
     desc: &ProblemDesc,
     q: &[T],
