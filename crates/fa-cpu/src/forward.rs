@@ -59,7 +59,7 @@ fn tiling(level: SimdLevel) -> Tiling {
 fn tasks(p: &Problem, tiling: &Tiling) -> Vec<Task> {
     /// Enough tasks that a worker slowed down by a noisy neighbour does not hold up the
     /// end of the call (a problem-size rule: the split never depends on the thread count).
-    const MIN_TASKS: usize = 24;
+    const MIN_TASKS: usize = 8;
     /// Rows below which K/V tiles are reused too little to be worth packing.
     const MIN_ROWS: usize = 256;
     let group = p.group_size();

@@ -184,7 +184,7 @@ pub(crate) fn scratch_elems(
         + tiling.keys * rows
         + tiling.keys * head_dim
         + tiling.keys * dv_pad
-        + head_dim.max(head_dim_v)
+        + tiling.lanes * tiling.row_vectors * head_dim.max(head_dim_v)
         + if hook { tiling.keys * rows } else { 0 }
         + rows * 3
 }
@@ -509,21 +509,30 @@ pub(crate) unsafe fn run_task<
     let st = ensure(st, bc * br, 0.0);
     let kt = ensure(kt, bc * d, 0.0);
     let vt = ensure(vt, bc * dv_pad, 0.0);
-    let row = ensure(row, d.max(dv), 0.0);
+    let row = ensure(row, panel * d.max(dv), 0.0);
     let corr = ensure(corr, br, 1.0);
     let states = ensure(states, br, RowState::new());
-    qt.fill(0.0);
     ot.fill(0.0);
     states.fill(RowState::new());
 
-    // Qᵀ, pre-multiplied by scale·log2(e) (or scale/cap under a softcap).
-    for r in 0..rows {
-        let head = task.head0 + r / task.len;
-        let i = task.i0 + r % task.len;
-        // SAFETY: S available (caller); the offsets are inside the checked buffer.
-        unsafe { widen::<S, T>(ctx.q, p.q_offset(task.batch, i, head), d, row) };
-        for (c, &x) in row[..d].iter().enumerate() {
-            qt[at(r, c, d)] = x * pre;
+    // Qᵀ, pre-multiplied by scale·log2(e) (or scale/cap under a softcap), one panel at a
+    // time: the panel's rows are widened into `row` (rows × d, in L1), then written out
+    // column by column, so the stores to Qᵀ are sequential. Padding rows get 0.
+    for p0 in (0..br).step_by(panel) {
+        let valid = rows.saturating_sub(p0).min(panel);
+        for l in 0..valid {
+            let (head, i) = (
+                task.head0 + (p0 + l) / task.len,
+                task.i0 + (p0 + l) % task.len,
+            );
+            // SAFETY: S available (caller); the offsets are inside the checked buffer.
+            unsafe { widen::<S, T>(ctx.q, p.q_offset(task.batch, i, head), d, &mut row[l * d..]) };
+        }
+        let dst = &mut qt[p0 * d..(p0 + panel) * d];
+        for c in 0..d {
+            for l in 0..panel {
+                dst[c * panel + l] = if l < valid { row[l * d + c] * pre } else { 0.0 };
+            }
         }
     }
 
@@ -722,22 +731,33 @@ pub(crate) unsafe fn run_task<
     }
     stats.skipped = total_tiles * rows.div_ceil(panel) as u64 - stats.computed;
 
-    // Normalise once per row and write O (transposing back) and the LSE.
-    for r in 0..rows {
-        let head = task.head0 + r / task.len;
-        let i = task.i0 + r % task.len;
-        let result = states[r].finish();
-        let oo = p.o_offset(task.batch, i, head);
+    // Normalise once per row and write O and the LSE, one panel at a time: the panel of
+    // Oᵀ is read sequentially and transposed into `row` (rows × dv, in L1), then each row
+    // is written out contiguously.
+    for p0 in (0..br).step_by(panel) {
+        let valid = rows.saturating_sub(p0).min(panel);
+        let src = &ot[p0 * dv_pad..(p0 + panel) * dv_pad];
         for c in 0..dv {
-            let x = if result.inv_sum == 0.0 {
-                0.0 // a row that saw no key: 0, whatever V holds
-            } else {
-                ot[at(r, c, dv_pad)] * result.inv_sum
-            };
-            ctx.out.write(oo + c, O::from_f32(x));
+            for l in 0..valid {
+                row[l * dv + c] = src[c * panel + l];
+            }
         }
-        if let Some(lse) = &ctx.lse {
-            lse.write(p.lse_offset(task.batch, head, i), result.lse);
+        for l in 0..valid {
+            let r = p0 + l;
+            let (head, i) = (task.head0 + r / task.len, task.i0 + r % task.len);
+            let result = states[r].finish();
+            let oo = p.o_offset(task.batch, i, head);
+            for (c, &acc) in row[l * dv..(l + 1) * dv].iter().enumerate() {
+                let x = if result.inv_sum == 0.0 {
+                    0.0 // a row that saw no key: 0, whatever V holds
+                } else {
+                    acc * result.inv_sum
+                };
+                ctx.out.write(oo + c, O::from_f32(x));
+            }
+            if let Some(lse) = &ctx.lse {
+                lse.write(p.lse_offset(task.batch, head, i), result.lse);
+            }
         }
     }
     stats
