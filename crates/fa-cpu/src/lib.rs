@@ -123,6 +123,10 @@ pub struct ForwardStats {
 /// Exact attention forward: writes `out` (BSHD, the problem's O strides) and, if given, the
 /// natural-log LSE (`[batch, heads_q, seqlen_q]`, or `[heads_q, total_q]` when packed).
 ///
+/// Scratch (a few MiB per worker at most) and, when [`ForwardOptions::threads`] is set, the
+/// thread pool are cached per calling thread and reused by the next call; use
+/// [`forward_with_workspace`] to own them instead.
+///
 /// The problem is validated (`desc.validate(256)`) and the buffer lengths checked before
 /// anything is written: on error the outputs are untouched. NaN/∞ in the inputs propagate
 /// as in the f64 reference; a row that sees no key gets output 0 and LSE −∞. One difference
@@ -142,7 +146,16 @@ pub fn forward<T: Element, O: Element>(
     lse: Option<&mut [f32]>,
     opts: &ForwardOptions,
 ) -> Result<ForwardStats, ProblemError> {
-    forward_with_workspace(desc, q, k, v, out, lse, opts, &mut Workspace::new())
+    thread_local! {
+        // Each calling thread keeps its scratch and (with `threads` set) its pool between
+        // calls: a new pool per call costs thread start-ups, new scratch page faults.
+        static CACHED: std::cell::RefCell<Workspace> = std::cell::RefCell::new(Workspace::new());
+    }
+    CACHED.with(|cached| match cached.try_borrow_mut() {
+        Ok(mut ws) => forward_with_workspace(desc, q, k, v, out, lse, opts, &mut ws),
+        // Re-entered (e.g. from a probability hook): use a fresh workspace.
+        Err(_) => forward_with_workspace(desc, q, k, v, out, lse, opts, &mut Workspace::new()),
+    })
 }
 
 /// The instruction set the dispatch picks on this CPU: `"avx512f"`, `"avx2+fma"` or
