@@ -14,6 +14,7 @@
 //!   any thread count (the split never changes the arithmetic).
 //! - Memory: per-thread scratch sized by the head dims and the tiling only
 //!   ([`scratch_bytes_per_thread`]), reusable through a [`Workspace`].
+//! - Not here yet: the backward pass, and AMX for bf16 (bf16/f16 run through f32 FMAs).
 //!
 //! # Example
 //! ```
