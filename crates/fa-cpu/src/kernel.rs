@@ -139,6 +139,21 @@ impl<E> SharedOut<E> {
             unsafe { self.ptr.add(index).write(value) };
         }
     }
+
+    /// Writes `values` at `start..start + values.len()` (nothing if that range is out of
+    /// bounds, which validation rules out). One bounds check per row, so the compiler emits
+    /// plain stores (per-element checks became masked stores, slow on Zen).
+    #[inline(always)]
+    fn write_row(&self, start: usize, values: impl ExactSizeIterator<Item = E>) {
+        let n = values.len();
+        if start.checked_add(n).is_some_and(|end| end <= self.len) {
+            for (i, v) in values.enumerate() {
+                // SAFETY: start + i < start + n ≤ len (checked); no other task writes these
+                // elements (see Send).
+                unsafe { self.ptr.add(start + i).write(v) };
+            }
+        }
+    }
 }
 
 /// Everything a task reads, shared by all tasks of a call.
@@ -747,14 +762,12 @@ pub(crate) unsafe fn run_task<
             let (head, i) = (task.head0 + r / task.len, task.i0 + r % task.len);
             let result = states[r].finish();
             let oo = p.o_offset(task.batch, i, head);
-            for (c, &acc) in row[l * dv..(l + 1) * dv].iter().enumerate() {
-                let x = if result.inv_sum == 0.0 {
-                    0.0 // a row that saw no key: 0, whatever V holds
-                } else {
-                    acc * result.inv_sum
-                };
-                ctx.out.write(oo + c, O::from_f32(x));
-            }
+            // A row that saw no key gets 0, whatever V holds.
+            let seen = result.inv_sum != 0.0;
+            let values = row[l * dv..(l + 1) * dv]
+                .iter()
+                .map(|&acc| O::from_f32(if seen { acc * result.inv_sum } else { 0.0 }));
+            ctx.out.write_row(oo, values);
             if let Some(lse) = &ctx.lse {
                 lse.write(p.lse_offset(task.batch, head, i), result.lse);
             }
