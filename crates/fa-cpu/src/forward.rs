@@ -119,13 +119,7 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     ws: &mut Workspace,
 ) -> Result<ForwardStats, ProblemError> {
     let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
-    problem.check_buffers(BufferLens {
-        q: q.len(),
-        k: k.len(),
-        v: v.len(),
-        o: out.len(),
-        lse: lse.as_ref().map(|l| l.len()),
-    })?;
+    problem.check_buffers(BufferLens::of(q, k, v, out, lse.as_deref()))?;
     if let softmax_core::RescalePolicy::Threshold(tau) = opts.rescale {
         // exp2(x − m) ≤ 2^τ must stay finite in f32.
         if !(tau.is_finite() && (0.0..=64.0).contains(&tau)) {

@@ -493,14 +493,12 @@ impl Device {
         lse: Option<&mut [f32]>,
         opts: &ForwardOptions,
     ) -> Result<ForwardStats, CudaError> {
-        let lens = BufferLens {
-            q: q.len(),
-            k: k.len(),
-            v: v.len(),
-            o: out.len(),
-            lse: lse.as_ref().map(|l| l.len()),
-        };
-        prepare(desc, lens, T::DTYPE, opts)?;
+        prepare(
+            desc,
+            BufferLens::of(q, k, v, out, lse.as_deref()),
+            T::DTYPE,
+            opts,
+        )?;
         let dq = self.upload(q)?;
         let dk = self.upload(k)?;
         let dv = self.upload(v)?;

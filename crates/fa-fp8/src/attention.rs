@@ -225,13 +225,7 @@ pub fn forward_fp8(
     lse: Option<&mut [f32]>,
     opts: &Fp8Options,
 ) -> Result<ForwardStats, Fp8Error> {
-    let lens = BufferLens {
-        q: q.len(),
-        k: k.len(),
-        v: v.len(),
-        o: out.len(),
-        lse: lse.as_ref().map(|l| l.len()),
-    };
+    let lens = BufferLens::of(q, k, v, out, lse.as_deref());
     let (problem, hadamard) = validate(desc, lens, opts)?;
     let operands = quantize_operands(&problem, q, k, v, hadamard, opts)?;
     forward_operands(desc, &problem, &operands, out, lse, opts)
@@ -245,13 +239,8 @@ pub fn forward_prepared(
     lse: Option<&mut [f32]>,
     opts: &Fp8Options,
 ) -> Result<ForwardStats, Fp8Error> {
-    let lens = BufferLens {
-        q: operands.q.codes.len(),
-        k: operands.k.codes.len(),
-        v: operands.v.codes.len(),
-        o: out.len(),
-        lse: lse.as_ref().map(|l| l.len()),
-    };
+    let (q, k, v) = (&operands.q.codes, &operands.k.codes, &operands.v.codes);
+    let lens = BufferLens::of(q, k, v, out, lse.as_deref());
     let (problem, _) = validate(desc, lens, opts)?;
     forward_operands(desc, &problem, operands, out, lse, opts)
 }

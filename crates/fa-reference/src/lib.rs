@@ -24,7 +24,7 @@
 //! assert!(report.rel_l2 < 1e-7 && report.lse_max_abs < 1e-5);
 //! ```
 
-use softmax_core::{Mask, Problem, ProblemDesc, Sequences, Strides, Tensor};
+use softmax_core::{Mask, Problem, ProblemDesc, Strides, Tensor};
 
 mod rng;
 pub use rng::Rng;
@@ -477,13 +477,4 @@ pub const POISON: f32 = f32::NAN;
 pub fn poison<E: Element>(buf: &mut [E]) {
     let p = E::from_f64(POISON as f64);
     buf.iter_mut().for_each(|x| *x = p);
-}
-
-/// The dense sequences helper: `Sequences::Fixed` for the given lengths.
-pub fn fixed(batch: usize, seqlen_q: usize, seqlen_k: usize) -> Sequences<'static> {
-    Sequences::Fixed {
-        batch,
-        seqlen_q,
-        seqlen_k,
-    }
 }

@@ -413,6 +413,19 @@ pub struct BufferLens {
     pub lse: Option<usize>,
 }
 
+impl BufferLens {
+    /// The lengths of a call's buffers, in elements (`lse` when an LSE buffer is given).
+    pub fn of<I, O>(q: &[I], k: &[I], v: &[I], out: &[O], lse: Option<&[f32]>) -> BufferLens {
+        BufferLens {
+            q: q.len(),
+            k: k.len(),
+            v: v.len(),
+            o: out.len(),
+            lse: lse.map(<[f32]>::len),
+        }
+    }
+}
+
 /// A validated problem. All offsets are in elements.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Problem<'a> {

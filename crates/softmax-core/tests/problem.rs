@@ -198,6 +198,11 @@ fn buffer_lengths_are_checked() {
     }
     let no_lse = BufferLens { lse: None, ..good };
     assert!(p.check_buffers(no_lse).is_ok());
+    // The same lengths read off slices.
+    let (q, k, v) = (vec![0u8; good.q], vec![0u8; good.k], vec![0u8; good.v]);
+    let (o, lse) = (vec![0.0f32; good.o], vec![0.0f32; good.lse.unwrap()]);
+    assert_eq!(BufferLens::of(&q, &k, &v, &o, Some(&lse)), good);
+    assert_eq!(BufferLens::of(&q, &k, &v, &o, None), no_lse);
 }
 
 #[test]
