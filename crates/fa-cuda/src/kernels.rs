@@ -45,6 +45,10 @@ pub struct Variant {
     /// General score transform (softcap, or a scale ≤ 0) applied before the row max; without
     /// it the scale must be positive and is folded into the exponent's FMA.
     pub general_scores: bool,
+    /// Whether the kernel applies the mask element by element. `false` compiles the mask code
+    /// out; only for problems where every key tile is full for every query (see
+    /// [`plan_forward`]).
+    pub masked: bool,
 }
 
 impl Variant {
@@ -59,13 +63,15 @@ impl Variant {
             format!("-DSTAGES={}", self.stages),
             format!("-DIS_BF16={}", u32::from(self.dtype == Dtype::Bf16)),
             format!("-DGENERAL_SCORES={}", u32::from(self.general_scores)),
+            format!("-DMASKED={}", u32::from(self.masked)),
         ]
     }
 
-    /// A readable name, e.g. `fwd_sm80_bf16_d128_128x64_w4_b2_s1`.
+    /// A readable name, e.g. `fwd_sm80_bf16_d128_128x64_w4_b2_s1` (`_gen`: general scores,
+    /// `_full`: no mask code).
     pub fn name(&self) -> String {
         format!(
-            "fwd_sm80_{}_d{}_{}x{}_w{}_b{}_s{}{}",
+            "fwd_sm80_{}_d{}_{}x{}_w{}_b{}_s{}{}{}",
             self.dtype.name(),
             self.hdp,
             self.block_m,
@@ -73,7 +79,8 @@ impl Variant {
             self.warps,
             self.min_blocks,
             self.stages,
-            if self.general_scores { "_gen" } else { "" }
+            if self.general_scores { "_gen" } else { "" },
+            if self.masked { "" } else { "_full" }
         )
     }
 
@@ -93,10 +100,12 @@ impl Variant {
         for dtype in [Dtype::Bf16, Dtype::F16] {
             for hdp in [64, 128, 256] {
                 for general_scores in [false, true] {
-                    all.push(tile_config(hdp, dtype, general_scores, false));
+                    for masked in [true, false] {
+                        all.push(tile_config(hdp, dtype, general_scores, false, masked));
+                    }
                 }
                 if hdp == 128 {
-                    all.push(tile_config(hdp, dtype, false, true));
+                    all.push(tile_config(hdp, dtype, false, true, true));
                 }
             }
         }
@@ -108,7 +117,13 @@ impl Variant {
 /// per CTA; 4 warps of 32 rows for head dims up to 128 (two CTAs per SM), 8 warps of 16 rows
 /// for 256 (one CTA per SM); hdim 128 causal runs 8 warps over 128-key tiles (0.97× against
 /// 0.93× of FlashAttention-2 with the 4-warp tiles).
-fn tile_config(hdp: u32, dtype: Dtype, general_scores: bool, causal: bool) -> Variant {
+fn tile_config(
+    hdp: u32,
+    dtype: Dtype,
+    general_scores: bool,
+    causal: bool,
+    masked: bool,
+) -> Variant {
     // hdim 64 with softcap: the tanh needs registers that 128-key tiles leave no room for.
     let (block_n, warps, min_blocks) = match (hdp, general_scores, causal) {
         (64, false, _) => (128, 4, 2),
@@ -125,6 +140,7 @@ fn tile_config(hdp: u32, dtype: Dtype, general_scores: bool, causal: bool) -> Va
         stages: 1,
         dtype,
         general_scores,
+        masked,
     }
 }
 
@@ -196,7 +212,7 @@ pub fn plan_forward(problem: &Problem, dtype: Dtype, tiles: Option<Tiles>) -> Op
         _ => 256,
     };
     let general = problem.softcap().is_some() || problem.softmax_scale() <= 0.0;
-    let mut variant = tile_config(hdp, dtype, general, problem.mask().is_causal());
+    let mut variant = tile_config(hdp, dtype, general, problem.mask().is_causal(), true);
     if let Some(t) = tiles {
         variant.block_m = t.block_m;
         variant.block_n = t.block_n;
@@ -204,6 +220,10 @@ pub fn plan_forward(problem: &Problem, dtype: Dtype, tiles: Option<Tiles>) -> Op
         variant.min_blocks = t.min_blocks;
         variant.stages = t.stages;
     }
+    // Without a mask and with every sequence's keys a whole number of tiles, every tile is
+    // full for every query: the variant without mask code (FlashAttention-2's "even" kernel).
+    variant.masked = !(problem.mask().is_none()
+        && (0..problem.batch()).all(|b| problem.seq(b).seqlen_k % variant.block_n as usize == 0));
     let m_blocks = (problem.max_seqlen_q() as u32).div_ceil(variant.block_m);
     if m_blocks == 0 {
         return None;
@@ -214,4 +234,45 @@ pub fn plan_forward(problem: &Problem, dtype: Dtype, tiles: Option<Tiles>) -> Op
         block: variant.threads(),
         smem_bytes: variant.smem_bytes(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use softmax_core::ProblemDesc;
+
+    fn masked(desc: ProblemDesc) -> bool {
+        let problem = desc.validate(256).expect("valid");
+        plan_forward(&problem, Dtype::Bf16, None)
+            .expect("a launch")
+            .variant
+            .masked
+    }
+
+    #[test]
+    fn mask_code_is_dropped_only_when_every_tile_is_full() {
+        // hdim 128 tiles are 64 keys, hdim 64 tiles 128 keys.
+        assert!(!masked(ProblemDesc::new(2, 100, 1024, 4, 4, 128)));
+        assert!(!masked(ProblemDesc::new(1, 7, 64, 4, 1, 128)));
+        assert!(masked(ProblemDesc::new(1, 100, 1000, 4, 4, 128))); // key tail
+        assert!(masked(ProblemDesc::new(1, 64, 64, 4, 4, 64))); // tail of a 128-key tile
+        assert!(masked(ProblemDesc::new(1, 1024, 1024, 4, 4, 128).causal()));
+        assert!(masked(
+            ProblemDesc::new(1, 1024, 1024, 4, 4, 128).window(Some(256), None)
+        ));
+        let (cu_q, cu_k) = ([0u32, 5, 5, 300], [0u32, 128, 128, 512]);
+        assert!(!masked(ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 64)));
+        let cu_k = [0u32, 128, 128, 500];
+        assert!(masked(ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 64)));
+    }
+
+    #[test]
+    fn every_variant_has_a_distinct_name() {
+        let all = Variant::all();
+        let mut names: Vec<String> = all.iter().map(Variant::name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
+        assert!(all.iter().any(|v| !v.masked) && all.iter().any(|v| v.masked));
+    }
 }

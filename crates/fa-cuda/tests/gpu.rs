@@ -4,7 +4,7 @@
 //! inputs with f32 accumulation. Ignored by default: they need a CUDA GPU
 //! (`cargo test -p fa-cuda -- --include-ignored`, or `../shared/bin/gpu-pack` and the device).
 
-use fa_cuda::{CudaElement, CudaError, Device, ForwardOptions};
+use fa_cuda::{CudaElement, CudaError, Device, Dtype, ForwardOptions};
 use fa_reference::{attention_f64, compare, poison, Case, Rng, Rounding};
 use half::{bf16, f16};
 use softmax_core::{Mask, ProblemError, RescalePolicy};
@@ -133,6 +133,62 @@ fn seqlens_and_head_dims() {
     }
     let case = Case::dense(&mut rng, 1, 4097, 4097, 1, 1, 128).causal();
     check("s=4097 d=128 causal", case);
+}
+
+/// Whether the launch choice compiles the mask code out for `case` (every key tile full).
+fn runs_unmasked(case: &Case) -> bool {
+    let desc = case.desc();
+    let problem = desc.validate(256).expect("valid case");
+    fa_cuda::kernels::plan_forward(&problem, Dtype::Bf16, None).is_some_and(|l| !l.variant.masked)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn full_tiles_without_mask_code() {
+    // No mask and seqlen_k a multiple of 128: the `_full` variants (no mask code). Queries of
+    // any length, GQA, softcap, fp16, varlen with empty sequences.
+    let mut rng = Rng::new(7);
+    for &(sq, sk) in &[
+        (1usize, 128usize),
+        (100, 256),
+        (256, 256),
+        (1000, 1024),
+        (129, 384),
+    ] {
+        for &d in &[64usize, 96, 128, 256] {
+            let case = Case::dense(&mut rng, 2, sq, sk, 4, 2, d);
+            assert!(
+                runs_unmasked(&case),
+                "sq={sq} sk={sk} d={d} should run unmasked"
+            );
+            check(&format!("full tiles sq={sq} sk={sk} d={d}"), case);
+        }
+    }
+    for &d in &[64usize, 128, 256] {
+        let case = Case::dense(&mut rng, 1, 200, 512, 2, 1, d).round(Rounding::F16);
+        assert!(runs_unmasked(&case));
+        check_as::<f16>(
+            &format!("full tiles fp16 d={d}"),
+            &case,
+            &ForwardOptions::default(),
+        );
+        let case = Case::dense(&mut rng, 1, 300, 256, 2, 2, d)
+            .with_softcap(5.0)
+            .round(Rounding::Bf16);
+        assert!(runs_unmasked(&case));
+        check_as::<bf16>(
+            &format!("full tiles softcap d={d}"),
+            &case,
+            &ForwardOptions::default(),
+        );
+    }
+    let case = Case::varlen(&mut rng, &[5, 0, 300, 128], &[128, 0, 256, 384], 4, 4, 128);
+    assert!(runs_unmasked(&case));
+    check("full tiles varlen d=128", case);
+    // One sequence with a key tail: the whole launch keeps the mask.
+    let case = Case::varlen(&mut rng, &[5, 300], &[128, 257], 4, 4, 128);
+    assert!(!runs_unmasked(&case));
+    check("varlen with a key tail d=128", case);
 }
 
 #[test]

@@ -12,6 +12,11 @@
 //   IS_BF16     1: bf16 inputs/outputs, 0: fp16
 //   GENERAL_SCORES 1: scores are transformed before the max (softcap cap*tanh(s/cap), or a
 //               non-positive scale); 0: scale > 0, folded into the exponent's FMA
+//   MASKED      1: apply the mask (causal, window, key tail) element by element on every tile;
+//               0: no mask code at all, for problems where the host has checked that every
+//               key tile is full for every query (no window, seqlen_k a multiple of BLOCK_N):
+//               FlashAttention-2's "even MN, not causal" kernel. Two copies of the tile body
+//               (masked and not) in one kernel spill, so the choice is per launch.
 //
 // Softmax bookkeeping mirrors softmax-core (`RowState::begin_block`, `add_sum`, `finish`):
 // scores in the scaled log2 domain, threshold rescale with tau, an all-masked row keeps the
@@ -20,19 +25,16 @@
 // with tiles classified full / partial / empty exactly as `Mask::classify_tile` does.
 
 #if !defined(HDP) || !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(WARPS) || \
-    !defined(MIN_BLOCKS) || !defined(IS_BF16) || !defined(GENERAL_SCORES) || !defined(STAGES)
-#error "flash_fwd_sm80.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, MIN_BLOCKS, STAGES, IS_BF16, GENERAL_SCORES"
+    !defined(MIN_BLOCKS) || !defined(IS_BF16) || !defined(GENERAL_SCORES) || !defined(STAGES) || \
+    !defined(MASKED)
+#error "flash_fwd_sm80.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, MIN_BLOCKS, STAGES, IS_BF16, GENERAL_SCORES, MASKED"
 #endif
 
 // Experiment switches (0 unless set through FA_CUDA_DEFINES; see compile.rs).
-// Measured on the H200 (docs/gpu-notes.md, runs 4-9): selects instead of a branch +7-10 %;
-// with 8 warps (1 CTA per SM) full unrolling of QK^T, FA2's barrier order and a branch-free
+// Measured on the H200 (docs/gpu-notes.md, runs 4-9): with 8 warps (1 CTA per SM) full unrolling of QK^T, FA2's barrier order and a branch-free
 // next-K load pay; with 4 warps (2 CTAs per SM) they cost.
 #ifndef QK_UNROLL_ALL
 #define QK_UNROLL_ALL (WARPS == 8) // 1: unroll every k-step of S = QK^T (more registers)
-#endif
-#ifndef MASK_SELECT
-#define MASK_SELECT 1 // 1: mask every tile with selects, 0: branch on partial tiles
 #endif
 #ifndef MASK_UNSIGNED
 #define MASK_UNSIGNED 0 // 1: one unsigned compare per element ((col - lo) < width) instead of two
@@ -48,6 +50,7 @@
 #endif
 
 #define THREADS (WARPS * 32)
+#define KV_ALL_ROWS (!MASKED) // every K/V tile is whole: no per-row checks in its loads
 #define MT (BLOCK_M / (16 * WARPS)) // 16-row m-tiles per warp
 #define NT (BLOCK_N / 8)            // 8-key n-tiles of S
 #define DT (HDP / 8)                // 8-column n-tiles of O
@@ -180,21 +183,24 @@ static __device__ __forceinline__ int swz(int row, int chunk) {
 }
 
 // Copies `ROWS` rows of a tile (each HDP columns; columns >= dim and rows >= rows_valid are
-// zero-filled) from global memory into swizzled smem with cp.async.
-template <int ROWS>
+// zero-filled) from global memory into swizzled smem with cp.async. ALL_ROWS: the caller
+// guarantees rows_valid >= ROWS (no per-row check, no address select).
+template <int ROWS, bool ALL_ROWS = false>
 static __device__ __forceinline__ void load_tile(u16* s, const u16* g, i64 row_stride, int rows_valid, int dim, int tid) {
     const u32 base = smem_u32(s);
 #if (THREADS % CHUNKS) == 0
-    // Each thread keeps its chunk column; rows advance by THREADS / CHUNKS per step.
+    // Each thread keeps its chunk column; rows advance by THREADS / CHUNKS per step. A
+    // zero-filled chunk reads nothing (src-size 0); its address is kept inside the tile (column
+    // 0 of its row, or the tile's first element) so that no select is needed on valid rows.
     const int c = tid % CHUNKS, row0 = tid / CHUNKS;
     const bool col_ok = c * 8 < dim;
-    const u16* src0 = g + row0 * row_stride + c * 8;
+    const u16* src0 = g + row0 * row_stride + (col_ok ? c * 8 : 0);
     const i64 step = (i64)(THREADS / CHUNKS) * row_stride;
 #pragma unroll
     for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
         const int row = row0 + i * (THREADS / CHUNKS);
-        const bool ok = col_ok && row < rows_valid;
-        cp_async16(base + (u32)swz(row, c) * 2u, ok ? src0 + i * step : g, ok);
+        const bool row_ok = ALL_ROWS || row < rows_valid;
+        cp_async16(base + (u32)swz(row, c) * 2u, row_ok ? src0 + i * step : g, col_ok && row_ok);
     }
 #else
 #pragma unroll
@@ -245,7 +251,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #define HI_OF(i) (p.win_right >= 0 ? min((i) + diag + p.win_right + 1, sk) : sk)
     const int first = m0, last = m0 + rows_valid - 1;
     const int union_lo = LO_OF(first), union_hi = HI_OF(last);
-    const int full_lo = LO_OF(last), full_hi = HI_OF(first);
     int t_begin = 0, t_end = 0;
     if (union_hi > union_lo) {
         t_begin = union_lo / BLOCK_N;
@@ -265,9 +270,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 
     load_tile<BLOCK_M>(sQ, gq, p.q_ss, rows_valid, p.head_dim, tid);
     if (t_begin < t_end) {
-        load_tile<BLOCK_N>(sK, gk + (i64)t_begin * BLOCK_N * p.k_ss, p.k_ss, sk - t_begin * BLOCK_N, p.head_dim, tid);
+        load_tile<BLOCK_N, KV_ALL_ROWS>(sK, gk + (i64)t_begin * BLOCK_N * p.k_ss, p.k_ss, sk - t_begin * BLOCK_N, p.head_dim, tid);
 #if STAGES == 2
-        load_tile<BLOCK_N>(sV, gv + (i64)t_begin * BLOCK_N * p.v_ss, p.v_ss, sk - t_begin * BLOCK_N, p.head_dim_v, tid);
+        load_tile<BLOCK_N, KV_ALL_ROWS>(sV, gv + (i64)t_begin * BLOCK_N * p.v_ss, p.v_ss, sk - t_begin * BLOCK_N, p.head_dim_v, tid);
 #endif
     }
     cp_async_commit();
@@ -316,22 +321,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #if STAGES == 2
         (void)n0; // the next tiles were issued at the top of this one
 #elif KLOAD_ALWAYS
-        // After the last tile no row is valid: zero-fill only, nothing read from global memory.
+        // After the last tile no row is valid: zero-fill only, nothing read from global memory
+        // (with whole tiles, KV_ALL_ROWS, the first tile is read again instead; never used).
         const bool more = t + 1 < t_end;
-        load_tile<BLOCK_N>(sK, more ? gk + (i64)(n0 + BLOCK_N) * p.k_ss : gk, p.k_ss,
+        load_tile<BLOCK_N, KV_ALL_ROWS>(sK, more ? gk + (i64)(n0 + BLOCK_N) * p.k_ss : gk, p.k_ss,
                            more ? sk - n0 - BLOCK_N : 0, p.head_dim, tid);
         cp_async_commit();
 #else
         if (t + 1 < t_end) {
-            load_tile<BLOCK_N>(sK, gk + (i64)(n0 + BLOCK_N) * p.k_ss, p.k_ss, sk - n0 - BLOCK_N, p.head_dim, tid);
+            load_tile<BLOCK_N, KV_ALL_ROWS>(sK, gk + (i64)(n0 + BLOCK_N) * p.k_ss, p.k_ss, sk - n0 - BLOCK_N, p.head_dim, tid);
             cp_async_commit();
         }
 #endif
     };
 
-    // One K/V tile; `masked`: apply the mask element by element (partial tiles only, as
-    // Mask::classify_tile says). One copy of the body: two (masked / unmasked) spill.
-    auto tile = [&](const int t, const bool masked, const u32 buf_bytes) {
+    // One K/V tile.
+    auto tile = [&](const int t, const u32 buf_bytes) {
         const int n0 = t * BLOCK_N;
 
         // S = Q K^T for this warp's rows.
@@ -371,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         // FlashAttention-2's order: before the softmax, so the load has the softmax and PV.
         wait_v_and_issue_next_k(t);
 #endif
-#if MASK_SELECT && MASK_UNSIGNED
+#if MASKED && MASK_UNSIGNED
         int rel[MT][2];
         u32 width[MT][2];
 #pragma unroll
@@ -395,23 +400,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #if GENERAL_SCORES
                     x = p.softcap_post != 0.0f ? tanh_f(x * p.pre) * p.softcap_post : x * p.pre;
 #endif
-#if MASK_SELECT && MASK_UNSIGNED
+#if MASKED && MASK_UNSIGNED
                     // (col - lo) as unsigned < hi - lo  <=>  lo <= col < hi (empty when hi <= lo).
                     x = (u32)(rel[mt][e >> 1] + j * 8 + (e & 1)) < width[mt][e >> 1] ? x : NEG_INF;
-#elif MASK_SELECT
-                    // Every tile: on a full tile every column lies inside every valid row's
-                    // bounds, so the selects change nothing there (rows past seqlen_q are
-                    // never stored).
+#elif MASKED
+                    // Every tile, with selects rather than a branch around partial tiles: the
+                    // branch splits the body into blocks that ptxas cannot schedule across
+                    // (-7-10 %, run 4). On a full tile every column lies inside every valid
+                    // row's bounds, so the selects change nothing there (rows past seqlen_q
+                    // are never stored).
                     {
                         const int col = n0 + j * 8 + 2 * tig + (e & 1);
                         const int hh = e >> 1;
                         x = (col < row_lo[mt][hh] || col >= row_hi[mt][hh]) ? NEG_INF : x;
-                    }
-#else
-                    if (masked) {
-                        const int col = n0 + j * 8 + 2 * tig + (e & 1);
-                        const int hh = e >> 1;
-                        if (col < row_lo[mt][hh] || col >= row_hi[mt][hh]) x = NEG_INF;
                     }
 #endif
                     s[mt][j][e] = x;
@@ -425,10 +426,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 // Four interleaved partial maxima: short dependency chains.
-                float part[4] = {NEG_INF, NEG_INF, NEG_INF, NEG_INF};
+                float part[4];
 #pragma unroll
-                for (int j = 0; j < NT; ++j)
-                    part[j & 3] = fmaxf(part[j & 3], fmaxf(s[mt][j][2 * hh], s[mt][j][2 * hh + 1]));
+                for (int j = NT; j < 4; ++j) part[j] = NEG_INF;
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const float pair = fmaxf(s[mt][j][2 * hh], s[mt][j][2 * hh + 1]);
+                    part[j & 3] = j < 4 ? pair : fmaxf(part[j & 3], pair);
+                }
                 float bm = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
                 bm = fmaxf(bm, shfl_xor(bm, 1));
                 bm = fmaxf(bm, shfl_xor(bm, 2));
@@ -436,9 +441,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
                 bm *= p.pre; // pre > 0: -inf stays -inf
 #endif
                 const float m = row_m[mt][hh];
-                const bool move = bm > m && (m == NEG_INF || bm - m > p.tau);
+                // Without short-circuits and with the exponent computed either way: a branch
+                // here would split the softmax into blocks that ptxas schedules separately.
+                const bool move = (bm > m) & ((m == NEG_INF) | (bm - m > p.tau));
                 // exp2(-inf - bm) = 0 when m = -inf: the (empty) accumulator is zeroed.
-                const float c = move ? ex2(m - bm) : 1.0f;
+                const float c_move = ex2(m - bm);
+                const float c = move ? c_move : 1.0f;
                 row_m[mt][hh] = move ? bm : m;
                 row_l[mt][hh] *= c;
                 any_rescale |= move;
@@ -462,7 +470,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         for (int mt = 0; mt < MT; ++mt) {
             const float off0 = row_m[mt][0] == NEG_INF ? 0.0f : row_m[mt][0];
             const float off1 = row_m[mt][1] == NEG_INF ? 0.0f : row_m[mt][1];
-            float sum0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sum1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float sum0[4], sum1[4];
+#pragma unroll
+            for (int j = NT; j < 4; ++j) sum0[j] = sum1[j] = 0.0f;
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -474,8 +484,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
                     s[mt][j][e] = ex2(fmaf(s[mt][j][e], p.pre, -off));
 #endif
                 }
-                sum0[j & 3] += s[mt][j][0] + s[mt][j][1];
-                sum1[j & 3] += s[mt][j][2] + s[mt][j][3];
+                const float pair0 = s[mt][j][0] + s[mt][j][1], pair1 = s[mt][j][2] + s[mt][j][3];
+                sum0[j & 3] = j < 4 ? pair0 : sum0[j & 3] + pair0;
+                sum1[j & 3] = j < 4 ? pair1 : sum1[j & 3] + pair1;
             }
             sum0[0] = (sum0[0] + sum0[1]) + (sum0[2] + sum0[3]);
             sum1[0] = (sum1[0] + sum1[1]) + (sum1[2] + sum1[3]);
@@ -518,16 +529,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         const int buf = (t - t_begin) & 1;
         if (t + 1 < t_end) {
             const int nb = buf ^ 1, n1 = n0 + BLOCK_N;
-            load_tile<BLOCK_N>(sK + nb * BLOCK_N * HDP, gk + (i64)n1 * p.k_ss, p.k_ss, sk - n1, p.head_dim, tid);
-            load_tile<BLOCK_N>(sV + nb * BLOCK_N * HDP, gv + (i64)n1 * p.v_ss, p.v_ss, sk - n1, p.head_dim_v, tid);
+            load_tile<BLOCK_N, KV_ALL_ROWS>(sK + nb * BLOCK_N * HDP, gk + (i64)n1 * p.k_ss, p.k_ss, sk - n1, p.head_dim, tid);
+            load_tile<BLOCK_N, KV_ALL_ROWS>(sV + nb * BLOCK_N * HDP, gv + (i64)n1 * p.v_ss, p.v_ss, sk - n1, p.head_dim_v, tid);
             cp_async_commit();
         }
-        tile(t, !(full_lo <= n0 && n0 + BLOCK_N <= full_hi), (u32)(buf * BLOCK_N * ROW_BYTES));
+        tile(t, (u32)(buf * BLOCK_N * ROW_BYTES));
 #else
         __syncthreads(); // K tile (and Q) visible to all; everyone is done with the last V tile
-        load_tile<BLOCK_N>(sV, gv + (i64)n0 * p.v_ss, p.v_ss, sk - n0, p.head_dim_v, tid);
+        load_tile<BLOCK_N, KV_ALL_ROWS>(sV, gv + (i64)n0 * p.v_ss, p.v_ss, sk - n0, p.head_dim_v, tid);
         cp_async_commit();
-        tile(t, !(full_lo <= n0 && n0 + BLOCK_N <= full_hi), 0u);
+        tile(t, 0u);
 #endif
     }
 

@@ -1,0 +1,63 @@
+//! Compiles the kernel variants with NVRTC (no GPU needed) and prints ptxas' report; with
+//! `--cubin-dir DIR` also writes each cubin, for reading the SASS with `nvdisasm`/`cuobjdump`.
+//!
+//! ```text
+//! cargo run --release -p fa-cuda --example ptxas_report -- [--arch sm_90a] [--only d128] [--cubin-dir DIR]
+//! ```
+//! Extra `-D` switches come from `FA_CUDA_DEFINES`, as for every compilation.
+
+use fa_cuda::compile::compile_variant;
+use fa_cuda::Variant;
+
+fn main() {
+    let mut arch = "sm_90a".to_string();
+    let mut only = String::new();
+    let mut dir: Option<std::path::PathBuf> = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--arch" => arch = args.next().unwrap_or(arch),
+            "--only" => only = args.next().unwrap_or_default(),
+            "--cubin-dir" => dir = args.next().map(Into::into),
+            _ => {
+                eprintln!("usage: ptxas_report [--arch A] [--only SUBSTRING] [--cubin-dir DIR]");
+                std::process::exit(2);
+            }
+        }
+    }
+    let mut failed = false;
+    for variant in Variant::all()
+        .into_iter()
+        .filter(|v| v.name().contains(&only))
+    {
+        match compile_variant(&variant, &arch) {
+            Ok(c) => {
+                println!(
+                    "{:<44} {arch:<7} {:>4} regs  stack {:>3}  spill st/ld {:>3}/{:<3} {:>6.0} ms",
+                    variant.name(),
+                    c.usage.registers,
+                    c.usage.stack_frame,
+                    c.usage.spill_stores,
+                    c.usage.spill_loads,
+                    c.compile_ms
+                );
+                if let Some(dir) = &dir {
+                    let path = dir.join(format!("{}_{arch}.cubin", variant.name()));
+                    if let Err(e) =
+                        std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, &c.cubin))
+                    {
+                        eprintln!("cannot write {}: {e}", path.display());
+                        failed = true;
+                    }
+                }
+            }
+            Err(e) => {
+                eprintln!("{}: {e}", variant.name());
+                failed = true;
+            }
+        }
+    }
+    if failed {
+        std::process::exit(1);
+    }
+}
