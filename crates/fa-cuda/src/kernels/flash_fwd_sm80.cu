@@ -45,6 +45,12 @@
 #ifndef KLOAD_ALWAYS
 #define KLOAD_ALWAYS (WARPS == 8) // 1: issue the next K load unconditionally (zero-fill only after the last tile); +6 % with 8 warps (hdim 256), -4 % with 4 (hdim 128), spills at hdim 64
 #endif
+#ifndef SPLIT_TILES
+// 1 (masked variants): full tiles run a copy of the body without mask code, partial tiles
+// (diagonal, window edges, key tail) a copy with it. Two copies fit the registers with 8 warps
+// (16 rows each) up to hdim 128; with 4 warps of 32 rows, or at hdim 256, they spill.
+#define SPLIT_TILES (MASKED && WARPS == 8 && HDP <= 128)
+#endif
 #ifndef RESCALE_ALWAYS
 #define RESCALE_ALWAYS 0 // 1: multiply the accumulator by the correction without a warp vote
 #endif
@@ -176,6 +182,10 @@ static __device__ __forceinline__ float tanh_f(float y) {
 }
 #endif
 
+// Compile-time tags of the tile body: partial tiles apply the mask element by element.
+struct MaskedTile { static constexpr bool value = true; };
+struct FullTile { static constexpr bool value = false; };
+
 // Element offset of (row, 16-byte chunk) in a swizzled smem tile: the chunk index is XORed with
 // the row's low 3 bits, so the 8 rows one ldmatrix phase reads hit 8 different bank groups.
 static __device__ __forceinline__ int swz(int row, int chunk) {
@@ -269,13 +279,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         }
 
     load_tile<BLOCK_M>(sQ, gq, p.q_ss, rows_valid, p.head_dim, tid);
-    if (t_begin < t_end) {
-        load_tile<BLOCK_N, KV_ALL_ROWS>(sK, gk + (i64)t_begin * BLOCK_N * p.k_ss, p.k_ss, sk - t_begin * BLOCK_N, p.head_dim, tid);
-#if STAGES == 2
-        load_tile<BLOCK_N, KV_ALL_ROWS>(sV, gv + (i64)t_begin * BLOCK_N * p.v_ss, p.v_ss, sk - t_begin * BLOCK_N, p.head_dim_v, tid);
-#endif
-    }
-    cp_async_commit();
 
     float acc[MT][DT][4];
     float row_m[MT][2], row_l[MT][2];
@@ -312,31 +315,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 
     // Between the two matrix products (single buffers): wait for this tile's V, make sure every
     // warp is done reading K, and issue the next K tile. Double buffering needs none of it.
-    auto wait_v_and_issue_next_k = [&](const int t) {
-        const int n0 = t * BLOCK_N;
+    auto wait_v_and_issue_next_k = [&](const int t_next) {
 #if STAGES == 1
         cp_async_wait_all();
         __syncthreads(); // V tile visible; everyone is done reading this K tile
 #endif
 #if STAGES == 2
-        (void)n0; // the next tiles were issued at the top of this one
+        (void)t_next; // the next tiles were issued at the top of this one
 #elif KLOAD_ALWAYS
         // After the last tile no row is valid: zero-fill only, nothing read from global memory
         // (with whole tiles, KV_ALL_ROWS, the first tile is read again instead; never used).
-        const bool more = t + 1 < t_end;
-        load_tile<BLOCK_N, KV_ALL_ROWS>(sK, more ? gk + (i64)(n0 + BLOCK_N) * p.k_ss : gk, p.k_ss,
-                           more ? sk - n0 - BLOCK_N : 0, p.head_dim, tid);
+        const bool more = t_next >= 0;
+        const int n1 = t_next * BLOCK_N;
+        load_tile<BLOCK_N, KV_ALL_ROWS>(sK, more ? gk + (i64)n1 * p.k_ss : gk, p.k_ss, more ? sk - n1 : 0,
+                                        p.head_dim, tid);
         cp_async_commit();
 #else
-        if (t + 1 < t_end) {
-            load_tile<BLOCK_N, KV_ALL_ROWS>(sK, gk + (i64)(n0 + BLOCK_N) * p.k_ss, p.k_ss, sk - n0 - BLOCK_N, p.head_dim, tid);
+        if (t_next >= 0) {
+            const int n1 = t_next * BLOCK_N;
+            load_tile<BLOCK_N, KV_ALL_ROWS>(sK, gk + (i64)n1 * p.k_ss, p.k_ss, sk - n1, p.head_dim, tid);
             cp_async_commit();
         }
 #endif
     };
 
-    // One K/V tile.
-    auto tile = [&](const int t, const u32 buf_bytes) {
+    // One K/V tile; `t_next` is the tile after it (-1: none). `masked_tag` (MaskedTile or
+    // FullTile) says at compile time whether the mask is applied element by element.
+    auto tile = [&](const int t, const int t_next, const u32 buf_bytes, auto masked_tag) {
+        constexpr bool masked = decltype(masked_tag)::value;
         const int n0 = t * BLOCK_N;
 
         // S = Q K^T for this warp's rows.
@@ -374,9 +380,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 
 #if EARLY_KLOAD
         // FlashAttention-2's order: before the softmax, so the load has the softmax and PV.
-        wait_v_and_issue_next_k(t);
+        wait_v_and_issue_next_k(t_next);
 #endif
-#if MASKED && MASK_UNSIGNED
+#if MASK_UNSIGNED
         int rel[MT][2];
         u32 width[MT][2];
 #pragma unroll
@@ -400,21 +406,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #if GENERAL_SCORES
                     x = p.softcap_post != 0.0f ? tanh_f(x * p.pre) * p.softcap_post : x * p.pre;
 #endif
-#if MASKED && MASK_UNSIGNED
-                    // (col - lo) as unsigned < hi - lo  <=>  lo <= col < hi (empty when hi <= lo).
-                    x = (u32)(rel[mt][e >> 1] + j * 8 + (e & 1)) < width[mt][e >> 1] ? x : NEG_INF;
-#elif MASKED
-                    // Every tile, with selects rather than a branch around partial tiles: the
-                    // branch splits the body into blocks that ptxas cannot schedule across
-                    // (-7-10 %, run 4). On a full tile every column lies inside every valid
-                    // row's bounds, so the selects change nothing there (rows past seqlen_q
-                    // are never stored).
-                    {
+                    if constexpr (masked) {
+#if MASK_UNSIGNED
+                        // (col - lo) as unsigned < hi - lo  <=>  lo <= col < hi (empty when hi <= lo).
+                        x = (u32)(rel[mt][e >> 1] + j * 8 + (e & 1)) < width[mt][e >> 1] ? x : NEG_INF;
+#else
+                        // Selects rather than a branch around partial tiles: the branch splits
+                        // the body into blocks that ptxas cannot schedule across (-7-10 %,
+                        // run 4). Without SPLIT_TILES full tiles take this path too: every
+                        // column lies inside every valid row's bounds, so the selects change
+                        // nothing there (rows past seqlen_q are never stored).
                         const int col = n0 + j * 8 + 2 * tig + (e & 1);
                         const int hh = e >> 1;
                         x = (col < row_lo[mt][hh] || col >= row_hi[mt][hh]) ? NEG_INF : x;
-                    }
 #endif
+                    }
                     s[mt][j][e] = x;
                 }
 
@@ -502,7 +508,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         }
 
 #if !EARLY_KLOAD
-        wait_v_and_issue_next_k(t);
+        wait_v_and_issue_next_k(t_next);
 #endif
 
         // O += P V
@@ -521,26 +527,62 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         }
     };
 
-    for (int t = t_begin; t < t_end; ++t) {
+    // Tile order. With SPLIT_TILES the full tiles [full_begin, full_end) come first, then the
+    // partial ones before and after them, each group with its own copy of the body; the order
+    // changes the result only by rounding (the online softmax merges blocks in any order).
+#if SPLIT_TILES
+    const int full_lo = LO_OF(last), full_hi = HI_OF(first);
+    const int full_begin = min(max((full_lo + BLOCK_N - 1) / BLOCK_N, t_begin), t_end);
+    const int full_end = max(min(full_hi / BLOCK_N, t_end), full_begin);
+    const int n_full = full_end - full_begin, n_before = full_begin - t_begin;
+    auto tile_at = [&](const int i) {
+        if (i >= t_end - t_begin) return -1;
+        if (i < n_full) return full_begin + i;
+        const int j = i - n_full;
+        return j < n_before ? t_begin + j : full_end + (j - n_before);
+    };
+#else
+    auto tile_at = [&](const int i) { return i < t_end - t_begin ? t_begin + i : -1; };
+#endif
+
+    if (t_begin < t_end) {
+        const int n0 = tile_at(0) * BLOCK_N;
+        load_tile<BLOCK_N, KV_ALL_ROWS>(sK, gk + (i64)n0 * p.k_ss, p.k_ss, sk - n0, p.head_dim, tid);
+#if STAGES == 2
+        load_tile<BLOCK_N, KV_ALL_ROWS>(sV, gv + (i64)n0 * p.v_ss, p.v_ss, sk - n0, p.head_dim_v, tid);
+#endif
+    }
+    cp_async_commit();
+
+    auto step = [&](const int i, auto masked_tag) {
+        const int t = tile_at(i), t_next = tile_at(i + 1);
         const int n0 = t * BLOCK_N;
         cp_async_wait_all();
 #if STAGES == 2
-        __syncthreads(); // tile t visible to all; everyone is done with tile t-1's buffers
-        const int buf = (t - t_begin) & 1;
-        if (t + 1 < t_end) {
-            const int nb = buf ^ 1, n1 = n0 + BLOCK_N;
+        __syncthreads(); // tile t visible to all; everyone is done with the last tile's buffers
+        const int buf = i & 1;
+        if (t_next >= 0) {
+            const int nb = buf ^ 1, n1 = t_next * BLOCK_N;
             load_tile<BLOCK_N, KV_ALL_ROWS>(sK + nb * BLOCK_N * HDP, gk + (i64)n1 * p.k_ss, p.k_ss, sk - n1, p.head_dim, tid);
             load_tile<BLOCK_N, KV_ALL_ROWS>(sV + nb * BLOCK_N * HDP, gv + (i64)n1 * p.v_ss, p.v_ss, sk - n1, p.head_dim_v, tid);
             cp_async_commit();
         }
-        tile(t, (u32)(buf * BLOCK_N * ROW_BYTES));
+        tile(t, t_next, (u32)(buf * BLOCK_N * ROW_BYTES), masked_tag);
 #else
         __syncthreads(); // K tile (and Q) visible to all; everyone is done with the last V tile
         load_tile<BLOCK_N, KV_ALL_ROWS>(sV, gv + (i64)n0 * p.v_ss, p.v_ss, sk - n0, p.head_dim_v, tid);
         cp_async_commit();
-        tile(t, 0u);
+        tile(t, t_next, 0u, masked_tag);
 #endif
-    }
+    };
+#if SPLIT_TILES
+    for (int i = 0; i < n_full; ++i) step(i, FullTile{});
+    for (int i = n_full; i < t_end - t_begin; ++i) step(i, MaskedTile{});
+#elif MASKED
+    for (int i = 0; i < t_end - t_begin; ++i) step(i, MaskedTile{});
+#else
+    for (int i = 0; i < t_end - t_begin; ++i) step(i, FullTile{});
+#endif
 
     // Finish (RowState::finish): 1/l and LSE; a row that saw no key gives 0 and -inf.
     cp_async_wait_all();
