@@ -196,11 +196,11 @@ pub(crate) fn scratch_elems(
     let dv_pad = head_dim_v.div_ceil(tiling.pv_channels) * tiling.pv_channels;
     head_dim * rows
         + dv_pad * rows
-        + tiling.keys * rows
+        + tiling.keys * tiling.lanes * tiling.row_vectors
         + tiling.keys * head_dim
         + tiling.keys * dv_pad
         + tiling.lanes * tiling.row_vectors * head_dim.max(head_dim_v)
-        + if hook { tiling.keys * rows } else { 0 }
+        + if hook { tiling.keys * tiling.lanes * tiling.row_vectors } else { 0 }
         + rows * 3
 }
 
@@ -495,8 +495,6 @@ pub(crate) unsafe fn run_task<
     let dv_pad = dv.div_ceil(VMR) * VMR;
     let rows = task.heads * task.len;
     let br = tiling.padded_rows(rows);
-    // Panel-major index of (row r, column c) in a transposed tile of `cols` columns.
-    let at = |r: usize, c: usize, cols: usize| (r / panel) * cols * panel + c * panel + r % panel;
     let bc = tiling.keys;
     let seq = p.seq(task.batch);
     let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
@@ -521,7 +519,7 @@ pub(crate) unsafe fn run_task<
     } = scratch;
     let qt = ensure(qt, d * br, 0.0);
     let ot = ensure(ot, dv_pad * br, 0.0);
-    let st = ensure(st, bc * br, 0.0);
+    let st = ensure(st, bc * panel, 0.0);
     let kt = ensure(kt, bc * d, 0.0);
     let vt = ensure(vt, bc * dv_pad, 0.0);
     let row = ensure(row, panel * d.max(dv), 0.0);
@@ -612,88 +610,11 @@ pub(crate) unsafe fn run_task<
             };
         }
 
-        // Sᵀ = K·Qᵀ, panel by panel of rows (the Qᵀ panel stays in L1).
-        for rv0 in (0..br).step_by(panel) {
-            if kinds[rv0 / panel] == TileKind::Empty {
-                // Probabilities 0 (what the hook sees); the panel is skipped below.
-                st[rv0 * bc..rv0 * bc + nk * panel].fill(0.0);
-                continue;
-            }
-            for j in (0..nk_pad).step_by(QMR) {
-                // SAFETY: rv0 + panel ≤ br; j + QMR ≤ nk_pad ≤ bc; kt holds bc·d (group j/QMR
-                // at j·d); qt holds d·br, st bc·br (panel-major: panel rv0/panel starts at
-                // rv0·d, resp. rv0·bc).
-                unsafe {
-                    qk_micro::<S, QMR, NR>(
-                        qt.as_ptr().add(rv0 * d),
-                        panel,
-                        kt.as_ptr().add(j * d),
-                        d,
-                        st.as_mut_ptr().add(rv0 * bc + j * panel),
-                        panel,
-                    );
-                }
-            }
-        }
-
-        // The softcap comes before the mask (tanh(−∞) would be finite).
-        if let Some(post) = post {
-            // SAFETY: bc·br is a multiple of W (br is); st holds bc·br.
-            unsafe { softcap_slice::<S>(st.as_mut_ptr(), bc * br, post) };
-        }
-        for r in 0..rows {
-            if kinds[r / panel] != TileKind::Partial {
-                continue;
-            }
-            // Hide the keys outside the row's visible range, two runs of −∞.
-            let visible = mask.key_range(task.i0 + r % task.len, sq, sk);
-            let lo = visible.start.clamp(j0, j0 + nk) - j0;
-            let hi = visible.end.clamp(j0 + lo, j0 + nk) - j0;
-            let base = at(r, 0, bc);
-            for j in (0..lo).chain(hi..nk) {
-                st[base + j * panel] = f32::NEG_INFINITY;
-            }
-        }
-        for rv in (0..br).step_by(w) {
-            if kinds[rv / panel] == TileKind::Empty {
-                corr[rv..rv + w].fill(1.0);
-                continue;
-            }
-            // SAFETY: rv + W ≤ br; the row vector's scores sit at `at(rv, j, bc)` with stride
-            // `panel` in st (bc·br); states/corr hold br.
-            unsafe {
-                softmax_rows::<S>(
-                    st.as_mut_ptr().add(at(rv, 0, bc)),
-                    panel,
-                    nk,
-                    rv,
-                    rows,
-                    states,
-                    corr,
-                    &ctx.policy,
-                    &mut stats.rescale,
-                    ctx.exp2,
-                );
-            }
-        }
-        if let Some(hook) = ctx.hook {
-            let probs = ensure(probs, rows * nk, 0.0);
-            for r in 0..rows {
-                for j in 0..nk {
-                    probs[r * nk + j] = st[at(r, j, bc)];
-                }
-            }
-            hook(probs);
-            for r in 0..rows {
-                for j in 0..nk {
-                    st[at(r, j, bc)] = probs[r * nk + j];
-                }
-            }
-        }
-        let rescale = corr[..rows].iter().any(|&c| c != 1.0);
-
-        // Oᵀ = Oᵀ·corr + Vᵀ·Pᵀ, panel by panel of rows (the Pᵀ panel stays in L1).
-        // Meanwhile the next tile's K and V rows are prefetched, a few rows per micro-kernel
+        // Each live panel of rows runs the whole tile in turn: Sᵀ = K·Qᵀ into `st` (nk × panel
+        // floats, in L1), softcap, mask, online softmax, the hook, then Oᵀ = Oᵀ·corr + Vᵀ·Pᵀ.
+        // Fused per panel, the scores never leave L1 (three passes over the whole block's
+        // scores went through L2/L3 and cost up to a fifth of the time with two threads).
+        // Meanwhile the next tile's K and V rows are prefetched, a few rows per PV micro-kernel
         // call: rows are a head stride apart, too far for the hardware prefetchers, and a
         // burst of prefetches would stall on the miss queue.
         let next_rows = if tile + 1 < tiles.end {
@@ -706,21 +627,84 @@ pub(crate) unsafe fn run_task<
         let (pf_total, calls) = (2 * next_rows, live_panels * (dv_pad / VMR));
         let (mut pf_done, mut call) = (0, 0);
         for rv0 in (0..br).step_by(panel) {
-            let corr_ptr = if rescale {
+            let kind = kinds[rv0 / panel];
+            if kind == TileKind::Empty {
+                continue; // P = 0 and the states unchanged: nothing to add
+            }
+            for j in (0..nk_pad).step_by(QMR) {
+                // SAFETY: rv0 + panel ≤ br; j + QMR ≤ nk_pad ≤ bc; kt holds bc·d (group j/QMR
+                // at j·d); qt holds d·br (panel rv0/panel starts at rv0·d); st holds bc·panel.
+                unsafe {
+                    qk_micro::<S, QMR, NR>(
+                        qt.as_ptr().add(rv0 * d),
+                        panel,
+                        kt.as_ptr().add(j * d),
+                        d,
+                        st.as_mut_ptr().add(j * panel),
+                        panel,
+                    );
+                }
+            }
+            // The softcap comes before the mask (tanh(−∞) would be finite).
+            if let Some(post) = post {
+                // SAFETY: nk_pad·panel is a multiple of W; st holds bc·panel ≥ nk_pad·panel.
+                unsafe { softcap_slice::<S>(st.as_mut_ptr(), nk_pad * panel, post) };
+            }
+            if kind == TileKind::Partial {
+                for r in rv0..(rv0 + panel).min(rows) {
+                    // Hide the keys outside the row's visible range, two runs of −∞.
+                    let visible = mask.key_range(task.i0 + r % task.len, sq, sk);
+                    let lo = visible.start.clamp(j0, j0 + nk) - j0;
+                    let hi = visible.end.clamp(j0 + lo, j0 + nk) - j0;
+                    for j in (0..lo).chain(hi..nk) {
+                        st[j * panel + r - rv0] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            for rv in (rv0..rv0 + panel).step_by(w) {
+                // SAFETY: the row vector's scores sit at `rv − rv0 + j·panel` in st (bc·panel);
+                // rv + W ≤ br = the length of states and corr.
+                unsafe {
+                    softmax_rows::<S>(
+                        st.as_mut_ptr().add(rv - rv0),
+                        panel,
+                        nk,
+                        rv,
+                        rows,
+                        states,
+                        corr,
+                        &ctx.policy,
+                        &mut stats.rescale,
+                        ctx.exp2,
+                    );
+                }
+            }
+            if let Some(hook) = ctx.hook {
+                let probs = ensure(probs, panel * nk, 0.0);
+                for l in 0..panel {
+                    for j in 0..nk {
+                        probs[l * nk + j] = st[j * panel + l];
+                    }
+                }
+                hook(probs);
+                for l in 0..panel {
+                    for j in 0..nk {
+                        st[j * panel + l] = probs[l * nk + j];
+                    }
+                }
+            }
+            let corr_ptr = if corr[rv0..rv0 + panel].iter().any(|&c| c != 1.0) {
                 corr[rv0..].as_ptr()
             } else {
                 std::ptr::null()
             };
-            if kinds[rv0 / panel] == TileKind::Empty {
-                continue; // P = 0 and no rescale in this panel: nothing to add
-            }
             for c0 in (0..dv_pad).step_by(VMR) {
-                // SAFETY: rv0 + panel ≤ br; c0 + VMR ≤ dv_pad; panel-major st (bc·br) and
-                // ot (dv_pad·br) hold this panel's nk resp. dv_pad rows of `panel` floats;
-                // vt holds nk rows of stride dv_pad; corr holds br.
+                // SAFETY: rv0 + panel ≤ br; c0 + VMR ≤ dv_pad; st holds this panel's nk rows
+                // of `panel` floats, ot (dv_pad·br, panel-major) its dv_pad rows; vt holds nk
+                // rows of stride dv_pad; corr holds br.
                 unsafe {
                     pv_micro::<S, VMR, NR>(
-                        st.as_ptr().add(rv0 * bc),
+                        st.as_ptr(),
                         panel,
                         vt.as_ptr().add(c0),
                         dv_pad,
