@@ -56,6 +56,19 @@ impl Tiling {
         (budget / panel * panel).clamp(panel, self.rows.max(panel))
     }
 
+    /// Keys per key tile for these head dims: twice `keys` for head dims up to 64 without a
+    /// mask (per-tile costs — the softmax's per-row bookkeeping, the accumulator loads and
+    /// stores of every PV micro-kernel call — weigh most against the short dot products
+    /// there: +2–5 % measured), `keys` otherwise (under a mask larger tiles compute more
+    /// masked scores on the diagonal: −10 % at D=128 causal).
+    pub fn keys_for(&self, head_dim: usize, head_dim_v: usize, masked: bool) -> usize {
+        if head_dim.max(head_dim_v) <= 64 && !masked {
+            2 * self.keys
+        } else {
+            self.keys
+        }
+    }
+
     /// Rows padded for the micro-kernels.
     pub fn padded_rows(&self, rows: usize) -> usize {
         rows.div_ceil(self.lanes * self.row_vectors) * self.lanes * self.row_vectors
@@ -194,13 +207,14 @@ pub(crate) fn scratch_elems(
 ) -> usize {
     let rows = tiling.rows;
     let dv_pad = head_dim_v.div_ceil(tiling.pv_channels) * tiling.pv_channels;
+    let keys = tiling.keys_for(head_dim, head_dim_v, false); // the larger of the two
     head_dim * rows
         + dv_pad * rows
-        + tiling.keys * tiling.lanes * tiling.row_vectors
-        + tiling.keys * head_dim
-        + tiling.keys * dv_pad
+        + keys * tiling.lanes * tiling.row_vectors
+        + keys * head_dim
+        + keys * dv_pad
         + tiling.lanes * tiling.row_vectors * head_dim.max(head_dim_v)
-        + if hook { tiling.keys * tiling.lanes * tiling.row_vectors } else { 0 }
+        + if hook { keys * tiling.lanes * tiling.row_vectors } else { 0 }
         + rows * 3
 }
 
@@ -403,21 +417,23 @@ pub(crate) unsafe fn softcap_slice<S: Simd>(x: *mut f32, n: usize, post: f32) {
     }
 }
 
-/// The online-softmax step of one score tile for the row vector of rows `rv..rv+W`, whose
-/// scores are `W` floats at `st + j·st_stride` for keys `j < nk`:
-/// block maxima, [`RowState::begin_block`], `exp2(x − offset)` in place, row sums,
-/// [`RowState::add_sum`]. Writes each row's accumulator correction into `corr`.
+/// The online-softmax step of one score tile for a panel of `NR` row vectors, rows
+/// `rv0..rv0 + NR·W`, whose scores are `NR·W` floats at `st + j·st_stride` for keys `j < nk`:
+/// block maxima, [`RowState::begin_block`] per row, `exp2(x − offset)` in place, row sums,
+/// [`RowState::add_sum`]. Writes each row's accumulator correction into `corr`. The `NR` row
+/// vectors go through each loop together (independent dependency chains), and the exponential
+/// is chosen once per call, outside the loops.
 ///
 /// # Safety
-/// `st` read/writable for `nk` rows of stride `st_stride` and `W` columns; `states`
-/// and `corr` hold at least `rv + W` entries; S available.
+/// `st` read/writable for `nk` rows of stride `st_stride` and `NR·W` columns; `states`
+/// and `corr` hold at least `rv0 + NR·W` entries; S available.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn softmax_rows<S: Simd>(
+pub(crate) unsafe fn softmax_panel<S: Simd, const NR: usize>(
     st: *mut f32,
     st_stride: usize,
     nk: usize,
-    rv: usize,
+    rv0: usize,
     valid_rows: usize,
     states: &mut [RowState<f32>],
     corr: &mut [f32],
@@ -425,43 +441,84 @@ pub(crate) unsafe fn softmax_rows<S: Simd>(
     stats: &mut RescaleStats,
     imp: Exp2Impl,
 ) {
+    // SAFETY: bounds are the caller's contract.
+    unsafe {
+        match imp {
+            Exp2Impl::Exact => softmax_panel_with::<S, NR, false>(
+                st, st_stride, nk, rv0, valid_rows, states, corr, policy, stats,
+            ),
+            Exp2Impl::Cubic => softmax_panel_with::<S, NR, true>(
+                st, st_stride, nk, rv0, valid_rows, states, corr, policy, stats,
+            ),
+        }
+    }
+}
+
+/// [`softmax_panel`] with the exponential fixed at compile time (`CUBIC`: [`exp2_cubic`],
+/// otherwise [`exp2_exact`]).
+///
+/// # Safety
+/// As [`softmax_panel`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn softmax_panel_with<S: Simd, const NR: usize, const CUBIC: bool>(
+    st: *mut f32,
+    st_stride: usize,
+    nk: usize,
+    rv0: usize,
+    valid_rows: usize,
+    states: &mut [RowState<f32>],
+    corr: &mut [f32],
+    policy: &RescalePolicy<f32>,
+    stats: &mut RescaleStats,
+) {
     let w = S::W;
     let mut lanes = [0.0f32; 16];
     // SAFETY: bounds are the caller's contract; `lanes` holds 16 ≥ W floats.
     unsafe {
-        let mut mx = S::splat(f32::NEG_INFINITY);
+        let mut mx = [S::splat(f32::NEG_INFINITY); NR];
         for j in 0..nk {
-            mx = S::max(S::load(st.add(j * st_stride)), mx);
-        }
-        S::store(lanes.as_mut_ptr(), mx);
-        for (lane, x) in lanes.iter_mut().enumerate().take(w) {
-            let r = rv + lane;
-            if r < valid_rows {
-                let step = states[r].begin_block(*x, policy, stats);
-                *x = step.offset;
-                corr[r] = step.correction;
-            } else {
-                *x = 0.0;
-                corr[r] = 1.0;
+            for (n, m) in mx.iter_mut().enumerate() {
+                *m = S::max(S::load(st.add(j * st_stride + n * w)), *m);
             }
         }
-        let offset = S::load(lanes.as_ptr());
-        let mut sum = S::splat(0.0);
-        for j in 0..nk {
-            let p = st.add(j * st_stride);
-            let x = S::sub(S::load(p), offset);
-            let e = match imp {
-                Exp2Impl::Exact => exp2_exact::<S>(x),
-                Exp2Impl::Cubic => exp2_cubic::<S>(x),
-            };
-            S::store(p, e);
-            sum = S::add(sum, e);
+        let mut offset = [S::splat(0.0); NR];
+        for (n, (m, off)) in mx.iter().zip(offset.iter_mut()).enumerate() {
+            S::store(lanes.as_mut_ptr(), *m);
+            for (lane, x) in lanes.iter_mut().enumerate().take(w) {
+                let r = rv0 + n * w + lane;
+                if r < valid_rows {
+                    let step = states[r].begin_block(*x, policy, stats);
+                    *x = step.offset;
+                    corr[r] = step.correction;
+                } else {
+                    *x = 0.0;
+                    corr[r] = 1.0;
+                }
+            }
+            *off = S::load(lanes.as_ptr());
         }
-        S::store(lanes.as_mut_ptr(), sum);
-        for (lane, &x) in lanes.iter().enumerate().take(w) {
-            let r = rv + lane;
-            if r < valid_rows {
-                states[r].add_sum(x);
+        let mut sum = [S::splat(0.0); NR];
+        for j in 0..nk {
+            for n in 0..NR {
+                let p = st.add(j * st_stride + n * w);
+                let x = S::sub(S::load(p), offset[n]);
+                let e = if CUBIC {
+                    exp2_cubic::<S>(x)
+                } else {
+                    exp2_exact::<S>(x)
+                };
+                S::store(p, e);
+                sum[n] = S::add(sum[n], e);
+            }
+        }
+        for (n, total) in sum.iter().enumerate() {
+            S::store(lanes.as_mut_ptr(), *total);
+            for (lane, &x) in lanes.iter().enumerate().take(w) {
+                let r = rv0 + n * w + lane;
+                if r < valid_rows {
+                    states[r].add_sum(x);
+                }
             }
         }
     }
@@ -495,7 +552,7 @@ pub(crate) unsafe fn run_task<
     let dv_pad = dv.div_ceil(VMR) * VMR;
     let rows = task.heads * task.len;
     let br = tiling.padded_rows(rows);
-    let bc = tiling.keys;
+    let bc = tiling.keys_for(d, dv, !p.mask().is_none());
     let seq = p.seq(task.batch);
     let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
     let q_rows = task.i0..task.i0 + task.len;
@@ -661,23 +718,21 @@ pub(crate) unsafe fn run_task<
                     }
                 }
             }
-            for rv in (rv0..rv0 + panel).step_by(w) {
-                // SAFETY: the row vector's scores sit at `rv − rv0 + j·panel` in st (bc·panel);
-                // rv + W ≤ br = the length of states and corr.
-                unsafe {
-                    softmax_rows::<S>(
-                        st.as_mut_ptr().add(rv - rv0),
-                        panel,
-                        nk,
-                        rv,
-                        rows,
-                        states,
-                        corr,
-                        &ctx.policy,
-                        &mut stats.rescale,
-                        ctx.exp2,
-                    );
-                }
+            // SAFETY: the panel's scores sit at `j·panel` in st (bc·panel); rv0 + panel ≤ br =
+            // the length of states and corr.
+            unsafe {
+                softmax_panel::<S, NR>(
+                    st.as_mut_ptr(),
+                    panel,
+                    nk,
+                    rv0,
+                    rows,
+                    states,
+                    corr,
+                    &ctx.policy,
+                    &mut stats.rescale,
+                    ctx.exp2,
+                );
             }
             if let Some(hook) = ctx.hook {
                 let probs = ensure(probs, panel * nk, 0.0);
