@@ -44,15 +44,18 @@ pub(crate) struct Tiling {
 }
 
 impl Tiling {
-    /// Query rows per task for these head dims: as many as keep `Qᵀ` and `Oᵀ` within 2 MiB,
-    /// a multiple of the micro-kernel's rows, at most `rows`. Large blocks pay: every row of
-    /// a block reuses each K/V tile (which stays in L2), while `Qᵀ`/`Oᵀ` panels stream
-    /// through once per key tile at a rate the caches serve easily (measured on Zen 3:
-    /// D=256 went from 61 to 80 GFLOP per CPU-second going from 112 to 1008 rows).
+    /// Query rows per task for these head dims: as many as keep `Qᵀ` and `Oᵀ` within
+    /// 2.5 MiB, a multiple of the micro-kernel's rows, at most `rows`. Large blocks pay: every
+    /// row of a block reuses each K/V tile (packed once per task and tile, then in L2), while
+    /// `Qᵀ`/`Oᵀ` panels stream through once per key tile at a rate the caches serve easily
+    /// (measured on Zen 3: D=256 went from 61 to 80 GFLOP per CPU-second going from 112 to
+    /// 1008 rows; 512 KiB to 2 MiB of `Qᵀ`/`Oᵀ` made no difference). 2.5 MiB rather than 2
+    /// lets D=256 take 1024 rows: with 1008, 1024-token sequences split into two tasks and
+    /// pack every K/V tile twice.
     pub fn rows_for(&self, head_dim: usize, head_dim_v: usize) -> usize {
         let panel = self.lanes * self.row_vectors;
         let dv_pad = head_dim_v.div_ceil(self.pv_channels) * self.pv_channels;
-        let budget = (2048 * 1024) / (4 * (head_dim + dv_pad));
+        let budget = (5 * 512 * 1024) / (4 * (head_dim + dv_pad));
         (budget / panel * panel).clamp(panel, self.rows.max(panel))
     }
 
