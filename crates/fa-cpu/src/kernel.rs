@@ -217,7 +217,11 @@ pub(crate) fn scratch_elems(
         + keys * head_dim
         + keys * dv_pad
         + tiling.lanes * tiling.row_vectors * head_dim.max(head_dim_v)
-        + if hook { keys * tiling.lanes * tiling.row_vectors } else { 0 }
+        + if hook {
+            keys * tiling.lanes * tiling.row_vectors
+        } else {
+            0
+        }
         + rows * 3
 }
 
