@@ -157,6 +157,19 @@ pub(crate) unsafe trait Simd: Copy + 'static {
     unsafe fn prefetch(p: *const u8);
     /// Widens `n` f16 values (bit patterns) at `src` to f32 at `dst`.
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize);
+    /// Transposes a `W × W` block: `dst[c·dst_stride + r] = src[r·src_stride + c]` for
+    /// `r, c < W` (`W` rows of `W` readable floats at `src`, `W` rows of `W` writable floats
+    /// at `dst`, the two not overlapping). The default is the scalar loop; architectures with
+    /// shuffles override it.
+    #[inline(always)]
+    unsafe fn transpose(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+        for r in 0..Self::W {
+            for c in 0..Self::W {
+                // SAFETY: r, c < W: inside both blocks (caller's contract).
+                unsafe { *dst.add(c * dst_stride + r) = *src.add(r * src_stride + c) };
+            }
+        }
+    }
 }
 
 /// Cephes' `exp2f` polynomial on `[−½, ½]`: `2^f ≈ 1 + f·P(f)`, `P` of degree 5.
@@ -332,6 +345,18 @@ macro_rules! arch_entry {
                 assert!(x.len() % <$simd as Simd>::W == 0);
                 // SAFETY: length asserted.
                 unsafe { crate::kernel::softcap_slice::<$simd>(x.as_mut_ptr(), x.len(), post) }
+            }
+
+            /// `dst[c·dst_stride + r] = src[r·src_stride + c]` for `r < rows`, `c < cols`.
+            ///
+            /// # Safety
+            /// Features present.
+            $(#[target_feature(enable = $feature)])*
+            pub(crate) unsafe fn transpose(src: &[f32], src_stride: usize, rows: usize, cols: usize, dst: &mut [f32], dst_stride: usize) {
+                assert!(rows == 0 || cols == 0 || (src.len() >= (rows - 1) * src_stride + cols && dst.len() >= (cols - 1) * dst_stride + rows));
+                assert!(src_stride >= cols && dst_stride >= rows);
+                // SAFETY: bounds asserted above; the slices do not overlap (two borrows).
+                unsafe { crate::kernel::transpose_region::<$simd>(src.as_ptr(), src_stride, rows, cols, dst.as_mut_ptr(), dst_stride) }
             }
 
             /// Widens f16 bit patterns.

@@ -24,7 +24,11 @@ struct Arch {
     exp2: unsafe fn(&mut [f32], Exp2Impl),
     softcap: unsafe fn(&mut [f32], f32),
     widen_f16: unsafe fn(&[u16], &mut [f32]),
+    transpose: TransposeFn,
 }
+
+/// `(src, src_stride, rows, cols, dst, dst_stride)`.
+type TransposeFn = unsafe fn(&[f32], usize, usize, usize, &mut [f32], usize);
 
 macro_rules! arch {
     ($m:path, $name:literal) => {{
@@ -40,6 +44,7 @@ macro_rules! arch {
             exp2: m::twin::exp2,
             softcap: m::twin::softcap,
             widen_f16: m::twin::widen_f16,
+            transpose: m::twin::transpose,
         }
     }};
 }
@@ -342,4 +347,37 @@ fn detection_is_cached_and_consistent() {
     assert_eq!(level, super::detected());
     assert!(level.is_available());
     assert_eq!(crate::simd_level(), level.name());
+}
+
+#[test]
+fn transpose_is_exact_and_touches_nothing_else() {
+    let mut rng = Rng::new(77);
+    let mut archs = simd_archs();
+    archs.push(scalar());
+    for arch in &archs {
+        for &rows in &SIZES {
+            for &cols in &SIZES {
+                let (src_stride, dst_stride) = (cols + 3, rows + 5);
+                let src = draw(&mut rng, rows.max(1) * src_stride);
+                let mut dst = vec![f32::NAN; cols.max(1) * dst_stride];
+                // SAFETY: this CPU has the architecture (simd_archs checks); sizes match.
+                unsafe { (arch.transpose)(&src, src_stride, rows, cols, &mut dst, dst_stride) };
+                for c in 0..cols.max(1) {
+                    for r in 0..dst_stride {
+                        let got = dst[c * dst_stride + r];
+                        if r < rows && c < cols {
+                            assert_eq!(
+                                got.to_bits(),
+                                src[r * src_stride + c].to_bits(),
+                                "{} rows={rows} cols={cols} r={r} c={c}",
+                                arch.name
+                            );
+                        } else {
+                            assert!(got.is_nan(), "{} wrote outside the block", arch.name);
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
