@@ -75,10 +75,12 @@ pub struct ForwardOptions<'a> {
     pub rescale: RescalePolicy<f32>,
     /// The exponential (default [`Exp2Impl::Exact`]).
     pub exp2: Exp2Impl,
-    /// Called on every tile of unnormalised probabilities `exp2(x − m)` just before the P·V
-    /// product (after the row sums are taken), as a row-major `rows × keys` slice (the task's
-    /// query rows by the tile's keys; masked entries are 0). Used by fa-fp8 to quantise P.
-    /// `None`: nothing is called and nothing is copied.
+    /// Called on every block of unnormalised probabilities `exp2(x − m)` just before the P·V
+    /// product (after the row sums are taken), as a row-major `rows × keys` slice: one panel
+    /// of the task's query rows (the micro-kernels' row count, padding rows included) by the
+    /// tile's keys; masked entries are 0; panels the mask hides entirely are not passed. Meant
+    /// for element-wise changes (fa-fp8 quantises P with it). `None`: nothing is called and
+    /// nothing is copied.
     pub probability_hook: Option<ProbabilityHook<'a>>,
     /// The instruction set (default [`SimdLevel::Auto`]); asking for one the CPU lacks is an
     /// error.
@@ -135,9 +137,11 @@ pub struct ForwardStats {
 /// probability 0, so an ∞ or NaN in its V row still reaches the row as `0·∞ = NaN`.
 ///
 /// Work is split into tasks of up to ~1000 query rows (all query heads of a GQA group ×
-/// a block of positions); each task streams 64–66-key tiles of K and V, packed (and widened
-/// from bf16/f16) once per tile for all its rows, through register-blocked micro-kernels
-/// (AVX2: 6 keys × 16 rows for `QKᵀ`, 6 channels × 16 rows for `PV`; AVX-512: 8 × 48).
+/// a block of positions); each task streams 64–66-key tiles of K and V (twice that for
+/// unmasked head dims up to 64), packed (and widened from bf16/f16) once per tile for all
+/// its rows, and runs each panel of rows through the whole tile — `QKᵀ`, online softmax,
+/// `PV` — while its scores are in L1, with register-blocked micro-kernels (AVX2: 6 keys ×
+/// 16 rows for `QKᵀ`, 6 channels × 16 rows for `PV`; AVX-512: 8 × 48).
 pub fn forward<T: Element, O: Element>(
     desc: &ProblemDesc,
     q: &[T],
