@@ -355,22 +355,9 @@ pub(crate) unsafe fn qk_micro<S: Simd, const MR: usize, const NR: usize>(
     unsafe {
         let mut acc = [[S::splat(0.0); NR]; MR];
         for c in 0..d {
-            let mut qv = [S::splat(0.0); NR];
-            for (n, v) in qv.iter_mut().enumerate() {
-                *v = S::load(qt.add(c * qt_stride + n * S::W));
-            }
-            for (m, row) in acc.iter_mut().enumerate() {
-                let kb = S::splat(*k.add(c * MR + m));
-                for (a, &v) in row.iter_mut().zip(&qv) {
-                    *a = S::fma(kb, v, *a);
-                }
-            }
+            rank1_update::<S, MR, NR>(&mut acc, qt.add(c * qt_stride), k.add(c * MR));
         }
-        for (m, row) in acc.iter().enumerate() {
-            for (n, &a) in row.iter().enumerate() {
-                S::store(st.add(m * st_stride + n * S::W), a);
-            }
-        }
+        store_block::<S, MR, NR>(&acc, st, st_stride);
     }
 }
 
@@ -405,21 +392,52 @@ pub(crate) unsafe fn pv_micro<S: Simd, const MR: usize, const NR: usize>(
             }
         }
         for j in 0..nk {
-            let mut pv = [S::splat(0.0); NR];
-            for (n, p) in pv.iter_mut().enumerate() {
-                *p = S::load(pt.add(j * pt_stride + n * S::W));
-            }
-            for (m, row) in acc.iter_mut().enumerate() {
-                let vb = S::splat(*v.add(j * v_stride + m));
-                for (a, &p) in row.iter_mut().zip(&pv) {
-                    *a = S::fma(vb, p, *a);
-                }
+            rank1_update::<S, MR, NR>(&mut acc, pt.add(j * pt_stride), v.add(j * v_stride));
+        }
+        store_block::<S, MR, NR>(&acc, ot, ot_stride);
+    }
+}
+
+/// The step both micro-kernels are made of: `acc[m][n] += b[m] · x[n·W..(n+1)·W]` for `MR`
+/// broadcasts `b` (adjacent floats) against `NR` vectors `x` (adjacent vectors).
+///
+/// # Safety
+/// `x` readable for `NR·W` floats, `b` for `MR`; S available.
+#[inline(always)]
+unsafe fn rank1_update<S: Simd, const MR: usize, const NR: usize>(
+    acc: &mut [[S::V; NR]; MR],
+    x: *const f32,
+    b: *const f32,
+) {
+    // SAFETY: the bounds are the caller's contract.
+    unsafe {
+        let mut xv = [S::splat(0.0); NR];
+        for (n, v) in xv.iter_mut().enumerate() {
+            *v = S::load(x.add(n * S::W));
+        }
+        for (m, row) in acc.iter_mut().enumerate() {
+            let bm = S::splat(*b.add(m));
+            for (a, &v) in row.iter_mut().zip(&xv) {
+                *a = S::fma(bm, v, *a);
             }
         }
-        for (m, row) in acc.iter().enumerate() {
-            for (n, &a) in row.iter().enumerate() {
-                S::store(ot.add(m * ot_stride + n * S::W), a);
-            }
+    }
+}
+
+/// Stores an `MR × NR` block of vectors: row `m` at `dst + m·stride`, its vectors adjacent.
+///
+/// # Safety
+/// `dst` writable for `MR` rows of stride `stride` and `NR·W` columns; S available.
+#[inline(always)]
+unsafe fn store_block<S: Simd, const MR: usize, const NR: usize>(
+    acc: &[[S::V; NR]; MR],
+    dst: *mut f32,
+    stride: usize,
+) {
+    for (m, row) in acc.iter().enumerate() {
+        for (n, &a) in row.iter().enumerate() {
+            // SAFETY: m < MR, n < NR: inside the block (caller's contract).
+            unsafe { S::store(dst.add(m * stride + n * S::W), a) };
         }
     }
 }
@@ -468,7 +486,7 @@ pub(crate) unsafe fn softcap_slice<S: Simd>(x: *mut f32, n: usize, post: f32) {
 /// block maxima, [`RowState::begin_block`] per row, `exp2(x − offset)` in place, row sums,
 /// [`RowState::add_sum`]. Writes each row's accumulator correction into `corr`. The `NR` row
 /// vectors go through each loop together (independent dependency chains), and the exponential
-/// is chosen once per call, outside the loops.
+/// is chosen once per call, outside the loops ([`exp2_pass`]).
 ///
 /// # Safety
 /// `st` read/writable for `nk` rows of stride `st_stride` and `NR·W` columns; `states`
@@ -486,37 +504,6 @@ pub(crate) unsafe fn softmax_panel<S: Simd, const NR: usize>(
     policy: &RescalePolicy<f32>,
     stats: &mut RescaleStats,
     imp: Exp2Impl,
-) {
-    // SAFETY: bounds are the caller's contract.
-    unsafe {
-        match imp {
-            Exp2Impl::Exact => softmax_panel_with::<S, NR, false>(
-                st, st_stride, nk, rv0, valid_rows, states, corr, policy, stats,
-            ),
-            Exp2Impl::Cubic => softmax_panel_with::<S, NR, true>(
-                st, st_stride, nk, rv0, valid_rows, states, corr, policy, stats,
-            ),
-        }
-    }
-}
-
-/// [`softmax_panel`] with the exponential fixed at compile time (`CUBIC`: [`exp2_cubic`],
-/// otherwise [`exp2_exact`]).
-///
-/// # Safety
-/// As [`softmax_panel`].
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn softmax_panel_with<S: Simd, const NR: usize, const CUBIC: bool>(
-    st: *mut f32,
-    st_stride: usize,
-    nk: usize,
-    rv0: usize,
-    valid_rows: usize,
-    states: &mut [RowState<f32>],
-    corr: &mut [f32],
-    policy: &RescalePolicy<f32>,
-    stats: &mut RescaleStats,
 ) {
     let w = S::W;
     let mut lanes = [0.0f32; 16];
@@ -544,20 +531,10 @@ unsafe fn softmax_panel_with<S: Simd, const NR: usize, const CUBIC: bool>(
             }
             *off = S::load(lanes.as_ptr());
         }
-        let mut sum = [S::splat(0.0); NR];
-        for j in 0..nk {
-            for n in 0..NR {
-                let p = st.add(j * st_stride + n * w);
-                let x = S::sub(S::load(p), offset[n]);
-                let e = if CUBIC {
-                    exp2_cubic::<S>(x)
-                } else {
-                    exp2_exact::<S>(x)
-                };
-                S::store(p, e);
-                sum[n] = S::add(sum[n], e);
-            }
-        }
+        let sum = match imp {
+            Exp2Impl::Exact => exp2_pass::<S, NR, false>(st, st_stride, nk, &offset),
+            Exp2Impl::Cubic => exp2_pass::<S, NR, true>(st, st_stride, nk, &offset),
+        };
         for (n, total) in sum.iter().enumerate() {
             S::store(lanes.as_mut_ptr(), *total);
             for (lane, &x) in lanes.iter().enumerate().take(w) {
@@ -567,6 +544,38 @@ unsafe fn softmax_panel_with<S: Simd, const NR: usize, const CUBIC: bool>(
                 }
             }
         }
+    }
+}
+
+/// `exp2(x − offset)` in place over `nk` rows of a panel's `NR` row vectors (the exponential
+/// fixed at compile time, `CUBIC`: [`exp2_cubic`], else [`exp2_exact`]); returns the row sums.
+///
+/// # Safety
+/// As [`softmax_panel`].
+#[inline(always)]
+unsafe fn exp2_pass<S: Simd, const NR: usize, const CUBIC: bool>(
+    st: *mut f32,
+    st_stride: usize,
+    nk: usize,
+    offset: &[S::V; NR],
+) -> [S::V; NR] {
+    // SAFETY: bounds are the caller's contract.
+    unsafe {
+        let mut sum = [S::splat(0.0); NR];
+        for j in 0..nk {
+            for (n, total) in sum.iter_mut().enumerate() {
+                let p = st.add(j * st_stride + n * S::W);
+                let x = S::sub(S::load(p), offset[n]);
+                let e = if CUBIC {
+                    exp2_cubic::<S>(x)
+                } else {
+                    exp2_exact::<S>(x)
+                };
+                S::store(p, e);
+                *total = S::add(*total, e);
+            }
+        }
+        sum
     }
 }
 
@@ -787,17 +796,16 @@ pub(crate) unsafe fn run_task<
             }
             if let Some(hook) = ctx.hook {
                 let probs = ensure(probs, panel * nk, 0.0);
-                for l in 0..panel {
-                    for j in 0..nk {
-                        probs[l * nk + j] = st[j * panel + l];
-                    }
-                }
+                // SAFETY: st holds nk rows of `panel` floats, probs panel rows of nk; S
+                // available (caller).
+                unsafe {
+                    transpose_region::<S>(st.as_ptr(), panel, nk, panel, probs.as_mut_ptr(), nk)
+                };
                 hook(probs);
-                for l in 0..panel {
-                    for j in 0..nk {
-                        st[j * panel + l] = probs[l * nk + j];
-                    }
-                }
+                // SAFETY: as above, the other way round.
+                unsafe {
+                    transpose_region::<S>(probs.as_ptr(), nk, panel, nk, st.as_mut_ptr(), panel)
+                };
             }
             let corr_ptr = if corr[rv0..rv0 + panel].iter().any(|&c| c != 1.0) {
                 corr[rv0..].as_ptr()
