@@ -15,8 +15,9 @@
 //   MASKED      1: apply the mask (causal, window, key tail) element by element on every tile;
 //               0: no mask code at all, for problems where the host has checked that every
 //               key tile is full for every query (no window, seqlen_k a multiple of BLOCK_N):
-//               FlashAttention-2's "even MN, not causal" kernel. Two copies of the tile body
-//               (masked and not) in one kernel spill, so the choice is per launch.
+//               FlashAttention-2's "even MN, not causal" kernel. With 4 warps two copies of
+//               the tile body (masked and not) in one kernel spill, so the choice is per
+//               launch; where they fit, SPLIT_TILES runs both (below).
 //
 // Softmax bookkeeping mirrors softmax-core (`RowState::begin_block`, `add_sum`, `finish`):
 // scores in the scaled log2 domain, threshold rescale with tau, an all-masked row keeps the
@@ -31,8 +32,9 @@
 #endif
 
 // Experiment switches (0 unless set through FA_CUDA_DEFINES; see compile.rs).
-// Measured on the H200 (docs/gpu-notes.md, runs 4-9): with 8 warps (1 CTA per SM) full unrolling of QK^T, FA2's barrier order and a branch-free
-// next-K load pay; with 4 warps (2 CTAs per SM) they cost.
+// Measured on the H200 (docs/gpu-notes.md, runs 4-9): with 8 warps (1 CTA per SM) full
+// unrolling of QK^T, FA2's barrier order and a branch-free next-K load pay; with 4 warps
+// (2 CTAs per SM) they cost (and spill in the mask-free variants, run 15).
 #ifndef QK_UNROLL_ALL
 #define QK_UNROLL_ALL (WARPS == 8) // 1: unroll every k-step of S = QK^T (more registers)
 #endif
