@@ -109,6 +109,23 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
     }
     #[inline(always)]
+    unsafe fn transpose(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+        // Four 8×8 blocks with AVX2's shuffles (AVX2 is among this level's features): source
+        // block (r0, c0) lands at (c0, r0). Replaces the trait's float-by-float default.
+        for (r0, c0) in [(0, 0), (0, 8), (8, 0), (8, 8)] {
+            // SAFETY: each block lies inside the 16 × 16 blocks of the caller's contract; AVX2
+            // present (this level's features include it).
+            unsafe {
+                super::avx2::Avx2::transpose(
+                    src.add(r0 * src_stride + c0),
+                    src_stride,
+                    dst.add(c0 * dst_stride + r0),
+                    dst_stride,
+                )
+            }
+        }
+    }
+    #[inline(always)]
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
         let mut i = 0;
         while i + 16 <= n {
