@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""A/B of several fa-cpu builds (and PyTorch's CPU SDPA) on the same shapes, interleaved.
+
+Each argument of --variants is a `bench_forward` example binary (build one per variant, e.g.
+with a tile size changed, and copy it away). Every round times every variant and PyTorch on
+every shape, the order rotating each round, so slow phases of a shared machine hit all sides
+alike. Prints, per shape and variant, the median over rounds of PyTorch time / variant time
+(GFLOP/s from the variant's median time in brackets), and per variant the paired ratio against
+the first variant.
+
+    python3 scripts/cpu_ab.py --variants /tmp/base,/tmp/try --rounds 4 --threads 2
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", required=True, help="comma-separated bench_forward binaries")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seqlens", default="1024,2048,4096")
+    p.add_argument("--head-dims", default="64,128,256")
+    p.add_argument("--masks", default="none,causal")
+    p.add_argument("--json-out")
+    a = p.parse_args()
+
+    import torch
+    torch.set_num_threads(a.threads)
+    paths = a.variants.split(",")
+    names = [os.path.basename(v) for v in paths] + ["torch"]
+    shapes = [(n, d, m == "causal") for n in map(int, a.seqlens.split(","))
+              for d in map(int, a.head_dims.split(",")) for m in a.masks.split(",")]
+
+    def reps(n):
+        return 5 if n <= 2048 else 3
+
+    def ours(path, n, d, causal):
+        cmd = [path, "--threads", str(a.threads), "--heads", str(a.heads), "--seqlen", str(n),
+               "--head-dim", str(d), "--dtype", "f32", "--reps", str(reps(n)), "--warmup", "1"]
+        if causal:
+            cmd.append("--causal")
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        for line in res.stdout.splitlines():
+            if line.startswith("{"):
+                return json.loads(line)["time_ms_median"]
+        sys.exit(f"failed: {' '.join(cmd)}\n{res.stderr}")
+
+    def peer(n, d, causal):
+        gen = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(1, n, a.heads, d, generator=gen).transpose(1, 2) for _ in range(3))
+        times = []
+        with torch.no_grad():
+            for i in range(1 + reps(n)):
+                t0 = time.perf_counter()
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                if i:
+                    times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    res = {s: {nm: [] for nm in names} for s in shapes}
+    for rnd in range(a.rounds):
+        for s in shapes:
+            k = rnd % len(names)
+            for nm in names[k:] + names[:k]:
+                t = peer(*s) if nm == "torch" else ours(paths[names.index(nm)], *s)
+                res[s][nm].append(t)
+        print(f"# round {rnd + 1}/{a.rounds} done", file=sys.stderr, flush=True)
+
+    def flops(n, d, causal):
+        return 4 * a.heads * n * n * d / (2 if causal else 1)
+
+    print("| N | D | causal | " + " | ".join(names[:-1]) + " | torch GFLOP/s |")
+    print("|---|---|---|" + "---|" * len(names))
+    vs_torch = {nm: [] for nm in names[:-1]}
+    vs_first = {nm: [] for nm in names[:-1]}
+    for s in shapes:
+        cells = []
+        for nm in names[:-1]:
+            r = statistics.median(t / o for t, o in zip(res[s]["torch"], res[s][nm]))
+            vs_torch[nm].append(r)
+            vs_first[nm].append(statistics.median(
+                f / o for f, o in zip(res[s][names[0]], res[s][nm])))
+            cells.append(f"{r:.2f} ({flops(*s) / statistics.median(res[s][nm]) / 1e6:.0f})")
+        torch_gflops = flops(*s) / statistics.median(res[s]["torch"]) / 1e6
+        print(f"| {s[0]} | {s[1]} | {'yes' if s[2] else 'no'} | " + " | ".join(cells)
+              + f" | {torch_gflops:.0f} |")
+    for nm in names[:-1]:
+        print(f"# {nm}: against torch worst {min(vs_torch[nm]):.2f}, median "
+              f"{statistics.median(vs_torch[nm]):.2f}; against {names[0]} (paired, geometric "
+              f"mean) {statistics.geometric_mean(vs_first[nm]):.3f}")
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({str(s): v for s, v in res.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
