@@ -398,6 +398,62 @@ pub(crate) unsafe fn pv_micro<S: Simd, const MR: usize, const NR: usize>(
     }
 }
 
+/// [`qk_micro`] over the first `live` of the `NR` row vectors (`1 ≤ live ≤ NR`): the
+/// narrower kernels serve a block's last, partly filled panel.
+///
+/// # Safety
+/// As [`qk_micro`].
+#[inline(always)]
+unsafe fn qk_live<S: Simd, const MR: usize, const NR: usize>(
+    live: usize,
+    qt: *const f32,
+    qt_stride: usize,
+    k: *const f32,
+    d: usize,
+    st: *mut f32,
+    st_stride: usize,
+) {
+    // SAFETY: the caller's contract, for fewer columns.
+    unsafe {
+        match live {
+            1 if NR > 1 => qk_micro::<S, MR, 1>(qt, qt_stride, k, d, st, st_stride),
+            2 if NR > 2 => qk_micro::<S, MR, 2>(qt, qt_stride, k, d, st, st_stride),
+            _ => qk_micro::<S, MR, NR>(qt, qt_stride, k, d, st, st_stride),
+        }
+    }
+}
+
+/// [`pv_micro`] over the first `live` of the `NR` row vectors (`1 ≤ live ≤ NR`).
+///
+/// # Safety
+/// As [`pv_micro`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pv_live<S: Simd, const MR: usize, const NR: usize>(
+    live: usize,
+    pt: *const f32,
+    pt_stride: usize,
+    v: *const f32,
+    v_stride: usize,
+    nk: usize,
+    ot: *mut f32,
+    ot_stride: usize,
+    corr: *const f32,
+) {
+    // SAFETY: the caller's contract, for fewer columns.
+    unsafe {
+        match live {
+            1 if NR > 1 => {
+                pv_micro::<S, MR, 1>(pt, pt_stride, v, v_stride, nk, ot, ot_stride, corr)
+            }
+            2 if NR > 2 => {
+                pv_micro::<S, MR, 2>(pt, pt_stride, v, v_stride, nk, ot, ot_stride, corr)
+            }
+            _ => pv_micro::<S, MR, NR>(pt, pt_stride, v, v_stride, nk, ot, ot_stride, corr),
+        }
+    }
+}
+
 /// The step both micro-kernels are made of: `acc[m][n] += b[m] · x[n·W..(n+1)·W]` for `MR`
 /// broadcasts `b` (adjacent floats) against `NR` vectors `x` (adjacent vectors).
 ///
@@ -748,11 +804,19 @@ pub(crate) unsafe fn run_task<
             if kind == TileKind::Empty {
                 continue; // P = 0 and the states unchanged: nothing to add
             }
+            // Row vectors holding at least one real row: the last panel of a block whose row
+            // count is not a multiple of the panel width computes only those (at N=1024 with
+            // 48-row AVX-512 panels, 32 of 1056 rows would otherwise be padding). The scores of
+            // the other vectors are set to 0, what padding rows' zero queries gave before, so
+            // the softmax and the hook see the same values.
+            let live = (rows - rv0).min(panel).div_ceil(w);
             for j in (0..nk_pad).step_by(QMR) {
                 // SAFETY: rv0 + panel ≤ br; j + QMR ≤ nk_pad ≤ bc; kt holds bc·d (group j/QMR
-                // at j·d); qt holds d·br (panel rv0/panel starts at rv0·d); st holds bc·panel.
+                // at j·d); qt holds d·br (panel rv0/panel starts at rv0·d); st holds bc·panel;
+                // live ≤ NR.
                 unsafe {
-                    qk_micro::<S, QMR, NR>(
+                    qk_live::<S, QMR, NR>(
+                        live,
                         qt.as_ptr().add(rv0 * d),
                         panel,
                         kt.as_ptr().add(j * d),
@@ -760,6 +824,11 @@ pub(crate) unsafe fn run_task<
                         st.as_mut_ptr().add(j * panel),
                         panel,
                     );
+                }
+            }
+            if live < NR {
+                for j in 0..nk_pad {
+                    st[j * panel + live * w..(j + 1) * panel].fill(0.0);
                 }
             }
             // The softcap comes before the mask (tanh(−∞) would be finite).
@@ -817,7 +886,8 @@ pub(crate) unsafe fn run_task<
                 // of `panel` floats, ot (dv_pad·br, panel-major) its dv_pad rows; vt holds nk
                 // rows of stride dv_pad; corr holds br.
                 unsafe {
-                    pv_micro::<S, VMR, NR>(
+                    pv_live::<S, VMR, NR>(
+                        live,
                         st.as_ptr(),
                         panel,
                         vt.as_ptr().add(c0),
