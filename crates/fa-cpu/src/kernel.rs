@@ -223,6 +223,7 @@ pub(crate) fn scratch_elems(
             0
         }
         + rows * 3
+        + 6 * ALIGN_SLACK
 }
 
 impl Scratch {
@@ -238,6 +239,25 @@ impl Scratch {
             + self.corr.capacity())
             + self.states.capacity() * std::mem::size_of::<RowState<f32>>()
     }
+}
+
+/// Floats of slack per vector buffer, so that its slice can start on a cache line.
+const ALIGN_SLACK: usize = CACHE_LINE / 4;
+/// The alignment of the scratch slices the micro-kernels stream through.
+const CACHE_LINE: usize = 64;
+
+/// Like [`ensure`], but the returned `len` floats start on a 64-byte boundary (the buffer
+/// keeps [`ALIGN_SLACK`] floats of slack). The panels of `Qᵀ`, `Oᵀ` and the scores are whole
+/// cache lines (`W·NR` floats, 64 or 192 bytes), so from an aligned start no vector load or
+/// store of the micro-kernels crosses a line; from the allocator's 16-byte-aligned start,
+/// every 64-byte AVX-512 access and every other 32-byte AVX2 access did. The contents are
+/// unspecified (callers write before they read), and only speed depends on the alignment.
+fn ensure_aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buf.len() < len + ALIGN_SLACK {
+        buf.resize(len + ALIGN_SLACK, 0.0);
+    }
+    let offset = buf.as_ptr().align_offset(CACHE_LINE).min(ALIGN_SLACK);
+    &mut buf[offset..offset + len]
 }
 
 /// Grows `buf` to at least `len` elements (never shrinks) and returns the first `len`.
@@ -685,12 +705,12 @@ pub(crate) unsafe fn run_task<
         states,
         kinds,
     } = scratch;
-    let qt = ensure(qt, d * br, 0.0);
-    let ot = ensure(ot, dv_pad * br, 0.0);
-    let st = ensure(st, bc * panel, 0.0);
-    let kt = ensure(kt, bc * d, 0.0);
-    let vt = ensure(vt, bc * dv_pad, 0.0);
-    let row = ensure(row, panel * d.max(dv), 0.0);
+    let qt = ensure_aligned(qt, d * br);
+    let ot = ensure_aligned(ot, dv_pad * br);
+    let st = ensure_aligned(st, bc * panel);
+    let kt = ensure_aligned(kt, bc * d);
+    let vt = ensure_aligned(vt, bc * dv_pad);
+    let row = ensure_aligned(row, panel * d.max(dv));
     let corr = ensure(corr, br, 1.0);
     let states = ensure(states, br, RowState::new());
     ot.fill(0.0);
