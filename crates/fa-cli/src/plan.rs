@@ -142,7 +142,7 @@ pub fn human_bytes(bytes: u128) -> String {
         div *= 1024;
         unit += 1;
     }
-    if bytes % div == 0 {
+    if bytes.is_multiple_of(div) {
         format!("{} {}", bytes / div, UNITS[unit])
     } else {
         format!("{:.2} {}", bytes as f64 / div as f64, UNITS[unit])
@@ -154,7 +154,7 @@ pub fn grouped(n: u128) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);

@@ -166,7 +166,7 @@ impl RandomHadamard {
     }
 
     fn check_rows(&self, len: usize) -> Result<(), Fp8Error> {
-        if len % self.dim() != 0 {
+        if !len.is_multiple_of(self.dim()) {
             return Err(Fp8Error::LengthMismatch {
                 what: "hadamard rows",
                 expected: len.next_multiple_of(self.dim()),
