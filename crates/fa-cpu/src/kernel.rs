@@ -418,60 +418,17 @@ pub(crate) unsafe fn pv_micro<S: Simd, const MR: usize, const NR: usize>(
     }
 }
 
-/// [`qk_micro`] over the first `live` of the `NR` row vectors (`1 ≤ live ≤ NR`): the
-/// narrower kernels serve a block's last, partly filled panel.
-///
-/// # Safety
-/// As [`qk_micro`].
-#[inline(always)]
-unsafe fn qk_live<S: Simd, const MR: usize, const NR: usize>(
-    live: usize,
-    qt: *const f32,
-    qt_stride: usize,
-    k: *const f32,
-    d: usize,
-    st: *mut f32,
-    st_stride: usize,
-) {
-    // SAFETY: the caller's contract, for fewer columns.
-    unsafe {
-        match live {
-            1 if NR > 1 => qk_micro::<S, MR, 1>(qt, qt_stride, k, d, st, st_stride),
-            2 if NR > 2 => qk_micro::<S, MR, 2>(qt, qt_stride, k, d, st, st_stride),
-            _ => qk_micro::<S, MR, NR>(qt, qt_stride, k, d, st, st_stride),
+/// Calls a micro-kernel (`qk_micro` or `pv_micro`, written with `_` for its row-vector count)
+/// on the first `live` of `NR` row vectors (`1 ≤ live ≤ NR`): the narrower kernels serve a
+/// block's last, partly filled panel.
+macro_rules! on_live_vectors {
+    ($live:expr, $nr:ident, $kernel:ident::<$s:ident, $mr:ident, _>($($arg:expr),* $(,)?)) => {
+        match $live {
+            1 if $nr > 1 => $kernel::<$s, $mr, 1>($($arg),*),
+            2 if $nr > 2 => $kernel::<$s, $mr, 2>($($arg),*),
+            _ => $kernel::<$s, $mr, $nr>($($arg),*),
         }
-    }
-}
-
-/// [`pv_micro`] over the first `live` of the `NR` row vectors (`1 ≤ live ≤ NR`).
-///
-/// # Safety
-/// As [`pv_micro`].
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn pv_live<S: Simd, const MR: usize, const NR: usize>(
-    live: usize,
-    pt: *const f32,
-    pt_stride: usize,
-    v: *const f32,
-    v_stride: usize,
-    nk: usize,
-    ot: *mut f32,
-    ot_stride: usize,
-    corr: *const f32,
-) {
-    // SAFETY: the caller's contract, for fewer columns.
-    unsafe {
-        match live {
-            1 if NR > 1 => {
-                pv_micro::<S, MR, 1>(pt, pt_stride, v, v_stride, nk, ot, ot_stride, corr)
-            }
-            2 if NR > 2 => {
-                pv_micro::<S, MR, 2>(pt, pt_stride, v, v_stride, nk, ot, ot_stride, corr)
-            }
-            _ => pv_micro::<S, MR, NR>(pt, pt_stride, v, v_stride, nk, ot, ot_stride, corr),
-        }
-    }
+    };
 }
 
 /// The step both micro-kernels are made of: `acc[m][n] += b[m] · x[n·W..(n+1)·W]` for `MR`
@@ -835,14 +792,17 @@ pub(crate) unsafe fn run_task<
                 // at j·d); qt holds d·br (panel rv0/panel starts at rv0·d); st holds bc·panel;
                 // live ≤ NR.
                 unsafe {
-                    qk_live::<S, QMR, NR>(
+                    on_live_vectors!(
                         live,
-                        qt.as_ptr().add(rv0 * d),
-                        panel,
-                        kt.as_ptr().add(j * d),
-                        d,
-                        st.as_mut_ptr().add(j * panel),
-                        panel,
+                        NR,
+                        qk_micro::<S, QMR, _>(
+                            qt.as_ptr().add(rv0 * d),
+                            panel,
+                            kt.as_ptr().add(j * d),
+                            d,
+                            st.as_mut_ptr().add(j * panel),
+                            panel,
+                        )
                     );
                 }
             }
@@ -906,16 +866,19 @@ pub(crate) unsafe fn run_task<
                 // of `panel` floats, ot (dv_pad·br, panel-major) its dv_pad rows; vt holds nk
                 // rows of stride dv_pad; corr holds br.
                 unsafe {
-                    pv_live::<S, VMR, NR>(
+                    on_live_vectors!(
                         live,
-                        st.as_ptr(),
-                        panel,
-                        vt.as_ptr().add(c0),
-                        dv_pad,
-                        nk,
-                        ot.as_mut_ptr().add(rv0 * dv_pad + c0 * panel),
-                        panel,
-                        corr_ptr,
+                        NR,
+                        pv_micro::<S, VMR, _>(
+                            st.as_ptr(),
+                            panel,
+                            vt.as_ptr().add(c0),
+                            dv_pad,
+                            nk,
+                            ot.as_mut_ptr().add(rv0 * dv_pad + c0 * panel),
+                            panel,
+                            corr_ptr,
+                        )
                     );
                 }
                 call += 1;
