@@ -14,9 +14,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
+
+from cpu_peer import flops, run_ours, run_peer
 
 
 def main():
@@ -41,28 +41,14 @@ def main():
     def reps(n):
         return 5 if n <= 2048 else 3
 
+    # The two sides are timed exactly as cpu_peer.py times them (its `bench_forward` mode).
     def ours(path, n, d, causal):
-        cmd = [path, "--threads", str(a.threads), "--heads", str(a.heads), "--seqlen", str(n),
-               "--head-dim", str(d), "--dtype", "f32", "--reps", str(reps(n)), "--warmup", "1"]
-        if causal:
-            cmd.append("--causal")
-        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        for line in res.stdout.splitlines():
-            if line.startswith("{"):
-                return json.loads(line)["time_ms_median"]
-        sys.exit(f"failed: {' '.join(cmd)}\n{res.stderr}")
+        side = argparse.Namespace(ours="example", example=path, threads=a.threads,
+                                  iters=reps(n), warmup=1)
+        return run_ours(side, "f32", 1, a.heads, n, d, causal)["time_ms_median"]
 
     def peer(n, d, causal):
-        gen = torch.Generator().manual_seed(1)
-        q, k, v = (torch.randn(1, n, a.heads, d, generator=gen).transpose(1, 2) for _ in range(3))
-        times = []
-        with torch.no_grad():
-            for i in range(1 + reps(n)):
-                t0 = time.perf_counter()
-                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                if i:
-                    times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return run_peer(torch, "f32", 1, a.heads, n, d, causal, reps(n), 1)[0]
 
     res = {s: {nm: [] for nm in names} for s in shapes}
     for rnd in range(a.rounds):
@@ -72,9 +58,6 @@ def main():
                 t = peer(*s) if nm == "torch" else ours(paths[names.index(nm)], *s)
                 res[s][nm].append(t)
         print(f"# round {rnd + 1}/{a.rounds} done", file=sys.stderr, flush=True)
-
-    def flops(n, d, causal):
-        return 4 * a.heads * n * n * d / (2 if causal else 1)
 
     print("| N | D | causal | " + " | ".join(names[:-1]) + " | torch GFLOP/s |")
     print("|---|---|---|" + "---|" * len(names))
@@ -87,8 +70,8 @@ def main():
             vs_torch[nm].append(r)
             vs_first[nm].append(statistics.median(
                 f / o for f, o in zip(res[s][names[0]], res[s][nm])))
-            cells.append(f"{r:.2f} ({flops(*s) / statistics.median(res[s][nm]) / 1e6:.0f})")
-        torch_gflops = flops(*s) / statistics.median(res[s]["torch"]) / 1e6
+            cells.append(f"{r:.2f} ({flops(1, a.heads, *s) / statistics.median(res[s][nm]) / 1e6:.0f})")
+        torch_gflops = flops(1, a.heads, *s) / statistics.median(res[s]["torch"]) / 1e6
         print(f"| {s[0]} | {s[1]} | {'yes' if s[2] else 'no'} | " + " | ".join(cells)
               + f" | {torch_gflops:.0f} |")
     for nm in names[:-1]:
