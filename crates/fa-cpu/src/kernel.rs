@@ -72,6 +72,20 @@ impl Tiling {
         }
     }
 
+    /// The row stride of the packed V tile for `dv_pad` channels: `dv_pad`, plus one cache
+    /// line when `dv_pad` is a whole even number of lines. A PV micro-kernel call reads the
+    /// same `pv_channels` columns from each of a tile's rows; at a stride of 512 or 1024 bytes
+    /// (D=128, 256) those 64 lines fall into 8 or 4 of the L1's 64 sets, more than its 12 ways
+    /// hold, and every call missed. An odd number of lines spreads them over all sets.
+    pub fn v_stride(dv_pad: usize) -> usize {
+        const LINE: usize = CACHE_LINE / 4;
+        if dv_pad.is_multiple_of(2 * LINE) {
+            dv_pad + LINE
+        } else {
+            dv_pad
+        }
+    }
+
     /// Rows padded for the micro-kernels.
     pub fn padded_rows(&self, rows: usize) -> usize {
         rows.div_ceil(self.lanes * self.row_vectors) * self.lanes * self.row_vectors
@@ -156,6 +170,22 @@ impl<E> SharedOut<E> {
         }
     }
 
+    /// Prefetches the cache lines of `start..start + n` (nothing if that range is out of
+    /// bounds). No effect on the contents.
+    #[inline(always)]
+    fn prefetch_row<S: Simd>(&self, start: usize, n: usize) {
+        if start.checked_add(n).is_some_and(|end| end <= self.len) {
+            let bytes = n * std::mem::size_of::<E>();
+            let mut at = 0;
+            while at < bytes {
+                // SAFETY: `start + n ≤ len` and `at < n·size_of::<E>()`: inside the buffer; a
+                // prefetch has no architectural effect.
+                unsafe { S::prefetch((self.ptr.add(start) as *const u8).add(at)) };
+                at += 64;
+            }
+        }
+    }
+
     /// Writes `values` at `start..start + values.len()` (nothing if that range is out of
     /// bounds, which validation rules out). One bounds check per row, so the compiler emits
     /// plain stores (per-element checks became masked stores, slow on Zen).
@@ -215,7 +245,7 @@ pub(crate) fn scratch_elems(
         + dv_pad * rows
         + keys * tiling.lanes * tiling.row_vectors
         + keys * head_dim
-        + keys * dv_pad
+        + keys * Tiling::v_stride(dv_pad)
         + tiling.lanes * tiling.row_vectors * head_dim.max(head_dim_v)
         + if hook {
             keys * tiling.lanes * tiling.row_vectors
@@ -337,6 +367,42 @@ pub(crate) unsafe fn transpose_region<S: Simd>(
         }
     }
 }
+
+/// `group[c·MR + j] = keys[j·d + c]` for `j < MR`, `c < d`: a group of `MR` key rows in the
+/// QKᵀ micro-kernel's `[c][MR]` layout. With `MR = 8` (AVX-512) by 8 × 8 block transposes,
+/// the rest element by element (one scalar store per element was a few per cent of a call
+/// at N=1024 on the Xeon).
+///
+/// # Safety
+/// `keys` readable for `MR·d` floats, `group` writable for `d·MR`, not overlapping; S
+/// available.
+#[inline(always)]
+pub(crate) unsafe fn pack_group<S: Simd, const MR: usize>(
+    keys: *const f32,
+    d: usize,
+    group: *mut f32,
+) {
+    // SAFETY: every index stays below MR rows of d (keys) and d rows of MR (group).
+    unsafe {
+        let mut c0 = 0;
+        if MR == 8 {
+            while c0 + 8 <= d {
+                S::transpose8(keys.add(c0), d, group.add(c0 * 8), 8);
+                c0 += 8;
+            }
+        }
+        for c in c0..d {
+            for j in 0..MR {
+                *group.add(c * MR + j) = *keys.add(j * d + c);
+            }
+        }
+    }
+}
+
+/// How many rows ahead the Q packing and the O write-back prefetch. Rows of one head are a
+/// head stride apart (4 KiB and more), each in its own page, where the hardware prefetchers
+/// do not follow; a few rows ahead cover the latency without flooding the miss queue.
+const ROW_PREFETCH_AHEAD: usize = 6;
 
 /// Prefetches the cache lines of `src[offset..offset + n]` (bounds-checked: nothing past the
 /// slice is touched).
@@ -550,9 +616,26 @@ pub(crate) unsafe fn softmax_panel<S: Simd, const NR: usize>(
         }
         let mut offset = [S::splat(0.0); NR];
         for (n, (m, off)) in mx.iter().zip(offset.iter_mut()).enumerate() {
+            let base = rv0 + n * w;
+            if base + w <= valid_rows {
+                // The common case after a row's first tiles: no row of the vector moves its
+                // reference. Then the offsets are the current references and the corrections
+                // 1, with no per-row work.
+                for (lane, x) in lanes.iter_mut().enumerate().take(w) {
+                    *x = states[base + lane].max;
+                }
+                let current = S::load(lanes.as_ptr());
+                if let Some(skipped) = all_keep::<S>(policy, current, *m) {
+                    stats.blocks += w as u64;
+                    stats.skipped += u64::from(skipped);
+                    *off = current;
+                    corr[base..base + w].fill(1.0);
+                    continue;
+                }
+            }
             S::store(lanes.as_mut_ptr(), *m);
             for (lane, x) in lanes.iter_mut().enumerate().take(w) {
-                let r = rv0 + n * w + lane;
+                let r = base + lane;
                 if r < valid_rows {
                     let step = states[r].begin_block(*x, policy, stats);
                     *x = step.offset;
@@ -575,6 +658,39 @@ pub(crate) unsafe fn softmax_panel<S: Simd, const NR: usize>(
                 if r < valid_rows {
                     states[r].add_sum(x);
                 }
+            }
+        }
+    }
+}
+
+/// Whether [`RescalePolicy::decide`] keeps the reference of every lane, for references
+/// `current` and block maxima `block_max`; if so, how many of those lanes it counts as
+/// skipped rescales. `None` when any lane would move (or has no reference yet, `−∞`): the
+/// caller then runs the per-row rule. The vector form of `decide`'s `Keep` outcome (tested
+/// against it lane by lane), so a vector that takes this path gets exactly the offsets,
+/// corrections and statistics the per-row calls would give.
+///
+/// # Safety
+/// S available.
+#[inline(always)]
+pub(crate) unsafe fn all_keep<S: Simd>(
+    policy: &RescalePolicy<f32>,
+    current: S::V,
+    block_max: S::V,
+) -> Option<u32> {
+    // SAFETY: S available (caller).
+    unsafe {
+        // −∞ is the only value below f32::MIN.
+        if S::gt_mask(S::splat(f32::MIN), current) != 0 {
+            return None;
+        }
+        // `block_max > current` is false for a NaN maximum, as in `decide`.
+        let above = S::gt_mask(block_max, current);
+        match *policy {
+            RescalePolicy::Always => (above == 0).then_some(0),
+            RescalePolicy::Threshold(tau) => {
+                (S::gt_mask(S::sub(block_max, current), S::splat(tau)) == 0)
+                    .then_some(above.count_ones())
             }
         }
     }
@@ -638,6 +754,7 @@ pub(crate) unsafe fn run_task<
     let d = p.head_dim();
     let dv = p.head_dim_v();
     let dv_pad = dv.div_ceil(VMR) * VMR;
+    let v_stride = Tiling::v_stride(dv_pad);
     let rows = task.heads * task.len;
     let br = tiling.padded_rows(rows);
     let bc = tiling.keys_for(d, dv, !p.mask().is_none());
@@ -666,7 +783,7 @@ pub(crate) unsafe fn run_task<
     let ot = ensure_aligned(ot, dv_pad * br);
     let st = ensure_aligned(st, bc * panel);
     let kt = ensure_aligned(kt, bc * d);
-    let vt = ensure_aligned(vt, bc * dv_pad);
+    let vt = ensure_aligned(vt, bc * v_stride);
     let row = ensure_aligned(row, panel * d.max(dv));
     let corr = ensure(corr, br, 1.0);
     let states = ensure(states, br, RowState::new());
@@ -683,6 +800,11 @@ pub(crate) unsafe fn run_task<
                 task.head0 + (p0 + l) / task.len,
                 task.i0 + (p0 + l) % task.len,
             );
+            let ahead = p0 + l + ROW_PREFETCH_AHEAD;
+            if ahead < rows {
+                let (head, i) = (task.head0 + ahead / task.len, task.i0 + ahead % task.len);
+                prefetch_row::<S, T>(ctx.q, p.q_offset(task.batch, i, head), d);
+            }
             // SAFETY: S available (caller); the offsets are inside the checked buffer.
             unsafe { widen::<S, T>(ctx.q, p.q_offset(task.batch, i, head), d, &mut row[l * d..]) };
         }
@@ -713,30 +835,29 @@ pub(crate) unsafe fn run_task<
             continue;
         }
         let nk_pad = nk.div_ceil(QMR) * QMR;
-        // Pack K (rows j, d contiguous) and V (rows j, dv_pad contiguous) as f32. Row
-        // offsets are linear in the key index: `k_offset(b, j, h) = k_offset(b, 0, h) +
-        // j·seq_stride`.
-        // K is packed in groups of QMR keys as `[c][QMR]` (key j of group g at
-        // `g·d·QMR + c·QMR + j % QMR`), zero keys after the last; V row-major.
-        for j in 0..nk {
-            let ko = k_base + (j0 + j) * k_seq;
-            let vo = v_base + (j0 + j) * v_seq;
-            // SAFETY: S available; offsets inside the checked buffers.
-            unsafe {
-                widen::<S, T>(ctx.k, ko, d, row);
-                widen::<S, T>(ctx.v, vo, dv, &mut vt[j * dv_pad..]);
+        // Pack K and V as f32, QMR keys at a time. Row offsets are linear in the key index:
+        // `k_offset(b, j, h) = k_offset(b, 0, h) + j·seq_stride`. A group's K rows are widened
+        // into `row` and transposed into `[c][QMR]` (key j of group g at `g·d·QMR + c·QMR +
+        // j % QMR`), zero keys after the last; V rows go straight to their place (stride
+        // `v_stride`, zeros after `dv`).
+        for g in 0..nk_pad / QMR {
+            let in_group = nk.saturating_sub(g * QMR).min(QMR);
+            for l in 0..in_group {
+                let j = g * QMR + l;
+                let ko = k_base + (j0 + j) * k_seq;
+                let vo = v_base + (j0 + j) * v_seq;
+                // SAFETY: S available; offsets inside the checked buffers.
+                unsafe {
+                    widen::<S, T>(ctx.k, ko, d, &mut row[l * d..]);
+                    widen::<S, T>(ctx.v, vo, dv, &mut vt[j * v_stride..]);
+                }
+                vt[j * v_stride + dv..j * v_stride + dv_pad].fill(0.0);
             }
-            let group = &mut kt[(j / QMR) * d * QMR..(j / QMR + 1) * d * QMR];
-            for (c, &x) in row[..d].iter().enumerate() {
-                group[c * QMR + j % QMR] = x;
-            }
-            vt[j * dv_pad + dv..(j + 1) * dv_pad].fill(0.0);
-        }
-        for j in nk..nk_pad {
-            let group = &mut kt[(j / QMR) * d * QMR..(j / QMR + 1) * d * QMR];
-            for c in 0..d {
-                group[c * QMR + j % QMR] = 0.0;
-            }
+            row[in_group * d..QMR * d].fill(0.0);
+            let group = &mut kt[g * d * QMR..(g + 1) * d * QMR];
+            // SAFETY: `row` holds QMR rows of d floats (panel·max(d, dv) ≥ QMR·d), `group` d
+            // rows of QMR; S available (caller).
+            unsafe { pack_group::<S, QMR>(row.as_ptr(), d, group.as_mut_ptr()) };
         }
 
         // Classify each panel of rows against this key tile: on the diagonal of a causal or
@@ -864,7 +985,7 @@ pub(crate) unsafe fn run_task<
             for c0 in (0..dv_pad).step_by(VMR) {
                 // SAFETY: rv0 + panel ≤ br; c0 + VMR ≤ dv_pad; st holds this panel's nk rows
                 // of `panel` floats, ot (dv_pad·br, panel-major) its dv_pad rows; vt holds nk
-                // rows of stride dv_pad; corr holds br.
+                // rows of stride v_stride; corr holds br.
                 unsafe {
                     on_live_vectors!(
                         live,
@@ -873,7 +994,7 @@ pub(crate) unsafe fn run_task<
                             st.as_ptr(),
                             panel,
                             vt.as_ptr().add(c0),
-                            dv_pad,
+                            v_stride,
                             nk,
                             ot.as_mut_ptr().add(rv0 * dv_pad + c0 * panel),
                             panel,
@@ -911,6 +1032,12 @@ pub(crate) unsafe fn run_task<
             let (head, i) = (task.head0 + r / task.len, task.i0 + r % task.len);
             let result = states[r].finish();
             let oo = p.o_offset(task.batch, i, head);
+            let ahead = r + ROW_PREFETCH_AHEAD;
+            if ahead < rows {
+                let (head, i) = (task.head0 + ahead / task.len, task.i0 + ahead % task.len);
+                ctx.out
+                    .prefetch_row::<S>(p.o_offset(task.batch, i, head), dv);
+            }
             // A row that saw no key gets 0, whatever V holds.
             let seen = result.inv_sum != 0.0;
             let values = row[l * dv..(l + 1) * dv]

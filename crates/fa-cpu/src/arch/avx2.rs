@@ -70,11 +70,6 @@ unsafe impl Simd for Avx2 {
         unsafe { _mm256_andnot_ps(_mm256_set1_ps(-0.0), a) }
     }
     #[inline(always)]
-    unsafe fn round(a: __m256) -> __m256 {
-        // SAFETY: AVX2 present (trait contract).
-        unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(a) }
-    }
-    #[inline(always)]
     unsafe fn floor(a: __m256) -> __m256 {
         // SAFETY: AVX2 present (trait contract).
         unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a) }
@@ -86,6 +81,20 @@ unsafe impl Simd for Avx2 {
             let biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
             _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased))
         }
+    }
+    #[inline(always)]
+    unsafe fn pow2i_biased(biased: __m256) -> __m256 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe {
+            let k = 127i32.wrapping_sub(super::ROUND_MAGIC.to_bits() as i32);
+            let e = _mm256_add_epi32(_mm256_castps_si256(biased), _mm256_set1_epi32(k));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
+        }
+    }
+    #[inline(always)]
+    unsafe fn gt_mask(a: __m256, b: __m256) -> u32 {
+        // SAFETY: AVX2 present (trait contract).
+        unsafe { _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(a, b)) as u32 }
     }
     #[inline(always)]
     unsafe fn select_lt(a: __m256, b: __m256, t: __m256, f: __m256) -> __m256 {
@@ -140,6 +149,11 @@ unsafe impl Simd for Avx2 {
                 _mm256_storeu_ps(dst.add(c * dst_stride), *v);
             }
         }
+    }
+    #[inline(always)]
+    unsafe fn transpose8(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+        // SAFETY: 8 rows of 8 floats at src and dst (trait contract); AVX2 present (trait contract).
+        unsafe { Self::transpose(src, src_stride, dst, dst_stride) }
     }
     #[inline(always)]
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {

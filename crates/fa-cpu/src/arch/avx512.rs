@@ -76,11 +76,6 @@ unsafe impl Simd for Avx512 {
         }
     }
     #[inline(always)]
-    unsafe fn round(a: __m512) -> __m512 {
-        // SAFETY: AVX-512F present (trait contract).
-        unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(a) }
-    }
-    #[inline(always)]
     unsafe fn floor(a: __m512) -> __m512 {
         // SAFETY: AVX-512F present (trait contract).
         unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a) }
@@ -92,6 +87,20 @@ unsafe impl Simd for Avx512 {
             let biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
             _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased))
         }
+    }
+    #[inline(always)]
+    unsafe fn pow2i_biased(biased: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe {
+            let k = 127i32.wrapping_sub(super::ROUND_MAGIC.to_bits() as i32);
+            let e = _mm512_add_epi32(_mm512_castps_si512(biased), _mm512_set1_epi32(k));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+        }
+    }
+    #[inline(always)]
+    unsafe fn gt_mask(a: __m512, b: __m512) -> u32 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b) as u32 }
     }
     #[inline(always)]
     unsafe fn select_lt(a: __m512, b: __m512, t: __m512, f: __m512) -> __m512 {
@@ -125,6 +134,11 @@ unsafe impl Simd for Avx512 {
                 )
             }
         }
+    }
+    #[inline(always)]
+    unsafe fn transpose8(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+        // SAFETY: 8 rows of 8 floats at src and dst (trait contract); AVX2 present (this level's features include it).
+        unsafe { super::avx2::Avx2::transpose(src, src_stride, dst, dst_stride) }
     }
     #[inline(always)]
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {

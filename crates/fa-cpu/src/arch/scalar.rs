@@ -116,10 +116,6 @@ unsafe impl Simd for Scalar {
         map(a, f32::abs)
     }
     #[inline(always)]
-    unsafe fn round(a: V) -> V {
-        map(a, round_even)
-    }
-    #[inline(always)]
     unsafe fn floor(a: V) -> V {
         map(a, floor)
     }
@@ -128,6 +124,23 @@ unsafe impl Simd for Scalar {
         map(n, |n| {
             f32::from_bits(((n as i32).wrapping_add(127) as u32) << 23)
         })
+    }
+    #[inline(always)]
+    unsafe fn pow2i_biased(biased: V) -> V {
+        let k = 127i32.wrapping_sub(super::ROUND_MAGIC.to_bits() as i32);
+        map(biased, |b| {
+            f32::from_bits(((b.to_bits() as i32).wrapping_add(k) as u32) << 23)
+        })
+    }
+    #[inline(always)]
+    unsafe fn gt_mask(a: V, b: V) -> u32 {
+        let mut mask = 0;
+        for i in 0..W {
+            if a[i] > b[i] {
+                mask |= 1 << i;
+            }
+        }
+        mask
     }
     #[inline(always)]
     unsafe fn select_lt(a: V, b: V, t: V, f: V) -> V {

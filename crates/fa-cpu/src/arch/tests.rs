@@ -4,6 +4,8 @@
 use super::SimdLevel;
 use crate::Exp2Impl;
 use fa_reference::Rng;
+use softmax_core::rescale::Decision;
+use softmax_core::{RescalePolicy, RescaleStats};
 
 const SIZES: [usize; 9] = [0, 1, 7, 31, 33, 64, 127, 128, 257];
 
@@ -25,7 +27,12 @@ struct Arch {
     softcap: unsafe fn(&mut [f32], f32),
     widen_f16: unsafe fn(&[u16], &mut [f32]),
     transpose: TransposeFn,
+    pack_group: unsafe fn(&[f32], usize, &mut [f32]),
+    all_keep: AllKeepFn,
 }
+
+/// `(policy, references, block maxima) → skipped count if every lane keeps`.
+type AllKeepFn = unsafe fn(&RescalePolicy<f32>, &[f32], &[f32]) -> Option<u32>;
 
 /// `(src, src_stride, rows, cols, dst, dst_stride)`.
 type TransposeFn = unsafe fn(&[f32], usize, usize, usize, &mut [f32], usize);
@@ -45,6 +52,8 @@ macro_rules! arch {
             softcap: m::twin::softcap,
             widen_f16: m::twin::widen_f16,
             transpose: m::twin::transpose,
+            pack_group: m::twin::pack_group,
+            all_keep: m::twin::all_keep,
         }
     }};
 }
@@ -378,6 +387,120 @@ fn transpose_is_exact_and_touches_nothing_else() {
                     }
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn pack_group_is_exact_for_every_head_dim() {
+    let mut rng = Rng::new(78);
+    let mut archs = simd_archs();
+    archs.push(scalar());
+    for arch in &archs {
+        let mr = arch.qk_keys;
+        for d in (1..=40).chain([63, 64, 65, 127, 128, 129, 255, 256]) {
+            let keys = draw(&mut rng, mr * d);
+            let mut group = vec![f32::NAN; d * mr + 7];
+            // SAFETY: this CPU has the architecture; sizes match.
+            unsafe { (arch.pack_group)(&keys, d, &mut group) };
+            for c in 0..d {
+                for j in 0..mr {
+                    assert_eq!(
+                        group[c * mr + j].to_bits(),
+                        keys[j * d + c].to_bits(),
+                        "{} d={d} c={c} j={j}",
+                        arch.name
+                    );
+                }
+            }
+            assert!(
+                group[d * mr..].iter().all(|x| x.is_nan()),
+                "{} wrote past the group",
+                arch.name
+            );
+        }
+    }
+}
+
+/// The vector "every lane keeps" test agrees with `RescalePolicy::decide` lane by lane:
+/// same verdict, same skipped count, on references and maxima that sit on every boundary
+/// (equal, exactly τ apart, NaN, ±∞, first block).
+#[test]
+fn all_keep_agrees_with_decide() {
+    let mut rng = Rng::new(79);
+    let mut archs = simd_archs();
+    archs.push(scalar());
+    let policies = [
+        RescalePolicy::Always,
+        RescalePolicy::Threshold(0.0),
+        RescalePolicy::Threshold(8.0),
+    ];
+    for arch in &archs {
+        let w = arch.lanes;
+        for policy in &policies {
+            let tau = match policy {
+                RescalePolicy::Threshold(t) => *t,
+                RescalePolicy::Always => 0.0,
+            };
+            let mut agreed_keep = 0;
+            for trial in 0..4000 {
+                let mut current = vec![0.0f32; w];
+                let mut block_max = vec![0.0f32; w];
+                for l in 0..w {
+                    let c = (rng.normal() * 4.0) as f32;
+                    current[l] = if trial % 97 == 0 && l == 0 {
+                        f32::NEG_INFINITY
+                    } else {
+                        c
+                    };
+                    // Mostly small steps (the common, all-keep case), some on the boundaries.
+                    block_max[l] = match rng.below(10) {
+                        0 => c + tau,
+                        1 => c,
+                        2 if trial % 5 == 0 => f32::NAN,
+                        3 if trial % 7 == 0 => f32::INFINITY,
+                        4 if trial % 3 == 0 => f32::NEG_INFINITY,
+                        5 if trial % 11 == 0 => c + tau + 1.0,
+                        // Below the reference in even trials (all keep under `Always`), either
+                        // side of it, within τ, in odd ones.
+                        _ if trial % 2 == 0 => c - (rng.normal().abs() as f32),
+                        _ => c + (rng.normal() as f32) * tau.max(0.5) * 0.3,
+                    };
+                }
+                let mut stats = RescaleStats::default();
+                let all = (0..w)
+                    .all(|l| policy.decide(current[l], block_max[l], &mut stats) == Decision::Keep);
+                // SAFETY: this CPU has the architecture; W lanes on both sides.
+                let got = unsafe { (arch.all_keep)(policy, &current, &block_max) };
+                // A row without a reference (−∞) always goes to the per-row rule: its offset is
+                // 0, not its reference.
+                if current.contains(&f32::NEG_INFINITY) {
+                    assert_eq!(
+                        got, None,
+                        "{} {policy:?} {current:?} {block_max:?}",
+                        arch.name
+                    );
+                } else if all {
+                    assert_eq!(
+                        got,
+                        Some(stats.skipped as u32),
+                        "{} {policy:?} {current:?} {block_max:?}",
+                        arch.name
+                    );
+                    agreed_keep += 1;
+                } else {
+                    assert_eq!(
+                        got, None,
+                        "{} {policy:?} {current:?} {block_max:?}",
+                        arch.name
+                    );
+                }
+            }
+            assert!(
+                agreed_keep > 100,
+                "{} {policy:?}: the keep case was hardly exercised",
+                arch.name
+            );
         }
     }
 }
