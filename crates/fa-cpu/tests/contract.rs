@@ -325,3 +325,53 @@ fn nan_and_inf_inputs_propagate_like_the_reference() {
         }
     }
 }
+
+/// `scratch_bytes_per_thread` is an upper bound of what one worker really allocates: a fresh
+/// workspace, one thread, problems long enough to fill the largest row block, every head-dim
+/// fast path and odd ones, with and without a mask and the probability hook.
+#[test]
+fn scratch_companion_bounds_what_a_worker_allocates() {
+    let mut rng = Rng::new(41);
+    let hook = |_: &mut [f32]| {};
+    for level in levels() {
+        for (d, dv) in [
+            (64, 64),
+            (128, 128),
+            (256, 256),
+            (40, 72),
+            (200, 136),
+            (1, 3),
+        ] {
+            for causal in [false, true] {
+                for with_hook in [false, true] {
+                    let mut desc = ProblemDesc::new(1, 2100, 300, 2, 1, d).head_dim_v(dv);
+                    if causal {
+                        desc = desc.causal();
+                    }
+                    let problem = desc.validate(256).expect("valid");
+                    let lens = problem.min_buffer_lens();
+                    let mut draw =
+                        |n: usize| -> Vec<f32> { (0..n).map(|_| rng.normal() as f32).collect() };
+                    let (q, k, v) = (draw(lens.q), draw(lens.k), draw(lens.v));
+                    let mut out = vec![0.0f32; lens.o];
+                    let opts = ForwardOptions {
+                        threads: Some(1),
+                        simd: level,
+                        probability_hook: if with_hook { Some(&hook) } else { None },
+                        ..ForwardOptions::default()
+                    };
+                    let mut ws = Workspace::new();
+                    forward_with_workspace(&desc, &q, &k, &v, &mut out, None, &opts, &mut ws)
+                        .expect("forward");
+                    let bound = scratch_bytes_per_thread(d, dv, level);
+                    assert!(
+                        ws.scratch_bytes() <= bound,
+                        "{level:?} d={d} dv={dv} causal={causal} hook={with_hook}: {} > {bound}",
+                        ws.scratch_bytes()
+                    );
+                    assert!(ws.scratch_bytes() > 0);
+                }
+            }
+        }
+    }
+}
