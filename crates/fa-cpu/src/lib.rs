@@ -12,6 +12,10 @@
 //!   ([`simd_level`]); bf16/f16 are widened to f32 when tiles are packed.
 //! - Threads: rayon over (sequence, KV head, query block); results are bitwise identical for
 //!   any thread count (the split never changes the arithmetic).
+//! - Numerics: each row's running max and sum are `softmax-core`'s [`softmax_core::RowState`]
+//!   (threshold rescaling by default). A vector of rows whose block maxima all keep their
+//!   reference skips the per-row calls through the vector form of that one outcome of
+//!   [`RescalePolicy::decide`], tested lane by lane against it; results are the same bits.
 //! - Memory: per-thread scratch sized by the head dims and the tiling only
 //!   ([`scratch_bytes_per_thread`]), reusable through a [`Workspace`].
 //! - Not here yet: the backward pass, and AMX for bf16 (bf16/f16 run through f32 FMAs).
@@ -51,9 +55,9 @@ use softmax_core::{ProblemDesc, ProblemError, RescalePolicy, RescaleStats};
 /// Which `exp2` the softmax uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Exp2Impl {
-    /// Accurate vectorised `exp2` (Cephes' degree-6 polynomial after round-to-nearest range
-    /// reduction; relative error below 3e-7, measured in the tests). The default: it keeps f32
-    /// within the 1e-5 normwise bound.
+    /// Accurate vectorised `exp2` (a degree-5 polynomial fitted for relative error after
+    /// round-to-nearest range reduction; relative error below 3e-7, measured in the tests).
+    /// The default: it keeps f32 within the 1e-5 normwise bound.
     #[default]
     Exact,
     /// FlashAttention-4's cubic ([`softmax_core::EXP2_CUBIC`], relative error 7.5e-5),
