@@ -403,6 +403,41 @@ pub(crate) unsafe fn pack_group<S: Simd, const MR: usize>(
     }
 }
 
+/// The widest row panel (`lanes · row_vectors`) of any architecture: AVX-512's 3 × 16.
+const MAX_PANEL: usize = 64;
+
+/// Hides the keys outside each row's visible range in a panel's score tile: `Sᵀ[j][l] = −∞`
+/// unless `lo[l] ≤ j < hi[l]`, for keys `j < nk`. Two vector compares and blends per score
+/// vector; a row at a time, the same −∞ went in one scalar store per hidden score (a column
+/// walk through the tile, a few per cent of a causal call at D=64).
+///
+/// # Safety
+/// `st` read/writable for `nk` rows of stride `st_stride` and `NR·W` columns; `lo` and `hi`
+/// hold at least `NR·W` values; S available.
+#[inline(always)]
+unsafe fn mask_panel<S: Simd, const NR: usize>(
+    st: *mut f32,
+    st_stride: usize,
+    nk: usize,
+    lo: &[f32],
+    hi: &[f32],
+) {
+    // SAFETY: bounds are the caller's contract.
+    unsafe {
+        let lo: [S::V; NR] = std::array::from_fn(|n| S::load(lo.as_ptr().add(n * S::W)));
+        let hi: [S::V; NR] = std::array::from_fn(|n| S::load(hi.as_ptr().add(n * S::W)));
+        let hidden = S::splat(f32::NEG_INFINITY);
+        for j in 0..nk {
+            let key = S::splat(j as f32);
+            for n in 0..NR {
+                let p = st.add(j * st_stride + n * S::W);
+                let x = S::select_lt(key, lo[n], hidden, S::load(p));
+                S::store(p, S::select_lt(key, hi[n], x, hidden));
+            }
+        }
+    }
+}
+
 /// How many rows ahead the Q packing and the O write-back prefetch. Rows of one head are a
 /// head stride apart (4 KiB and more), each in its own page, where the hardware prefetchers
 /// do not follow; a few rows ahead cover the latency without flooding the miss queue.
@@ -755,6 +790,8 @@ pub(crate) unsafe fn run_task<
     let tiling = ctx.tiling;
     let w = S::W;
     let panel = w * NR;
+    // Compile-time: the mask's per-row bounds live in MAX_PANEL-long arrays.
+    const { assert!(S::W * NR <= MAX_PANEL) };
     let d = p.head_dim();
     let dv = p.head_dim_v();
     let dv_pad = dv.div_ceil(VMR) * VMR;
@@ -942,15 +979,18 @@ pub(crate) unsafe fn run_task<
                 unsafe { softcap_slice::<S>(st.as_mut_ptr(), nk_pad * panel, post) };
             }
             if kind == TileKind::Partial {
+                // Each row's visible keys within the tile, `lo..hi` (as floats: below nk ≤ 2^24,
+                // exact); padding rows hide nothing.
+                let (mut lo, mut hi) = ([0.0f32; MAX_PANEL], [nk as f32; MAX_PANEL]);
                 for r in rv0..(rv0 + panel).min(rows) {
-                    // Hide the keys outside the row's visible range, two runs of −∞.
                     let visible = mask.key_range(task.i0 + r % task.len, sq, sk);
-                    let lo = visible.start.clamp(j0, j0 + nk) - j0;
-                    let hi = visible.end.clamp(j0 + lo, j0 + nk) - j0;
-                    for j in (0..lo).chain(hi..nk) {
-                        st[j * panel + r - rv0] = f32::NEG_INFINITY;
-                    }
+                    let first = visible.start.clamp(j0, j0 + nk) - j0;
+                    lo[r - rv0] = first as f32;
+                    hi[r - rv0] = (visible.end.clamp(j0 + first, j0 + nk) - j0) as f32;
                 }
+                // SAFETY: st holds nk ≤ bc rows of `panel` floats; lo and hi hold
+                // MAX_PANEL ≥ panel (checked when the kernel starts); S available (caller).
+                unsafe { mask_panel::<S, NR>(st.as_mut_ptr(), panel, nk, &lo, &hi) };
             }
             // SAFETY: the panel's scores sit at `j·panel` in st (bc·panel); rv0 + panel ≤ br =
             // the length of states and corr.
