@@ -75,8 +75,9 @@ impl Tiling {
     /// The row stride of the packed V tile for `dv_pad` channels: `dv_pad`, plus one cache
     /// line when `dv_pad` is a whole even number of lines. A PV micro-kernel call reads the
     /// same `pv_channels` columns from each of a tile's rows; at a stride of 512 or 1024 bytes
-    /// (D=128, 256) those 64 lines fall into 8 or 4 of the L1's 64 sets, more than its 12 ways
-    /// hold, and every call missed. An odd number of lines spreads them over all sets.
+    /// (D=128, 256) those 64 lines fall into 8 or 4 of an L1's 64 sets (48 KiB of 12 ways on
+    /// the Xeon, 32 KiB of 8 on Zen 3): 8 or 16 lines per set, at or past what a set holds.
+    /// An odd number of lines spreads them over all sets.
     pub fn v_stride(dv_pad: usize) -> usize {
         const LINE: usize = CACHE_LINE / 4;
         if dv_pad.is_multiple_of(2 * LINE) {
