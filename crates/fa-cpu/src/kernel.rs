@@ -111,6 +111,15 @@ pub(crate) struct Task {
     pub len: usize,
 }
 
+impl Task {
+    /// The (query head, query position) of the task's row `r`: rows run over positions
+    /// first, then heads.
+    #[inline(always)]
+    pub fn row(&self, r: usize) -> (usize, usize) {
+        (self.head0 + r / self.len, self.i0 + r % self.len)
+    }
+}
+
 /// What one task counted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct TaskStats {
@@ -176,14 +185,11 @@ impl<E> SharedOut<E> {
     #[inline(always)]
     fn prefetch_row<S: Simd>(&self, start: usize, n: usize) {
         if start.checked_add(n).is_some_and(|end| end <= self.len) {
-            let bytes = n * std::mem::size_of::<E>();
-            let mut at = 0;
-            while at < bytes {
-                // SAFETY: `start + n ≤ len` and `at < n·size_of::<E>()`: inside the buffer; a
-                // prefetch has no architectural effect.
-                unsafe { S::prefetch((self.ptr.add(start) as *const u8).add(at)) };
-                at += 64;
-            }
+            // `start + n ≤ len`: the range is inside the buffer.
+            prefetch_lines::<S>(
+                self.ptr.wrapping_add(start) as *const u8,
+                n * std::mem::size_of::<E>(),
+            );
         }
     }
 
@@ -448,16 +454,20 @@ const ROW_PREFETCH_AHEAD: usize = 6;
 /// slice is touched).
 #[inline(always)]
 fn prefetch_row<S: Simd, T: Element>(src: &[T], offset: usize, n: usize) {
-    let Some(row) = src.get(offset..offset + n) else {
-        return;
-    };
-    let bytes = std::mem::size_of_val(row);
-    let base = row.as_ptr() as *const u8;
+    if let Some(row) = src.get(offset..offset + n) {
+        prefetch_lines::<S>(row.as_ptr() as *const u8, std::mem::size_of_val(row));
+    }
+}
+
+/// Prefetches the cache lines of the `bytes` bytes at `base`.
+#[inline(always)]
+fn prefetch_lines<S: Simd>(base: *const u8, bytes: usize) {
     let mut at = 0;
     while at < bytes {
-        // SAFETY: `at < bytes`: inside the row; a prefetch has no architectural effect.
-        unsafe { S::prefetch(base.add(at)) };
-        at += 64;
+        // SAFETY: a prefetch never faults and has no architectural effect, whatever the
+        // address; callers pass ranges inside their buffers anyway.
+        unsafe { S::prefetch(base.wrapping_add(at)) };
+        at += CACHE_LINE;
     }
 }
 
@@ -838,13 +848,10 @@ pub(crate) unsafe fn run_task<
     for p0 in (0..br).step_by(panel) {
         let valid = rows.saturating_sub(p0).min(panel);
         for l in 0..valid {
-            let (head, i) = (
-                task.head0 + (p0 + l) / task.len,
-                task.i0 + (p0 + l) % task.len,
-            );
+            let (head, i) = task.row(p0 + l);
             let ahead = p0 + l + ROW_PREFETCH_AHEAD;
             if ahead < rows {
-                let (head, i) = (task.head0 + ahead / task.len, task.i0 + ahead % task.len);
+                let (head, i) = task.row(ahead);
                 prefetch_row::<S, T>(ctx.q, p.q_offset(task.batch, i, head), d);
             }
             // SAFETY: S available (caller); the offsets are inside the checked buffer.
@@ -915,7 +922,7 @@ pub(crate) unsafe fn run_task<
                 // Positions of rows r0..r1: contiguous unless the panel crosses into the
                 // next head's rows (then take the task's whole range: conservative).
                 let i_range = if r0 / task.len == (r1 - 1) / task.len {
-                    task.i0 + r0 % task.len..task.i0 + (r1 - 1) % task.len + 1
+                    task.row(r0).1..task.row(r1 - 1).1 + 1
                 } else {
                     q_rows.clone()
                 };
@@ -984,7 +991,7 @@ pub(crate) unsafe fn run_task<
                 // exact); padding rows hide nothing.
                 let (mut lo, mut hi) = ([0.0f32; MAX_PANEL], [nk as f32; MAX_PANEL]);
                 for r in rv0..(rv0 + panel).min(rows) {
-                    let visible = mask.key_range(task.i0 + r % task.len, sq, sk);
+                    let visible = mask.key_range(task.row(r).1, sq, sk);
                     let first = visible.start.clamp(j0, j0 + nk) - j0;
                     lo[r - rv0] = first as f32;
                     hi[r - rv0] = (visible.end.clamp(j0 + first, j0 + nk) - j0) as f32;
@@ -1074,12 +1081,12 @@ pub(crate) unsafe fn run_task<
         unsafe { transpose_region::<S>(src.as_ptr(), panel, dv, panel, row.as_mut_ptr(), dv) };
         for l in 0..valid {
             let r = p0 + l;
-            let (head, i) = (task.head0 + r / task.len, task.i0 + r % task.len);
+            let (head, i) = task.row(r);
             let result = states[r].finish();
             let oo = p.o_offset(task.batch, i, head);
             let ahead = r + ROW_PREFETCH_AHEAD;
             if ahead < rows {
-                let (head, i) = (task.head0 + ahead / task.len, task.i0 + ahead % task.len);
+                let (head, i) = task.row(ahead);
                 ctx.out
                     .prefetch_row::<S>(p.o_offset(task.batch, i, head), dv);
             }

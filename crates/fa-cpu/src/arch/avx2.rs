@@ -86,8 +86,10 @@ unsafe impl Simd for Avx2 {
     unsafe fn pow2i_biased(biased: __m256) -> __m256 {
         // SAFETY: AVX2 present (trait contract).
         unsafe {
-            let k = 127i32.wrapping_sub(super::ROUND_MAGIC.to_bits() as i32);
-            let e = _mm256_add_epi32(_mm256_castps_si256(biased), _mm256_set1_epi32(k));
+            let e = _mm256_add_epi32(
+                _mm256_castps_si256(biased),
+                _mm256_set1_epi32(super::POW2I_BIAS),
+            );
             _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
         }
     }

@@ -92,8 +92,10 @@ unsafe impl Simd for Avx512 {
     unsafe fn pow2i_biased(biased: __m512) -> __m512 {
         // SAFETY: AVX-512F present (trait contract).
         unsafe {
-            let k = 127i32.wrapping_sub(super::ROUND_MAGIC.to_bits() as i32);
-            let e = _mm512_add_epi32(_mm512_castps_si512(biased), _mm512_set1_epi32(k));
+            let e = _mm512_add_epi32(
+                _mm512_castps_si512(biased),
+                _mm512_set1_epi32(super::POW2I_BIAS),
+            );
             _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
         }
     }

@@ -205,6 +205,10 @@ const EXP2_EXACT: [f32; 5] = [
 /// replaces a rounding instruction and a float-to-int conversion (see [`Simd::pow2i_biased`]).
 pub(crate) const ROUND_MAGIC: f32 = 12_582_912.0;
 
+/// What [`Simd::pow2i_biased`] adds to the integer bits of `n + ROUND_MAGIC` to get the biased
+/// exponent `n + 127`.
+pub(crate) const POW2I_BIAS: i32 = 127 - ROUND_MAGIC.to_bits() as i32;
+
 /// Inputs are clamped to `[EXP2_LO, EXP2_HI]` before the range reduction: `2^−127` is built
 /// as the scale 0 (so `−∞` and anything below −126.5 gives exactly 0) and `2^128` as `+∞`.
 const EXP2_LO: f32 = -127.0;

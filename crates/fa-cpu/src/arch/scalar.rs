@@ -127,9 +127,8 @@ unsafe impl Simd for Scalar {
     }
     #[inline(always)]
     unsafe fn pow2i_biased(biased: V) -> V {
-        let k = 127i32.wrapping_sub(super::ROUND_MAGIC.to_bits() as i32);
         map(biased, |b| {
-            f32::from_bits(((b.to_bits() as i32).wrapping_add(k) as u32) << 23)
+            f32::from_bits(((b.to_bits() as i32).wrapping_add(super::POW2I_BIAS) as u32) << 23)
         })
     }
     #[inline(always)]
