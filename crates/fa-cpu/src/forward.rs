@@ -9,11 +9,13 @@ use std::sync::Mutex;
 
 /// Reusable scratch and thread pool for [`crate::forward_with_workspace`]: per-thread tile
 /// buffers (sized by the problem's head dims and the tiling, never by the sequence length)
-/// and, when [`ForwardOptions::threads`] is set, a local rayon pool of that size.
+/// and, when [`ForwardOptions::threads`] is set to `n`, a local rayon pool of `n − 1` threads
+/// (the calling thread is the n-th worker).
 #[derive(Debug, Default)]
 pub struct Workspace {
     slots: Vec<Mutex<Scratch>>,
-    pool: Option<(usize, rayon::ThreadPool)>,
+    /// The thread count the pool was built for, and the pool (`None` for one thread).
+    pool: Option<(usize, Option<rayon::ThreadPool>)>,
 }
 
 impl Workspace {
@@ -155,20 +157,25 @@ pub fn forward_with_workspace<T: Element, O: Element>(
 
     if let Some(n) = threads {
         if ws.pool.as_ref().is_none_or(|(m, _)| *m != n) {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(n)
-                .build()
-                .map_err(|_| ProblemError::Unsupported {
-                    what: "could not start the worker threads",
-                })?;
+            let pool = match n {
+                1 => None,
+                _ => Some(
+                    rayon::ThreadPoolBuilder::new()
+                        .num_threads(n - 1)
+                        .build()
+                        .map_err(|_| ProblemError::Unsupported {
+                            what: "could not start the worker threads",
+                        })?,
+                ),
+            };
             ws.pool = Some((n, pool));
         }
     }
-    let slots = match (&ws.pool, threads) {
+    let workers = match (&ws.pool, threads) {
         (Some((n, _)), Some(_)) => *n,
-        _ => rayon::current_num_threads(),
+        _ => rayon::current_num_threads().max(1),
     };
-    ws.ensure_slots(slots.max(1));
+    ws.ensure_slots(workers);
     let slots = &ws.slots;
 
     // Dynamic scheduling: every worker takes the next task from one shared counter, so the
@@ -177,8 +184,8 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     // worker runs a task never changes its arithmetic.
     let next = AtomicUsize::new(0);
     let totals = Mutex::new(TaskStats::default());
-    let work = |_: rayon::BroadcastContext<'_>| {
-        let slot = rayon::current_thread_index().unwrap_or(0) % slots.len();
+    // One scratch slot per worker, by the worker's number (not by the thread that runs it).
+    let work = |slot: usize| {
         let mut guard = match slots[slot].lock() {
             Ok(g) => g,
             Err(poisoned) => poisoned.into_inner(),
@@ -195,13 +202,14 @@ pub fn forward_with_workspace<T: Element, O: Element>(
         };
         *t = t.add(mine);
     };
+    // The calling thread is worker 0 and starts at once; workers 1.. are jobs for the pool.
+    // It keeps the call at `workers` runnable threads, one wake-up fewer: with the caller
+    // blocked and all workers woken, two of them could share a core while another sat idle,
+    // which doubled the time of some short calls on the 2-core Xeon.
     match (&ws.pool, threads) {
-        (Some((_, pool)), Some(_)) => {
-            pool.broadcast(work);
-        }
-        _ => {
-            rayon::broadcast(work);
-        }
+        (Some((_, Some(pool))), Some(_)) => pool.in_place_scope(|s| run_workers(s, workers, &work)),
+        (Some((_, None)), Some(_)) => work(0),
+        _ => rayon::in_place_scope(|s| run_workers(s, workers, &work)),
     }
     let stats = match totals.into_inner() {
         Ok(s) => s,
@@ -212,6 +220,14 @@ pub fn forward_with_workspace<T: Element, O: Element>(
         tiles_computed: stats.computed,
         tiles_skipped: stats.skipped,
     })
+}
+
+/// Runs `work(0)` on the calling thread and `work(1..workers)` as jobs of the scope's pool.
+fn run_workers<'s, F: Fn(usize) + Sync>(scope: &rayon::Scope<'s>, workers: usize, work: &'s F) {
+    for slot in 1..workers {
+        scope.spawn(move |_| work(slot));
+    }
+    work(0);
 }
 
 /// The one dispatch point.

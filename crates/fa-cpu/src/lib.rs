@@ -72,7 +72,9 @@ pub type ProbabilityHook<'a> = &'a (dyn Fn(&mut [f32]) + Sync);
 /// Options of a forward call.
 #[derive(Clone, Copy)]
 pub struct ForwardOptions<'a> {
-    /// Worker threads (`None`: rayon's global pool, all cores). Results are identical
+    /// Threads in all, the calling thread included: `Some(n)` runs on the caller and a pool
+    /// of `n − 1` threads kept in the workspace (`Some(1)` starts none); `None`: the caller
+    /// and rayon's global pool, as many as that pool has threads. Results are identical
     /// whatever the count. `Some(0)` is an error.
     pub threads: Option<usize>,
     /// When to rescale the accumulators (default: `Threshold(8.0)`, FlashAttention-4's).

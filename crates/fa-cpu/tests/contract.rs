@@ -233,6 +233,35 @@ fn results_are_bitwise_identical_for_any_thread_count() {
 }
 
 #[test]
+fn the_calling_thread_is_one_of_the_workers() {
+    // `threads: Some(n)` means n threads in all, the caller included: one thread runs every
+    // task on the caller, and n threads never use more than n distinct threads.
+    let mut rng = Rng::new(11);
+    let case = Case::dense(&mut rng, 1, 700, 700, 8, 8, 64);
+    let caller = std::thread::current().id();
+    for threads in [1, 2, 3] {
+        let seen = std::sync::Mutex::new(std::collections::HashSet::new());
+        let hook = |_: &mut [f32]| {
+            seen.lock().unwrap().insert(std::thread::current().id());
+        };
+        let opts = ForwardOptions {
+            threads: Some(threads),
+            probability_hook: Some(&hook),
+            ..ForwardOptions::default()
+        };
+        run::<f32, f32>(&case, &opts);
+        let seen = seen.into_inner().unwrap();
+        assert!(
+            !seen.is_empty() && seen.len() <= threads,
+            "{threads}: {seen:?}"
+        );
+        if threads == 1 {
+            assert_eq!(seen.into_iter().collect::<Vec<_>>(), [caller]);
+        }
+    }
+}
+
+#[test]
 fn probability_hook_sees_every_tile_and_its_changes_reach_the_output() {
     let mut rng = Rng::new(32);
     let case = Case::dense(&mut rng, 1, 200, 300, 4, 2, 32).causal();
