@@ -171,10 +171,7 @@ pub fn forward_with_workspace<T: Element, O: Element>(
             ws.pool = Some((n, pool));
         }
     }
-    let workers = match (&ws.pool, threads) {
-        (Some((n, _)), Some(_)) => *n,
-        _ => rayon::current_num_threads().max(1),
-    };
+    let workers = threads.unwrap_or_else(|| rayon::current_num_threads().max(1));
     ws.ensure_slots(workers);
     let slots = &ws.slots;
 
@@ -206,10 +203,13 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     // It keeps the call at `workers` runnable threads, one wake-up fewer: with the caller
     // blocked and all workers woken, two of them could share a core while another sat idle,
     // which doubled the time of some short calls on the 2-core Xeon.
-    match (&ws.pool, threads) {
-        (Some((_, Some(pool))), Some(_)) => pool.in_place_scope(|s| run_workers(s, workers, &work)),
-        (Some((_, None)), Some(_)) => work(0),
-        _ => rayon::in_place_scope(|s| run_workers(s, workers, &work)),
+    match (
+        threads,
+        ws.pool.as_ref().and_then(|(_, pool)| pool.as_ref()),
+    ) {
+        (Some(_), Some(pool)) => pool.in_place_scope(|s| run_workers(s, workers, &work)),
+        (Some(_), None) => work(0),
+        (None, _) => rayon::in_place_scope(|s| run_workers(s, workers, &work)),
     }
     let stats = match totals.into_inner() {
         Ok(s) => s,

@@ -290,20 +290,17 @@ const CACHE_LINE: usize = 64;
 /// every 64-byte AVX-512 access and every other 32-byte AVX2 access did. The contents are
 /// unspecified (callers write before they read), and only speed depends on the alignment.
 fn ensure_aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    if buf.len() < len + ALIGN_SLACK {
-        // Exactly what is asked: `resize` alone may double the capacity when a later task
-        // needs a little more, past what `scratch_elems` promises.
-        buf.reserve_exact(len + ALIGN_SLACK - buf.len());
-        buf.resize(len + ALIGN_SLACK, 0.0);
-    }
-    let offset = buf.as_ptr().align_offset(CACHE_LINE).min(ALIGN_SLACK);
-    &mut buf[offset..offset + len]
+    let whole = ensure(buf, len + ALIGN_SLACK, 0.0);
+    let offset = whole.as_ptr().align_offset(CACHE_LINE).min(ALIGN_SLACK);
+    &mut whole[offset..offset + len]
 }
 
 /// Grows `buf` to at least `len` elements (never shrinks) and returns the first `len`.
 fn ensure<E: Copy>(buf: &mut Vec<E>, len: usize, fill: E) -> &mut [E] {
     if buf.len() < len {
-        buf.reserve_exact(len - buf.len()); // as in `ensure_aligned`
+        // Exactly what is asked: `resize` alone may double the capacity when a later task
+        // needs a little more, past what `scratch_elems` promises.
+        buf.reserve_exact(len - buf.len());
         buf.resize(len, fill);
     }
     &mut buf[..len]

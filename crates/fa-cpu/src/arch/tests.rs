@@ -81,6 +81,14 @@ fn simd_archs() -> Vec<Arch> {
     v
 }
 
+/// The SIMD architectures this CPU can run, then the scalar path (for properties every one of
+/// them must have on its own).
+fn all_archs() -> Vec<Arch> {
+    let mut v = simd_archs();
+    v.push(scalar());
+    v
+}
+
 fn draw(rng: &mut Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.normal() as f32).collect()
 }
@@ -235,9 +243,7 @@ fn exp2_inputs(n: usize, lanes: usize) -> Vec<f32> {
 
 #[test]
 fn exp2_exact_accuracy_and_specials_every_arch() {
-    let mut archs = simd_archs();
-    archs.push(scalar());
-    for a in archs {
+    for a in all_archs() {
         let x = exp2_inputs(200_003, a.lanes);
         let mut y = x.clone();
         // SAFETY: level available (or scalar).
@@ -267,9 +273,7 @@ fn exp2_exact_accuracy_and_specials_every_arch() {
 
 #[test]
 fn exp2_cubic_matches_softmax_core() {
-    let mut archs = simd_archs();
-    archs.push(scalar());
-    for a in archs {
+    for a in all_archs() {
         let x = exp2_inputs(100_001, a.lanes);
         let mut y = x.clone();
         // SAFETY: level available (or scalar).
@@ -296,9 +300,7 @@ fn exp2_cubic_matches_softmax_core() {
 
 #[test]
 fn softcap_tanh_matches_f64() {
-    let mut archs = simd_archs();
-    archs.push(scalar());
-    for a in archs {
+    for a in all_archs() {
         let mut x: Vec<f32> = (0..4096).map(|i| (i as f32 - 2048.0) / 100.0).collect();
         x.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e-7]);
         x.resize(round_up(x.len(), a.lanes), 0.25);
@@ -322,9 +324,7 @@ fn softcap_tanh_matches_f64() {
 
 #[test]
 fn widen_f16_matches_half() {
-    let mut archs = simd_archs();
-    archs.push(scalar());
-    for a in archs {
+    for a in all_archs() {
         for &n in &SIZES {
             let src: Vec<u16> = (0..n).map(|i| (i as u16).wrapping_mul(40_503)).collect();
             let mut dst = vec![f32::NAN; n];
@@ -361,9 +361,7 @@ fn detection_is_cached_and_consistent() {
 #[test]
 fn transpose_is_exact_and_touches_nothing_else() {
     let mut rng = Rng::new(77);
-    let mut archs = simd_archs();
-    archs.push(scalar());
-    for arch in &archs {
+    for arch in &all_archs() {
         for &rows in &SIZES {
             for &cols in &SIZES {
                 let (src_stride, dst_stride) = (cols + 3, rows + 5);
@@ -394,9 +392,7 @@ fn transpose_is_exact_and_touches_nothing_else() {
 #[test]
 fn pack_group_is_exact_for_every_head_dim() {
     let mut rng = Rng::new(78);
-    let mut archs = simd_archs();
-    archs.push(scalar());
-    for arch in &archs {
+    for arch in &all_archs() {
         let mr = arch.qk_keys;
         for d in (1..=40).chain([63, 64, 65, 127, 128, 129, 255, 256]) {
             let keys = draw(&mut rng, mr * d);
@@ -428,14 +424,12 @@ fn pack_group_is_exact_for_every_head_dim() {
 #[test]
 fn all_keep_agrees_with_decide() {
     let mut rng = Rng::new(79);
-    let mut archs = simd_archs();
-    archs.push(scalar());
     let policies = [
         RescalePolicy::Always,
         RescalePolicy::Threshold(0.0),
         RescalePolicy::Threshold(8.0),
     ];
-    for arch in &archs {
+    for arch in &all_archs() {
         let w = arch.lanes;
         for policy in &policies {
             let tau = match policy {
