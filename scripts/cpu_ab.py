@@ -16,7 +16,7 @@ import os
 import statistics
 import sys
 
-from cpu_peer import flops, run_ours, run_peer
+from cpu_peer import add_shape_args, flops, run_ours, run_peer
 
 
 def main():
@@ -24,10 +24,7 @@ def main():
     p.add_argument("--variants", required=True, help="comma-separated bench_forward binaries")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seqlens", default="1024,2048,4096")
-    p.add_argument("--head-dims", default="64,128,256")
-    p.add_argument("--masks", default="none,causal")
+    add_shape_args(p)
     p.add_argument("--json-out")
     a = p.parse_args()
 

@@ -88,6 +88,14 @@ def run_peer(torch, dtype, b, h, n, d, causal, iters, warmup):
     return statistics.median(times), min(times)
 
 
+def add_shape_args(p):
+    """The shape flags (defaults: issue 5's grid), shared with cpu_ab.py."""
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seqlens", default="1024,2048,4096")
+    p.add_argument("--head-dims", default="64,128,256")
+    p.add_argument("--masks", default="none,causal")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -95,10 +103,7 @@ def main():
     p.add_argument("--iters", type=int, default=3, help="timed runs per side per round (median)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seqlens", default="1024,2048,4096")
-    p.add_argument("--head-dims", default="64,128,256")
-    p.add_argument("--masks", default="none,causal")
+    add_shape_args(p)
     p.add_argument("--dtypes", default="f32,bf16")
     p.add_argument("--ours", choices=("fa", "example"), default=None,
                    help="our side: `fa bench --json` or the fa-cpu example (default: fa if built)")
