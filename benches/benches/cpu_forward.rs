@@ -7,7 +7,7 @@
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
 use fa_cpu::{forward_with_workspace, Element, ForwardOptions, Workspace};
 use fa_reference::Rng;
-use softmax_core::ProblemDesc;
+use softmax_core::{Out, ProblemDesc, Qkv, MAX_HEAD_DIM};
 
 fn inputs<T: Element>(rng: &mut Rng, n: usize) -> Vec<T> {
     (0..n).map(|_| T::from_f32(rng.normal() as f32)).collect()
@@ -30,6 +30,7 @@ fn bench_shape<T: Element>(c: &mut Criterion, seqlen: usize, head_dim: usize, ca
     let mut lse = vec![0.0f32; heads * seqlen];
     let mut ws = Workspace::new();
     let opts = ForwardOptions::default();
+    let problem = desc.validate(MAX_HEAD_DIM).expect("valid problem");
     let flops = 4 * heads * seqlen * seqlen * head_dim / if causal { 2 } else { 1 };
     let mut group = c.benchmark_group(format!("cpu_forward_{}", T::NAME));
     group.sample_size(10);
@@ -40,8 +41,9 @@ fn bench_shape<T: Element>(c: &mut Criterion, seqlen: usize, head_dim: usize, ca
     );
     group.bench_function(name, |b| {
         b.iter(|| {
-            forward_with_workspace(&desc, &q, &k, &v, &mut out, Some(&mut lse), &opts, &mut ws)
-                .expect("valid problem");
+            let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+            let bundle = Out::with_lse(&mut out[..], &mut lse[..]);
+            forward_with_workspace(&problem, qkv, bundle, &opts, &mut ws).expect("valid problem");
             black_box(&out);
         })
     });

@@ -2,7 +2,7 @@
 
 use crate::error::CliError;
 use crate::tensor::{DType, Data};
-use softmax_core::ProblemDesc;
+use softmax_core::{Out, Problem, Qkv};
 
 /// Which backend the user asked for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -98,7 +98,7 @@ impl Backend {
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
-        desc: &ProblemDesc,
+        problem: &Problem,
         q: &Data,
         k: &Data,
         v: &Data,
@@ -107,8 +107,8 @@ impl Backend {
         opts: CallOptions,
     ) -> Result<(), CliError> {
         match self {
-            Backend::Cpu => cpu_forward(desc, q, k, v, out, lse, opts),
-            Backend::Cuda(d) => cuda_forward(d, desc, q, k, v, out, lse),
+            Backend::Cpu => cpu_forward(problem, q, k, v, out, lse, opts),
+            Backend::Cuda(d) => cuda_forward(d, problem, q, k, v, out, lse),
         }
     }
 
@@ -118,7 +118,7 @@ impl Backend {
     #[allow(clippy::too_many_arguments)]
     pub fn time_forward(
         &self,
-        desc: &ProblemDesc,
+        problem: &Problem,
         q: &Data,
         k: &Data,
         v: &Data,
@@ -133,7 +133,7 @@ impl Backend {
                 let mut times = Vec::with_capacity(iters);
                 for i in 0..warmup + iters {
                     let start = std::time::Instant::now();
-                    cpu_forward(desc, q, k, v, out, Some(&mut *lse), opts)?;
+                    cpu_forward(problem, q, k, v, out, Some(&mut *lse), opts)?;
                     if i >= warmup {
                         times.push(start.elapsed().as_secs_f64());
                     }
@@ -151,7 +151,8 @@ impl Backend {
                         );
                         let mut dout = d.upload(&*$o).map_err(cuda)?;
                         let opts = fa_cuda::ForwardOptions::default();
-                        d.time_forward(desc, &dq, &dk, &dv, &mut dout, &opts, warmup, iters)
+                        let dqkv = Qkv::new(&dq, &dk, &dv);
+                        d.time_forward(problem, dqkv, &mut dout, &opts, warmup, iters)
                             .map_err(cuda)?
                     }};
                 }
@@ -182,7 +183,7 @@ fn cuda_error(e: fa_cuda::CudaError) -> CliError {
 
 fn cuda_forward(
     d: &fa_cuda::Device,
-    desc: &ProblemDesc,
+    problem: &Problem,
     q: &Data,
     k: &Data,
     v: &Data,
@@ -192,10 +193,10 @@ fn cuda_forward(
     let opts = fa_cuda::ForwardOptions::default();
     let r = match (q, k, v, out) {
         (Data::Bf16(q), Data::Bf16(k), Data::Bf16(v), Data::Bf16(o)) => {
-            d.forward_host(desc, q, k, v, o, lse, &opts)
+            d.forward_host(problem, Qkv::new(q, k, v), Out { o, lse }, &opts)
         }
         (Data::F16(q), Data::F16(k), Data::F16(v), Data::F16(o)) => {
-            d.forward_host(desc, q, k, v, o, lse, &opts)
+            d.forward_host(problem, Qkv::new(q, k, v), Out { o, lse }, &opts)
         }
         _ => return Err(CliError::Problem(CUDA_DTYPES)),
     };
@@ -203,7 +204,7 @@ fn cuda_forward(
 }
 
 fn cpu_forward(
-    desc: &ProblemDesc,
+    problem: &Problem,
     q: &Data,
     k: &Data,
     v: &Data,
@@ -221,7 +222,7 @@ fn cpu_forward(
     };
     macro_rules! call {
         ($q:expr, $k:expr, $v:expr, $o:expr) => {
-            fa_cpu::forward(desc, $q, $k, $v, $o, lse, &fopts)
+            fa_cpu::forward(problem, Qkv::new($q, $k, $v), Out { o: $o, lse }, &fopts)
                 .map(|_| ())
                 .map_err(CliError::from)
         };

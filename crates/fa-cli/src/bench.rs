@@ -169,8 +169,9 @@ pub fn bench_shape(
     let mut out = HostTensor::zeros(dtype, q.shape.clone());
     let mut lse = vec![0.0f32; b * shape.heads * shape.seqlen_q];
     let desc = shape.desc();
+    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
     let times = backend.time_forward(
-        &desc,
+        &problem,
         &q.data,
         &k.data,
         &v.data,

@@ -99,7 +99,7 @@ fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliErr
 
     let start = Instant::now();
     backend.forward(
-        &desc,
+        &problem,
         &q.data,
         &k.data,
         &v.data,
@@ -113,7 +113,7 @@ fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliErr
     if let Backend::Cuda(_) = backend {
         // The first call compiled the kernel and copied the tensors: time the kernel alone.
         let times = backend.time_forward(
-            &desc,
+            &problem,
             &q.data,
             &k.data,
             &v.data,

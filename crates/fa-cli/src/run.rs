@@ -132,7 +132,7 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
     let mut lse = vec![0.0f32; problem.lse_len()];
     let start = std::time::Instant::now();
     backend.forward(
-        &desc,
+        &problem,
         &q.data,
         &k.data,
         &v.data,

@@ -218,7 +218,7 @@ pub fn verify_case(
     let mut out = to_data(&out, out_dtype);
     let mut lse = vec![0.0f32; problem.lse_len()];
     poison(&mut lse);
-    match backend.forward(&desc, &q, &k, &v, &mut out, Some(&mut lse), opts) {
+    match backend.forward(&problem, &q, &k, &v, &mut out, Some(&mut lse), opts) {
         Ok(()) => {}
         Err(CliError::Problem(ProblemError::Unsupported { what })) => {
             return row(Outcome::Unsupported(what.to_string()))

@@ -71,6 +71,8 @@ fn fa_run(qkv: &[PathBuf; 3], out: &Path, extra: &[&str]) -> Output {
     fa(&args)
 }
 
+use softmax_core::{Out, Qkv};
+
 /// fa-cpu's forward on the same data, output in the input dtype, with the LSE.
 fn cpu_forward(inp: &Inputs, desc: &softmax_core::ProblemDesc) -> (Data, Vec<f32>) {
     let p = desc.validate(256).unwrap();
@@ -79,13 +81,13 @@ fn cpu_forward(inp: &Inputs, desc: &softmax_core::ProblemDesc) -> (Data, Vec<f32
     let opts = fa_cpu::ForwardOptions::default();
     let r = match (&inp.q.data, &inp.k.data, &inp.v.data, &mut out) {
         (Data::F32(q), Data::F32(k), Data::F32(v), Data::F32(o)) => {
-            fa_cpu::forward(desc, q, k, v, o, Some(&mut lse), &opts)
+            fa_cpu::forward(&p, Qkv::new(q, k, v), Out::with_lse(o, &mut lse), &opts)
         }
         (Data::Bf16(q), Data::Bf16(k), Data::Bf16(v), Data::Bf16(o)) => {
-            fa_cpu::forward(desc, q, k, v, o, Some(&mut lse), &opts)
+            fa_cpu::forward(&p, Qkv::new(q, k, v), Out::with_lse(o, &mut lse), &opts)
         }
         (Data::F16(q), Data::F16(k), Data::F16(v), Data::F16(o)) => {
-            fa_cpu::forward(desc, q, k, v, o, Some(&mut lse), &opts)
+            fa_cpu::forward(&p, Qkv::new(q, k, v), Out::with_lse(o, &mut lse), &opts)
         }
         _ => unreachable!(),
     };

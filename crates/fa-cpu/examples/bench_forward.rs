@@ -14,7 +14,7 @@
 //! mark (VmHWM) after the runs.
 
 use fa_cpu::{forward_with_workspace, Element, Exp2Impl, ForwardOptions, SimdLevel, Workspace};
-use softmax_core::ProblemDesc;
+use softmax_core::{Out, ProblemDesc, Qkv};
 use std::time::Instant;
 
 struct Args {
@@ -155,8 +155,9 @@ fn bench<T: Element>(a: &Args) -> Result<(), String> {
     for rep in 0..a.warmup + a.reps {
         let cpu_start = process_cpu_ms();
         let start = Instant::now();
-        forward_with_workspace(&desc, &q, &k, &v, &mut out, Some(&mut lse), &opts, &mut ws)
-            .map_err(|e| e.to_string())?;
+        let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+        let out = Out::with_lse(&mut out[..], &mut lse[..]);
+        forward_with_workspace(&problem, qkv, out, &opts, &mut ws).map_err(|e| e.to_string())?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         if rep >= a.warmup {
             times.push(ms);

@@ -2,8 +2,8 @@
 
 use crate::arch::{self, SimdLevel};
 use crate::kernel::{self, Ctx, Scratch, SharedOut, Task, TaskStats, Tiling};
-use crate::{Element, ForwardOptions, ForwardStats};
-use softmax_core::{BufferLens, Problem, ProblemDesc, ProblemError};
+use crate::{Element, ForwardOptions, ForwardStats, HostOut};
+use softmax_core::{BufferLens, DType, Out, Problem, ProblemError, Qkv};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -109,27 +109,23 @@ fn tasks(p: &Problem, tiling: &Tiling) -> Vec<Task> {
 }
 
 /// [`crate::forward`] with caller-owned scratch and pool (reused across calls).
-#[allow(clippy::too_many_arguments)]
 pub fn forward_with_workspace<T: Element, O: Element>(
-    desc: &ProblemDesc,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: &mut [O],
-    lse: Option<&mut [f32]>,
+    problem: &Problem,
+    qkv: Qkv<&[T]>,
+    out: HostOut<'_, O>,
     opts: &ForwardOptions,
     ws: &mut Workspace,
 ) -> Result<ForwardStats, ProblemError> {
-    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
-    problem.check_buffers(BufferLens::of(q, k, v, out, lse.as_deref()))?;
-    if let softmax_core::RescalePolicy::Threshold(tau) = opts.rescale {
-        // exp2(x − m) ≤ 2^τ must stay finite in f32.
-        if !(tau.is_finite() && (0.0..=64.0).contains(&tau)) {
-            return Err(ProblemError::Unsupported {
-                what: "rescale threshold outside 0..=64",
-            });
-        }
+    if problem.has_kv_cache() {
+        return Err(ProblemError::Unsupported {
+            what: "fa-cpu does not read KV-cache layouts yet",
+        });
     }
+    problem.check_buffers(BufferLens::of(&qkv, &out))?;
+    // P stays f32 here (a probability hook may narrow it, and checks its own range).
+    opts.rescale.check(DType::F32.max_finite(), 0.0)?;
+    let Qkv { q, k, v } = qkv;
+    let Out { o: out, lse } = out;
     let level = opts.simd.resolve();
     if !level.is_available() {
         return Err(ProblemError::Unsupported {
@@ -141,9 +137,9 @@ pub fn forward_with_workspace<T: Element, O: Element>(
         other => other,
     };
     let tiling = tiling(level);
-    let task_list = tasks(&problem, &tiling);
+    let task_list = tasks(problem, &tiling);
     let ctx = Ctx {
-        problem: &problem,
+        problem,
         q,
         k,
         v,

@@ -23,16 +23,18 @@
 //! # Example
 //! ```
 //! use fa_cpu::{forward, ForwardOptions};
-//! use softmax_core::ProblemDesc;
+//! use softmax_core::{Out, ProblemDesc, Qkv, MAX_HEAD_DIM};
 //!
 //! // One sequence of 3 queries and 4 keys, 2 query heads sharing 1 KV head, head dim 8.
-//! let desc = ProblemDesc::new(1, 3, 4, 2, 1, 8).causal();
+//! // Validated once, here at the edge; the backend takes the validated problem.
+//! let problem = ProblemDesc::new(1, 3, 4, 2, 1, 8).causal().validate(MAX_HEAD_DIM)?;
 //! let q: Vec<f32> = (0..3 * 2 * 8).map(|i| (i as f32 * 0.37).sin()).collect();
 //! let k: Vec<f32> = (0..4 * 8).map(|i| (i as f32 * 0.11).cos()).collect();
 //! let v: Vec<f32> = (0..4 * 8).map(|i| i as f32).collect();
 //! let mut out = vec![0.0f32; 3 * 2 * 8];
 //! let mut lse = vec![0.0f32; 2 * 3];
-//! let stats = forward(&desc, &q, &k, &v, &mut out, Some(&mut lse), &ForwardOptions::default())?;
+//! let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+//! let stats = forward(&problem, qkv, Out::with_lse(&mut out, &mut lse), &ForwardOptions::default())?;
 //! // Query 0 sits at key position 1 (bottom-right alignment): it sees keys 0 and 1, so its
 //! // output is a convex combination of V rows 0 and 1.
 //! assert!(out[..8].iter().zip(0..8).all(|(&o, c)| o >= c as f32 - 1e-4 && o <= (8 + c) as f32 + 1e-4));
@@ -50,7 +52,10 @@ pub use arch::SimdLevel;
 pub use element::Element;
 pub use forward::{forward_with_workspace, scratch_bytes_per_thread, Workspace};
 
-use softmax_core::{ProblemDesc, ProblemError, RescalePolicy, RescaleStats};
+use softmax_core::{Out, Problem, ProblemError, Qkv, RescalePolicy, RescaleStats};
+
+/// The output bundle of a host call: O and, optionally, the f32 LSE.
+pub type HostOut<'a, O> = Out<&'a mut [O], &'a mut [f32]>;
 
 /// Which `exp2` the softmax uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -136,8 +141,10 @@ pub struct ForwardStats {
 /// thread pool are cached per calling thread and reused by the next call; use
 /// [`forward_with_workspace`] to own them instead.
 ///
-/// The problem is validated (`desc.validate(256)`) and the buffer lengths checked before
-/// anything is written: on error the outputs are untouched. NaN/∞ in the inputs propagate
+/// `problem` was validated by the caller ([`softmax_core::ProblemDesc::validate`]); this call
+/// checks what is its own (buffer lengths, the rescale threshold, the SIMD level, the thread
+/// count; KV-cache layouts are not supported yet) before anything is written: on error the
+/// outputs are untouched. NaN/∞ in the inputs propagate
 /// as in the f64 reference; a row that sees no key gets output 0 and LSE −∞. One difference
 /// from the reference, shared with FlashAttention: a masked key inside a computed tile gets
 /// probability 0, so an ∞ or NaN in its V row still reaches the row as `0·∞ = NaN`.
@@ -149,12 +156,9 @@ pub struct ForwardStats {
 /// `PV` — while its scores are in L1, with register-blocked micro-kernels (AVX2: 6 keys ×
 /// 16 rows for `QKᵀ`, 6 channels × 16 rows for `PV`; AVX-512: 8 × 48).
 pub fn forward<T: Element, O: Element>(
-    desc: &ProblemDesc,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: &mut [O],
-    lse: Option<&mut [f32]>,
+    problem: &Problem,
+    qkv: Qkv<&[T]>,
+    out: HostOut<'_, O>,
     opts: &ForwardOptions,
 ) -> Result<ForwardStats, ProblemError> {
     thread_local! {
@@ -163,9 +167,9 @@ pub fn forward<T: Element, O: Element>(
         static CACHED: std::cell::RefCell<Workspace> = std::cell::RefCell::new(Workspace::new());
     }
     CACHED.with(|cached| match cached.try_borrow_mut() {
-        Ok(mut ws) => forward_with_workspace(desc, q, k, v, out, lse, opts, &mut ws),
+        Ok(mut ws) => forward_with_workspace(problem, qkv, out, opts, &mut ws),
         // Re-entered (e.g. from a probability hook): use a fresh workspace.
-        Err(_) => forward_with_workspace(desc, q, k, v, out, lse, opts, &mut Workspace::new()),
+        Err(_) => forward_with_workspace(problem, qkv, out, opts, &mut Workspace::new()),
     })
 }
 

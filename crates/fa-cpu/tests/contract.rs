@@ -9,7 +9,9 @@ use fa_cpu::{
     forward, forward_with_workspace, scratch_bytes_per_thread, ForwardOptions, SimdLevel, Workspace,
 };
 use fa_reference::{attention_f64, compare, Case, Rng};
-use softmax_core::{ProblemDesc, ProblemError, RescalePolicy, Strides, Tensor};
+use softmax_core::{
+    Out, ProblemDesc, ProblemError, Qkv, RescalePolicy, Strides, Tensor, MAX_HEAD_DIM,
+};
 
 /// Buffer lengths of Q, K, V, O and the LSE.
 type Lens = (usize, usize, usize, usize, Option<usize>);
@@ -27,7 +29,17 @@ fn expect_error(
     let sentinel = 12345.0f32;
     let mut out = vec![sentinel; lens.3];
     let mut lse = lens.4.map(|n| vec![sentinel; n]);
-    let err = forward(desc, &q, &k, &v, &mut out, lse.as_deref_mut(), opts)
+    // Validation at the edge, then the backend's own checks: either may reject.
+    let err = desc
+        .validate(MAX_HEAD_DIM)
+        .and_then(|problem| {
+            let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+            let out = Out {
+                o: &mut out[..],
+                lse: lse.as_deref_mut(),
+            };
+            forward(&problem, qkv, out, opts)
+        })
         .expect_err("bad input must be rejected");
     assert!(want(&err), "unexpected error {err:?} ({err})");
     assert!(
@@ -148,7 +160,7 @@ fn every_bad_input_is_a_typed_error_and_leaves_outputs_untouched() {
             ..ForwardOptions::default()
         };
         expect_error(&ok, good, &bad_tau, |e| {
-            matches!(e, ProblemError::Unsupported { .. })
+            matches!(e, ProblemError::RescaleThreshold { .. })
         });
     }
     for level in [SimdLevel::Avx2Fma, SimdLevel::Avx512f] {
@@ -190,12 +202,9 @@ fn results_are_bitwise_identical_for_any_thread_count() {
                 let mut lse = vec![f32::NAN; problem.lse_len()];
                 // The same workspace across thread counts and calls.
                 let stats = forward_with_workspace(
-                    &case.desc(),
-                    &case.q,
-                    &case.k,
-                    &case.v,
-                    &mut out,
-                    Some(&mut lse),
+                    &problem,
+                    Qkv::new(&case.q[..], &case.k[..], &case.v[..]),
+                    Out::with_lse(&mut out[..], &mut lse[..]),
                     &opts,
                     &mut ws,
                 )
@@ -390,7 +399,8 @@ fn scratch_companion_bounds_what_a_worker_allocates() {
                         ..ForwardOptions::default()
                     };
                     let mut ws = Workspace::new();
-                    forward_with_workspace(&desc, &q, &k, &v, &mut out, None, &opts, &mut ws)
+                    let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+                    forward_with_workspace(&problem, qkv, Out::new(&mut out[..]), &opts, &mut ws)
                         .expect("forward");
                     let bound = scratch_bytes_per_thread(d, dv, level);
                     assert!(

@@ -2,7 +2,7 @@
 
 use crate::compile::{compile_cached, nvrtc_available};
 use crate::error::CudaError;
-use crate::kernels::{Dtype, LaunchShape, Variant};
+use crate::kernels::{LaunchShape, Variant};
 use crate::params::{prepare, ForwardOptions, KernelParams, Prepared};
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{
@@ -10,7 +10,8 @@ use cudarc::driver::{
     PushKernelArg, ValidAsZeroBits,
 };
 use half::slice::HalfFloatSliceExt;
-use softmax_core::{BufferLens, ProblemDesc};
+use softmax_core::DType;
+use softmax_core::{BufferLens, Extent, Out, Problem, Qkv};
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -46,7 +47,7 @@ pub trait DeviceElement: sealed::Sealed + Copy {
 /// A 16-bit element type the attention kernels take: `half::bf16` or `half::f16`.
 pub trait CudaElement: DeviceElement {
     /// The kernel dtype.
-    const DTYPE: Dtype;
+    const DTYPE: DType;
 }
 
 impl DeviceElement for half::bf16 {
@@ -77,10 +78,10 @@ impl DeviceElement for f32 {
     }
 }
 impl CudaElement for half::bf16 {
-    const DTYPE: Dtype = Dtype::Bf16;
+    const DTYPE: DType = DType::Bf16;
 }
 impl CudaElement for half::f16 {
-    const DTYPE: Dtype = Dtype::F16;
+    const DTYPE: DType = DType::F16;
 }
 
 // Keep the u16 views honest: both half types are 16-bit transparent wrappers.
@@ -92,6 +93,15 @@ pub struct DeviceBuffer<T: DeviceElement> {
     slice: CudaSlice<T::Raw>,
     _element: PhantomData<T>,
 }
+
+impl<T: DeviceElement> Extent for DeviceBuffer<T> {
+    fn elems(&self) -> usize {
+        self.slice.len()
+    }
+}
+
+/// The output bundle of a call on device buffers: O and, optionally, the f32 LSE.
+pub type DeviceOut<'a, T> = Out<&'a mut DeviceBuffer<T>, &'a mut DeviceBuffer<f32>>;
 
 impl<T: DeviceElement> DeviceBuffer<T> {
     /// Elements in the buffer.
@@ -299,66 +309,57 @@ impl Device {
         }
     }
 
-    /// Forward attention on device buffers: `out` (and `lse`, natural log, FlashAttention's
-    /// layout) receive softmax(QKᵀ·scale)·V for the problem `desc` (BSHD with strides, or packed
-    /// varlen: the `cu_seqlens` of `desc` are copied to the device by this call). Bad input
-    /// returns a [`CudaError::Problem`] before anything is queued. Waits for the kernel.
-    #[allow(clippy::too_many_arguments)]
+    /// Forward attention on device buffers: `out.o` (and `out.lse`, natural log,
+    /// FlashAttention's layout) receive softmax(QKᵀ·scale)·V for the validated `problem` (BSHD
+    /// with strides, or packed varlen: its `cu_seqlens` are copied to the device by this call).
+    /// Bad input returns a [`CudaError::Problem`] before anything is queued. Waits for the
+    /// kernel.
     pub fn forward<T: CudaElement>(
         &self,
-        desc: &ProblemDesc,
-        q: &DeviceBuffer<T>,
-        k: &DeviceBuffer<T>,
-        v: &DeviceBuffer<T>,
-        out: &mut DeviceBuffer<T>,
-        lse: Option<&mut DeviceBuffer<f32>>,
+        problem: &Problem,
+        qkv: Qkv<&DeviceBuffer<T>>,
+        out: DeviceOut<'_, T>,
         opts: &ForwardOptions,
     ) -> Result<ForwardStats, CudaError> {
-        let prepared = self.check(desc, [q, k, v, &*out], lse.as_deref(), opts)?;
-        let stats = self.launch(&prepared, q, k, v, out, lse.as_deref(), opts.time_kernel, 1)?;
+        let Out { o, lse } = out;
+        let prepared = self.check(problem, qkv, &*o, lse.as_deref(), opts)?;
+        let stats = self.launch(&prepared, qkv, o, lse.as_deref(), opts.time_kernel, 1)?;
         self.synchronize()?;
         Ok(stats.into_iter().next().unwrap_or_default())
     }
 
     /// Times `iters` forward launches (after `warmup` untimed ones) with CUDA events around each
-    /// launch; returns the kernel times in milliseconds. Same arguments as [`Device::forward`].
-    #[allow(clippy::too_many_arguments)]
+    /// launch; returns the kernel times in milliseconds. Same arguments as [`Device::forward`]
+    /// (no LSE).
     pub fn time_forward<T: CudaElement>(
         &self,
-        desc: &ProblemDesc,
-        q: &DeviceBuffer<T>,
-        k: &DeviceBuffer<T>,
-        v: &DeviceBuffer<T>,
+        problem: &Problem,
+        qkv: Qkv<&DeviceBuffer<T>>,
         out: &mut DeviceBuffer<T>,
         opts: &ForwardOptions,
         warmup: usize,
         iters: usize,
     ) -> Result<Vec<f32>, CudaError> {
-        let prepared = self.check(desc, [q, k, v, &*out], None, opts)?;
-        self.launch(&prepared, q, k, v, out, None, false, warmup)?;
-        let stats = self.launch(&prepared, q, k, v, out, None, true, iters)?;
+        let prepared = self.check(problem, qkv, &*out, None, opts)?;
+        self.launch(&prepared, qkv, out, None, false, warmup)?;
+        let stats = self.launch(&prepared, qkv, out, None, true, iters)?;
         self.synchronize()?;
         Ok(stats.iter().filter_map(|s| s.kernel_ms).collect())
     }
 
-    /// Validates a call on device buffers (`[q, k, v, out]`): the problem and the lengths
-    /// through `softmax-core`, this backend's limits, and that every buffer is this device's.
+    /// Checks a call on device buffers: the lengths through `softmax-core`, this backend's
+    /// limits, and that every buffer is this device's.
     fn check<'a, T: CudaElement>(
         &self,
-        desc: &ProblemDesc<'a>,
-        [q, k, v, out]: [&DeviceBuffer<T>; 4],
+        problem: &Problem<'a>,
+        qkv: Qkv<&DeviceBuffer<T>>,
+        out: &DeviceBuffer<T>,
         lse: Option<&DeviceBuffer<f32>>,
         opts: &ForwardOptions,
     ) -> Result<Prepared<'a>, CudaError> {
-        let lens = BufferLens {
-            q: q.len(),
-            k: k.len(),
-            v: v.len(),
-            o: out.len(),
-            lse: lse.map(|l| l.len()),
-        };
-        let prepared = prepare(desc, lens, T::DTYPE, opts)?;
-        for b in [q, k, v, out] {
+        let lens = BufferLens::of(&qkv, &Out { o: out, lse });
+        let prepared = prepare(problem, lens, T::DTYPE, opts)?;
+        for b in [qkv.q, qkv.k, qkv.v, out] {
             self.owns(b)?;
         }
         if let Some(l) = lse {
@@ -368,13 +369,10 @@ impl Device {
     }
 
     /// Queues `repeat` launches of a prepared call (buffers already checked).
-    #[allow(clippy::too_many_arguments)]
     fn launch<T: CudaElement>(
         &self,
         prepared: &Prepared,
-        q: &DeviceBuffer<T>,
-        k: &DeviceBuffer<T>,
-        v: &DeviceBuffer<T>,
+        Qkv { q, k, v }: Qkv<&DeviceBuffer<T>>,
         out: &DeviceBuffer<T>,
         lse: Option<&DeviceBuffer<f32>>,
         time: bool,
@@ -482,32 +480,29 @@ impl Device {
     /// Host convenience: validates, uploads Q, K, V (and the current `out`/`lse`, so that
     /// elements outside the tensors stay untouched), runs [`Device::forward`] and copies the
     /// results back. Bad input returns an error before anything is copied.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward_host<T: CudaElement>(
         &self,
-        desc: &ProblemDesc,
-        q: &[T],
-        k: &[T],
-        v: &[T],
-        out: &mut [T],
-        lse: Option<&mut [f32]>,
+        problem: &Problem,
+        qkv: Qkv<&[T]>,
+        out: Out<&mut [T], &mut [f32]>,
         opts: &ForwardOptions,
     ) -> Result<ForwardStats, CudaError> {
-        prepare(
-            desc,
-            BufferLens::of(q, k, v, out, lse.as_deref()),
-            T::DTYPE,
-            opts,
-        )?;
-        let dq = self.upload(q)?;
-        let dk = self.upload(k)?;
-        let dv = self.upload(v)?;
+        prepare(problem, BufferLens::of(&qkv, &out), T::DTYPE, opts)?;
+        let Out { o: out, lse } = out;
+        let dq = self.upload(qkv.q)?;
+        let dk = self.upload(qkv.k)?;
+        let dv = self.upload(qkv.v)?;
         let mut dout = self.upload(&*out)?;
         let mut dlse = match lse.as_deref() {
             Some(l) => Some(self.upload(l)?),
             None => None,
         };
-        let stats = self.forward(desc, &dq, &dk, &dv, &mut dout, dlse.as_mut(), opts)?;
+        let dqkv = Qkv::new(&dq, &dk, &dv);
+        let dev_out = Out {
+            o: &mut dout,
+            lse: dlse.as_mut(),
+        };
+        let stats = self.forward(problem, dqkv, dev_out, opts)?;
         self.download(&dout, out)?;
         if let (Some(host), Some(dev)) = (lse, dlse.as_ref()) {
             self.download(dev, host)?;

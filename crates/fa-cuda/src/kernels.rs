@@ -1,29 +1,10 @@
 //! The kernel sources, their compile-time variants and the one launch-choice function of the
 //! sm_80 (`mma.sync`) forward family.
 
-use softmax_core::Problem;
+use softmax_core::{DType, Problem};
 
 /// Source of the FlashAttention-2 style forward kernel (sm_80+).
 pub const FLASH_FWD_SM80_SRC: &str = include_str!("kernels/flash_fwd_sm80.cu");
-
-/// Element type of Q, K, V and O.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Dtype {
-    /// bfloat16.
-    Bf16,
-    /// IEEE half precision.
-    F16,
-}
-
-impl Dtype {
-    /// Short name (`bf16`, `f16`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::Bf16 => "bf16",
-            Dtype::F16 => "f16",
-        }
-    }
-}
 
 /// One compiled specialisation of the sm_80 forward kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -41,7 +22,7 @@ pub struct Variant {
     /// K/V buffers: 1 (FlashAttention-2's single buffers) or 2 (double buffering).
     pub stages: u32,
     /// Element type.
-    pub dtype: Dtype,
+    pub dtype: DType,
     /// General score transform (softcap, or a scale ≤ 0) applied before the row max; without
     /// it the scale must be positive and is folded into the exponent's FMA.
     pub general_scores: bool,
@@ -61,7 +42,7 @@ impl Variant {
             format!("-DWARPS={}", self.warps),
             format!("-DMIN_BLOCKS={}", self.min_blocks),
             format!("-DSTAGES={}", self.stages),
-            format!("-DIS_BF16={}", u32::from(self.dtype == Dtype::Bf16)),
+            format!("-DIS_BF16={}", u32::from(self.dtype == DType::Bf16)),
             format!("-DGENERAL_SCORES={}", u32::from(self.general_scores)),
             format!("-DMASKED={}", u32::from(self.masked)),
         ]
@@ -97,7 +78,7 @@ impl Variant {
     /// Every variant the launch choice can select (what the CI compile check builds).
     pub fn all() -> Vec<Variant> {
         let mut all = Vec::new();
-        for dtype in [Dtype::Bf16, Dtype::F16] {
+        for dtype in [DType::Bf16, DType::F16] {
             for hdp in [64, 128, 256] {
                 for general_scores in [false, true] {
                     for masked in [true, false] {
@@ -121,7 +102,7 @@ impl Variant {
 /// against 0.92× with the 4-warp tiles, run 16).
 fn tile_config(
     hdp: u32,
-    dtype: Dtype,
+    dtype: DType,
     general_scores: bool,
     causal: bool,
     masked: bool,
@@ -205,7 +186,7 @@ pub struct LaunchShape {
 
 /// The launch choice of the sm_80 forward family: variant (head-dim padding, tiles, warps) and
 /// grid over (query block, head, batch). `None` when the problem has nothing to compute.
-pub fn plan_forward(problem: &Problem, dtype: Dtype, tiles: Option<Tiles>) -> Option<LaunchShape> {
+pub fn plan_forward(problem: &Problem, dtype: DType, tiles: Option<Tiles>) -> Option<LaunchShape> {
     // Tiles are laid out for 64, 128 or 256 columns; smaller head dims are zero-padded.
     let dim = problem.head_dim().max(problem.head_dim_v()) as u32;
     let hdp = match dim {
@@ -248,7 +229,7 @@ mod tests {
 
     fn masked(desc: ProblemDesc) -> bool {
         let problem = desc.validate(256).expect("valid");
-        plan_forward(&problem, Dtype::Bf16, None)
+        plan_forward(&problem, DType::Bf16, None)
             .expect("a launch")
             .variant
             .masked

@@ -38,11 +38,12 @@
 //! ```no_run
 //! use fa_cuda::{Device, ForwardOptions};
 //! use half::bf16;
-//! use softmax_core::ProblemDesc;
+//! use softmax_core::{Out, ProblemDesc, Qkv, MAX_HEAD_DIM};
 //!
 //! # fn main() -> Result<(), fa_cuda::CudaError> {
 //! let device = Device::open(0)?; // Err(CudaError::NoDriver) on a machine without CUDA
-//! let desc = ProblemDesc::new(1, 300, 300, 8, 2, 128).causal(); // GQA 4:1
+//! // GQA 4:1, validated once at the edge.
+//! let problem = ProblemDesc::new(1, 300, 300, 8, 2, 128).causal().validate(MAX_HEAD_DIM)?;
 //! let n_q = 300 * 8 * 128;
 //! let n_kv = 300 * 2 * 128;
 //! let q = vec![bf16::from_f32(0.1); n_q];
@@ -50,7 +51,9 @@
 //! let v = vec![bf16::from_f32(0.3); n_kv];
 //! let mut out = vec![bf16::ZERO; n_q];
 //! let mut lse = vec![0.0f32; 8 * 300];
-//! device.forward_host(&desc, &q, &k, &v, &mut out, Some(&mut lse), &ForwardOptions::default())?;
+//! let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+//! let out = Out::with_lse(&mut out[..], &mut lse[..]);
+//! device.forward_host(&problem, qkv, out, &ForwardOptions::default())?;
 //! # Ok(())
 //! # }
 //! ```
@@ -62,8 +65,10 @@ pub mod kernels;
 mod params;
 
 pub use device::{
-    arch_for, driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, ForwardStats,
+    arch_for, driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, DeviceOut,
+    ForwardStats,
 };
 pub use error::CudaError;
-pub use kernels::{Dtype, LaunchShape, Tiles, Variant};
+pub use kernels::{LaunchShape, Tiles, Variant};
 pub use params::ForwardOptions;
+pub use softmax_core::DType;

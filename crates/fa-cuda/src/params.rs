@@ -1,8 +1,8 @@
 //! Host-side preparation of a forward call, without touching the GPU: validation through
 //! `softmax-core`, this backend's own limits, the launch choice and the kernel parameters.
 
-use crate::kernels::{plan_forward, Dtype, LaunchShape, Tiles};
-use softmax_core::{BufferLens, Problem, ProblemDesc, ProblemError, RescalePolicy};
+use crate::kernels::{plan_forward, LaunchShape, Tiles};
+use softmax_core::{BufferLens, DType, Problem, ProblemError, RescalePolicy};
 
 /// Options of a forward call beyond the problem description. The default: threshold rescale
 /// with τ = 8, no timing, the tuned tile choice.
@@ -65,17 +65,23 @@ pub(crate) struct Prepared<'a> {
 /// Largest token count, window or head count the kernel's 32-bit index arithmetic allows.
 const MAX_TOKENS: usize = 1 << 30;
 
-/// Validates `desc` and the buffer lengths, applies this backend's limits and fills the kernel
-/// parameters. Touches nothing: bad input returns before any device work.
+/// Checks the buffer lengths against a validated problem, applies this backend's limits and
+/// fills the kernel parameters. Touches nothing: bad input returns before any device work.
 pub(crate) fn prepare<'a>(
-    desc: &ProblemDesc<'a>,
+    problem: &Problem<'a>,
     lens: BufferLens,
-    dtype: Dtype,
+    dtype: DType,
     opts: &ForwardOptions,
 ) -> Result<Prepared<'a>, ProblemError> {
-    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
+    let problem = *problem;
     problem.check_buffers(lens)?;
     let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
+    if !matches!(dtype, DType::Bf16 | DType::F16) {
+        return unsupported("fa-cuda takes bf16 or f16 inputs");
+    }
+    if problem.has_kv_cache() {
+        return unsupported("fa-cuda does not read KV-cache layouts yet");
+    }
     if problem.head_dim() % 8 != 0 || problem.head_dim_v() % 8 != 0 {
         return unsupported("fa-cuda needs head dims that are multiples of 8");
     }
@@ -92,20 +98,12 @@ pub(crate) fn prepare<'a>(
     if problem.heads_q() > 65535 || problem.batch() > 65535 {
         return unsupported("fa-cuda handles at most 65535 heads and 65535 sequences");
     }
+    // P is stored as a 16-bit operand of the inputs' dtype and reaches 2^tau.
+    opts.rescale.check(dtype.max_finite(), 0.0)?;
     let tau = match opts.rescale {
         RescalePolicy::Always => 0.0,
         RescalePolicy::Threshold(t) => t,
     };
-    // P is stored as a 16-bit operand and reaches 2^tau: keep it inside the dtype's range.
-    let tau_max = match dtype {
-        Dtype::Bf16 => 64.0,
-        Dtype::F16 => 15.0,
-    };
-    if !(tau.is_finite() && (0.0..=tau_max).contains(&tau)) {
-        return unsupported(
-            "rescale threshold must be finite, >= 0 and below log2 of the dtype's max",
-        );
-    }
     let transform = problem.score_transform::<f64>();
     let mask = problem.mask();
     let window = |w: Option<usize>| w.map_or(-1, |w| w.min(MAX_TOKENS) as i32);
@@ -156,21 +154,31 @@ pub(crate) fn prepare<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use softmax_core::{Mask, Strides, Tensor};
+    use softmax_core::{Mask, ProblemDesc, Strides, Tensor};
 
     fn lens_of(desc: &ProblemDesc) -> BufferLens {
         desc.validate(256).expect("valid").min_buffer_lens()
     }
 
     /// A valid description prepared with exact buffer lengths and default options.
-    fn prepared<'a>(desc: &ProblemDesc<'a>, dtype: Dtype) -> Prepared<'a> {
+    /// Validation at the edge, then this backend's preparation: either may reject.
+    fn prepare<'a>(
+        desc: &ProblemDesc<'a>,
+        lens: BufferLens,
+        dtype: DType,
+        opts: &ForwardOptions,
+    ) -> Result<Prepared<'a>, ProblemError> {
+        super::prepare(&desc.validate(256)?, lens, dtype, opts)
+    }
+
+    fn prepared<'a>(desc: &ProblemDesc<'a>, dtype: DType) -> Prepared<'a> {
         prepare(desc, lens_of(desc), dtype, &ForwardOptions::default()).expect("valid")
     }
 
     #[test]
     fn dense_params_follow_the_problem() {
         let desc = ProblemDesc::new(2, 100, 300, 8, 2, 128).causal();
-        let p = prepared(&desc, Dtype::Bf16);
+        let p = prepared(&desc, DType::Bf16);
         let launch = p.launch.expect("work to do");
         assert_eq!(launch.grid, (1, 8, 2));
         assert_eq!(launch.variant.hdp, 128);
@@ -189,7 +197,7 @@ mod tests {
         let cu_q = [0u32, 5, 5, 40];
         let cu_k = [0u32, 7, 9, 9];
         let desc = ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 72).window(Some(3), Some(2));
-        let p = prepared(&desc, Dtype::F16);
+        let p = prepared(&desc, DType::F16);
         let launch = p.launch.expect("work");
         assert_eq!(launch.grid, (1, 4, 3));
         assert_eq!(launch.variant.hdp, 128);
@@ -212,7 +220,7 @@ mod tests {
                     o: 0,
                     lse: None
                 },
-                Dtype::Bf16,
+                DType::Bf16,
                 &opts
             ),
             Err(ProblemError::GqaRatio { .. })
@@ -221,7 +229,7 @@ mod tests {
         let mut lens = lens_of(&desc);
         lens.o -= 1;
         assert!(matches!(
-            prepare(&desc, lens, Dtype::Bf16, &opts),
+            prepare(&desc, lens, DType::Bf16, &opts),
             Err(ProblemError::BufferTooSmall {
                 tensor: Tensor::O,
                 ..
@@ -229,7 +237,7 @@ mod tests {
         ));
         let desc = ProblemDesc::new(1, 4, 4, 2, 2, 60);
         assert!(matches!(
-            prepare(&desc, lens_of(&desc), Dtype::Bf16, &opts),
+            prepare(&desc, lens_of(&desc), DType::Bf16, &opts),
             Err(ProblemError::Unsupported { .. })
         ));
         let desc = ProblemDesc::new(1, 4, 4, 2, 2, 64).strides(
@@ -241,7 +249,7 @@ mod tests {
             },
         );
         assert!(matches!(
-            prepare(&desc, lens_of(&desc), Dtype::Bf16, &opts),
+            prepare(&desc, lens_of(&desc), DType::Bf16, &opts),
             Err(ProblemError::Unsupported { .. })
         ));
         let desc = ProblemDesc::new(1, 4, 4, 2, 2, 64).with_mask(Mask::CAUSAL);
@@ -249,14 +257,14 @@ mod tests {
             rescale: RescalePolicy::Threshold(20.0),
             ..opts
         };
-        assert!(prepare(&desc, lens_of(&desc), Dtype::F16, &bad_tau).is_err());
-        assert!(prepare(&desc, lens_of(&desc), Dtype::Bf16, &bad_tau).is_ok());
+        assert!(prepare(&desc, lens_of(&desc), DType::F16, &bad_tau).is_err());
+        assert!(prepare(&desc, lens_of(&desc), DType::Bf16, &bad_tau).is_ok());
     }
 
     #[test]
     fn empty_problem_has_no_launch() {
         let desc = ProblemDesc::new(1, 0, 5, 2, 2, 64);
-        let p = prepared(&desc, Dtype::Bf16);
+        let p = prepared(&desc, DType::Bf16);
         assert!(p.launch.is_none());
     }
 }

@@ -28,7 +28,7 @@ use fa_fp8::attention::{forward_fp8, prepare, Fp8Operands, Fp8Options, Fp8Scalin
 use fa_fp8::scale::Quantized;
 use fa_fp8::Fp8Format;
 use fa_reference::{attention_f64, Rng, Rounding};
-use softmax_core::{ProblemDesc, RescalePolicy};
+use softmax_core::{Out, ProblemDesc, Qkv, RescalePolicy, MAX_HEAD_DIM};
 use std::time::Instant;
 
 const HEAD_DIM: usize = 128;
@@ -191,7 +191,9 @@ impl Experiment {
             rescale: RescalePolicy::Always,
             ..ForwardOptions::default()
         };
-        forward(&self.desc(), &q, &k, &v, &mut out, None, &opts).expect("forward");
+        let problem = self.desc().validate(MAX_HEAD_DIM).expect("valid");
+        let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+        forward(&problem, qkv, Out::new(&mut out[..]), &opts).expect("forward");
         out
     }
 

@@ -40,7 +40,7 @@ use crate::format::Fp8Format;
 use crate::hadamard::RandomHadamard;
 use crate::scale::{map_rows, quantize, Granularity, Operand, Quantized, ScaleOptions};
 use fa_cpu::{forward, Exp2Impl, ForwardOptions, ForwardStats};
-use softmax_core::{BufferLens, Problem, ProblemDesc, RescalePolicy};
+use softmax_core::{BufferLens, Out, Problem, ProblemDesc, Qkv, RescalePolicy};
 
 /// FlashAttention-3's P offset in log2 units: P is multiplied by `2^8` before the e4m3
 /// conversion.
@@ -106,16 +106,13 @@ impl Default for Fp8Options {
 /// Checks that unnormalised probabilities under `policy`, times `2^offset_log2`, stay inside
 /// e4m3: `τ + offset < log2(448)` (`τ = 0` for [`RescalePolicy::Always`]).
 pub fn check_p_range(policy: &RescalePolicy<f32>, offset_log2: f32) -> Result<(), Fp8Error> {
-    // The rule itself lives in softmax-core (`RescalePolicy::fits`); a negative τ is not a
-    // policy at all.
-    let tau = policy.max_term_log2();
-    if !(tau >= 0.0 && policy.fits(offset_log2, Fp8Format::E4m3.max())) {
-        return Err(Fp8Error::PRange {
-            tau,
+    // The rule itself lives in softmax-core (`RescalePolicy::check`).
+    policy
+        .check(Fp8Format::E4m3.max(), offset_log2)
+        .map_err(|_| Fp8Error::PRange {
+            tau: policy.max_term_log2(),
             offset: offset_log2,
-        });
-    }
-    Ok(())
+        })
 }
 
 /// Quantised operands as an FP8 kernel would receive them: codes in the inputs' layouts,
@@ -225,10 +222,16 @@ pub fn forward_fp8(
     lse: Option<&mut [f32]>,
     opts: &Fp8Options,
 ) -> Result<ForwardStats, Fp8Error> {
-    let lens = BufferLens::of(q, k, v, out, lse.as_deref());
+    let lens = BufferLens::of(
+        &Qkv::new(q, k, v),
+        &Out {
+            o: &*out,
+            lse: lse.as_deref(),
+        },
+    );
     let (problem, hadamard) = validate(desc, lens, opts)?;
     let operands = quantize_operands(&problem, q, k, v, hadamard, opts)?;
-    forward_operands(desc, &problem, &operands, out, lse, opts)
+    forward_operands(&problem, &operands, out, lse, opts)
 }
 
 /// Runs fa-cpu on already quantised operands (from [`prepare`] with the same `desc`).
@@ -240,13 +243,18 @@ pub fn forward_prepared(
     opts: &Fp8Options,
 ) -> Result<ForwardStats, Fp8Error> {
     let (q, k, v) = (&operands.q.codes, &operands.k.codes, &operands.v.codes);
-    let lens = BufferLens::of(q, k, v, out, lse.as_deref());
+    let lens = BufferLens::of(
+        &Qkv::new(&q[..], &k[..], &v[..]),
+        &Out {
+            o: &*out,
+            lse: lse.as_deref(),
+        },
+    );
     let (problem, _) = validate(desc, lens, opts)?;
-    forward_operands(desc, &problem, operands, out, lse, opts)
+    forward_operands(&problem, operands, out, lse, opts)
 }
 
 fn forward_operands(
-    desc: &ProblemDesc,
     problem: &Problem,
     operands: &Fp8Operands,
     out: &mut [f32],
@@ -279,5 +287,6 @@ fn forward_operands(
         probability_hook: hook,
         ..ForwardOptions::default()
     };
-    Ok(forward(desc, &q, &k, &v, out, lse, &fwd)?)
+    let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+    Ok(forward(problem, qkv, Out { o: out, lse }, &fwd)?)
 }

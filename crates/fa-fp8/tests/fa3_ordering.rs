@@ -6,7 +6,7 @@
 use fa_cpu::{forward, Exp2Impl, ForwardOptions};
 use fa_fp8::attention::{forward_fp8, Fp8Options, Fp8Scaling};
 use fa_reference::{attention_f64, Rng, Rounding};
-use softmax_core::{ProblemDesc, RescalePolicy};
+use softmax_core::{Out, ProblemDesc, Qkv, RescalePolicy, MAX_HEAD_DIM};
 
 #[test]
 fn error_ordering_on_the_outlier_distribution() {
@@ -51,7 +51,10 @@ fn error_ordering_on_the_outlier_distribution() {
             rescale: RescalePolicy::Always,
             ..ForwardOptions::default()
         };
-        forward(&desc, &r(&q), &r(&k), &r(&v), &mut out, None, &opts).unwrap();
+        let (q, k, v) = (r(&q), r(&k), r(&v));
+        let problem = desc.validate(MAX_HEAD_DIM).unwrap();
+        let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+        forward(&problem, qkv, Out::new(&mut out[..]), &opts).unwrap();
         rmse(&out)
     };
     let fp8 = |scaling: Fp8Scaling, hadamard_seed: Option<u64>| -> f64 {

@@ -2,8 +2,10 @@
 
 use core::fmt;
 
-/// Which tensor of an attention call an error is about.
+/// Which tensor of an attention call an error is about (passes to come add theirs: the
+/// backward's `dO` and gradients, a decode call's cache tables).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Tensor {
     /// Queries.
     Q,
@@ -15,6 +17,10 @@ pub enum Tensor {
     O,
     /// Log-sum-exp of each row (natural log).
     Lse,
+    /// Keys used per sequence of a KV cache (`seqused_k`).
+    SequsedK,
+    /// The block table of a paged KV cache.
+    BlockTable,
 }
 
 impl fmt::Display for Tensor {
@@ -25,6 +31,8 @@ impl fmt::Display for Tensor {
             Tensor::V => "v",
             Tensor::O => "output",
             Tensor::Lse => "lse",
+            Tensor::SequsedK => "seqused_k",
+            Tensor::BlockTable => "block_table",
         })
     }
 }
@@ -100,6 +108,45 @@ pub enum ProblemError {
     },
     /// Index arithmetic overflowed `usize` (absurd shapes or strides).
     Overflow,
+    /// A rescale threshold breaks [`crate::RescalePolicy::check`]'s rule.
+    RescaleThreshold {
+        /// The threshold given (0 for `Always`).
+        tau: f32,
+        /// log2 of the scale the P operand is multiplied by before it is stored.
+        offset_log2: f32,
+        /// log2 of the largest finite value of the type P is stored in.
+        p_max_log2: f32,
+    },
+    /// An array of a KV cache (`seqused_k`, the block table) has the wrong length.
+    CacheTableLength {
+        /// The array.
+        tensor: Tensor,
+        /// Entries needed.
+        needed: usize,
+        /// Entries given.
+        len: usize,
+    },
+    /// A sequence of a KV cache uses more keys than the cache holds for it.
+    CacheOverrun {
+        /// The sequence.
+        batch: usize,
+        /// Keys it uses (`seqused_k[batch]`).
+        used: usize,
+        /// Keys the cache has room for (padded: `seqlen_k`; paged: blocks per sequence ×
+        /// block size).
+        capacity: usize,
+    },
+    /// A block table entry names a block outside the paged cache.
+    BlockIndex {
+        /// The sequence.
+        batch: usize,
+        /// The entry's position in the sequence's row of the table.
+        slot: usize,
+        /// The block index found.
+        block: i64,
+        /// Blocks in the cache.
+        num_blocks: usize,
+    },
     /// The backend does not support this (dtype, head dim, architecture, feature).
     Unsupported {
         /// What is not supported.
@@ -157,6 +204,38 @@ impl fmt::Display for ProblemError {
                 "{tensor}: buffer holds {len} elements, the shape and strides need {needed}"
             ),
             ProblemError::Overflow => f.write_str("shape or strides overflow the index range"),
+            ProblemError::RescaleThreshold {
+                tau,
+                offset_log2,
+                p_max_log2,
+            } => write!(
+                f,
+                "rescale threshold τ = {tau} must be finite, in 0..={}, and τ + {offset_log2} \
+                 below {p_max_log2:.3} (log2 of the largest value of P's storage type)",
+                crate::rescale::MAX_RESCALE_THRESHOLD
+            ),
+            ProblemError::CacheTableLength {
+                tensor,
+                needed,
+                len,
+            } => write!(f, "{tensor} has {len} entries, the problem needs {needed}"),
+            ProblemError::CacheOverrun {
+                batch,
+                used,
+                capacity,
+            } => write!(
+                f,
+                "sequence {batch} uses {used} keys but the KV cache holds {capacity} for it"
+            ),
+            ProblemError::BlockIndex {
+                batch,
+                slot,
+                block,
+                num_blocks,
+            } => write!(
+                f,
+                "block_table[{batch}][{slot}] = {block} is outside the cache's {num_blocks} blocks"
+            ),
             ProblemError::Unsupported { what } => write!(f, "unsupported: {what}"),
         }
     }

@@ -6,12 +6,18 @@
 //!
 //! - [`online`]: per-row running maximum and sum, the accumulator correction, the **merge** of
 //!   two partial results (split-KV, ring attention), finalisation to `1/ℓ` and the LSE;
-//! - [`rescale`]: when to rescale: always, or FlashAttention-4's threshold `τ`, with counters;
+//! - [`rescale`]: when to rescale: always, or FlashAttention-4's threshold `τ`, with counters,
+//!   and the one rule a threshold must meet for the type P is stored in
+//!   ([`RescalePolicy::check`]);
 //! - [`exp2`](mod@exp2): a software `exp2` (cubic + exponent-bit add) with an exhaustively
 //!   measured error bound;
 //! - [`mask`]: causal (bottom-right aligned) and sliding-window rules per element and per tile;
-//! - [`problem`]: the problem description (shapes, strides, varlen, GQA, scale, softcap, mask)
-//!   and its validation into [`ProblemError`];
+//! - [`problem`]: the problem description (shapes, strides, varlen, GQA, scale, softcap, mask,
+//!   KV caches) and its validation, once, into a [`Problem`] that backends take, or a typed
+//!   [`ProblemError`];
+//! - [`tensors`]: the bundles a call's buffers travel in ([`Qkv`], [`Out`]), whatever holds
+//!   them (host slices, device buffers);
+//! - [`dtype`](mod@dtype): the one [`DType`] enum of the workspace;
 //! - [`score`]: raw dot product → scaled log2-domain score (with optional softcap).
 //!
 //! # Policies
@@ -55,6 +61,7 @@
 #[cfg(feature = "std")]
 extern crate std;
 
+pub mod dtype;
 pub mod error;
 pub mod exp2;
 pub mod mask;
@@ -62,11 +69,16 @@ pub mod online;
 pub mod problem;
 pub mod rescale;
 pub mod score;
+pub mod tensors;
 
+pub use dtype::DType;
 pub use error::{ProblemError, Tensor};
 pub use exp2::{exp2_cubic, EXP2_CUBIC, EXP2_CUBIC_MAX_REL_ERROR};
 pub use mask::{Mask, TileKind};
 pub use online::{merge_into, BlockStep, RowResult, RowState};
-pub use problem::{BufferLens, Problem, ProblemDesc, SeqSpan, Sequences, Strides, MAX_HEAD_DIM};
-pub use rescale::{RescalePolicy, RescaleStats, DEFAULT_RESCALE_THRESHOLD};
+pub use problem::{
+    BufferLens, KvCache, Problem, ProblemDesc, SeqSpan, Sequences, Strides, MAX_HEAD_DIM,
+};
+pub use rescale::{RescalePolicy, RescaleStats, DEFAULT_RESCALE_THRESHOLD, MAX_RESCALE_THRESHOLD};
 pub use score::{ScoreTransform, LOG2_E};
+pub use tensors::{Extent, Out, Qkv};

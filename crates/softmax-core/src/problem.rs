@@ -59,6 +59,55 @@ pub enum Sequences<'a> {
     },
 }
 
+/// Where the keys and values of each sequence live: in K/V tensors that hold exactly the
+/// sequences' keys, or in a KV cache (decode), padded or paged.
+///
+/// A cache needs [`Sequences::Fixed`]: its `seqlen_k` is then the padded cache's capacity per
+/// sequence (and is ignored by a paged one). Causal and window masks align bottom-right
+/// against each sequence's used length: query `i` of `seqlen_q` sees keys
+/// `j ≤ i + seqused_k[b] − seqlen_q`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvCache<'a> {
+    /// K and V hold exactly the keys of [`ProblemDesc::sequences`].
+    #[default]
+    None,
+    /// K/V are `[batch, seqlen_k, heads_kv, head_dim]`; sequence `b` uses its first
+    /// `seqused_k[b]` keys.
+    Padded {
+        /// Keys used per sequence (`cache_seqlens`), `batch` entries.
+        seqused_k: &'a [u32],
+    },
+    /// K/V are `[num_blocks, block_size, heads_kv, head_dim]` (the strides' `batch` steps over
+    /// blocks, `seq` over the rows of a block); key `t` of sequence `b` is row
+    /// `t % block_size` of block `block_table[b · blocks_per_seq + t / block_size]`.
+    Paged {
+        /// Keys used per sequence, `batch` entries.
+        seqused_k: &'a [u32],
+        /// Row-major `[batch, blocks_per_seq]` block indices; entries past a sequence's used
+        /// blocks are not read.
+        block_table: &'a [i32],
+        /// Columns of the block table.
+        blocks_per_seq: usize,
+        /// Keys per block.
+        block_size: usize,
+        /// Blocks in the K/V tensors.
+        num_blocks: usize,
+    },
+}
+
+impl KvCache<'_> {
+    /// Keys used by sequence `b` (`None` without a cache).
+    #[inline]
+    fn used(&self, b: usize) -> Option<usize> {
+        match *self {
+            KvCache::None => None,
+            KvCache::Padded { seqused_k } | KvCache::Paged { seqused_k, .. } => {
+                Some(seqused_k[b] as usize)
+            }
+        }
+    }
+}
+
 /// Everything that describes an attention call, before validation.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ProblemDesc<'a> {
@@ -78,6 +127,8 @@ pub struct ProblemDesc<'a> {
     pub softcap: Option<f32>,
     /// Causal and/or sliding-window mask.
     pub mask: Mask,
+    /// Where K and V live (a KV cache for decode); default: exactly the sequences' keys.
+    pub kv_cache: KvCache<'a>,
     /// Strides of Q (`None`: contiguous).
     pub q_strides: Option<Strides>,
     /// Strides of K (`None`: contiguous).
@@ -111,6 +162,7 @@ impl<'a> ProblemDesc<'a> {
             softmax_scale: None,
             softcap: None,
             mask: Mask::NONE,
+            kv_cache: KvCache::None,
             q_strides: None,
             k_strides: None,
             v_strides: None,
@@ -178,6 +230,31 @@ impl<'a> ProblemDesc<'a> {
         self
     }
 
+    /// Reads K/V from a padded cache (see [`KvCache::Padded`]).
+    pub fn padded_cache(mut self, seqused_k: &'a [u32]) -> Self {
+        self.kv_cache = KvCache::Padded { seqused_k };
+        self
+    }
+
+    /// Reads K/V from a paged cache (see [`KvCache::Paged`]).
+    pub fn paged_cache(
+        mut self,
+        seqused_k: &'a [u32],
+        block_table: &'a [i32],
+        blocks_per_seq: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Self {
+        self.kv_cache = KvCache::Paged {
+            seqused_k,
+            block_table,
+            blocks_per_seq,
+            block_size,
+            num_blocks,
+        };
+        self
+    }
+
     /// Sets explicit strides for one of Q, K, V, O (other tensors are ignored).
     pub fn strides(mut self, tensor: Tensor, strides: Strides) -> Self {
         match tensor {
@@ -185,7 +262,7 @@ impl<'a> ProblemDesc<'a> {
             Tensor::K => self.k_strides = Some(strides),
             Tensor::V => self.v_strides = Some(strides),
             Tensor::O => self.o_strides = Some(strides),
-            Tensor::Lse => {}
+            _ => {}
         }
         self
     }
@@ -259,12 +336,16 @@ impl<'a> ProblemDesc<'a> {
             }
         };
         let varlen = matches!(self.sequences, Sequences::Varlen { .. });
+        let (total_k, max_seqlen_k, k_rows) = check_cache(&self.kv_cache, varlen, batch, total_k)?
+            .unwrap_or((total_k, max_seqlen_k, None));
         // For packed tensors the batch dimension is 1 and the token dimension is the total.
         let (outer, seq_q, seq_k) = if varlen {
             (1, total_q, total_k)
         } else {
             (batch, total_q, total_k)
         };
+        // A paged cache's K/V are `num_blocks` blocks of `block_size` rows.
+        let (outer_k, seq_k) = k_rows.unwrap_or((outer, seq_k));
         let q = self
             .q_strides
             .unwrap_or(Strides::contiguous(seq_q, self.heads_q, self.head_dim));
@@ -279,8 +360,8 @@ impl<'a> ProblemDesc<'a> {
             .unwrap_or(Strides::contiguous(seq_q, self.heads_q, self.head_dim_v));
         let extents = [
             extent(outer, seq_q, self.heads_q, self.head_dim, &q)?,
-            extent(outer, seq_k, self.heads_kv, self.head_dim, &k)?,
-            extent(outer, seq_k, self.heads_kv, self.head_dim_v, &v)?,
+            extent(outer_k, seq_k, self.heads_kv, self.head_dim, &k)?,
+            extent(outer_k, seq_k, self.heads_kv, self.head_dim_v, &v)?,
             extent(outer, seq_q, self.heads_q, self.head_dim_v, &o)?,
         ];
         // Inputs may alias themselves (broadcast views are fine to read); the output may not.
@@ -299,6 +380,7 @@ impl<'a> ProblemDesc<'a> {
             softmax_scale,
             softcap: self.softcap,
             mask: self.mask,
+            kv_cache: self.kv_cache,
             q,
             k,
             v,
@@ -306,6 +388,95 @@ impl<'a> ProblemDesc<'a> {
             extents,
         })
     }
+}
+
+/// Checks a KV cache against the batch. Returns, for a cache, the keys per sequence the K/V
+/// tensors hold (`total_k`), the longest used length, and for a paged cache the
+/// `(num_blocks, block_size)` shape of K/V's leading dimensions.
+#[allow(clippy::type_complexity)]
+fn check_cache(
+    cache: &KvCache,
+    varlen: bool,
+    batch: usize,
+    seqlen_k: usize,
+) -> Result<Option<(usize, usize, Option<(usize, usize)>)>, ProblemError> {
+    let seqused_k = match *cache {
+        KvCache::None => return Ok(None),
+        KvCache::Padded { seqused_k } | KvCache::Paged { seqused_k, .. } => seqused_k,
+    };
+    if varlen {
+        return Err(ProblemError::Unsupported {
+            what: "a KV cache takes a fixed-length batch of queries (Sequences::Fixed)",
+        });
+    }
+    if seqused_k.len() != batch {
+        return Err(ProblemError::CacheTableLength {
+            tensor: Tensor::SequsedK,
+            needed: batch,
+            len: seqused_k.len(),
+        });
+    }
+    let (capacity, rows) = match *cache {
+        KvCache::Paged {
+            block_table,
+            blocks_per_seq,
+            block_size,
+            num_blocks,
+            ..
+        } => {
+            if block_size == 0 {
+                return Err(ProblemError::ZeroDim { what: "block_size" });
+            }
+            let needed = batch
+                .checked_mul(blocks_per_seq)
+                .ok_or(ProblemError::Overflow)?;
+            if block_table.len() < needed {
+                return Err(ProblemError::CacheTableLength {
+                    tensor: Tensor::BlockTable,
+                    needed,
+                    len: block_table.len(),
+                });
+            }
+            let capacity = blocks_per_seq
+                .checked_mul(block_size)
+                .ok_or(ProblemError::Overflow)?;
+            (capacity, Some((num_blocks, block_size)))
+        }
+        _ => (seqlen_k, None),
+    };
+    let mut longest = 0usize;
+    for (b, &used) in seqused_k.iter().enumerate() {
+        let used = used as usize;
+        if used > capacity {
+            return Err(ProblemError::CacheOverrun {
+                batch: b,
+                used,
+                capacity,
+            });
+        }
+        longest = longest.max(used);
+        if let KvCache::Paged {
+            block_table,
+            blocks_per_seq,
+            block_size,
+            num_blocks,
+            ..
+        } = *cache
+        {
+            let row = &block_table[b * blocks_per_seq..(b + 1) * blocks_per_seq];
+            for (slot, &block) in row[..used.div_ceil(block_size)].iter().enumerate() {
+                if block < 0 || block as usize >= num_blocks {
+                    return Err(ProblemError::BlockIndex {
+                        batch: b,
+                        slot,
+                        block: block as i64,
+                        num_blocks,
+                    });
+                }
+            }
+        }
+    }
+    Ok(Some((capacity, longest, rows)))
 }
 
 /// Checks prefix sums (start at 0, never decrease); returns the longest sequence.
@@ -413,19 +584,6 @@ pub struct BufferLens {
     pub lse: Option<usize>,
 }
 
-impl BufferLens {
-    /// The lengths of a call's buffers, in elements (`lse` when an LSE buffer is given).
-    pub fn of<I, O>(q: &[I], k: &[I], v: &[I], out: &[O], lse: Option<&[f32]>) -> BufferLens {
-        BufferLens {
-            q: q.len(),
-            k: k.len(),
-            v: v.len(),
-            o: out.len(),
-            lse: lse.map(<[f32]>::len),
-        }
-    }
-}
-
 /// A validated problem. All offsets are in elements.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Problem<'a> {
@@ -442,6 +600,7 @@ pub struct Problem<'a> {
     softmax_scale: f32,
     softcap: Option<f32>,
     mask: Mask,
+    kv_cache: KvCache<'a>,
     q: Strides,
     k: Strides,
     v: Strides,
@@ -552,6 +711,14 @@ impl<'a> Problem<'a> {
     pub fn mask(&self) -> Mask {
         self.mask
     }
+    /// Where K and V live (a KV cache, or exactly the sequences' keys).
+    pub fn kv_cache(&self) -> KvCache<'a> {
+        self.kv_cache
+    }
+    /// Whether K and V are read from a KV cache (padded or paged).
+    pub fn has_kv_cache(&self) -> bool {
+        self.kv_cache != KvCache::None
+    }
     /// Strides of Q, K, V and O.
     pub fn strides(&self) -> [Strides; 4] {
         [self.q, self.k, self.v, self.o]
@@ -561,7 +728,8 @@ impl<'a> Problem<'a> {
         ScoreTransform::new(self.softmax_scale as f64, self.softcap.map(|c| c as f64))
     }
 
-    /// Token ranges of sequence `b` (`b < batch`).
+    /// Token ranges of sequence `b` (`b < batch`). With a KV cache, `seqlen_k` is the
+    /// sequence's used length.
     pub fn seq(&self, b: usize) -> SeqSpan {
         match self.sequences {
             Sequences::Fixed {
@@ -570,7 +738,7 @@ impl<'a> Problem<'a> {
                 q_start: 0,
                 seqlen_q,
                 k_start: 0,
-                seqlen_k,
+                seqlen_k: self.kv_cache.used(b).unwrap_or(seqlen_k),
             },
             Sequences::Varlen {
                 cu_seqlens_q,
@@ -599,12 +767,28 @@ impl<'a> Problem<'a> {
     /// Offset of K's row for sequence `b`, key `j`, KV head `h_kv`.
     #[inline]
     pub fn k_offset(&self, b: usize, j: usize, h_kv: usize) -> usize {
-        self.offset(&self.k, b, self.seq(b).k_start + j, h_kv)
+        self.kv_offset(&self.k, b, j, h_kv)
     }
     /// Offset of V's row for sequence `b`, key `j`, KV head `h_kv`.
     #[inline]
     pub fn v_offset(&self, b: usize, j: usize, h_kv: usize) -> usize {
-        self.offset(&self.v, b, self.seq(b).k_start + j, h_kv)
+        self.kv_offset(&self.v, b, j, h_kv)
+    }
+
+    #[inline]
+    fn kv_offset(&self, s: &Strides, b: usize, j: usize, h_kv: usize) -> usize {
+        if let KvCache::Paged {
+            block_table,
+            blocks_per_seq,
+            block_size,
+            ..
+        } = self.kv_cache
+        {
+            // Validated: the entry is a block of the cache for every used key.
+            let block = block_table[b * blocks_per_seq + j / block_size] as usize;
+            return block * s.batch + (j % block_size) * s.seq + h_kv * s.head;
+        }
+        self.offset(s, b, self.seq(b).k_start + j, h_kv)
     }
     /// Offset of O's row for sequence `b`, query `i`, head `h`.
     #[inline]

@@ -11,10 +11,15 @@
 //! rounding while the `O(Br·d)` rescale of the accumulator is skipped. The LSE stays exact too:
 //! it is computed from `m` and `ℓ` together.
 
+use crate::error::ProblemError;
 use num_traits::Float;
 
 /// Default threshold for 16-bit P operands, in log2 units (a factor of 256).
 pub const DEFAULT_RESCALE_THRESHOLD: f32 = 8.0;
+
+/// The largest threshold any backend accepts, in log2 units: a row sum of up to 2^32 terms
+/// of at most `2^64` each stays 2^32 below f32's overflow.
+pub const MAX_RESCALE_THRESHOLD: f32 = 64.0;
 
 /// Policy for moving the reference maximum of a row.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -79,6 +84,33 @@ impl<T: Float> RescalePolicy<T> {
     /// [`RescalePolicy::max_term_log2`]).
     pub fn fits(&self, offset_log2: T, dtype_max: T) -> bool {
         self.max_term_log2() + offset_log2 < dtype_max.log2()
+    }
+
+    /// The one rule every backend applies to a policy before it runs (FlashAttention-4's
+    /// condition): a threshold `τ` must be finite, in `0..=`[`MAX_RESCALE_THRESHOLD`], and the
+    /// largest unnormalised probability, `2^τ` times the P operand's scale `2^offset_log2`,
+    /// must stay below `p_max`, the largest finite value of the type P is stored in
+    /// ([`crate::DType::max_finite`] for f32/bf16/f16, 448 for FP8 e4m3). `Always` has
+    /// `τ = 0`.
+    pub fn check(&self, p_max: f32, offset_log2: f32) -> Result<(), ProblemError> {
+        let tau = match *self {
+            RescalePolicy::Always => 0.0,
+            RescalePolicy::Threshold(t) => t.to_f32().unwrap_or(f32::NAN),
+        };
+        let p_max_log2 = libm::log2f(p_max);
+        let fits = match (T::from(offset_log2), T::from(p_max)) {
+            (Some(offset), Some(max)) => self.fits(offset, max),
+            _ => false,
+        };
+        if tau.is_finite() && (0.0..=MAX_RESCALE_THRESHOLD).contains(&tau) && fits {
+            Ok(())
+        } else {
+            Err(ProblemError::RescaleThreshold {
+                tau,
+                offset_log2,
+                p_max_log2,
+            })
+        }
     }
 
     /// Decides for a row whose reference is `current` (−∞ before any visible key) when a block

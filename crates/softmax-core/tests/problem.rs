@@ -2,7 +2,7 @@
 //! valid descriptions resolve offsets consistently.
 
 use softmax_core::{
-    BufferLens, Mask, ProblemDesc, ProblemError, Sequences, Strides, Tensor, MAX_HEAD_DIM,
+    BufferLens, Mask, Out, ProblemDesc, ProblemError, Qkv, Sequences, Strides, Tensor, MAX_HEAD_DIM,
 };
 
 fn ok_desc() -> ProblemDesc<'static> {
@@ -187,6 +187,7 @@ fn buffer_lengths_are_checked() {
             Tensor::V => lens.v -= 1,
             Tensor::O => lens.o -= 1,
             Tensor::Lse => lens.lse = Some(good.lse.unwrap() - 1),
+            other => unreachable!("{other} has no buffer length"),
         }
         lens
     };
@@ -201,8 +202,9 @@ fn buffer_lengths_are_checked() {
     // The same lengths read off slices.
     let (q, k, v) = (vec![0u8; good.q], vec![0u8; good.k], vec![0u8; good.v]);
     let (o, lse) = (vec![0.0f32; good.o], vec![0.0f32; good.lse.unwrap()]);
-    assert_eq!(BufferLens::of(&q, &k, &v, &o, Some(&lse)), good);
-    assert_eq!(BufferLens::of(&q, &k, &v, &o, None), no_lse);
+    let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+    assert_eq!(BufferLens::of(&qkv, &Out::with_lse(&o[..], &lse[..])), good);
+    assert_eq!(BufferLens::of(&qkv, &Out::<_, &[f32]>::new(&o[..])), no_lse);
 }
 
 #[test]
@@ -263,4 +265,126 @@ fn builder_composes_causal_and_window() {
         }
     );
     assert!(matches!(d.sequences, Sequences::Fixed { batch: 2, .. }));
+}
+
+#[test]
+fn padded_cache_uses_each_sequences_length() {
+    let used = [5u32, 0, 9];
+    let desc = ProblemDesc::new(3, 2, 9, 4, 2, 16)
+        .padded_cache(&used)
+        .causal();
+    let p = desc.validate(256).expect("valid");
+    assert!(p.has_kv_cache());
+    assert_eq!(p.max_seqlen_k(), 9);
+    assert_eq!(p.seq(0).seqlen_k, 5);
+    assert_eq!(p.seq(1).seqlen_k, 0);
+    // Rows of the padded cache: sequence b starts at b · capacity · heads_kv · head_dim.
+    assert_eq!(p.k_offset(2, 3, 1), 2 * 9 * 2 * 16 + 3 * 2 * 16 + 16);
+    assert_eq!(p.min_buffer_lens().k, 3 * 9 * 2 * 16);
+
+    let over = [5u32, 10, 0];
+    assert!(matches!(
+        ProblemDesc::new(3, 2, 9, 4, 2, 16)
+            .padded_cache(&over)
+            .validate(256),
+        Err(ProblemError::CacheOverrun {
+            batch: 1,
+            used: 10,
+            capacity: 9
+        })
+    ));
+    assert!(matches!(
+        ProblemDesc::new(3, 2, 9, 4, 2, 16)
+            .padded_cache(&used[..2])
+            .validate(256),
+        Err(ProblemError::CacheTableLength {
+            tensor: Tensor::SequsedK,
+            needed: 3,
+            len: 2
+        })
+    ));
+    let cu = [0u32, 2];
+    assert!(matches!(
+        ProblemDesc::varlen(&cu, &cu, 2, 2, 16)
+            .padded_cache(&used[..1])
+            .validate(256),
+        Err(ProblemError::Unsupported { .. })
+    ));
+}
+
+#[test]
+fn paged_cache_reads_through_the_block_table() {
+    // Two sequences, 3 blocks of 4 keys each per sequence at most, 7 blocks in the cache.
+    let used = [6u32, 9];
+    let table = [4i32, 0, -1, 6, 2, 5];
+    let desc = ProblemDesc::new(2, 1, 0, 8, 2, 32).paged_cache(&used, &table, 3, 4, 7);
+    let p = desc.validate(256).expect("valid");
+    assert_eq!(p.seq(1).seqlen_k, 9);
+    assert_eq!(p.max_seqlen_k(), 9);
+    // K is [7 blocks, 4 rows, 2 heads, 32]: key 5 of sequence 0 is row 1 of block 0.
+    let row = 2 * 32;
+    assert_eq!(p.k_offset(0, 5, 1), row + 32);
+    assert_eq!(p.k_offset(0, 2, 0), 4 * 4 * row + 2 * row);
+    assert_eq!(p.v_offset(1, 8, 0), 5 * 4 * row);
+    assert_eq!(p.min_buffer_lens().k, 7 * 4 * row);
+    // A used block outside the cache, a table too short, a used length past the table.
+    let bad = [4i32, 0, -1, 6, 7, 5];
+    assert!(matches!(
+        ProblemDesc::new(2, 1, 0, 8, 2, 32)
+            .paged_cache(&used, &bad, 3, 4, 7)
+            .validate(256),
+        Err(ProblemError::BlockIndex {
+            batch: 1,
+            slot: 1,
+            block: 7,
+            num_blocks: 7
+        })
+    ));
+    assert!(matches!(
+        ProblemDesc::new(2, 1, 0, 8, 2, 32)
+            .paged_cache(&used, &table[..5], 3, 4, 7)
+            .validate(256),
+        Err(ProblemError::CacheTableLength {
+            tensor: Tensor::BlockTable,
+            needed: 6,
+            len: 5
+        })
+    ));
+    let long = [6u32, 13];
+    assert!(matches!(
+        ProblemDesc::new(2, 1, 0, 8, 2, 32)
+            .paged_cache(&long, &table, 3, 4, 7)
+            .validate(256),
+        Err(ProblemError::CacheOverrun {
+            batch: 1,
+            used: 13,
+            capacity: 12
+        })
+    ));
+    assert!(matches!(
+        ProblemDesc::new(2, 1, 0, 8, 2, 32)
+            .paged_cache(&used, &table, 3, 0, 7)
+            .validate(256),
+        Err(ProblemError::ZeroDim { what: "block_size" })
+    ));
+}
+
+#[test]
+fn one_rescale_rule_for_every_p_type() {
+    use softmax_core::{DType, RescalePolicy};
+    let t = |tau: f32| RescalePolicy::Threshold(tau);
+    // f32 and bf16 P: up to MAX_RESCALE_THRESHOLD; f16 P: below log2(65504) ≈ 15.9999.
+    assert!(t(64.0).check(DType::F32.max_finite(), 0.0).is_ok());
+    assert!(t(64.5).check(DType::F32.max_finite(), 0.0).is_err());
+    assert!(t(64.0).check(DType::Bf16.max_finite(), 0.0).is_ok());
+    assert!(t(15.0).check(DType::F16.max_finite(), 0.0).is_ok());
+    assert!(t(16.0).check(DType::F16.max_finite(), 0.0).is_err());
+    assert!(t(-1.0).check(DType::F32.max_finite(), 0.0).is_err());
+    assert!(t(f32::NAN).check(DType::F32.max_finite(), 0.0).is_err());
+    // FP8 e4m3 with FlashAttention-3's offset of 8: only `Always` fits (8 < log2 448 ≈ 8.81).
+    assert!(RescalePolicy::<f32>::Always.check(448.0, 8.0).is_ok());
+    assert!(matches!(
+        t(1.0).check(448.0, 8.0),
+        Err(ProblemError::RescaleThreshold { tau, offset_log2, .. }) if tau == 1.0 && offset_log2 == 8.0
+    ));
 }

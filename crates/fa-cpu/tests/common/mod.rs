@@ -5,6 +5,7 @@
 
 use fa_cpu::{forward, Element, ForwardOptions, ForwardStats, SimdLevel};
 use fa_reference::{attention_f64, compare, poison, Case, ErrorReport};
+use softmax_core::{Out, Qkv};
 
 /// Every SIMD level this CPU can run.
 pub fn levels() -> Vec<SimdLevel> {
@@ -41,7 +42,14 @@ pub fn run<T: Element, O: Element + fa_reference::Element>(
         convert::<T>(&case.k),
         convert::<T>(&case.v),
     );
-    let stats = forward(&case.desc(), &q, &k, &v, &mut out, Some(&mut lse), opts).expect("forward");
+    let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+    let stats = forward(
+        &problem,
+        qkv,
+        Out::with_lse(&mut out[..], &mut lse[..]),
+        opts,
+    )
+    .expect("forward");
     Run { out, lse, stats }
 }
 

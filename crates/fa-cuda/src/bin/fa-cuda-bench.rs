@@ -175,16 +175,16 @@ fn run(args: &Args) -> Result<(), String> {
                         desc = desc.causal();
                     }
                     let t0 = std::time::Instant::now();
-                    let times = device.time_forward(
-                        &desc,
-                        &q,
-                        &k,
-                        &v,
-                        &mut out,
-                        &opts,
-                        args.warmup,
-                        args.iters,
-                    );
+                    let times = desc.validate(256).map_err(Into::into).and_then(|problem| {
+                        device.time_forward(
+                            &problem,
+                            softmax_core::Qkv::new(&q, &k, &v),
+                            &mut out,
+                            &opts,
+                            args.warmup,
+                            args.iters,
+                        )
+                    });
                     let times = match times {
                         Ok(t) => t,
                         Err(e) => {
