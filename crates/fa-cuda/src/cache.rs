@@ -142,7 +142,12 @@ impl DiskCache {
     /// The cache the environment asks for: `None` when `FA_CUDA_CACHE=off` (or `0`, `false`) or
     /// when no location can be found (no `$FA_CUDA_CACHE_DIR`, `$XDG_CACHE_HOME` or `$HOME`).
     pub fn from_env() -> Option<DiskCache> {
-        let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+        DiskCache::from_vars(|name| std::env::var_os(name))
+    }
+
+    /// [`DiskCache::from_env`] over any source of variables (tests pass a closure).
+    fn from_vars(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<DiskCache> {
+        let var = |name: &str| var(name).filter(|v| !v.is_empty());
         if let Some(v) = var("FA_CUDA_CACHE") {
             if matches!(
                 v.to_string_lossy().to_ascii_lowercase().as_str(),
@@ -297,5 +302,37 @@ mod tests {
         assert!(!blocked.store("v", "sm_80", CacheKey(1), &USAGE, &[1]));
         assert_eq!(blocked.load("v", "sm_80", CacheKey(1)), None);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn location_follows_the_environment() {
+        let from = |vars: &[(&str, &str)]| {
+            DiskCache::from_vars(|name| {
+                vars.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| std::ffi::OsString::from(v))
+            })
+            .map(|c| c.dir().to_path_buf())
+        };
+        let home = [("HOME", "/home/u")];
+        assert_eq!(
+            from(&home),
+            Some(PathBuf::from("/home/u/.cache/flash-attention-rs/cubins"))
+        );
+        let xdg = [("HOME", "/home/u"), ("XDG_CACHE_HOME", "/x")];
+        assert_eq!(
+            from(&xdg),
+            Some(PathBuf::from("/x/flash-attention-rs/cubins"))
+        );
+        let own = [("XDG_CACHE_HOME", "/x"), ("FA_CUDA_CACHE_DIR", "/c")];
+        assert_eq!(from(&own), Some(PathBuf::from("/c")));
+        for off in ["off", "OFF", "0", "false"] {
+            assert_eq!(
+                from(&[("FA_CUDA_CACHE_DIR", "/c"), ("FA_CUDA_CACHE", off)]),
+                None
+            );
+        }
+        assert!(from(&[("FA_CUDA_CACHE", "on"), ("HOME", "/h")]).is_some());
+        assert_eq!(from(&[("HOME", "")]), None);
     }
 }
