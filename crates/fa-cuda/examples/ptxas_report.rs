@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release -p fa-cuda --example ptxas_report -- [--arch sm_90a] [--only d128] [--cubin-dir DIR]
 //! ```
-//! Extra `-D` switches come from `FA_CUDA_DEFINES`, as for every compilation.
+//! It always compiles (the disk cache is not used), so the report is ptxas' own.
 
 use fa_cuda::compile::compile_variant;
 use fa_cuda::Variant;

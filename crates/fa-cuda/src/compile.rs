@@ -1,11 +1,16 @@
-//! NVRTC: compiling a kernel variant to a cubin for one architecture, reading ptxas' resource
-//! report (registers, spills, stack), and the per-process cache of compiled variants.
+//! NVRTC: compiling any kernel family's variant to a cubin for one architecture, reading ptxas'
+//! resource report (registers, spills, stack), the per-process cache of compiled variants, the
+//! disk cache ([`DiskCache`]) behind it, and [`precompile`], which fills the disk cache without
+//! a GPU.
 
+pub use crate::cache::{CacheKey, DiskCache};
 use crate::error::CudaError;
-use crate::kernels::{Variant, FLASH_FWD_SM80_SRC};
+use crate::kernels::{KernelFamily, KernelVariant, Variant};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use std::any::Any;
 use std::collections::HashMap;
-use std::ffi::{CStr, CString};
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -66,19 +71,33 @@ impl ResourceUsage {
 
 /// A variant compiled to machine code for one architecture.
 #[derive(Clone, Debug)]
-pub struct Compiled {
+pub struct Compiled<V = Variant> {
     /// The variant.
-    pub variant: Variant,
+    pub variant: V,
     /// The architecture, e.g. `sm_90a`.
     pub arch: String,
     /// The cubin.
     pub cubin: Vec<u8>,
-    /// NVRTC's log (ptxas' info lines included).
+    /// NVRTC's log (ptxas' info lines included); empty when the cubin came from the disk cache.
     pub log: String,
-    /// Resource usage read off the log.
+    /// Resource usage read off the log (stored with the cubin in the disk cache).
     pub usage: ResourceUsage,
-    /// Wall time of the compilation in milliseconds.
+    /// Wall time of the compilation in milliseconds (0 for a disk-cache hit).
     pub compile_ms: f64,
+}
+
+/// Where a call's kernel came from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KernelOrigin {
+    /// NVRTC compiled it in this call, taking `ms` milliseconds.
+    Compiled {
+        /// Compile time in milliseconds.
+        ms: f64,
+    },
+    /// Loaded from the disk cache (compiled by an earlier process or [`precompile`]).
+    DiskCache,
+    /// Already compiled (or loaded) in this process.
+    ProcessCache,
 }
 
 /// Owns an NVRTC program and destroys it on drop.
@@ -86,7 +105,7 @@ struct Program(nvrtc_sys::nvrtcProgram);
 
 impl Drop for Program {
     fn drop(&mut self) {
-        // SAFETY: the program was created by `create_program` and is destroyed only here.
+        // SAFETY: the program was created by `nvrtcCreateProgram` and is destroyed only here.
         let _ = unsafe { nvrtc::destroy_program(self.0) };
     }
 }
@@ -104,18 +123,131 @@ fn log_of(prog: &Program) -> String {
     }
 }
 
+/// NVRTC's version (major, minor), part of every cache key.
+pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
+    if !nvrtc_available() {
+        return Err(CudaError::NoNvrtc);
+    }
+    static VERSION: OnceLock<(i32, i32, nvrtc_sys::nvrtcResult)> = OnceLock::new();
+    let &(major, minor, rc) = VERSION.get_or_init(|| {
+        let (mut major, mut minor) = (0 as c_int, 0 as c_int);
+        // SAFETY: NVRTC is loadable (checked above); both pointers are valid for one write.
+        let rc = unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
+        (major, minor, rc)
+    });
+    if rc != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(CudaError::Compile {
+            variant: "(none)".into(),
+            log: format!("nvrtcVersion: {rc:?}"),
+        });
+    }
+    Ok((major, minor))
+}
+
+/// The options every compilation gets besides the variant's defines and the caller's extras.
+fn base_options(arch: &str) -> [String; 5] {
+    [
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--ptxas-options=-v".to_string(),
+        "--fmad=true".to_string(),
+        // The sources have no host code; this makes their local lambdas device functions.
+        "-default-device".to_string(),
+    ]
+}
+
+/// All NVRTC options of one compilation.
+fn options_of<V: KernelVariant>(variant: &V, arch: &str, extra_options: &[String]) -> Vec<String> {
+    let mut options = variant.defines();
+    options.extend(base_options(arch));
+    options.extend(extra_options.iter().cloned());
+    options
+}
+
+/// The disk-cache key of `variant` for `arch`: the family's sources and headers, the options,
+/// the entry point, the architecture, the NVRTC version and this crate's version.
+pub fn cache_key<V: KernelVariant>(
+    variant: &V,
+    arch: &str,
+    extra_options: &[String],
+) -> Result<CacheKey, CudaError> {
+    let (major, minor) = nvrtc_version()?;
+    let family = variant.family();
+    let mut h = crate::cache::Fnv64::new();
+    h.field(b"fa-cuda cubin")
+        .field(env!("CARGO_PKG_VERSION").as_bytes())
+        .field(&major.to_le_bytes())
+        .field(&minor.to_le_bytes())
+        .field(family.name.as_bytes())
+        .field(family.main.name.as_bytes())
+        .field(family.main.text.as_bytes());
+    for header in family.headers {
+        h.field(header.name.as_bytes())
+            .field(header.text.as_bytes());
+    }
+    for option in options_of(variant, arch, extra_options) {
+        h.field(option.as_bytes());
+    }
+    h.field(variant.entry().as_bytes()).field(arch.as_bytes());
+    Ok(CacheKey(h.finish()))
+}
+
+fn c_string(s: &str, what: &str) -> Result<CString, String> {
+    CString::new(s).map_err(|_| format!("NUL in {what}"))
+}
+
+/// Creates the NVRTC program of `family` with its headers.
+fn create_program(family: &KernelFamily) -> Result<Program, String> {
+    let src = c_string(family.main.text, family.main.name)?;
+    let name = c_string(family.main.name, "a source name")?;
+    let texts = family
+        .headers
+        .iter()
+        .map(|h| c_string(h.text, h.name))
+        .collect::<Result<Vec<_>, _>>()?;
+    let names = family
+        .headers
+        .iter()
+        .map(|h| c_string(h.name, "a header name"))
+        .collect::<Result<Vec<_>, _>>()?;
+    let text_ptrs: Vec<*const c_char> = texts.iter().map(|t| t.as_ptr()).collect();
+    let name_ptrs: Vec<*const c_char> = names.iter().map(|n| n.as_ptr()).collect();
+    let count = c_int::try_from(texts.len()).map_err(|_| "too many headers".to_string())?;
+    let mut prog = std::mem::MaybeUninit::uninit();
+    // SAFETY: every pointer is a NUL-terminated string that outlives the call (NVRTC copies
+    // them); both header arrays hold `count` entries; `prog` is valid for one write.
+    let rc = unsafe {
+        nvrtc_sys::nvrtcCreateProgram(
+            prog.as_mut_ptr(),
+            src.as_ptr(),
+            name.as_ptr(),
+            count,
+            text_ptrs.as_ptr(),
+            name_ptrs.as_ptr(),
+        )
+    };
+    if rc != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(format!("nvrtcCreateProgram: {rc:?}"));
+    }
+    // SAFETY: NVRTC wrote the program handle on success.
+    Ok(Program(unsafe { prog.assume_init() }))
+}
+
 /// Compiles `variant` to a cubin for `arch` (`sm_80`, `sm_90a`, ...) with ptxas' verbose report.
-pub fn compile_variant(variant: &Variant, arch: &str) -> Result<Compiled, CudaError> {
+pub fn compile_variant<V: KernelVariant + Clone>(
+    variant: &V,
+    arch: &str,
+) -> Result<Compiled<V>, CudaError> {
     compile_variant_with(variant, arch, &[])
 }
 
 /// [`compile_variant`] with extra NVRTC options (e.g. a define that defeats a compile cache,
 /// so that ptxas runs and reports).
-pub fn compile_variant_with(
-    variant: &Variant,
+pub fn compile_variant_with<V: KernelVariant + Clone>(
+    variant: &V,
     arch: &str,
     extra_options: &[String],
-) -> Result<Compiled, CudaError> {
+) -> Result<Compiled<V>, CudaError> {
     if !nvrtc_available() {
         return Err(CudaError::NoNvrtc);
     }
@@ -124,27 +256,8 @@ pub fn compile_variant_with(
         variant: format!("{} ({arch})", variant.name()),
         log,
     };
-    let src = CString::new(FLASH_FWD_SM80_SRC).map_err(|_| compile_err("NUL in source".into()))?;
-    let name = CString::new("flash_fwd_sm80.cu").map_err(|_| compile_err("bad name".into()))?;
-    let prog = Program(
-        nvrtc::create_program(&src, Some(&name))
-            .map_err(|e| compile_err(format!("nvrtcCreateProgram: {e:?}")))?,
-    );
-    let mut options = variant.defines();
-    options.extend([
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".to_string(),
-        "--ptxas-options=-v".to_string(),
-        "--fmad=true".to_string(),
-        // The source has no host code; this makes its local lambda a device function.
-        "-default-device".to_string(),
-    ]);
-    options.extend(extra_options.iter().cloned());
-    // Tuning experiments: extra `-D` switches of the kernel source (e.g.
-    // `FA_CUDA_DEFINES="-DQK_UNROLL_ALL=1"`); not for production use.
-    if let Ok(extra) = std::env::var("FA_CUDA_DEFINES") {
-        options.extend(extra.split_whitespace().map(str::to_string));
-    }
+    let prog = create_program(variant.family()).map_err(compile_err)?;
+    let options = options_of(variant, arch, extra_options);
     // SAFETY: `prog` is live; the options are plain strings without NUL bytes.
     let compiled = unsafe { nvrtc::compile_program(prog.0, &options) };
     let log = log_of(&prog);
@@ -166,7 +279,7 @@ pub fn compile_variant_with(
     }
     let usage = ResourceUsage::parse(&log).unwrap_or_default();
     Ok(Compiled {
-        variant: *variant,
+        variant: variant.clone(),
         arch: arch.to_string(),
         cubin,
         log,
@@ -175,22 +288,155 @@ pub fn compile_variant_with(
     })
 }
 
-type Cache = Mutex<HashMap<(Variant, String), Arc<Compiled>>>;
+/// Compiles `variant` for `arch` through a disk cache: a valid entry is loaded instead of
+/// compiling; a missing, stale or corrupt one is rebuilt and (if the cache can be written)
+/// replaced. `cache: None` always compiles.
+pub fn compile_with_cache<V: KernelVariant + Clone>(
+    variant: &V,
+    arch: &str,
+    cache: Option<&DiskCache>,
+) -> Result<(Compiled<V>, KernelOrigin), CudaError> {
+    let Some(cache) = cache else {
+        let c = compile_variant(variant, arch)?;
+        let ms = c.compile_ms;
+        return Ok((c, KernelOrigin::Compiled { ms }));
+    };
+    let key = cache_key(variant, arch, &[])?;
+    let name = variant.name();
+    if let Some((cubin, usage)) = cache.load(&name, arch, key) {
+        let compiled = Compiled {
+            variant: variant.clone(),
+            arch: arch.to_string(),
+            cubin,
+            log: String::new(),
+            usage,
+            compile_ms: 0.0,
+        };
+        return Ok((compiled, KernelOrigin::DiskCache));
+    }
+    let compiled = compile_variant(variant, arch)?;
+    // A cache that cannot be written is only a miss next time.
+    let _ = cache.store(&name, arch, key, &compiled.usage, &compiled.cubin);
+    let ms = compiled.compile_ms;
+    Ok((compiled, KernelOrigin::Compiled { ms }))
+}
 
-/// Compiles `variant` for `arch` once per process; later calls return the cached cubin.
-/// The flag says whether this call compiled it.
-pub fn compile_cached(variant: &Variant, arch: &str) -> Result<(Arc<Compiled>, bool), CudaError> {
+type Cache = Mutex<HashMap<(&'static str, String, String), Arc<dyn Any + Send + Sync>>>;
+
+/// Compiles `variant` for `arch` once per process (through the disk cache the environment
+/// names, see [`DiskCache::from_env`]); later calls return the same cubin. The origin says
+/// where this call's cubin came from.
+pub fn compile_cached<V: KernelVariant + Clone + Send + Sync + 'static>(
+    variant: &V,
+    arch: &str,
+) -> Result<(Arc<Compiled<V>>, KernelOrigin), CudaError> {
     static CACHE: OnceLock<Cache> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-    let key = (*variant, arch.to_string());
-    if let Some(hit) = cache.lock().ok().and_then(|c| c.get(&key).cloned()) {
-        return Ok((hit, false));
+    let key = (variant.family().name, variant.name(), arch.to_string());
+    let hit = cache.lock().ok().and_then(|c| c.get(&key).cloned());
+    if let Some(hit) = hit.and_then(|h| h.downcast::<Compiled<V>>().ok()) {
+        return Ok((hit, KernelOrigin::ProcessCache));
     }
-    let compiled = Arc::new(compile_variant(variant, arch)?);
+    let (compiled, origin) = compile_with_cache(variant, arch, DiskCache::from_env().as_ref())?;
+    let compiled = Arc::new(compiled);
     if let Ok(mut c) = cache.lock() {
         c.insert(key, compiled.clone());
     }
-    Ok((compiled, true))
+    Ok((compiled, origin))
+}
+
+/// The compute capability an NVRTC architecture names (`sm_90a` → (9, 0), `sm_120` → (12, 0)).
+pub fn capability_of(arch: &str) -> Option<(i32, i32)> {
+    let digits = arch.strip_prefix("sm_")?.trim_end_matches(['a', 'f']);
+    if digits.len() < 2 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let (major, minor) = digits.split_at(digits.len() - 1);
+    Some((major.parse().ok()?, minor.parse().ok()?))
+}
+
+/// One variant that [`precompile`] handled.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrecompiledKernel {
+    /// The variant's name.
+    pub name: String,
+    /// Compiled now, or already in the disk cache.
+    pub origin: KernelOrigin,
+    /// Whether the cache holds it now (false: the cache could not be written, or is off).
+    pub cached: bool,
+}
+
+/// What [`precompile`] did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrecompileReport {
+    /// The architecture compiled for.
+    pub arch: String,
+    /// The cache directory (`None`: the cache is off, so nothing was kept).
+    pub cache_dir: Option<PathBuf>,
+    /// Every variant, in the order given.
+    pub kernels: Vec<PrecompiledKernel>,
+}
+
+impl PrecompileReport {
+    /// Variants NVRTC compiled in this call.
+    pub fn compiled(&self) -> usize {
+        self.kernels
+            .iter()
+            .filter(|k| matches!(k.origin, KernelOrigin::Compiled { .. }))
+            .count()
+    }
+}
+
+/// Fills the disk cache the environment names ([`DiskCache::from_env`]) with `variants` for
+/// `arch`, with NVRTC only (no GPU needed): what a later process then loads without compiling.
+/// Variants already cached are checked and kept. With the cache off every variant is still
+/// compiled (a compile check) and nothing is kept.
+pub fn precompile<V: KernelVariant + Clone>(
+    arch: &str,
+    variants: &[V],
+) -> Result<PrecompileReport, CudaError> {
+    precompile_into(DiskCache::from_env().as_ref(), arch, variants)
+}
+
+/// [`precompile`] into a given cache (`None`: compile only).
+pub fn precompile_into<V: KernelVariant + Clone>(
+    cache: Option<&DiskCache>,
+    arch: &str,
+    variants: &[V],
+) -> Result<PrecompileReport, CudaError> {
+    let (major, minor) = capability_of(arch).ok_or(CudaError::Compile {
+        variant: "(none)".into(),
+        log: format!("not an NVRTC architecture: {arch}"),
+    })?;
+    let mut kernels = Vec::with_capacity(variants.len());
+    for variant in variants {
+        if !variant.family().supports(major, minor) {
+            return Err(CudaError::UnsupportedArch { major, minor });
+        }
+        let (_, origin) = compile_with_cache(variant, arch, cache)?;
+        let cached = match cache {
+            Some(c) => c
+                .load(&variant.name(), arch, cache_key(variant, arch, &[])?)
+                .is_some(),
+            None => false,
+        };
+        kernels.push(PrecompiledKernel {
+            name: variant.name(),
+            origin,
+            cached,
+        });
+    }
+    Ok(PrecompileReport {
+        arch: arch.to_string(),
+        cache_dir: cache.map(|c| c.dir().to_path_buf()),
+        kernels,
+    })
+}
+
+/// [`precompile`] of every variant of every family that supports `arch` (what `fa warmup`
+/// runs).
+pub fn precompile_all(arch: &str) -> Result<PrecompileReport, CudaError> {
+    precompile(arch, &Variant::all())
 }
 
 #[cfg(test)]
@@ -215,5 +461,15 @@ mod tests {
         );
         assert!(u.spills());
         assert_eq!(ResourceUsage::parse("nothing here"), None);
+    }
+
+    #[test]
+    fn capabilities_of_arch_names() {
+        assert_eq!(capability_of("sm_80"), Some((8, 0)));
+        assert_eq!(capability_of("sm_90a"), Some((9, 0)));
+        assert_eq!(capability_of("sm_120"), Some((12, 0)));
+        assert_eq!(capability_of("sm_100f"), Some((10, 0)));
+        assert_eq!(capability_of("compute_80"), None);
+        assert_eq!(capability_of("sm_"), None);
     }
 }

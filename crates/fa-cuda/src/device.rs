@@ -1,8 +1,8 @@
 //! The device handle, device buffers, and the forward launch.
 
-use crate::compile::{compile_cached, nvrtc_available};
+use crate::compile::{compile_cached, nvrtc_available, KernelOrigin};
 use crate::error::CudaError;
-use crate::kernels::{LaunchShape, Variant};
+use crate::kernels::{arch_for, DeviceProps, KernelVariant, LaunchShape, Variant};
 use crate::params::{prepare, ForwardOptions, KernelParams, Prepared};
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{
@@ -121,6 +121,9 @@ pub struct ForwardStats {
     pub launch: Option<LaunchShape>,
     /// NVRTC compile time in milliseconds, when this call compiled the variant.
     pub compile_ms: Option<f64>,
+    /// Where the kernel came from: compiled by this call, the disk cache, or already loaded in
+    /// this process; `None` when there was nothing to do.
+    pub kernel_source: Option<KernelOrigin>,
     /// Registers per thread of the variant (ptxas' report).
     pub registers: Option<u32>,
     /// Kernel time from CUDA events, when [`ForwardOptions::time_kernel`] was set.
@@ -133,8 +136,7 @@ pub struct Device {
     stream: Arc<CudaStream>,
     arch: String,
     name: String,
-    sm_count: u32,
-    smem_optin: u32,
+    props: DeviceProps,
     functions: Mutex<HashMap<Variant, (CudaFunction, u32)>>,
 }
 
@@ -143,18 +145,8 @@ impl std::fmt::Debug for Device {
         f.debug_struct("Device")
             .field("name", &self.name)
             .field("arch", &self.arch)
-            .field("sm_count", &self.sm_count)
+            .field("sm_count", &self.props.sm_count)
             .finish()
-    }
-}
-
-/// The NVRTC architecture for a compute capability: `sm_90a` on Hopper (its own instructions
-/// need the `a` target), `sm_XY` otherwise.
-pub fn arch_for(major: i32, minor: i32) -> String {
-    if (major, minor) == (9, 0) {
-        "sm_90a".to_string()
-    } else {
-        format!("sm_{major}{minor}")
     }
 }
 
@@ -186,9 +178,21 @@ impl Device {
                 .map(|v| v.max(0) as u32)
                 .map_err(|e| CudaError::driver("cuDeviceGetAttribute", e))
         };
-        let sm_count = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let smem_optin =
-            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let props = DeviceProps {
+            smem_per_sm_bytes: attr(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+            )?,
+            regs_per_sm: attr(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR,
+            )?,
+            l2_bytes: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
+            ..DeviceProps::new(
+                major,
+                minor,
+                attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+                attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+            )
+        };
         let name = ctx.name().unwrap_or_else(|_| "unknown".to_string());
         let stream = ctx.default_stream();
         Ok(Device {
@@ -196,8 +200,7 @@ impl Device {
             stream,
             arch: arch_for(major, minor),
             name,
-            sm_count,
-            smem_optin,
+            props,
             functions: Mutex::new(HashMap::new()),
         })
     }
@@ -212,7 +215,11 @@ impl Device {
     }
     /// Streaming multiprocessors.
     pub fn sm_count(&self) -> u32 {
-        self.sm_count
+        self.props.sm_count
+    }
+    /// The properties the launch plans are made for.
+    pub fn props(&self) -> &DeviceProps {
+        &self.props
     }
 
     /// Copies a host slice into a new device buffer.
@@ -265,30 +272,24 @@ impl Device {
             .map_err(|e| CudaError::driver("cuStreamSynchronize", e))
     }
 
-    /// The compiled and loaded function of a variant (compiled once per process, loaded once per
-    /// device), with the compile time when this call compiled it, and its register count.
-    fn function(&self, variant: &Variant) -> Result<(CudaFunction, Option<f64>, u32), CudaError> {
+    /// The compiled and loaded function of a variant (compiled once per process, or loaded from
+    /// the disk cache; loaded into this context once), where it came from, and its register
+    /// count. The plan has already checked the variant's shared memory against the device.
+    fn function(&self, variant: &Variant) -> Result<(CudaFunction, KernelOrigin, u32), CudaError> {
         let mut functions = self.functions.lock().map_err(|_| CudaError::Driver {
             what: "kernel table",
             error: "poisoned lock".into(),
         })?;
         if let Some((f, regs)) = functions.get(variant) {
-            return Ok((f.clone(), None, *regs));
+            return Ok((f.clone(), KernelOrigin::ProcessCache, *regs));
         }
-        let (compiled, fresh) = compile_cached(variant, &self.arch)?;
-        if variant.smem_bytes() > self.smem_optin {
-            return Err(CudaError::Problem(
-                softmax_core::ProblemError::Unsupported {
-                    what: "the kernel's shared memory exceeds this device's limit",
-                },
-            ));
-        }
+        let (compiled, origin) = compile_cached(variant, &self.arch)?;
         let module = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
             .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
         let f = module
-            .load_function("flash_fwd")
+            .load_function(variant.entry())
             .map_err(|e| CudaError::driver("cuModuleGetFunction", e))?;
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -297,7 +298,7 @@ impl Device {
         .map_err(|e| CudaError::driver("cuFuncSetAttribute", e))?;
         let regs = compiled.usage.registers;
         functions.insert(*variant, (f.clone(), regs));
-        Ok((f, fresh.then_some(compiled.compile_ms), regs))
+        Ok((f, origin, regs))
     }
 
     /// Checks that a buffer was allocated in this device's context.
@@ -358,7 +359,7 @@ impl Device {
         opts: &ForwardOptions,
     ) -> Result<Prepared<'a>, CudaError> {
         let lens = BufferLens::of(&qkv, &Out { o: out, lse });
-        let prepared = prepare(problem, lens, T::DTYPE, opts)?;
+        let prepared = prepare(problem, lens, T::DTYPE, opts, &self.props)?;
         for b in [qkv.q, qkv.k, qkv.v, out] {
             self.owns(b)?;
         }
@@ -381,7 +382,11 @@ impl Device {
         let Some(shape) = prepared.launch else {
             return Ok(vec![ForwardStats::default(); repeat]);
         };
-        let (func, compile_ms, registers) = self.function(&shape.variant)?;
+        let (func, origin, registers) = self.function(&shape.variant)?;
+        let compile_ms = match origin {
+            KernelOrigin::Compiled { ms } => Some(ms),
+            _ => None,
+        };
         let problem = &prepared.problem;
         let cu = if problem.is_varlen() {
             let b = problem.batch();
@@ -459,6 +464,7 @@ impl Device {
             all.push(ForwardStats {
                 launch: Some(shape),
                 compile_ms,
+                kernel_source: Some(origin),
                 registers: Some(registers),
                 kernel_ms: None,
             });
@@ -487,7 +493,13 @@ impl Device {
         out: Out<&mut [T], &mut [f32]>,
         opts: &ForwardOptions,
     ) -> Result<ForwardStats, CudaError> {
-        prepare(problem, BufferLens::of(&qkv, &out), T::DTYPE, opts)?;
+        prepare(
+            problem,
+            BufferLens::of(&qkv, &out),
+            T::DTYPE,
+            opts,
+            &self.props,
+        )?;
         let Out { o: out, lse } = out;
         let dq = self.upload(qkv.q)?;
         let dk = self.upload(qkv.k)?;
@@ -528,13 +540,5 @@ mod tests {
         } else {
             assert_eq!(Device::open(0).unwrap_err(), CudaError::NoNvrtc);
         }
-    }
-
-    #[test]
-    fn hopper_gets_the_a_target() {
-        assert_eq!(arch_for(9, 0), "sm_90a");
-        assert_eq!(arch_for(8, 0), "sm_80");
-        assert_eq!(arch_for(8, 9), "sm_89");
-        assert_eq!(arch_for(12, 0), "sm_120");
     }
 }

@@ -1,264 +1,191 @@
-//! The kernel sources, their compile-time variants and the one launch-choice function of the
-//! sm_80 (`mma.sync`) forward family.
+//! The kernel sources and their registry: each family (one main `.cu` source, the shared
+//! `common/*.cuh` headers it includes, its entry points and the architectures it runs on), its
+//! compile-time variants and its launch-choice (plan) function, which takes the device's
+//! properties.
+//!
+//! Layout of the sources (`src/kernels/`): `common/` holds the PTX helpers, the mask, the
+//! online-softmax steps and the row epilogue that every family shares; `sm80/` the
+//! `mma.sync` forward kernel ([`sm80`]); `sm90/` is where Hopper (`wgmma`) kernels will go.
 
-use softmax_core::{DType, Problem};
+pub mod sm80;
 
-/// Source of the FlashAttention-2 style forward kernel (sm_80+).
-pub const FLASH_FWD_SM80_SRC: &str = include_str!("kernels/flash_fwd_sm80.cu");
+pub use sm80::{plan_forward, LaunchShape, Tiles, Variant};
 
-/// One compiled specialisation of the sm_80 forward kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Variant {
-    /// Head dim the tiles are laid out for (64, 128, 256).
-    pub hdp: u32,
-    /// Query rows per CTA.
-    pub block_m: u32,
-    /// Keys per K/V tile.
-    pub block_n: u32,
-    /// Warps per CTA.
-    pub warps: u32,
-    /// CTAs per SM the register cap is set for.
-    pub min_blocks: u32,
-    /// K/V buffers: 1 (FlashAttention-2's single buffers) or 2 (double buffering).
-    pub stages: u32,
-    /// Element type.
-    pub dtype: DType,
-    /// General score transform (softcap, or a scale ≤ 0) applied before the row max; without
-    /// it the scale must be positive and is folded into the exponent's FMA.
-    pub general_scores: bool,
-    /// Whether the kernel applies the mask element by element. `false` compiles the mask code
-    /// out; only for problems where every key tile is full for every query (see
-    /// [`plan_forward`]).
-    pub masked: bool,
-}
+pub use softmax_core::DType;
 
-impl Variant {
-    /// The NVRTC `-D` options of this variant.
-    pub fn defines(&self) -> Vec<String> {
-        vec![
-            format!("-DHDP={}", self.hdp),
-            format!("-DBLOCK_M={}", self.block_m),
-            format!("-DBLOCK_N={}", self.block_n),
-            format!("-DWARPS={}", self.warps),
-            format!("-DMIN_BLOCKS={}", self.min_blocks),
-            format!("-DSTAGES={}", self.stages),
-            format!("-DIS_BF16={}", u32::from(self.dtype == DType::Bf16)),
-            format!("-DGENERAL_SCORES={}", u32::from(self.general_scores)),
-            format!("-DMASKED={}", u32::from(self.masked)),
-        ]
-    }
-
-    /// A readable name, e.g. `fwd_sm80_bf16_d128_128x64_w4_b2_s1` (`_gen`: general scores,
-    /// `_full`: no mask code).
-    pub fn name(&self) -> String {
-        format!(
-            "fwd_sm80_{}_d{}_{}x{}_w{}_b{}_s{}{}{}",
-            self.dtype.name(),
-            self.hdp,
-            self.block_m,
-            self.block_n,
-            self.warps,
-            self.min_blocks,
-            self.stages,
-            if self.general_scores { "_gen" } else { "" },
-            if self.masked { "" } else { "_full" }
-        )
-    }
-
-    /// Threads per CTA.
-    pub fn threads(&self) -> u32 {
-        self.warps * 32
-    }
-
-    /// Dynamic shared memory per CTA in bytes: the Q tile and `stages` K and V tiles (16-bit).
-    pub fn smem_bytes(&self) -> u32 {
-        (self.block_m + 2 * self.stages * self.block_n) * self.hdp * 2
-    }
-
-    /// Every variant the launch choice can select (what the CI compile check builds).
-    pub fn all() -> Vec<Variant> {
-        let mut all = Vec::new();
-        for dtype in [DType::Bf16, DType::F16] {
-            for hdp in [64, 128, 256] {
-                for general_scores in [false, true] {
-                    for masked in [true, false] {
-                        all.push(tile_config(hdp, dtype, general_scores, false, masked));
-                    }
-                }
-                if hdp <= 128 {
-                    all.push(tile_config(hdp, dtype, false, true, true));
-                }
-            }
-        }
-        all
-    }
-}
-
-/// Tile sizes per padded head dim, measured on the H200 (docs/gpu-notes.md): 128 query rows
-/// per CTA; 4 warps of 32 rows for head dims up to 128 (two CTAs per SM), 8 warps of 16 rows
-/// for 256 (one CTA per SM). Causal at hdim 64 and 128 runs 8 warps over 128-key tiles: with
-/// 16 rows per warp the kernel has registers for two copies of the tile body (`SPLIT_TILES`),
-/// so only the diagonal tiles pay for the mask (hdim 128 causal at 8k: 1.03× FlashAttention-2
-/// against 0.92× with the 4-warp tiles, run 16).
-fn tile_config(
-    hdp: u32,
-    dtype: DType,
-    general_scores: bool,
-    causal: bool,
-    masked: bool,
-) -> Variant {
-    // hdim 64 with softcap: the tanh needs registers that 128-key tiles leave no room for.
-    let (block_n, warps, min_blocks) = match (hdp, general_scores, causal) {
-        (64, false, false) => (128, 4, 2),
-        (64 | 128, false, true) => (128, 8, 1),
-        (64, true, _) | (128, _, _) => (64, 4, 2),
-        _ => (64, 8, 1),
-    };
-    Variant {
-        hdp,
-        block_m: 128,
-        block_n,
-        warps,
-        min_blocks,
-        stages: 1,
-        dtype,
-        general_scores,
-        masked,
-    }
-}
-
-/// Tile sizes of the sm_80 kernel, for overriding the launch choice in tuning experiments
-/// (see [`crate::ForwardOptions::tiles`]); `block_m` must be a multiple of `16·warps`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Tiles {
-    /// Query rows per CTA.
-    pub block_m: u32,
-    /// Keys per K/V tile (multiple of 16).
-    pub block_n: u32,
-    /// Warps per CTA.
-    pub warps: u32,
-    /// CTAs per SM the register cap is set for.
-    pub min_blocks: u32,
-    /// K/V buffers (1 or 2).
-    pub stages: u32,
-}
-
-impl Tiles {
-    /// Parses `BMxBNxWARPSxMINBLOCKS[xSTAGES]`, e.g. `128x64x4x2` or `128x64x4x2x2`.
-    pub fn parse(s: &str) -> Option<Tiles> {
-        let v: Vec<u32> = s
-            .split('x')
-            .map(|x| x.parse().ok())
-            .collect::<Option<_>>()?;
-        let (block_m, block_n, warps, min_blocks, stages) = match v[..] {
-            [m, n, w, b] => (m, n, w, b, 1),
-            [m, n, w, b, st] => (m, n, w, b, st),
-            _ => return None,
-        };
-        let ok = warps > 0
-            && block_m % (16 * warps) == 0
-            && block_n % 16 == 0
-            && block_n > 0
-            && min_blocks > 0
-            && (stages == 1 || stages == 2);
-        ok.then_some(Tiles {
-            block_m,
-            block_n,
-            warps,
-            min_blocks,
-            stages,
-        })
-    }
-}
-
-/// Grid, block and shared memory of one launch.
+/// One source file of a kernel family: the name NVRTC knows it by (the `#include` name for a
+/// header) and its text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LaunchShape {
-    /// The kernel variant.
-    pub variant: Variant,
-    /// Grid (query blocks, query heads, batch).
-    pub grid: (u32, u32, u32),
-    /// Threads per CTA.
-    pub block: u32,
-    /// Dynamic shared memory in bytes.
-    pub smem_bytes: u32,
+pub struct SourceFile {
+    /// File name as NVRTC sees it, e.g. `common/ptx.cuh`.
+    pub name: &'static str,
+    /// The source text (embedded with `include_str!`).
+    pub text: &'static str,
 }
 
-/// The launch choice of the sm_80 forward family: variant (head-dim padding, tiles, warps) and
-/// grid over (query block, head, batch). `None` when the problem has nothing to compute.
-pub fn plan_forward(problem: &Problem, dtype: DType, tiles: Option<Tiles>) -> Option<LaunchShape> {
-    // Tiles are laid out for 64, 128 or 256 columns; smaller head dims are zero-padded.
-    let dim = problem.head_dim().max(problem.head_dim_v()) as u32;
-    let hdp = match dim {
-        0..=64 => 64,
-        65..=128 => 128,
-        _ => 256,
-    };
-    let general = problem.softcap().is_some() || problem.softmax_scale() <= 0.0;
-    // hdim 64 causal: the 8-warp split kernel wins from 4k queries on (0.92–0.98× against
-    // 0.89×), the 4-warp one below 2k (1.10× against 0.94× at 512; docs/gpu-notes.md run 17).
-    let causal = problem.mask().is_causal() && !(hdp == 64 && problem.max_seqlen_q() <= 2048);
-    let mut variant = tile_config(hdp, dtype, general, causal, true);
-    if let Some(t) = tiles {
-        variant.block_m = t.block_m;
-        variant.block_n = t.block_n;
-        variant.warps = t.warps;
-        variant.min_blocks = t.min_blocks;
-        variant.stages = t.stages;
+/// The headers every family may include (`#include "common/…"`).
+pub const COMMON_HEADERS: [SourceFile; 4] = [
+    SourceFile {
+        name: "common/ptx.cuh",
+        text: include_str!("kernels/common/ptx.cuh"),
+    },
+    SourceFile {
+        name: "common/mask.cuh",
+        text: include_str!("kernels/common/mask.cuh"),
+    },
+    SourceFile {
+        name: "common/softmax.cuh",
+        text: include_str!("kernels/common/softmax.cuh"),
+    },
+    SourceFile {
+        name: "common/epilogue.cuh",
+        text: include_str!("kernels/common/epilogue.cuh"),
+    },
+];
+
+/// A kernel family: one main source compiled with per-variant defines, the headers it
+/// includes, its entry points and the compute capabilities it runs on.
+#[derive(Debug, PartialEq, Eq)]
+pub struct KernelFamily {
+    /// The family's name, e.g. `flash_fwd_sm80` (part of cache keys and file names).
+    pub name: &'static str,
+    /// The main source.
+    pub main: SourceFile,
+    /// Headers handed to NVRTC (all of them; the source includes what it needs).
+    pub headers: &'static [SourceFile],
+    /// The `extern "C"` entry points of a compiled variant.
+    pub entries: &'static [&'static str],
+    /// Lowest compute capability (major, minor) the family runs on.
+    pub min_capability: (i32, i32),
+    /// Highest compute capability major it is meant for (`None`: any newer one too).
+    pub max_major: Option<i32>,
+}
+
+impl KernelFamily {
+    /// Whether the family runs on a device of compute capability `major.minor`.
+    pub fn supports(&self, major: i32, minor: i32) -> bool {
+        (major, minor) >= self.min_capability && self.max_major.is_none_or(|m| major <= m)
     }
-    // Without a mask and with every sequence's keys a whole number of tiles, every tile is
-    // full for every query: the variant without mask code (FlashAttention-2's "even" kernel).
-    variant.masked = !(problem.mask().is_none()
-        && (0..problem.batch()).all(|b| problem.seq(b).seqlen_k % variant.block_n as usize == 0));
-    let m_blocks = (problem.max_seqlen_q() as u32).div_ceil(variant.block_m);
-    if m_blocks == 0 {
-        return None;
+}
+
+/// Every kernel family of the crate.
+pub fn families() -> &'static [&'static KernelFamily] {
+    static FAMILIES: [&KernelFamily; 1] = [&sm80::FAMILY];
+    &FAMILIES
+}
+
+/// One compile-time specialisation of a kernel family: what the compiler needs to build it.
+pub trait KernelVariant {
+    /// The family the variant belongs to.
+    fn family(&self) -> &'static KernelFamily;
+    /// The NVRTC `-D` options of the variant.
+    fn defines(&self) -> Vec<String>;
+    /// The entry point to load from the compiled module.
+    fn entry(&self) -> &'static str;
+    /// A readable, unique name (for logs, errors and cache file names).
+    fn name(&self) -> String;
+}
+
+/// What the plan functions need to know about a device. [`crate::Device::open`] reads it from
+/// the driver; the constructors describe known GPUs for planning without one (tests, ahead of
+/// time compilation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceProps {
+    /// Compute capability major.
+    pub major: i32,
+    /// Compute capability minor.
+    pub minor: i32,
+    /// Streaming multiprocessors.
+    pub sm_count: u32,
+    /// Shared memory one CTA may use after opting in (bytes).
+    pub smem_optin_bytes: u32,
+    /// Shared memory per SM (bytes).
+    pub smem_per_sm_bytes: u32,
+    /// 32-bit registers per SM.
+    pub regs_per_sm: u32,
+    /// L2 cache (bytes).
+    pub l2_bytes: u32,
+}
+
+impl DeviceProps {
+    /// The properties a compute capability and these sizes describe.
+    pub const fn new(major: i32, minor: i32, sm_count: u32, smem_optin_bytes: u32) -> DeviceProps {
+        DeviceProps {
+            major,
+            minor,
+            sm_count,
+            smem_optin_bytes,
+            smem_per_sm_bytes: smem_optin_bytes,
+            regs_per_sm: 65536,
+            l2_bytes: 0,
+        }
     }
-    Some(LaunchShape {
-        variant,
-        grid: (m_blocks, problem.heads_q() as u32, problem.batch() as u32),
-        block: variant.threads(),
-        smem_bytes: variant.smem_bytes(),
-    })
+
+    /// NVIDIA H200 (SXM): sm_90, 132 SMs, 227 KiB of opt-in shared memory per CTA.
+    pub const fn h200() -> DeviceProps {
+        DeviceProps {
+            smem_per_sm_bytes: 228 * 1024,
+            l2_bytes: 50 * 1024 * 1024,
+            ..DeviceProps::new(9, 0, 132, 227 * 1024)
+        }
+    }
+
+    /// NVIDIA A100 (SXM): sm_80, 108 SMs, 163 KiB of opt-in shared memory per CTA.
+    pub const fn a100() -> DeviceProps {
+        DeviceProps {
+            smem_per_sm_bytes: 164 * 1024,
+            l2_bytes: 40 * 1024 * 1024,
+            ..DeviceProps::new(8, 0, 108, 163 * 1024)
+        }
+    }
+
+    /// The NVRTC architecture kernels are compiled for on this device (see [`arch_for`]).
+    pub fn arch(&self) -> String {
+        arch_for(self.major, self.minor)
+    }
+}
+
+/// The NVRTC architecture for a compute capability: `sm_90a` on Hopper (its own instructions
+/// need the `a` target), `sm_XY` otherwise.
+pub fn arch_for(major: i32, minor: i32) -> String {
+    if (major, minor) == (9, 0) {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{major}{minor}")
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use softmax_core::ProblemDesc;
 
-    fn masked(desc: ProblemDesc) -> bool {
-        let problem = desc.validate(256).expect("valid");
-        plan_forward(&problem, DType::Bf16, None)
-            .expect("a launch")
-            .variant
-            .masked
+    #[test]
+    fn hopper_gets_the_a_target() {
+        assert_eq!(arch_for(9, 0), "sm_90a");
+        assert_eq!(arch_for(8, 0), "sm_80");
+        assert_eq!(arch_for(8, 9), "sm_89");
+        assert_eq!(arch_for(12, 0), "sm_120");
+        assert_eq!(DeviceProps::h200().arch(), "sm_90a");
+        assert_eq!(DeviceProps::a100().arch(), "sm_80");
     }
 
     #[test]
-    fn mask_code_is_dropped_only_when_every_tile_is_full() {
-        // hdim 128 tiles are 64 keys, hdim 64 tiles 128 keys.
-        assert!(!masked(ProblemDesc::new(2, 100, 1024, 4, 4, 128)));
-        assert!(!masked(ProblemDesc::new(1, 7, 64, 4, 1, 128)));
-        assert!(masked(ProblemDesc::new(1, 100, 1000, 4, 4, 128))); // key tail
-        assert!(masked(ProblemDesc::new(1, 64, 64, 4, 4, 64))); // tail of a 128-key tile
-        assert!(masked(ProblemDesc::new(1, 1024, 1024, 4, 4, 128).causal()));
-        assert!(masked(
-            ProblemDesc::new(1, 1024, 1024, 4, 4, 128).window(Some(256), None)
-        ));
-        let (cu_q, cu_k) = ([0u32, 5, 5, 300], [0u32, 128, 128, 512]);
-        assert!(!masked(ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 64)));
-        let cu_k = [0u32, 128, 128, 500];
-        assert!(masked(ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 64)));
-    }
-
-    #[test]
-    fn every_variant_has_a_distinct_name() {
-        let all = Variant::all();
-        let mut names: Vec<String> = all.iter().map(Variant::name).collect();
-        names.sort();
-        names.dedup();
-        assert_eq!(names.len(), all.len());
-        assert!(all.iter().any(|v| !v.masked) && all.iter().any(|v| v.masked));
+    fn every_family_has_entries_and_its_includes() {
+        for family in families() {
+            assert!(!family.entries.is_empty());
+            for line in family.main.text.lines() {
+                if let Some(rest) = line.trim().strip_prefix("#include \"") {
+                    let name = rest.trim_end_matches('"');
+                    assert!(
+                        family.headers.iter().any(|h| h.name == name),
+                        "{} includes {name}, which is not in its header list",
+                        family.name
+                    );
+                }
+            }
+        }
+        assert!(sm80::FAMILY.supports(8, 0) && sm80::FAMILY.supports(9, 0));
+        assert!(!sm80::FAMILY.supports(7, 5));
     }
 }

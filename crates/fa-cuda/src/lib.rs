@@ -12,10 +12,14 @@
 //! - [`Device`]: opens a GPU (an error value, never a panic, where there is no driver, no
 //!   NVRTC or no GPU), holds buffers ([`DeviceBuffer`]) and runs [`Device::forward`] /
 //!   [`Device::forward_host`];
-//! - [`compile`]: NVRTC compilation of each kernel variant to a cubin for the device's
-//!   architecture, cached per process, with ptxas' resource report (registers, spills);
-//! - [`kernels`]: the `.cu` sources (embedded with `include_str!`), their variants and the one
-//!   launch-choice function of the family.
+//! - [`compile`]: NVRTC compilation of any kernel family's variant to a cubin for the device's
+//!   architecture, with ptxas' resource report (registers, spills), cached per process and on
+//!   disk ([`compile::DiskCache`]: a second process loads the cubin instead of compiling;
+//!   [`compile::precompile`] fills the cache without a GPU); [`ForwardStats::kernel_source`]
+//!   says where a call's kernel came from;
+//! - [`kernels`]: the registry of kernel families (sources embedded with `include_str!`: shared
+//!   `common/*.cuh` headers, one directory per family), their variants and one launch-choice
+//!   (plan) function per family, which takes the device's properties ([`DeviceProps`]).
 //!
 //! # Performance (H200, bf16, 16k tokens, same-call PyTorch SDPA peers; docs/benchmarks.md)
 //! At seqlen 8k: hdim 128 1.09× PyTorch's FlashAttention-2 (non-causal) and 1.02× (causal),
@@ -23,14 +27,13 @@
 //! (the `wgmma` kernel is a separate issue). Problems without a mask whose key tiles are all
 //! full run a variant with no mask code; the 8-warp causal kernels run full tiles through a
 //! copy of the tile body without it. Tile sizes come from measurements
-//! (docs/gpu-notes.md); [`ForwardOptions::tiles`] overrides them and the `FA_CUDA_DEFINES`
-//! environment variable passes extra `-D` switches to NVRTC, both for tuning experiments only.
+//! (docs/gpu-notes.md); [`ForwardOptions::tiles`] overrides them, for tuning experiments only.
 //! `cargo run --release -p fa-cuda --example ptxas_report` prints every variant's registers
 //! and spills without a GPU (and writes the cubins for `nvdisasm` with `--cubin-dir`).
 //!
 //! # Testing without a GPU
-//! The unit tests and the NVRTC compile check (`tests/nvrtc_compile.rs`: every variant for
-//! sm_80 and sm_90a, no register spill) need no GPU; the check needs `libnvrtc` on the loader
+//! The unit tests, the NVRTC compile check (`tests/nvrtc_compile.rs`: every variant for sm_80
+//! and sm_90a, no register spill) and the disk-cache tests (`tests/disk_cache.rs`) need no GPU; the check needs `libnvrtc` on the loader
 //! path (`source .ci/install-nvrtc.sh`) and fails when `CI` is set and it is missing. The GPU
 //! tests (`tests/gpu.rs`) are ignored by default.
 //!
@@ -58,17 +61,18 @@
 //! # }
 //! ```
 
+mod cache;
 pub mod compile;
 mod device;
 mod error;
 pub mod kernels;
 mod params;
 
+pub use compile::{precompile, KernelOrigin, PrecompileReport};
 pub use device::{
-    arch_for, driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, DeviceOut,
-    ForwardStats,
+    driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, DeviceOut, ForwardStats,
 };
 pub use error::CudaError;
-pub use kernels::{LaunchShape, Tiles, Variant};
+pub use kernels::{arch_for, DeviceProps, LaunchShape, Tiles, Variant};
 pub use params::ForwardOptions;
 pub use softmax_core::DType;

@@ -1,7 +1,7 @@
 //! Host-side preparation of a forward call, without touching the GPU: validation through
 //! `softmax-core`, this backend's own limits, the launch choice and the kernel parameters.
 
-use crate::kernels::{plan_forward, LaunchShape, Tiles};
+use crate::kernels::{plan_forward, DeviceProps, LaunchShape, Tiles};
 use softmax_core::{BufferLens, DType, Problem, ProblemError, RescalePolicy};
 
 /// Options of a forward call beyond the problem description. The default: threshold rescale
@@ -65,13 +65,15 @@ pub(crate) struct Prepared<'a> {
 /// Largest token count, window or head count the kernel's 32-bit index arithmetic allows.
 const MAX_TOKENS: usize = 1 << 30;
 
-/// Checks the buffer lengths against a validated problem, applies this backend's limits and
-/// fills the kernel parameters. Touches nothing: bad input returns before any device work.
+/// Checks the buffer lengths against a validated problem, applies this backend's limits, plans
+/// the launch for the device `props` describes and fills the kernel parameters. Touches
+/// nothing: bad input returns before any device work.
 pub(crate) fn prepare<'a>(
     problem: &Problem<'a>,
     lens: BufferLens,
     dtype: DType,
     opts: &ForwardOptions,
+    props: &DeviceProps,
 ) -> Result<Prepared<'a>, ProblemError> {
     let problem = *problem;
     problem.check_buffers(lens)?;
@@ -115,7 +117,7 @@ pub(crate) fn prepare<'a>(
             s.head as i64,
         ]
     };
-    let launch = plan_forward(&problem, dtype, opts.tiles);
+    let launch = plan_forward(&problem, dtype, opts.tiles, props)?;
     let (lse_bs, lse_hs) = if varlen {
         (0, problem.total_q() as i64)
     } else {
@@ -156,23 +158,33 @@ mod tests {
     use super::*;
     use softmax_core::{Mask, ProblemDesc, Strides, Tensor};
 
+    const H200: DeviceProps = DeviceProps::h200();
+
     fn lens_of(desc: &ProblemDesc) -> BufferLens {
         desc.validate(256).expect("valid").min_buffer_lens()
     }
 
-    /// A valid description prepared with exact buffer lengths and default options.
     /// Validation at the edge, then this backend's preparation: either may reject.
     fn prepare<'a>(
         desc: &ProblemDesc<'a>,
         lens: BufferLens,
         dtype: DType,
         opts: &ForwardOptions,
+        props: &DeviceProps,
     ) -> Result<Prepared<'a>, ProblemError> {
-        super::prepare(&desc.validate(256)?, lens, dtype, opts)
+        super::prepare(&desc.validate(256)?, lens, dtype, opts, props)
     }
 
+    /// A valid description prepared with exact buffer lengths and default options.
     fn prepared<'a>(desc: &ProblemDesc<'a>, dtype: DType) -> Prepared<'a> {
-        prepare(desc, lens_of(desc), dtype, &ForwardOptions::default()).expect("valid")
+        prepare(
+            desc,
+            lens_of(desc),
+            dtype,
+            &ForwardOptions::default(),
+            &H200,
+        )
+        .expect("valid")
     }
 
     #[test]
@@ -221,7 +233,8 @@ mod tests {
                     lse: None
                 },
                 DType::Bf16,
-                &opts
+                &opts,
+                &H200
             ),
             Err(ProblemError::GqaRatio { .. })
         ));
@@ -229,7 +242,7 @@ mod tests {
         let mut lens = lens_of(&desc);
         lens.o -= 1;
         assert!(matches!(
-            prepare(&desc, lens, DType::Bf16, &opts),
+            prepare(&desc, lens, DType::Bf16, &opts, &H200),
             Err(ProblemError::BufferTooSmall {
                 tensor: Tensor::O,
                 ..
@@ -237,7 +250,7 @@ mod tests {
         ));
         let desc = ProblemDesc::new(1, 4, 4, 2, 2, 60);
         assert!(matches!(
-            prepare(&desc, lens_of(&desc), DType::Bf16, &opts),
+            prepare(&desc, lens_of(&desc), DType::Bf16, &opts, &H200),
             Err(ProblemError::Unsupported { .. })
         ));
         let desc = ProblemDesc::new(1, 4, 4, 2, 2, 64).strides(
@@ -249,7 +262,7 @@ mod tests {
             },
         );
         assert!(matches!(
-            prepare(&desc, lens_of(&desc), DType::Bf16, &opts),
+            prepare(&desc, lens_of(&desc), DType::Bf16, &opts, &H200),
             Err(ProblemError::Unsupported { .. })
         ));
         let desc = ProblemDesc::new(1, 4, 4, 2, 2, 64).with_mask(Mask::CAUSAL);
@@ -257,8 +270,8 @@ mod tests {
             rescale: RescalePolicy::Threshold(20.0),
             ..opts
         };
-        assert!(prepare(&desc, lens_of(&desc), DType::F16, &bad_tau).is_err());
-        assert!(prepare(&desc, lens_of(&desc), DType::Bf16, &bad_tau).is_ok());
+        assert!(prepare(&desc, lens_of(&desc), DType::F16, &bad_tau, &H200).is_err());
+        assert!(prepare(&desc, lens_of(&desc), DType::Bf16, &bad_tau, &H200).is_ok());
     }
 
     #[test]

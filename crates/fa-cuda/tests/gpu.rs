@@ -149,7 +149,10 @@ fn seqlens_and_head_dims() {
 fn runs_unmasked(case: &Case) -> bool {
     let desc = case.desc();
     let problem = desc.validate(256).expect("valid case");
-    fa_cuda::kernels::plan_forward(&problem, DType::Bf16, None).is_some_and(|l| !l.variant.masked)
+    fa_cuda::kernels::plan_forward(&problem, DType::Bf16, None, &fa_cuda::DeviceProps::h200())
+        .ok()
+        .flatten()
+        .is_some_and(|l| !l.variant.masked)
 }
 
 #[test]

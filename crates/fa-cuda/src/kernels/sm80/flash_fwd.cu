@@ -1,6 +1,7 @@
 // FlashAttention-2 style forward kernel for sm_80 and newer (mma.sync.m16n8k16, ldmatrix,
-// cp.async). Self-contained: no toolkit header is included; conversions, matrix instructions,
-// shuffles and votes are inline PTX. Compiled by NVRTC with these defines:
+// cp.async). No toolkit header is included: the PTX helpers, the mask, the online-softmax steps
+// and the row epilogue come from common/*.cuh, which NVRTC receives through its header list
+// (kernels/sm80.rs). Compiled by NVRTC with these defines:
 //
 //   HDP         head dim the tiles are laid out for (64, 128 or 256; the real head dims,
 //               passed at run time, may be smaller: missing columns are zero-filled)
@@ -28,34 +29,21 @@
 #if !defined(HDP) || !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(WARPS) || \
     !defined(MIN_BLOCKS) || !defined(IS_BF16) || !defined(GENERAL_SCORES) || !defined(STAGES) || \
     !defined(MASKED)
-#error "flash_fwd_sm80.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, MIN_BLOCKS, STAGES, IS_BF16, GENERAL_SCORES, MASKED"
+#error "sm80/flash_fwd.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, MIN_BLOCKS, STAGES, IS_BF16, GENERAL_SCORES, MASKED"
 #endif
 
-// Experiment switches (0 unless set through FA_CUDA_DEFINES; see compile.rs).
-// Measured on the H200 (docs/gpu-notes.md, runs 4-9): with 8 warps (1 CTA per SM) full
-// unrolling of QK^T, FA2's barrier order and a branch-free next-K load pay; with 4 warps
-// (2 CTAs per SM) they cost (and spill in the mask-free variants, run 15).
-#ifndef QK_UNROLL_ALL
-#define QK_UNROLL_ALL (WARPS == 8) // 1: unroll every k-step of S = QK^T (more registers)
-#endif
-#ifndef MASK_UNSIGNED
-#define MASK_UNSIGNED 0 // 1: one unsigned compare per element ((col - lo) < width) instead of two
-#endif
-#ifndef EARLY_KLOAD
-#define EARLY_KLOAD (WARPS == 8) // 1: barrier and next-K load right after QK^T (before the softmax): +5 % with 8 warps (hdim 256), -3.5 % with 4 (hdim 128)
-#endif
-#ifndef KLOAD_ALWAYS
-#define KLOAD_ALWAYS (WARPS == 8) // 1: issue the next K load unconditionally (zero-fill only after the last tile); +6 % with 8 warps (hdim 256), -4 % with 4 (hdim 128), spills at hdim 64
-#endif
-#ifndef SPLIT_TILES
-// 1 (masked variants): full tiles run a copy of the body without mask code, partial tiles
+// Choices that follow from the variant (measured on the H200, docs/gpu-notes.md runs 4-9 and 15):
+// with 8 warps (1 CTA per SM) full unrolling of QK^T, FA2's barrier order and a branch-free
+// next-K load pay; with 4 warps (2 CTAs per SM) they cost (and spill in the mask-free variants).
+#define QK_UNROLL_ALL (WARPS == 8) // unroll every k-step of S = QK^T (more registers)
+#define EARLY_KLOAD (WARPS == 8)   // barrier and next-K load right after QK^T (before the softmax): +5 % with 8 warps (hdim 256), -3.5 % with 4 (hdim 128)
+#define KLOAD_ALWAYS (WARPS == 8)  // issue the next K load unconditionally (zero-fill only after the last tile); +6 % with 8 warps (hdim 256), -4 % with 4 (hdim 128), spills at hdim 64
+// Masked variants: full tiles run a copy of the body without mask code, partial tiles
 // (diagonal, window edges, key tail) a copy with it. Two copies fit the registers with 8 warps
 // (16 rows each) up to hdim 128; with 4 warps of 32 rows, or at hdim 256, they spill.
 #define SPLIT_TILES (MASKED && WARPS == 8 && HDP <= 128)
-#endif
-#ifndef RESCALE_ALWAYS
-#define RESCALE_ALWAYS 0 // 1: multiply the accumulator by the correction without a warp vote
-#endif
+
+#include "common/epilogue.cuh"
 
 #define THREADS (WARPS * 32)
 #define KV_ALL_ROWS (!MASKED) // every K/V tile is whole: no per-row checks in its loads
@@ -73,12 +61,6 @@
 #if ((BLOCK_N * CHUNKS) % THREADS) != 0 || ((BLOCK_M * CHUNKS) % THREADS) != 0
 #error "tile loads must divide evenly among threads"
 #endif
-
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef long long i64;
-struct alignas(16) u32x4 { u32 x, y, z, w; };
 
 // Kernel parameters; the Rust side's `KernelParams` has the same #[repr(C)] layout.
 struct Params {
@@ -105,88 +87,7 @@ struct Params {
 __device__ const int fa_compile_check_nonce = FA_COMPILE_CHECK_NONCE;
 #endif
 
-#define NEG_INF (__int_as_float(0xff800000))
-#define LN2 0.6931471805599453f
-
-#if IS_BF16
-#define MMA_TYPE "bf16"
-#else
-#define MMA_TYPE "f16"
-#endif
-
-static __device__ __forceinline__ u32 smem_u32(const void* ptr) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(ptr));
-    return r;
-}
-
-static __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool pred) {
-    const int n = pred ? 16 : 0; // 0 bytes read: the 16 destination bytes are zero-filled
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-static __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
-}
-static __device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
-}
-
-// D += A * B, m16n8k16, f32 accumulators.
-static __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two f32 to a packed 16-bit pair (round to nearest even); `lo` lands in the low half.
-static __device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if IS_BF16
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
-static __device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-static __device__ __forceinline__ float lg2(float x) {
-    float y;
-    asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-static __device__ __forceinline__ float shfl_xor(float x, int mask) {
-    float y;
-    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(y) : "f"(x), "r"(mask));
-    return y;
-}
-static __device__ __forceinline__ bool warp_any(bool x) {
-    u32 r;
-    asm volatile("{ .reg .pred p, q; setp.ne.u32 p, %1, 0; vote.sync.any.pred q, p, 0xffffffff; selp.u32 %0, 1, 0, q; }"
-                 : "=r"(r) : "r"((u32)x));
-    return r != 0;
-}
-#if GENERAL_SCORES
-// tanh through exp2: tanh(y) = 1 - 2 / (2^(2 y log2 e) + 1); exact limits at +-inf.
-static __device__ __forceinline__ float tanh_f(float y) {
-    const float e = ex2(y * 2.8853900817779268f);
-    return 1.0f - 2.0f / (e + 1.0f);
-}
-#endif
-
-// Compile-time tags of the tile body: partial tiles apply the mask element by element.
-struct MaskedTile { static constexpr bool value = true; };
-struct FullTile { static constexpr bool value = false; };
+#define ELEM_BF16 (IS_BF16 != 0)
 
 // Element offset of (row, 16-byte chunk) in a swizzled smem tile: the chunk index is XORed with
 // the row's low 3 bits, so the 8 rows one ldmatrix phase reads hit 8 different bank groups.
@@ -259,8 +160,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 
     // Visible keys of query i: [lo(i), hi(i)), both non-decreasing in i (softmax-core's Mask).
     const int diag = sk - sq;
-#define LO_OF(i) (p.win_left >= 0 ? max((i) + diag - p.win_left, 0) : 0)
-#define HI_OF(i) (p.win_right >= 0 ? min((i) + diag + p.win_right + 1, sk) : sk)
+#define LO_OF(i) KEY_LO((i), diag, p.win_left)
+#define HI_OF(i) KEY_HI((i), diag, p.win_right, sk)
     const int first = m0, last = m0 + rows_valid - 1;
     const int union_lo = LO_OF(first), union_hi = HI_OF(last);
     int t_begin = 0, t_end = 0;
@@ -374,8 +275,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
                 ldsm_x4(k_addr[kj] + buf_bytes + np * 16 * ROW_BYTES + kg * 128, b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma16816(s[mt][2 * np], a[mt], b0, b1);
-                    mma16816(s[mt][2 * np + 1], a[mt], b2, b3);
+                    mma16816<ELEM_BF16>(s[mt][2 * np], a[mt], b0, b1);
+                    mma16816<ELEM_BF16>(s[mt][2 * np + 1], a[mt], b2, b3);
                 }
             }
         }
@@ -383,17 +284,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #if EARLY_KLOAD
         // FlashAttention-2's order: before the softmax, so the load has the softmax and PV.
         wait_v_and_issue_next_k(t_next);
-#endif
-#if MASK_UNSIGNED
-        int rel[MT][2];
-        u32 width[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                rel[mt][hh] = n0 + 2 * tig - row_lo[mt][hh];
-                width[mt][hh] = row_hi[mt][hh] > row_lo[mt][hh] ? (u32)(row_hi[mt][hh] - row_lo[mt][hh]) : 0u;
-            }
 #endif
         // Scores. GENERAL_SCORES: x = t(s*pre) (softcap or a non-positive scale) first.
         // Otherwise pre > 0, so the max of the raw dot products times pre is the max of the
@@ -409,19 +299,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
                     x = p.softcap_post != 0.0f ? tanh_f(x * p.pre) * p.softcap_post : x * p.pre;
 #endif
                     if constexpr (masked) {
-#if MASK_UNSIGNED
-                        // (col - lo) as unsigned < hi - lo  <=>  lo <= col < hi (empty when hi <= lo).
-                        x = (u32)(rel[mt][e >> 1] + j * 8 + (e & 1)) < width[mt][e >> 1] ? x : NEG_INF;
-#else
-                        // Selects rather than a branch around partial tiles: the branch splits
-                        // the body into blocks that ptxas cannot schedule across (-7-10 %,
-                        // run 4). Without SPLIT_TILES full tiles take this path too: every
-                        // column lies inside every valid row's bounds, so the selects change
-                        // nothing there (rows past seqlen_q are never stored).
+                        // Without SPLIT_TILES full tiles take this path too: every column lies
+                        // inside every valid row's bounds, so the selects change nothing there
+                        // (rows past seqlen_q are never stored).
                         const int col = n0 + j * 8 + 2 * tig + (e & 1);
                         const int hh = e >> 1;
-                        x = (col < row_lo[mt][hh] || col >= row_hi[mt][hh]) ? NEG_INF : x;
-#endif
+                        x = MASK_SCORE(x, col, row_lo[mt][hh], row_hi[mt][hh]);
                     }
                     s[mt][j][e] = x;
                 }
@@ -443,24 +326,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
                     part[j & 3] = j < 4 ? pair : fmaxf(part[j & 3], pair);
                 }
                 float bm = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-                bm = fmaxf(bm, shfl_xor(bm, 1));
-                bm = fmaxf(bm, shfl_xor(bm, 2));
+                bm = quad_max(bm);
 #if !GENERAL_SCORES
                 bm *= p.pre; // pre > 0: -inf stays -inf
 #endif
                 const float m = row_m[mt][hh];
-                // Without short-circuits and with the exponent computed either way: a branch
-                // here would split the softmax into blocks that ptxas schedules separately.
-                const bool move = (bm > m) & ((m == NEG_INF) | (bm - m > p.tau));
-                // exp2(-inf - bm) = 0 when m = -inf: the (empty) accumulator is zeroed.
-                const float c_move = ex2(m - bm);
-                const float c = move ? c_move : 1.0f;
+                float c;
+                const bool move = rescale_vote(bm, m, p.tau, c);
                 row_m[mt][hh] = move ? bm : m;
                 row_l[mt][hh] *= c;
                 any_rescale |= move;
                 corr[mt][hh] = c;
             }
-        if (RESCALE_ALWAYS || warp_any(any_rescale)) {
+        if (warp_any(any_rescale)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -476,8 +354,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         u32 pa[MT][KP][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            const float off0 = row_m[mt][0] == NEG_INF ? 0.0f : row_m[mt][0];
-            const float off1 = row_m[mt][1] == NEG_INF ? 0.0f : row_m[mt][1];
+            const float off0 = exp_offset(row_m[mt][0]);
+            const float off1 = exp_offset(row_m[mt][1]);
             float sum0[4], sum1[4];
 #pragma unroll
             for (int j = NT; j < 4; ++j) sum0[j] = sum1[j] = 0.0f;
@@ -502,10 +380,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
             row_l[mt][1] += sum1[0];
 #pragma unroll
             for (int kp = 0; kp < KP; ++kp) {
-                pa[mt][kp][0] = pack2(s[mt][2 * kp][0], s[mt][2 * kp][1]);
-                pa[mt][kp][1] = pack2(s[mt][2 * kp][2], s[mt][2 * kp][3]);
-                pa[mt][kp][2] = pack2(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
-                pa[mt][kp][3] = pack2(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
+                pa[mt][kp][0] = pack2<ELEM_BF16>(s[mt][2 * kp][0], s[mt][2 * kp][1]);
+                pa[mt][kp][1] = pack2<ELEM_BF16>(s[mt][2 * kp][2], s[mt][2 * kp][3]);
+                pa[mt][kp][2] = pack2<ELEM_BF16>(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
+                pa[mt][kp][3] = pack2<ELEM_BF16>(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
             }
         }
 
@@ -522,8 +400,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
                 ldsm_x4_trans(v_addr[dp & 3] + buf_bytes + kp * 16 * ROW_BYTES + (dp >> 2) * 128, b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma16816(acc[mt][2 * dp], pa[mt][kp], b0, b1);
-                    mma16816(acc[mt][2 * dp + 1], pa[mt][kp], b2, b3);
+                    mma16816<ELEM_BF16>(acc[mt][2 * dp], pa[mt][kp], b0, b1);
+                    mma16816<ELEM_BF16>(acc[mt][2 * dp + 1], pa[mt][kp], b2, b3);
                 }
             }
         }
@@ -594,30 +472,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            float l = row_l[mt][hh];
-            l += shfl_xor(l, 1);
-            l += shfl_xor(l, 2);
             float inv, lse;
-            if (l > 0.0f) {
-                inv = 1.0f / l;
-                lse = (row_m[mt][hh] + lg2(l)) * LN2;
-            } else if (l == l) {
-                inv = 0.0f;
-                lse = NEG_INF;
-            } else {
-                inv = l; // NaN propagates
-                lse = l;
-            }
+            finish_row(row_l[mt][hh], row_m[mt][hh], inv, lse);
             const int row = warp_row0 + mt * 16 + g + 8 * hh;
 #pragma unroll
             for (int d = 0; d < DT; ++d) {
-                const u32 v = pack2(acc[mt][d][2 * hh] * inv, acc[mt][d][2 * hh + 1] * inv);
+                const u32 v = pack2<ELEM_BF16>(acc[mt][d][2 * hh] * inv, acc[mt][d][2 * hh + 1] * inv);
                 *reinterpret_cast<u32*>(sQ + swz(row, d) + 2 * tig) = v;
             }
             if (lse_out != 0 && tig == 0 && row < rows_valid)
                 lse_out[b * p.lse_bs + h * p.lse_hs + q_start + m0 + row] = lse;
         }
     __syncthreads();
+    // The staged tile to global memory, 16 bytes per thread and step. Kept here rather than
+    // behind a shared helper: as a function taking the stride and the swizzle it changes the
+    // generated code (a spill in the 4-warp hdim-64 kernels).
 #pragma unroll
     for (int i = 0; i < BLOCK_M * CHUNKS / THREADS; ++i) {
         const int id = tid + i * THREADS;

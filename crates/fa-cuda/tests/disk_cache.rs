@@ -1,0 +1,148 @@
+//! The disk cache of cubins with real NVRTC output: a second compile is a disk hit with the same
+//! bytes; a corrupt, truncated or foreign entry is rebuilt, never loaded; a cache that cannot be
+//! written still compiles. Needs libnvrtc, not a GPU; skipped with a message where libnvrtc
+//! cannot be loaded, except when `CI` is set (then it fails, as the NVRTC compile check does).
+
+use fa_cuda::compile::{
+    cache_key, compile_with_cache, nvrtc_available, precompile_into, DiskCache, KernelOrigin,
+};
+use fa_cuda::{CudaError, Variant};
+use std::path::PathBuf;
+
+const ARCH: &str = "sm_80";
+
+fn nvrtc_or_skip() -> bool {
+    if nvrtc_available() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI is set but libnvrtc cannot be loaded: source .ci/install-nvrtc.sh first"
+    );
+    eprintln!("SKIPPED: libnvrtc not found (set LD_LIBRARY_PATH, see .ci/install-nvrtc.sh)");
+    false
+}
+
+/// The variant that compiles fastest (hdim 64, no mask code).
+fn small_variant() -> Variant {
+    Variant::all()
+        .into_iter()
+        .find(|v| v.hdp == 64 && !v.masked && !v.general_scores)
+        .expect("an hdim-64 variant without mask code")
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("fa-cuda-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn is_compiled(origin: KernelOrigin) -> bool {
+    matches!(origin, KernelOrigin::Compiled { ms } if ms > 0.0)
+}
+
+#[test]
+fn disk_cache_hits_and_rebuilds_bad_entries() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let tmp = TempDir::new("cubin-cache");
+    let cache = DiskCache::at(tmp.0.join("cubins"));
+    let v = small_variant();
+    let path = cache.path_for(&v.name(), ARCH, cache_key(&v, ARCH, &[]).expect("key"));
+
+    // precompile fills the cache; the next compile is a disk hit with identical bytes.
+    let report = precompile_into(Some(&cache), ARCH, &[v]).expect("precompile");
+    assert_eq!(report.compiled(), 1);
+    assert!(report.kernels[0].cached);
+    assert_eq!(report.cache_dir.as_deref(), Some(cache.dir()));
+    let first = std::fs::read(&path).expect("an entry on disk");
+    let (hit, origin) = compile_with_cache(&v, ARCH, Some(&cache)).expect("hit");
+    assert_eq!(origin, KernelOrigin::DiskCache);
+    assert!(first.ends_with(&hit.cubin) && hit.cubin.len() > 1000);
+    assert!(
+        hit.usage.registers > 0,
+        "the ptxas report is stored with the cubin"
+    );
+    let report = precompile_into(Some(&cache), ARCH, &[v]).expect("precompile again");
+    assert_eq!(report.compiled(), 0);
+    assert_eq!(report.kernels[0].origin, KernelOrigin::DiskCache);
+
+    // A flipped byte in the cubin: detected, rebuilt and replaced.
+    let mut bytes = first.clone();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x40;
+    std::fs::write(&path, &bytes).expect("corrupt the entry");
+    let (rebuilt, origin) = compile_with_cache(&v, ARCH, Some(&cache)).expect("rebuild");
+    assert!(is_compiled(origin), "{origin:?}");
+    assert_eq!(rebuilt.cubin, hit.cubin);
+    assert_eq!(std::fs::read(&path).expect("entry"), first);
+
+    // Truncated, then an entry written for another key: both rebuilt.
+    std::fs::write(&path, &first[..first.len() / 2]).expect("truncate");
+    let (_, origin) = compile_with_cache(&v, ARCH, Some(&cache)).expect("rebuild");
+    assert!(is_compiled(origin), "{origin:?}");
+    let mut foreign = first.clone();
+    foreign[8] ^= 1; // the key field of the header
+    std::fs::write(&path, &foreign).expect("foreign entry");
+    let (_, origin) = compile_with_cache(&v, ARCH, Some(&cache)).expect("rebuild");
+    assert!(is_compiled(origin), "{origin:?}");
+    assert_eq!(std::fs::read(&path).expect("entry"), first);
+    let (_, origin) = compile_with_cache(&v, ARCH, Some(&cache)).expect("hit");
+    assert_eq!(origin, KernelOrigin::DiskCache);
+}
+
+#[test]
+fn an_unwritable_cache_only_misses() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let tmp = TempDir::new("cubin-cache-ro");
+    let v = small_variant();
+    // A cache directory below a regular file can never be created.
+    let file = tmp.0.join("not-a-dir");
+    std::fs::write(&file, b"x").expect("file");
+    let blocked = DiskCache::at(file.join("cubins"));
+    let (c, origin) = compile_with_cache(&v, ARCH, Some(&blocked)).expect("compiles anyway");
+    assert!(is_compiled(origin) && !c.cubin.is_empty());
+    let report = precompile_into(Some(&blocked), ARCH, &[v]).expect("precompile anyway");
+    assert_eq!(report.compiled(), 1);
+    assert!(!report.kernels[0].cached);
+
+    // A read-only directory (root writes anyway: then the entry is simply there).
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let ro = tmp.0.join("ro");
+        std::fs::create_dir_all(&ro).expect("dir");
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).expect("chmod");
+        let (c2, _) = compile_with_cache(&v, ARCH, Some(&DiskCache::at(&ro))).expect("works");
+        assert_eq!(c2.cubin, c.cubin);
+        let _ = std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o755));
+    }
+}
+
+#[test]
+fn precompile_rejects_architectures_the_family_does_not_run_on() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let v = small_variant();
+    assert_eq!(
+        precompile_into(None, "sm_75", &[v]).unwrap_err(),
+        CudaError::UnsupportedArch { major: 7, minor: 5 }
+    );
+    assert!(precompile_into(None, "compute_80", &[v]).is_err());
+}
