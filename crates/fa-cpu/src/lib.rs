@@ -42,6 +42,7 @@
 //! ```
 
 mod arch;
+mod dispatch;
 mod element;
 mod forward;
 mod kernel;
