@@ -22,7 +22,7 @@
 //! from bf16/f16) once per key tile for all the query heads of the group.
 //!
 //! # Modules
-//! - [`tiling`]: the tile sizes ([`Tiling`]) and the plan: the list of [`Task`]s of a problem;
+//! - [`tiling`]: the tile sizes ([`Tiling`]) and the plan: the list of [`tiling::Task`]s of a problem;
 //! - [`scratch`]: per-thread buffers ([`Scratch`]) and the shared output ([`SharedOut`]);
 //! - [`pack`]: widening to f32, transposes, packing K groups, prefetching rows;
 //! - [`micro`]: the register-blocked `QKᵀ` and `PV` micro-kernels;

@@ -30,7 +30,7 @@ pub(crate) unsafe fn exp2_slice<S: Simd>(x: *mut f32, n: usize, imp: Exp2Impl) {
 /// Applies `tanh` to `n` values (a multiple of `W`) at `x`, multiplied by `post`, in place.
 ///
 /// # Safety
-/// As [`exp2_slice`].
+/// `x` read/writable for `n` f32, `n % W == 0`; S available.
 #[inline(always)]
 pub(crate) unsafe fn softcap_slice<S: Simd>(x: *mut f32, n: usize, post: f32) {
     let mut i = 0;
