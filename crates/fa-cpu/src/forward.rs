@@ -1,7 +1,8 @@
-//! The forward pass: validation, the task list, the thread pool, the dispatch.
+//! The forward pass: validation, the thread pool, the dispatch of each task.
 
-use crate::arch::{self, SimdLevel};
-use crate::kernel::{self, Ctx, Scratch, SharedOut, Task, TaskStats, Tiling};
+use crate::arch::SimdLevel;
+use crate::dispatch::{dispatch, Isa};
+use crate::kernel::{self, Ctx, ForwardTask, Scratch, SharedOut, TaskStats, Tiling};
 use crate::{Element, ForwardOptions, ForwardStats, HostOut};
 use softmax_core::{BufferLens, DType, Out, Problem, ProblemError, Qkv};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -43,69 +44,7 @@ impl Workspace {
 /// level (the scratch-size companion of [`Workspace`]): independent of sequence length and
 /// batch, so the total is this times the thread count.
 pub fn scratch_bytes_per_thread(head_dim: usize, head_dim_v: usize, level: SimdLevel) -> usize {
-    4 * kernel::scratch_elems(&tiling(level.resolve()), head_dim, head_dim_v, true)
-}
-
-fn tiling(level: SimdLevel) -> Tiling {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512f => arch::avx512::TILING,
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2Fma => arch::avx2::TILING,
-        _ => arch::scalar::TILING,
-    }
-}
-
-/// The tasks of a problem: (sequence, KV head, group of query heads, query block), in an
-/// order that depends only on the problem and the tiling (never on the thread count).
-fn tasks(p: &Problem, tiling: &Tiling) -> Vec<Task> {
-    /// Enough tasks that a worker slowed down by a noisy neighbour does not hold up the
-    /// end of the call (a problem-size rule: the split never depends on the thread count).
-    const MIN_TASKS: usize = 8;
-    /// Rows below which K/V tiles are reused too little to be worth packing.
-    const MIN_ROWS: usize = 256;
-    let group = p.group_size();
-    let rows = tiling.rows_for(p.head_dim(), p.head_dim_v());
-    let heads_per_task = group.min(rows);
-    let block_max = (rows / heads_per_task).max(1);
-    let block_min = (MIN_ROWS / heads_per_task).clamp(1, block_max);
-    let units = p.batch() * p.heads_kv() * group.div_ceil(heads_per_task);
-    let wanted_blocks = MIN_TASKS.div_ceil(units.max(1));
-    // With one head per task, blocks are whole row panels.
-    let align = if heads_per_task == 1 {
-        tiling.lanes * tiling.row_vectors
-    } else {
-        1
-    };
-    let mut out = Vec::new();
-    for batch in 0..p.batch() {
-        let seq = p.seq(batch);
-        let blocks = seq
-            .seqlen_q
-            .div_ceil(block_max)
-            .max(wanted_blocks.min(seq.seqlen_q.div_ceil(block_min)))
-            .max(1);
-        let block = seq.seqlen_q.div_ceil(blocks).div_ceil(align) * align;
-        let block = block.clamp(1, block_max.max(align));
-        for head_kv in 0..p.heads_kv() {
-            for head0 in (head_kv * group..(head_kv + 1) * group).step_by(heads_per_task) {
-                let heads = heads_per_task.min((head_kv + 1) * group - head0);
-                // Last query block first: under a causal mask it is the heaviest.
-                let starts: Vec<usize> = (0..seq.seqlen_q).step_by(block).collect();
-                for &i0 in starts.iter().rev() {
-                    out.push(Task {
-                        batch,
-                        head_kv,
-                        head0,
-                        heads,
-                        i0,
-                        len: block.min(seq.seqlen_q - i0),
-                    });
-                }
-            }
-        }
-    }
-    out
+    4 * kernel::scratch_elems(&Tiling::for_level(level), head_dim, head_dim_v, true)
 }
 
 /// [`crate::forward`] with caller-owned scratch and pool (reused across calls).
@@ -126,18 +65,17 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     opts.rescale.check(DType::F32.max_finite(), 0.0)?;
     let Qkv { q, k, v } = qkv;
     let Out { o: out, lse } = out;
-    let level = opts.simd.resolve();
-    if !level.is_available() {
+    let Some(isa) = Isa::new(opts.simd) else {
         return Err(ProblemError::Unsupported {
             what: "the requested SIMD level is not available on this CPU",
         });
-    }
+    };
     let threads = match opts.threads {
         Some(0) => return Err(ProblemError::ZeroDim { what: "threads" }),
         other => other,
     };
-    let tiling = tiling(level);
-    let task_list = tasks(problem, &tiling);
+    let tiling = Tiling::for_level(isa.level());
+    let task_list = kernel::tasks(problem, &tiling);
     let ctx = Ctx {
         problem,
         q,
@@ -187,7 +125,14 @@ pub fn forward_with_workspace<T: Element, O: Element>(
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
             let Some(task) = task_list.get(i) else { break };
-            mine = mine.add(run_task(level, &ctx, task, &mut guard));
+            mine = mine.add(dispatch(
+                isa,
+                ForwardTask {
+                    ctx: &ctx,
+                    task,
+                    scratch: &mut guard,
+                },
+            ));
         }
         let mut t = match totals.lock() {
             Ok(g) => g,
@@ -224,23 +169,4 @@ fn run_workers<'s, F: Fn(usize) + Sync>(scope: &rayon::Scope<'s>, workers: usize
         scope.spawn(move |_| work(slot));
     }
     work(0);
-}
-
-/// The one dispatch point.
-fn run_task<T: Element, O: Element>(
-    level: SimdLevel,
-    ctx: &Ctx<'_, T, O>,
-    task: &Task,
-    scratch: &mut Scratch,
-) -> TaskStats {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the level was checked available before any task ran.
-        SimdLevel::Avx512f => unsafe { arch::avx512::run_task(ctx, task, scratch) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        SimdLevel::Avx2Fma => unsafe { arch::avx2::run_task(ctx, task, scratch) },
-        // SAFETY: the scalar path needs no CPU feature.
-        _ => unsafe { arch::scalar::run_task(ctx, task, scratch) },
-    }
 }

@@ -44,6 +44,7 @@
 //! ```
 
 mod arch;
+mod dispatch;
 mod element;
 mod forward;
 mod kernel;

@@ -176,18 +176,10 @@ unsafe impl Simd for Avx2 {
     }
 }
 
-super::arch_entry!(
-    Avx2,
-    ["avx2", "fma", "f16c"],
-    crate::kernel::Tiling {
-        rows: 1024,
-        keys: 66,
-        lanes: 8,
-        row_vectors: 2,
-        qk_keys: 6,
-        pv_channels: 6,
-    },
-    6,
-    2,
-    6
-);
+impl super::Arch for Avx2 {
+    const QK_KEYS: usize = 6;
+    const ROW_VECTORS: usize = 2;
+    const PV_CHANNELS: usize = 6;
+    const TASK_ROWS: usize = 1024;
+    const TILE_KEYS: usize = 66;
+}

@@ -161,18 +161,10 @@ unsafe impl Simd for Avx512 {
     }
 }
 
-super::arch_entry!(
-    Avx512,
-    ["avx512f", "avx2", "fma", "f16c"],
-    crate::kernel::Tiling {
-        rows: 1008,
-        keys: 64,
-        lanes: 16,
-        row_vectors: 3,
-        qk_keys: 8,
-        pv_channels: 8,
-    },
-    8,
-    3,
-    8
-);
+impl super::Arch for Avx512 {
+    const QK_KEYS: usize = 8;
+    const ROW_VECTORS: usize = 3;
+    const PV_CHANNELS: usize = 8;
+    const TASK_ROWS: usize = 1008;
+    const TILE_KEYS: usize = 64;
+}

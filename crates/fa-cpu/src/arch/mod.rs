@@ -1,10 +1,12 @@
-//! The one SIMD dispatch point: a small vector trait ([`Simd`]) implemented for AVX-512F,
-//! AVX2+FMA and a portable scalar fallback, the run-time detection (done once, cached), and
-//! the element-wise functions written once on top of the trait (`exp2`, `tanh`).
+//! The instruction sets: a small vector trait ([`Simd`]) implemented for AVX-512F, AVX2+FMA
+//! and a portable scalar fallback, each architecture's kernel sizes ([`Arch`]), the run-time
+//! detection (done once, cached), and the element-wise functions written once on top of the
+//! trait (`exp2`, `tanh`).
 //!
-//! Kernels in [`crate::kernel`] are generic over [`Simd`] and marked `#[inline(always)]`; each
-//! architecture module has one `#[target_feature]` entry point that instantiates them, so the
-//! whole tile loop is compiled with that architecture's instructions.
+//! This module is a leaf: it knows nothing of the kernels. The kernels in [`crate::kernel`] are
+//! generic over [`Arch`] and marked `#[inline(always)]`; [`crate::dispatch`] picks the
+//! architecture for a [`SimdLevel`] and enters its `#[target_feature]` trampoline, so the whole
+//! tile loop is compiled with that architecture's instructions.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -13,9 +15,6 @@ pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 pub(crate) mod scalar;
-
-#[cfg(test)]
-mod tests;
 
 /// The instruction set a call runs on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -106,6 +105,24 @@ pub(crate) fn detected() -> SimdLevel {
             level
         }
     }
+}
+
+/// An architecture's kernel sizes: the register blocking of its micro-kernels and its tile
+/// sizes (all in elements; the lanes are [`Simd::W`]). Only constants: reading them runs no
+/// instruction of the architecture.
+pub(crate) trait Arch: Simd {
+    /// Keys per `QKᵀ` micro-kernel (its `MR`): a key tile is padded to a multiple of it.
+    const QK_KEYS: usize;
+    /// Row vectors per micro-kernel (`NR`, both kernels): a task's rows are padded to a
+    /// multiple of `W·NR`, one row panel.
+    const ROW_VECTORS: usize;
+    /// Channels per `PV` micro-kernel (its `MR`): `head_dim_v` is padded to a multiple of it.
+    const PV_CHANNELS: usize;
+    /// Largest number of query rows (heads × positions) in a task: a multiple of
+    /// `W·ROW_VECTORS`.
+    const TASK_ROWS: usize;
+    /// Keys per key tile (`Bc`): a multiple of `QK_KEYS`.
+    const TILE_KEYS: usize;
 }
 
 /// A vector of `W` f32 lanes and the operations the kernels need.
@@ -275,158 +292,3 @@ pub(crate) unsafe fn tanh<S: Simd>(y: S::V) -> S::V {
         S::select_nan(y, y, signed)
     }
 }
-
-/// Generates an architecture's entry points: `TILING` and `run_task` (and, for the tests,
-/// slice-level wrappers of the kernels), all compiled with the architecture's features.
-macro_rules! arch_entry {
-    ($simd:ty, [$($feature:literal),*], $tiling:expr, $qmr:literal, $nr:literal, $vmr:literal) => {
-        /// Tile sizes of this architecture.
-        pub(crate) const TILING: crate::kernel::Tiling = $tiling;
-
-        /// Runs one task of the forward pass with this architecture's kernels.
-        ///
-        /// # Safety
-        /// The CPU must have this architecture's features (checked by the dispatch).
-        $(#[target_feature(enable = $feature)])*
-        pub(crate) unsafe fn run_task<T: crate::Element, O: crate::Element>(
-            ctx: &crate::kernel::Ctx<'_, T, O>,
-            task: &crate::kernel::Task,
-            scratch: &mut crate::kernel::Scratch,
-        ) -> crate::kernel::TaskStats {
-            // SAFETY: features present (caller); the constants are this module's tiling.
-            unsafe { crate::kernel::run_task::<$simd, T, O, $qmr, $nr, $vmr>(ctx, task, scratch) }
-        }
-
-        /// Slice-level wrappers of the kernels, for the twin tests.
-        #[cfg(test)]
-        pub(crate) mod twin {
-            use super::*;
-            use crate::arch::Simd;
-
-            /// `Sᵀ = K·Qᵀ` over a whole tile (`nk` a multiple of the micro-kernel's keys,
-            /// `rows` a multiple of its rows).
-            ///
-            /// # Safety
-            /// Features present; slices large enough (the test sizes them).
-            $(#[target_feature(enable = $feature)])*
-            pub(crate) unsafe fn qk(qt: &[f32], k: &[f32], d: usize, rows: usize, nk: usize, st: &mut [f32]) {
-                assert!(qt.len() >= d * rows && k.len() >= nk * d && st.len() >= nk * rows);
-                assert!(rows % ($nr * <$simd as Simd>::W) == 0 && nk % $qmr == 0);
-                // Pack K ([nk][d] row-major) into groups of QMR keys laid out [c][QMR].
-                let mut kp = vec![0.0f32; nk * d];
-                for j in 0..nk {
-                    for c in 0..d {
-                        kp[(j / $qmr) * d * $qmr + c * $qmr + j % $qmr] = k[j * d + c];
-                    }
-                }
-                for rv0 in (0..rows).step_by($nr * <$simd as Simd>::W) {
-                    for j in (0..nk).step_by($qmr) {
-                        // SAFETY: bounds asserted above.
-                        unsafe {
-                            crate::kernel::qk_micro::<$simd, $qmr, $nr>(
-                                qt.as_ptr().add(rv0), rows, kp[j * d..].as_ptr(), d,
-                                st.as_mut_ptr().add(j * rows + rv0), rows,
-                            )
-                        }
-                    }
-                }
-            }
-
-            /// `Oᵀ = Oᵀ·corr + Vᵀ·Pᵀ` over a whole tile.
-            ///
-            /// # Safety
-            /// Features present; slices large enough.
-            $(#[target_feature(enable = $feature)])*
-            pub(crate) unsafe fn pv(pt: &[f32], v: &[f32], dv: usize, rows: usize, nk: usize, ot: &mut [f32], corr: Option<&[f32]>) {
-                assert!(pt.len() >= nk * rows && v.len() >= nk * dv && ot.len() >= dv * rows);
-                assert!(rows % ($nr * <$simd as Simd>::W) == 0 && dv % $vmr == 0);
-                for rv0 in (0..rows).step_by($nr * <$simd as Simd>::W) {
-                    let c = corr.map_or(std::ptr::null(), |c| c[rv0..].as_ptr());
-                    for c0 in (0..dv).step_by($vmr) {
-                        // SAFETY: bounds asserted above.
-                        unsafe {
-                            crate::kernel::pv_micro::<$simd, $vmr, $nr>(
-                                pt.as_ptr().add(rv0), rows, v.as_ptr().add(c0), dv, nk,
-                                ot.as_mut_ptr().add(c0 * rows + rv0), rows, c,
-                            )
-                        }
-                    }
-                }
-            }
-
-            /// `exp2` over a slice (length a multiple of W).
-            ///
-            /// # Safety
-            /// Features present.
-            $(#[target_feature(enable = $feature)])*
-            pub(crate) unsafe fn exp2(x: &mut [f32], imp: crate::Exp2Impl) {
-                assert!(x.len() % <$simd as Simd>::W == 0);
-                // SAFETY: length asserted.
-                unsafe { crate::kernel::exp2_slice::<$simd>(x.as_mut_ptr(), x.len(), imp) }
-            }
-
-            /// `post·tanh` over a slice (length a multiple of W).
-            ///
-            /// # Safety
-            /// Features present.
-            $(#[target_feature(enable = $feature)])*
-            pub(crate) unsafe fn softcap(x: &mut [f32], post: f32) {
-                assert!(x.len() % <$simd as Simd>::W == 0);
-                // SAFETY: length asserted.
-                unsafe { crate::kernel::softcap_slice::<$simd>(x.as_mut_ptr(), x.len(), post) }
-            }
-
-            /// `dst[c·dst_stride + r] = src[r·src_stride + c]` for `r < rows`, `c < cols`.
-            ///
-            /// # Safety
-            /// Features present.
-            $(#[target_feature(enable = $feature)])*
-            pub(crate) unsafe fn transpose(src: &[f32], src_stride: usize, rows: usize, cols: usize, dst: &mut [f32], dst_stride: usize) {
-                assert!(rows == 0 || cols == 0 || (src.len() >= (rows - 1) * src_stride + cols && dst.len() >= (cols - 1) * dst_stride + rows));
-                assert!(src_stride >= cols && dst_stride >= rows);
-                // SAFETY: bounds asserted above; the slices do not overlap (two borrows).
-                unsafe { crate::kernel::transpose_region::<$simd>(src.as_ptr(), src_stride, rows, cols, dst.as_mut_ptr(), dst_stride) }
-            }
-
-            /// Packs `QMR` key rows (`keys`, `[QMR][d]`) into the QKᵀ kernel's `[d][QMR]` group.
-            ///
-            /// # Safety
-            /// Features present.
-            $(#[target_feature(enable = $feature)])*
-            pub(crate) unsafe fn pack_group(keys: &[f32], d: usize, group: &mut [f32]) {
-                assert!(keys.len() >= $qmr * d && group.len() >= d * $qmr);
-                // SAFETY: bounds asserted above; two borrows do not overlap.
-                unsafe { crate::kernel::pack_group::<$simd, $qmr>(keys.as_ptr(), d, group.as_mut_ptr()) }
-            }
-
-            /// [`crate::kernel::all_keep`] on one vector of references and block maxima.
-            ///
-            /// # Safety
-            /// Features present.
-            $(#[target_feature(enable = $feature)])*
-            pub(crate) unsafe fn all_keep(policy: &softmax_core::RescalePolicy<f32>, current: &[f32], block_max: &[f32]) -> Option<u32> {
-                assert!(current.len() >= <$simd as Simd>::W && block_max.len() >= <$simd as Simd>::W);
-                // SAFETY: W floats on both sides (asserted).
-                unsafe {
-                    crate::kernel::all_keep::<$simd>(
-                        policy,
-                        <$simd as Simd>::load(current.as_ptr()),
-                        <$simd as Simd>::load(block_max.as_ptr()),
-                    )
-                }
-            }
-
-            /// Widens f16 bit patterns.
-            ///
-            /// # Safety
-            /// Features present.
-            $(#[target_feature(enable = $feature)])*
-            pub(crate) unsafe fn widen_f16(src: &[u16], dst: &mut [f32]) {
-                let n = src.len().min(dst.len());
-                // SAFETY: n elements on both sides.
-                unsafe { <$simd as Simd>::widen_f16(src.as_ptr(), dst.as_mut_ptr(), n) }
-            }
-        }
-    };
-}
-pub(crate) use arch_entry;

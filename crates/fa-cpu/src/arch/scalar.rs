@@ -168,18 +168,10 @@ unsafe impl Simd for Scalar {
     }
 }
 
-super::arch_entry!(
-    Scalar,
-    [],
-    crate::kernel::Tiling {
-        rows: 256,
-        keys: 64,
-        lanes: 8,
-        row_vectors: 2,
-        qk_keys: 4,
-        pv_channels: 4,
-    },
-    4,
-    2,
-    4
-);
+impl super::Arch for Scalar {
+    const QK_KEYS: usize = 4;
+    const ROW_VECTORS: usize = 2;
+    const PV_CHANNELS: usize = 4;
+    const TASK_ROWS: usize = 256;
+    const TILE_KEYS: usize = 64;
+}

@@ -1,7 +1,13 @@
 //! Every SIMD kernel against its scalar twin over size sweeps, and the exponentials against
-//! f64.
+//! f64. The kernels are called on slices through small [`SimdTask`] wrappers and the same
+//! [`dispatch`] as the forward pass.
 
-use super::SimdLevel;
+use super::micro::{pv_micro, qk_micro};
+use super::pack::{pack_group, transpose_region};
+use super::softmax::{all_keep, exp2_slice, softcap_slice};
+use super::Tiling;
+use crate::arch::{Arch, SimdLevel};
+use crate::dispatch::{dispatch, Isa, SimdTask};
 use crate::Exp2Impl;
 use fa_reference::Rng;
 use softmax_core::rescale::Decision;
@@ -9,72 +15,376 @@ use softmax_core::{RescalePolicy, RescaleStats};
 
 const SIZES: [usize; 9] = [0, 1, 7, 31, 33, 64, 127, 128, 257];
 
-/// `(Qᵀ, K, d, rows, keys, Sᵀ)`.
-type QkFn = unsafe fn(&[f32], &[f32], usize, usize, usize, &mut [f32]);
-/// `(Pᵀ, V, dv, rows, keys, Oᵀ, correction)`.
-type PvFn = unsafe fn(&[f32], &[f32], usize, usize, usize, &mut [f32], Option<&[f32]>);
-
-/// One architecture's kernel wrappers.
-struct Arch {
+/// One architecture under test: its sizes, and its kernels on slices.
+struct ArchUnderTest {
     name: &'static str,
     lanes: usize,
     row_vectors: usize,
     qk_keys: usize,
     pv_channels: usize,
-    qk: QkFn,
-    pv: PvFn,
-    exp2: unsafe fn(&mut [f32], Exp2Impl),
-    softcap: unsafe fn(&mut [f32], f32),
-    widen_f16: unsafe fn(&[u16], &mut [f32]),
-    transpose: TransposeFn,
-    pack_group: unsafe fn(&[f32], usize, &mut [f32]),
-    all_keep: AllKeepFn,
+    isa: Isa,
 }
 
-/// `(policy, references, block maxima) → skipped count if every lane keeps`.
-type AllKeepFn = unsafe fn(&RescalePolicy<f32>, &[f32], &[f32]) -> Option<u32>;
+impl ArchUnderTest {
+    /// The architecture of `level`, if this CPU has it.
+    fn new(level: SimdLevel, name: &'static str) -> Option<Self> {
+        let isa = Isa::new(level)?;
+        let tiling = Tiling::for_level(level);
+        Some(ArchUnderTest {
+            name,
+            lanes: tiling.lanes,
+            row_vectors: tiling.row_vectors,
+            qk_keys: tiling.qk_keys,
+            pv_channels: tiling.pv_channels,
+            isa,
+        })
+    }
 
-/// `(src, src_stride, rows, cols, dst, dst_stride)`.
-type TransposeFn = unsafe fn(&[f32], usize, usize, usize, &mut [f32], usize);
+    /// `Sᵀ = K·Qᵀ` over a whole tile (`nk` a multiple of the micro-kernel's keys, `rows` a
+    /// multiple of its rows).
+    fn qk(&self, qt: &[f32], k: &[f32], d: usize, rows: usize, nk: usize, st: &mut [f32]) {
+        dispatch(
+            self.isa,
+            Qk {
+                qt,
+                k,
+                d,
+                rows,
+                nk,
+                st,
+            },
+        )
+    }
 
-macro_rules! arch {
-    ($m:path, $name:literal) => {{
-        use $m as m;
-        Arch {
-            name: $name,
-            lanes: m::TILING.lanes,
-            row_vectors: m::TILING.row_vectors,
-            qk_keys: m::TILING.qk_keys,
-            pv_channels: m::TILING.pv_channels,
-            qk: m::twin::qk,
-            pv: m::twin::pv,
-            exp2: m::twin::exp2,
-            softcap: m::twin::softcap,
-            widen_f16: m::twin::widen_f16,
-            transpose: m::twin::transpose,
-            pack_group: m::twin::pack_group,
-            all_keep: m::twin::all_keep,
+    /// `Oᵀ = Oᵀ·corr + Vᵀ·Pᵀ` over a whole tile.
+    #[allow(clippy::too_many_arguments)]
+    fn pv(
+        &self,
+        pt: &[f32],
+        v: &[f32],
+        dv: usize,
+        rows: usize,
+        nk: usize,
+        ot: &mut [f32],
+        corr: Option<&[f32]>,
+    ) {
+        dispatch(
+            self.isa,
+            Pv {
+                pt,
+                v,
+                dv,
+                rows,
+                nk,
+                ot,
+                corr,
+            },
+        )
+    }
+
+    /// `exp2` over a slice (length a multiple of W).
+    fn exp2(&self, x: &mut [f32], imp: Exp2Impl) {
+        dispatch(self.isa, Exp2 { x, imp })
+    }
+
+    /// `post·tanh` over a slice (length a multiple of W).
+    fn softcap(&self, x: &mut [f32], post: f32) {
+        dispatch(self.isa, Softcap { x, post })
+    }
+
+    /// Widens f16 bit patterns.
+    fn widen_f16(&self, src: &[u16], dst: &mut [f32]) {
+        dispatch(self.isa, WidenF16 { src, dst })
+    }
+
+    /// `dst[c·dst_stride + r] = src[r·src_stride + c]` for `r < rows`, `c < cols`.
+    fn transpose(
+        &self,
+        src: &[f32],
+        src_stride: usize,
+        rows: usize,
+        cols: usize,
+        dst: &mut [f32],
+        dst_stride: usize,
+    ) {
+        dispatch(
+            self.isa,
+            Transpose {
+                src,
+                src_stride,
+                rows,
+                cols,
+                dst,
+                dst_stride,
+            },
+        )
+    }
+
+    /// Packs `QK` key rows (`keys`, `[QK][d]`) into the QKᵀ kernel's `[d][QK]` group.
+    fn pack_group(&self, keys: &[f32], d: usize, group: &mut [f32]) {
+        dispatch(self.isa, PackGroup { keys, d, group })
+    }
+
+    /// [`all_keep`] on one vector of references and block maxima.
+    fn all_keep(
+        &self,
+        policy: &RescalePolicy<f32>,
+        current: &[f32],
+        block_max: &[f32],
+    ) -> Option<u32> {
+        dispatch(
+            self.isa,
+            AllKeep {
+                policy,
+                current,
+                block_max,
+            },
+        )
+    }
+}
+
+/// See [`ArchUnderTest::qk`].
+struct Qk<'a> {
+    qt: &'a [f32],
+    k: &'a [f32],
+    d: usize,
+    rows: usize,
+    nk: usize,
+    st: &'a mut [f32],
+}
+
+impl SimdTask for Qk<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        let Qk {
+            qt,
+            k,
+            d,
+            rows,
+            nk,
+            st,
+        } = self;
+        assert!(qt.len() >= d * rows && k.len() >= nk * d && st.len() >= nk * rows);
+        assert!(rows.is_multiple_of(NR * A::W) && nk.is_multiple_of(QK));
+        // Pack K ([nk][d] row-major) into groups of QK keys laid out [c][QK].
+        let mut kp = vec![0.0f32; nk * d];
+        for j in 0..nk {
+            for c in 0..d {
+                kp[(j / QK) * d * QK + c * QK + j % QK] = k[j * d + c];
+            }
         }
-    }};
+        for rv0 in (0..rows).step_by(NR * A::W) {
+            for j in (0..nk).step_by(QK) {
+                // SAFETY: bounds asserted above; A available (caller).
+                unsafe {
+                    qk_micro::<A, QK, NR>(
+                        qt.as_ptr().add(rv0),
+                        rows,
+                        kp[j * d..].as_ptr(),
+                        d,
+                        st.as_mut_ptr().add(j * rows + rv0),
+                        rows,
+                    )
+                }
+            }
+        }
+    }
 }
 
-fn scalar() -> Arch {
-    arch!(crate::arch::scalar, "scalar")
+/// See [`ArchUnderTest::pv`].
+struct Pv<'a> {
+    pt: &'a [f32],
+    v: &'a [f32],
+    dv: usize,
+    rows: usize,
+    nk: usize,
+    ot: &'a mut [f32],
+    corr: Option<&'a [f32]>,
+}
+
+impl SimdTask for Pv<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        let Pv {
+            pt,
+            v,
+            dv,
+            rows,
+            nk,
+            ot,
+            corr,
+        } = self;
+        assert!(pt.len() >= nk * rows && v.len() >= nk * dv && ot.len() >= dv * rows);
+        assert!(rows.is_multiple_of(NR * A::W) && dv.is_multiple_of(PV));
+        for rv0 in (0..rows).step_by(NR * A::W) {
+            let c = corr.map_or(std::ptr::null(), |c| c[rv0..].as_ptr());
+            for c0 in (0..dv).step_by(PV) {
+                // SAFETY: bounds asserted above; A available (caller).
+                unsafe {
+                    pv_micro::<A, PV, NR>(
+                        pt.as_ptr().add(rv0),
+                        rows,
+                        v.as_ptr().add(c0),
+                        dv,
+                        nk,
+                        ot.as_mut_ptr().add(c0 * rows + rv0),
+                        rows,
+                        c,
+                    )
+                }
+            }
+        }
+    }
+}
+
+/// See [`ArchUnderTest::exp2`].
+struct Exp2<'a> {
+    x: &'a mut [f32],
+    imp: Exp2Impl,
+}
+
+impl SimdTask for Exp2<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        assert!(self.x.len().is_multiple_of(A::W));
+        // SAFETY: length asserted; A available (caller).
+        unsafe { exp2_slice::<A>(self.x.as_mut_ptr(), self.x.len(), self.imp) }
+    }
+}
+
+/// See [`ArchUnderTest::softcap`].
+struct Softcap<'a> {
+    x: &'a mut [f32],
+    post: f32,
+}
+
+impl SimdTask for Softcap<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        assert!(self.x.len().is_multiple_of(A::W));
+        // SAFETY: length asserted; A available (caller).
+        unsafe { softcap_slice::<A>(self.x.as_mut_ptr(), self.x.len(), self.post) }
+    }
+}
+
+/// See [`ArchUnderTest::widen_f16`].
+struct WidenF16<'a> {
+    src: &'a [u16],
+    dst: &'a mut [f32],
+}
+
+impl SimdTask for WidenF16<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        let n = self.src.len().min(self.dst.len());
+        // SAFETY: n elements on both sides; A available (caller).
+        unsafe { A::widen_f16(self.src.as_ptr(), self.dst.as_mut_ptr(), n) }
+    }
+}
+
+/// See [`ArchUnderTest::transpose`].
+struct Transpose<'a> {
+    src: &'a [f32],
+    src_stride: usize,
+    rows: usize,
+    cols: usize,
+    dst: &'a mut [f32],
+    dst_stride: usize,
+}
+
+impl SimdTask for Transpose<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        let Transpose {
+            src,
+            src_stride,
+            rows,
+            cols,
+            dst,
+            dst_stride,
+        } = self;
+        assert!(
+            rows == 0
+                || cols == 0
+                || (src.len() >= (rows - 1) * src_stride + cols
+                    && dst.len() >= (cols - 1) * dst_stride + rows)
+        );
+        assert!(src_stride >= cols && dst_stride >= rows);
+        // SAFETY: bounds asserted above; the slices do not overlap (two borrows); A
+        // available (caller).
+        unsafe {
+            transpose_region::<A>(
+                src.as_ptr(),
+                src_stride,
+                rows,
+                cols,
+                dst.as_mut_ptr(),
+                dst_stride,
+            )
+        }
+    }
+}
+
+/// See [`ArchUnderTest::pack_group`].
+struct PackGroup<'a> {
+    keys: &'a [f32],
+    d: usize,
+    group: &'a mut [f32],
+}
+
+impl SimdTask for PackGroup<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        let PackGroup { keys, d, group } = self;
+        assert!(keys.len() >= QK * d && group.len() >= d * QK);
+        // SAFETY: bounds asserted above; two borrows do not overlap; A available (caller).
+        unsafe { pack_group::<A, QK>(keys.as_ptr(), d, group.as_mut_ptr()) }
+    }
+}
+
+/// See [`ArchUnderTest::all_keep`].
+struct AllKeep<'a> {
+    policy: &'a RescalePolicy<f32>,
+    current: &'a [f32],
+    block_max: &'a [f32],
+}
+
+impl SimdTask for AllKeep<'_> {
+    type Output = Option<u32>;
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) -> Option<u32> {
+        assert!(self.current.len() >= A::W && self.block_max.len() >= A::W);
+        // SAFETY: W floats on both sides (asserted); A available (caller).
+        unsafe {
+            all_keep::<A>(
+                self.policy,
+                A::load(self.current.as_ptr()),
+                A::load(self.block_max.as_ptr()),
+            )
+        }
+    }
+}
+
+fn scalar() -> ArchUnderTest {
+    ArchUnderTest::new(SimdLevel::Scalar, "scalar").expect("the scalar path always runs")
 }
 
 /// The SIMD architectures this CPU can run (each is compared with the scalar twin).
-fn simd_archs() -> Vec<Arch> {
-    #[allow(unused_mut)]
-    let mut v = Vec::new();
-    #[cfg(target_arch = "x86_64")]
-    {
-        if SimdLevel::Avx2Fma.is_available() {
-            v.push(arch!(crate::arch::avx2, "avx2"));
-        }
-        if SimdLevel::Avx512f.is_available() {
-            v.push(arch!(crate::arch::avx512, "avx512"));
-        }
-    }
+fn simd_archs() -> Vec<ArchUnderTest> {
+    let v: Vec<ArchUnderTest> = [
+        ArchUnderTest::new(SimdLevel::Avx2Fma, "avx2"),
+        ArchUnderTest::new(SimdLevel::Avx512f, "avx512"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     if v.is_empty() {
         eprintln!("no SIMD level on this CPU: only the scalar kernels are tested");
     }
@@ -83,7 +393,7 @@ fn simd_archs() -> Vec<Arch> {
 
 /// The SIMD architectures this CPU can run, then the scalar path (for properties every one of
 /// them must have on its own).
-fn all_archs() -> Vec<Arch> {
+fn all_archs() -> Vec<ArchUnderTest> {
     let mut v = simd_archs();
     v.push(scalar());
     v
@@ -122,8 +432,7 @@ fn qk_matches_scalar_twin_and_f64() {
                 let k = draw(&mut rng, nk * d);
                 let mut got = vec![f32::NAN; nk * rows];
                 let mut want = vec![f32::NAN; nk * rows];
-                // SAFETY: the level is available (checked by simd_archs); sizes as asserted.
-                unsafe { (a.qk)(&qt, &k, d, rows, nk, &mut got) };
+                a.qk(&qt, &k, d, rows, nk, &mut got);
                 let srows = s.lanes * s.row_vectors;
                 // The scalar twin's panel is narrower: run it panel by panel of its width.
                 for p0 in (0..rows).step_by(srows) {
@@ -131,8 +440,7 @@ fn qk_matches_scalar_twin_and_f64() {
                         .flat_map(|c| qt[c * rows + p0..c * rows + p0 + srows].to_vec())
                         .collect();
                     let mut sp = vec![f32::NAN; nk * srows];
-                    // SAFETY: the scalar path needs no CPU feature.
-                    unsafe { (s.qk)(&qp, &k, d, srows, nk, &mut sp) };
+                    s.qk(&qp, &k, d, srows, nk, &mut sp);
                     for j in 0..nk {
                         want[j * rows + p0..j * rows + p0 + srows]
                             .copy_from_slice(&sp[j * srows..(j + 1) * srows]);
@@ -171,8 +479,7 @@ fn pv_matches_scalar_twin_and_f64() {
                     let corr: Vec<f32> = (0..rows).map(|i| 0.5 + (i % 3) as f32 * 0.25).collect();
                     let c = with_corr.then_some(&corr[..]);
                     let mut got = ot0.clone();
-                    // SAFETY: level available; sizes as asserted in the wrapper.
-                    unsafe { (a.pv)(&pt, &v, dvp, rows, nk, &mut got, c) };
+                    a.pv(&pt, &v, dvp, rows, nk, &mut got, c);
                     let mut want = ot0.clone();
                     for p0 in (0..rows).step_by(srows) {
                         let pp: Vec<f32> = (0..nk)
@@ -182,8 +489,7 @@ fn pv_matches_scalar_twin_and_f64() {
                             .flat_map(|ch| ot0[ch * rows + p0..ch * rows + p0 + srows].to_vec())
                             .collect();
                         let cp = c.map(|c| &c[p0..p0 + srows]);
-                        // SAFETY: the scalar path needs no CPU feature.
-                        unsafe { (s.pv)(&pp, &v, dvp, srows, nk, &mut op, cp) };
+                        s.pv(&pp, &v, dvp, srows, nk, &mut op, cp);
                         for ch in 0..dvp {
                             want[ch * rows + p0..ch * rows + p0 + srows]
                                 .copy_from_slice(&op[ch * srows..(ch + 1) * srows]);
@@ -246,8 +552,7 @@ fn exp2_exact_accuracy_and_specials_every_arch() {
     for a in all_archs() {
         let x = exp2_inputs(200_003, a.lanes);
         let mut y = x.clone();
-        // SAFETY: level available (or scalar).
-        unsafe { (a.exp2)(&mut y, Exp2Impl::Exact) };
+        a.exp2(&mut y, Exp2Impl::Exact);
         let mut worst = 0.0f64;
         for (&xi, &yi) in x.iter().zip(&y) {
             let exact = (xi as f64).exp2();
@@ -276,8 +581,7 @@ fn exp2_cubic_matches_softmax_core() {
     for a in all_archs() {
         let x = exp2_inputs(100_001, a.lanes);
         let mut y = x.clone();
-        // SAFETY: level available (or scalar).
-        unsafe { (a.exp2)(&mut y, Exp2Impl::Cubic) };
+        a.exp2(&mut y, Exp2Impl::Cubic);
         for (&xi, &yi) in x.iter().zip(&y) {
             let want = softmax_core::exp2_cubic(xi);
             if xi.is_nan() {
@@ -305,8 +609,7 @@ fn softcap_tanh_matches_f64() {
         x.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e-7]);
         x.resize(round_up(x.len(), a.lanes), 0.25);
         let mut y = x.clone();
-        // SAFETY: level available (or scalar).
-        unsafe { (a.softcap)(&mut y, 3.0) };
+        a.softcap(&mut y, 3.0);
         for (&xi, &yi) in x.iter().zip(&y) {
             if xi.is_nan() {
                 assert!(yi.is_nan());
@@ -328,8 +631,7 @@ fn widen_f16_matches_half() {
         for &n in &SIZES {
             let src: Vec<u16> = (0..n).map(|i| (i as u16).wrapping_mul(40_503)).collect();
             let mut dst = vec![f32::NAN; n];
-            // SAFETY: level available (or scalar).
-            unsafe { (a.widen_f16)(&src, &mut dst) };
+            a.widen_f16(&src, &mut dst);
             for (&h, &f) in src.iter().zip(&dst) {
                 let want = half::f16::from_bits(h).to_f32();
                 assert!(want.to_bits() == f.to_bits() || (want.is_nan() && f.is_nan()));
@@ -338,8 +640,7 @@ fn widen_f16_matches_half() {
         // Every f16 bit pattern once.
         let all: Vec<u16> = (0..=u16::MAX).collect();
         let mut dst = vec![0.0f32; all.len()];
-        // SAFETY: as above.
-        unsafe { (a.widen_f16)(&all, &mut dst) };
+        a.widen_f16(&all, &mut dst);
         for (&h, &f) in all.iter().zip(&dst) {
             let want = half::f16::from_bits(h).to_f32();
             assert!(
@@ -352,8 +653,8 @@ fn widen_f16_matches_half() {
 
 #[test]
 fn detection_is_cached_and_consistent() {
-    let level = super::detected();
-    assert_eq!(level, super::detected());
+    let level = crate::arch::detected();
+    assert_eq!(level, crate::arch::detected());
     assert!(level.is_available());
     assert_eq!(crate::simd_level(), level.name());
 }
@@ -367,8 +668,7 @@ fn transpose_is_exact_and_touches_nothing_else() {
                 let (src_stride, dst_stride) = (cols + 3, rows + 5);
                 let src = draw(&mut rng, rows.max(1) * src_stride);
                 let mut dst = vec![f32::NAN; cols.max(1) * dst_stride];
-                // SAFETY: this CPU has the architecture (simd_archs checks); sizes match.
-                unsafe { (arch.transpose)(&src, src_stride, rows, cols, &mut dst, dst_stride) };
+                arch.transpose(&src, src_stride, rows, cols, &mut dst, dst_stride);
                 for c in 0..cols.max(1) {
                     for r in 0..dst_stride {
                         let got = dst[c * dst_stride + r];
@@ -397,8 +697,7 @@ fn pack_group_is_exact_for_every_head_dim() {
         for d in (1..=40).chain([63, 64, 65, 127, 128, 129, 255, 256]) {
             let keys = draw(&mut rng, mr * d);
             let mut group = vec![f32::NAN; d * mr + 7];
-            // SAFETY: this CPU has the architecture; sizes match.
-            unsafe { (arch.pack_group)(&keys, d, &mut group) };
+            arch.pack_group(&keys, d, &mut group);
             for c in 0..d {
                 for j in 0..mr {
                     assert_eq!(
@@ -464,8 +763,7 @@ fn all_keep_agrees_with_decide() {
                 let mut stats = RescaleStats::default();
                 let all = (0..w)
                     .all(|l| policy.decide(current[l], block_max[l], &mut stats) == Decision::Keep);
-                // SAFETY: this CPU has the architecture; W lanes on both sides.
-                let got = unsafe { (arch.all_keep)(policy, &current, &block_max) };
+                let got = arch.all_keep(policy, &current, &block_max);
                 // A row without a reference (−∞) always goes to the per-row rule: its offset is
                 // 0, not its reference.
                 if current.contains(&f32::NEG_INFINITY) {

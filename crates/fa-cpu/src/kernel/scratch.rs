@@ -1,0 +1,166 @@
+//! Per-thread scratch ([`Scratch`], grown on demand and reused across tasks and calls) and the
+//! output buffers the tasks share ([`SharedOut`]).
+
+use super::pack::prefetch_lines;
+use super::tiling::Tiling;
+use super::CACHE_LINE;
+use crate::arch::Simd;
+use softmax_core::{RowState, TileKind};
+
+/// A pointer to an output buffer shared by the tasks, each writing its own elements.
+#[derive(Debug)]
+pub(crate) struct SharedOut<E> {
+    ptr: *mut E,
+    len: usize,
+}
+
+impl<E> Clone for SharedOut<E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<E> Copy for SharedOut<E> {}
+
+// SAFETY: tasks write disjoint elements (each (sequence, head, query) row belongs to exactly
+// one task, and validation rejects output strides under which two rows overlap), and the
+// buffer outlives the parallel region (it is borrowed mutably by `forward` for its whole run).
+unsafe impl<E: Send> Send for SharedOut<E> {}
+// SAFETY: as for Send: concurrent writes never touch the same element.
+unsafe impl<E: Send> Sync for SharedOut<E> {}
+
+impl<E> SharedOut<E> {
+    /// Wraps a buffer that outlives every use of the result.
+    pub fn new(buf: &mut [E]) -> Self {
+        SharedOut {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        }
+    }
+
+    /// Writes `value` at `index` (ignored out of bounds, which validation rules out).
+    #[inline(always)]
+    pub fn write(&self, index: usize, value: E) {
+        if index < self.len {
+            // SAFETY: in bounds (checked); no other task writes this element (see Send).
+            unsafe { self.ptr.add(index).write(value) };
+        }
+    }
+
+    /// Prefetches the cache lines of `start..start + n` (nothing if that range is out of
+    /// bounds). No effect on the contents.
+    #[inline(always)]
+    pub fn prefetch_row<S: Simd>(&self, start: usize, n: usize) {
+        if start.checked_add(n).is_some_and(|end| end <= self.len) {
+            // `start + n ≤ len`: the range is inside the buffer.
+            prefetch_lines::<S>(
+                self.ptr.wrapping_add(start) as *const u8,
+                n * std::mem::size_of::<E>(),
+            );
+        }
+    }
+
+    /// Writes `values` at `start..start + values.len()` (nothing if that range is out of
+    /// bounds, which validation rules out). One bounds check per row, so the compiler emits
+    /// plain stores (per-element checks became masked stores, slow on Zen).
+    #[inline(always)]
+    pub fn write_row(&self, start: usize, values: impl ExactSizeIterator<Item = E>) {
+        let n = values.len();
+        if start.checked_add(n).is_some_and(|end| end <= self.len) {
+            for (i, v) in values.enumerate() {
+                // SAFETY: start + i < start + n ≤ len (checked); no other task writes these
+                // elements (see Send).
+                unsafe { self.ptr.add(start + i).write(v) };
+            }
+        }
+    }
+}
+/// Per-thread scratch, grown on demand and reused across tasks and calls.
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    /// `Qᵀ`, panel-major.
+    pub qt: Vec<f32>,
+    /// `Oᵀ`, panel-major.
+    pub ot: Vec<f32>,
+    /// One panel's score tile `Sᵀ` (then `Pᵀ`).
+    pub st: Vec<f32>,
+    /// The packed K tile.
+    pub kt: Vec<f32>,
+    /// The packed V tile.
+    pub vt: Vec<f32>,
+    /// A panel of rows (or a group of keys) on its way in or out of a transpose.
+    pub row: Vec<f32>,
+    /// Row-major probabilities for the hook.
+    pub probs: Vec<f32>,
+    /// Each row's accumulator correction for the current key tile.
+    pub corr: Vec<f32>,
+    /// Each row's online-softmax state.
+    pub states: Vec<RowState<f32>>,
+    /// Each row panel's kind against the current key tile.
+    pub kinds: Vec<TileKind>,
+}
+
+/// f32 elements a task's scratch needs (the companion of [`crate::Workspace`]).
+pub(crate) fn scratch_elems(
+    tiling: &Tiling,
+    head_dim: usize,
+    head_dim_v: usize,
+    hook: bool,
+) -> usize {
+    let rows = tiling.rows;
+    let dv_pad = head_dim_v.div_ceil(tiling.pv_channels) * tiling.pv_channels;
+    let keys = tiling.keys_for(head_dim, head_dim_v, false); // the larger of the two
+    head_dim * rows
+        + dv_pad * rows
+        + keys * tiling.lanes * tiling.row_vectors
+        + keys * head_dim
+        + keys * Tiling::v_stride(dv_pad)
+        + tiling.lanes * tiling.row_vectors * head_dim.max(head_dim_v)
+        + if hook {
+            keys * tiling.lanes * tiling.row_vectors
+        } else {
+            0
+        }
+        + rows * 3
+        + 6 * ALIGN_SLACK
+}
+
+impl Scratch {
+    /// Bytes currently held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.qt.capacity()
+            + self.ot.capacity()
+            + self.st.capacity()
+            + self.kt.capacity()
+            + self.vt.capacity()
+            + self.row.capacity()
+            + self.probs.capacity()
+            + self.corr.capacity())
+            + self.states.capacity() * std::mem::size_of::<RowState<f32>>()
+    }
+}
+
+/// Floats of slack per vector buffer, so that its slice can start on a cache line.
+const ALIGN_SLACK: usize = CACHE_LINE / 4;
+
+/// Like [`ensure`], but the returned `len` floats start on a 64-byte boundary (the buffer
+/// keeps [`ALIGN_SLACK`] floats of slack). The panels of `Qᵀ`, `Oᵀ` and the scores are whole
+/// cache lines (`W·NR` floats, 64 or 192 bytes), so from an aligned start no vector load or
+/// store of the micro-kernels crosses a line; from the allocator's 16-byte-aligned start,
+/// every 64-byte AVX-512 access and every other 32-byte AVX2 access did. The contents are
+/// unspecified (callers write before they read), and only speed depends on the alignment.
+pub(crate) fn ensure_aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    let whole = ensure(buf, len + ALIGN_SLACK, 0.0);
+    let offset = whole.as_ptr().align_offset(CACHE_LINE).min(ALIGN_SLACK);
+    &mut whole[offset..offset + len]
+}
+
+/// Grows `buf` to at least `len` elements (never shrinks) and returns the first `len`.
+pub(crate) fn ensure<E: Copy>(buf: &mut Vec<E>, len: usize, fill: E) -> &mut [E] {
+    if buf.len() < len {
+        // Exactly what is asked: `resize` alone may double the capacity when a later task
+        // needs a little more, past what `scratch_elems` promises.
+        buf.reserve_exact(len - buf.len());
+        buf.resize(len, fill);
+    }
+    &mut buf[..len]
+}
