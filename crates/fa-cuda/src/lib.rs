@@ -63,6 +63,7 @@ mod device;
 mod error;
 pub mod kernels;
 mod params;
+mod raw;
 
 pub use device::{
     arch_for, driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, DeviceOut,
@@ -71,4 +72,5 @@ pub use device::{
 pub use error::CudaError;
 pub use kernels::{LaunchShape, Tiles, Variant};
 pub use params::ForwardOptions;
+pub use raw::{CuSeqlens, RawOut, RawTensor};
 pub use softmax_core::DType;
