@@ -193,7 +193,7 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
 fn desc_seqlen_k(desc: &ProblemDesc) -> usize {
     match desc.sequences {
         softmax_core::Sequences::Fixed { seqlen_k, .. } => seqlen_k,
-        softmax_core::Sequences::Varlen { .. } => 0,
+        softmax_core::Sequences::Varlen { .. } | softmax_core::Sequences::VarlenDevice { .. } => 0,
     }
 }
 

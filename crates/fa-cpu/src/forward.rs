@@ -60,6 +60,7 @@ pub fn forward_with_workspace<T: Element, O: Element>(
             what: "fa-cpu does not read KV-cache layouts yet",
         });
     }
+    problem.require_host_seqlens()?;
     problem.check_buffers(BufferLens::of(&qkv, &out))?;
     // P stays f32 here (a probability hook may narrow it, and checks its own range).
     opts.rescale.check(DType::F32.max_finite(), 0.0)?;

@@ -4,7 +4,8 @@ use crate::compile::{compile_cached, nvrtc_available, KernelOrigin};
 use crate::error::CudaError;
 use crate::kernels::{arch_for, DeviceProps, KernelVariant, LaunchShape, Variant};
 use crate::params::{prepare, ForwardOptions, KernelParams, Prepared};
-use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
+use crate::raw::{check_raw, CuSeqlens, Pointers, RawCall, RawOut, RawTensor};
+use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
     PushKernelArg, ValidAsZeroBits,
@@ -151,22 +152,27 @@ impl std::fmt::Debug for Device {
 }
 
 impl Device {
-    /// Opens device `ordinal`. A machine without driver, NVRTC or such a device gets an error
-    /// value, never a panic.
+    /// Opens device `ordinal` in its primary context (`cuDevicePrimaryCtxRetain`: the context
+    /// the CUDA runtime, and so PyTorch, uses on that device). A machine without driver, NVRTC
+    /// or such a device gets an error value, never a panic.
     pub fn open(ordinal: usize) -> Result<Device, CudaError> {
-        if !driver_available() {
-            return Err(CudaError::NoDriver);
-        }
-        if !nvrtc_available() {
-            return Err(CudaError::NoNvrtc);
-        }
+        Self::check_libraries()?;
         let count = CudaContext::device_count()
             .map_err(|e| CudaError::driver("cuDeviceGetCount", e))?
             .max(0) as usize;
         if ordinal >= count {
             return Err(CudaError::NoDevice { ordinal, count });
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::driver("cuCtxCreate", e))?;
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| CudaError::driver("cuDevicePrimaryCtxRetain", e))?;
+        Self::from_context(ctx)
+    }
+
+    /// A device on a context the caller already has (a cudarc `CudaContext`, primary or not):
+    /// kernels are loaded into it and buffers of it are accepted. The device keeps the `Arc`
+    /// (the context lives as long as the device does).
+    pub fn from_context(ctx: Arc<CudaContext>) -> Result<Device, CudaError> {
+        Self::check_libraries()?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| CudaError::driver("cuDeviceGetAttribute", e))?;
@@ -203,6 +209,82 @@ impl Device {
             props,
             functions: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// A device on a raw `CUcontext` handed over by a C or Python caller. cudarc can share a
+    /// context without owning it only when it is a primary context (retained again here and
+    /// released when the device is dropped), which is what the CUDA runtime and PyTorch use;
+    /// any other context is [`CudaError::NotPrimaryContext`].
+    ///
+    /// # Safety
+    /// `raw` must be a live context handle (not destroyed) for the duration of this call.
+    pub unsafe fn from_raw_context(raw: sys::CUcontext) -> Result<Device, CudaError> {
+        Self::check_libraries()?;
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: `raw` is a live context (the caller's contract); pushing it, asking its
+        // device and popping it leaves this thread's context stack as it was.
+        unsafe {
+            sys::cuCtxPushCurrent_v2(raw)
+                .result()
+                .map_err(|e| CudaError::driver("cuCtxPushCurrent", e))?;
+            let got = sys::cuCtxGetDevice(&mut dev).result();
+            let mut popped: sys::CUcontext = core::ptr::null_mut();
+            sys::cuCtxPopCurrent_v2(&mut popped)
+                .result()
+                .map_err(|e| CudaError::driver("cuCtxPopCurrent", e))?;
+            got.map_err(|e| CudaError::driver("cuCtxGetDevice", e))?;
+        }
+        let count = CudaContext::device_count()
+            .map_err(|e| CudaError::driver("cuDeviceGetCount", e))?
+            .max(0) as usize;
+        for ordinal in 0..count {
+            let this = cudarc::driver::result::device::get(ordinal as i32)
+                .map_err(|e| CudaError::driver("cuDeviceGet", e))?;
+            if this == dev {
+                let device = Self::open(ordinal)?;
+                return if device.ctx.cu_ctx() == raw {
+                    Ok(device)
+                } else {
+                    Err(CudaError::NotPrimaryContext)
+                };
+            }
+        }
+        Err(CudaError::NoDevice {
+            ordinal: dev.max(0) as usize,
+            count,
+        })
+    }
+
+    /// The driver and NVRTC libraries load (cudarc panics on the first call without them).
+    fn check_libraries() -> Result<(), CudaError> {
+        if !driver_available() {
+            return Err(CudaError::NoDriver);
+        }
+        if !nvrtc_available() {
+            return Err(CudaError::NoNvrtc);
+        }
+        Ok(())
+    }
+
+    /// The context the device runs in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream of the owned-buffer API (the context's default stream).
+    pub fn default_stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Wraps a caller's raw `CUstream` (e.g. PyTorch's `torch.cuda.current_stream().cuda_stream`)
+    /// for [`Device::forward_on_stream`]; dropping the wrapper does not destroy the stream.
+    ///
+    /// # Safety
+    /// `raw` must be a stream of this device's context (or null: the legacy default stream)
+    /// that its owner keeps alive while the wrapper is used.
+    pub unsafe fn borrow_stream(&self, raw: sys::CUstream) -> Arc<CudaStream> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.ctx.wrap_borrowed_stream(raw) }
     }
 
     /// The device's name as the driver reports it.
@@ -303,7 +385,8 @@ impl Device {
 
     /// Checks that a buffer was allocated in this device's context.
     fn owns<T: DeviceElement>(&self, buf: &DeviceBuffer<T>) -> Result<(), CudaError> {
-        if Arc::ptr_eq(buf.slice.context(), &self.ctx) {
+        // Same context, whichever `Arc` wraps it (a primary context retained twice is one).
+        if **buf.slice.context() == *self.ctx {
             Ok(())
         } else {
             Err(CudaError::ForeignBuffer)
@@ -313,8 +396,9 @@ impl Device {
     /// Forward attention on device buffers: `out.o` (and `out.lse`, natural log,
     /// FlashAttention's layout) receive softmax(QKᵀ·scale)·V for the validated `problem` (BSHD
     /// with strides, or packed varlen: its `cu_seqlens` are copied to the device by this call).
-    /// Bad input returns a [`CudaError::Problem`] before anything is queued. Waits for the
-    /// kernel.
+    /// Bad input returns a [`CudaError::Problem`] before anything is queued. Runs on the
+    /// device's default stream through [`Device::forward_on_stream`] and waits for the kernel
+    /// (so the buffers are free to reuse when it returns).
     pub fn forward<T: CudaElement>(
         &self,
         problem: &Problem,
@@ -322,10 +406,7 @@ impl Device {
         out: DeviceOut<'_, T>,
         opts: &ForwardOptions,
     ) -> Result<ForwardStats, CudaError> {
-        let Out { o, lse } = out;
-        let prepared = self.check(problem, qkv, &*o, lse.as_deref(), opts)?;
-        let stats = self.launch(&prepared, qkv, o, lse.as_deref(), opts.time_kernel, 1)?;
-        self.synchronize()?;
+        let stats = self.forward_owned(problem, qkv, out, opts, 1)?;
         Ok(stats.into_iter().next().unwrap_or_default())
     }
 
@@ -341,41 +422,171 @@ impl Device {
         warmup: usize,
         iters: usize,
     ) -> Result<Vec<f32>, CudaError> {
-        let prepared = self.check(problem, qkv, &*out, None, opts)?;
-        self.launch(&prepared, qkv, out, None, false, warmup)?;
-        let stats = self.launch(&prepared, qkv, out, None, true, iters)?;
-        self.synchronize()?;
+        let untimed = ForwardOptions {
+            time_kernel: false,
+            ..*opts
+        };
+        self.forward_owned(problem, qkv, Out::new(&mut *out), &untimed, warmup)?;
+        let timed = ForwardOptions {
+            time_kernel: true,
+            ..*opts
+        };
+        let stats = self.forward_owned(problem, qkv, Out::new(out), &timed, iters)?;
         Ok(stats.iter().filter_map(|s| s.kernel_ms).collect())
     }
 
-    /// Checks a call on device buffers: the lengths through `softmax-core`, this backend's
-    /// limits, and that every buffer is this device's.
-    fn check<'a, T: CudaElement>(
+    /// The owned-buffer layer: checks that the buffers are this context's, views them as raw
+    /// tensors, queues `repeat` launches on the default stream and waits for them.
+    fn forward_owned<T: CudaElement>(
         &self,
-        problem: &Problem<'a>,
+        problem: &Problem,
         qkv: Qkv<&DeviceBuffer<T>>,
-        out: &DeviceBuffer<T>,
-        lse: Option<&DeviceBuffer<f32>>,
+        out: DeviceOut<'_, T>,
         opts: &ForwardOptions,
-    ) -> Result<Prepared<'a>, CudaError> {
-        let lens = BufferLens::of(&qkv, &Out { o: out, lse });
-        let prepared = prepare(problem, lens, T::DTYPE, opts, &self.props)?;
-        for b in [qkv.q, qkv.k, qkv.v, out] {
+        repeat: usize,
+    ) -> Result<Vec<ForwardStats>, CudaError> {
+        let Out { o, lse } = out;
+        for b in [qkv.q, qkv.k, qkv.v, &*o] {
             self.owns(b)?;
         }
-        if let Some(l) = lse {
+        if let Some(l) = lse.as_deref() {
             self.owns(l)?;
         }
-        Ok(prepared)
+        let stream = &self.stream;
+        // The guards record cudarc's read/write events when the launch is queued.
+        let (q, _gq) = raw_view(qkv.q, stream);
+        let (k, _gk) = raw_view(qkv.k, stream);
+        let (v, _gv) = raw_view(qkv.v, stream);
+        let (o, _go) = raw_view(&*o, stream);
+        let lse = lse.as_deref().map(|l| raw_view(l, stream));
+        let call = RawCall {
+            qkv: Qkv::new(q, k, v),
+            out: Out {
+                o,
+                lse: lse.as_ref().map(|l| l.0),
+            },
+            cu_seqlens: None,
+        };
+        let stats = self.launch_raw(problem, call, stream, opts, repeat)?;
+        self.synchronize()?;
+        Ok(stats)
     }
 
-    /// Queues `repeat` launches of a prepared call (buffers already checked).
-    fn launch<T: CudaElement>(
+    /// Forward attention on memory the caller owns, queued on the caller's `stream` (a stream
+    /// of this device's context: [`CudaError::ForeignStream`] otherwise) without waiting for
+    /// it. Everything is checked before anything is queued: the lengths against the problem,
+    /// null and misaligned addresses (bases 16-byte aligned, the LSE 4), address overflow.
+    /// Host prefix sums (`Sequences::Varlen`) are copied on `stream` into memory freed in
+    /// stream order after the kernel (cudarc's `cuMemFreeAsync`; where the device has no
+    /// memory pools, cudarc waits for the stream before it frees); device prefix sums
+    /// (`Sequences::VarlenDevice`) go through [`Device::forward_varlen_on_stream`]. The caller
+    /// synchronises (or orders later work after `stream`) before it reads the outputs or
+    /// frees the buffers; with [`ForwardOptions::time_kernel`] this call waits for the kernel
+    /// to read its events.
+    pub fn forward_on_stream<T: CudaElement>(
+        &self,
+        problem: &Problem,
+        qkv: Qkv<RawTensor<T>>,
+        out: RawOut<T>,
+        stream: &Arc<CudaStream>,
+        opts: &ForwardOptions,
+    ) -> Result<ForwardStats, CudaError> {
+        let call = RawCall {
+            qkv,
+            out,
+            cu_seqlens: None,
+        };
+        let stats = self.launch_raw(problem, call, stream, opts, 1)?;
+        Ok(stats.into_iter().next().unwrap_or_default())
+    }
+
+    /// [`Device::forward_on_stream`] for a packed batch whose prefix sums are already on the
+    /// device (`problem` built with `Sequences::VarlenDevice`; `cu_seqlens` int32,
+    /// `batch + 1` entries each, valid as [`RawTensor::from_raw`] requires). No host copy,
+    /// no host synchronisation.
+    pub fn forward_varlen_on_stream<T: CudaElement>(
+        &self,
+        problem: &Problem,
+        cu_seqlens: CuSeqlens,
+        qkv: Qkv<RawTensor<T>>,
+        out: RawOut<T>,
+        stream: &Arc<CudaStream>,
+        opts: &ForwardOptions,
+    ) -> Result<ForwardStats, CudaError> {
+        let call = RawCall {
+            qkv,
+            out,
+            cu_seqlens: Some(cu_seqlens),
+        };
+        let stats = self.launch_raw(problem, call, stream, opts, 1)?;
+        Ok(stats.into_iter().next().unwrap_or_default())
+    }
+
+    /// The one launch path: checks the call, copies host prefix sums on `stream` if there are
+    /// any, queues `repeat` launches. Does not wait unless timing.
+    fn launch_raw<T: CudaElement>(
+        &self,
+        problem: &Problem,
+        call: RawCall<T>,
+        stream: &Arc<CudaStream>,
+        opts: &ForwardOptions,
+        repeat: usize,
+    ) -> Result<Vec<ForwardStats>, CudaError> {
+        if **stream.context() != *self.ctx {
+            return Err(CudaError::ForeignStream);
+        }
+        let (prepared, mut ptrs) = check_raw(problem, &call, opts, &self.props)?;
+        if prepared.launch.is_none() {
+            return Ok(vec![ForwardStats::default(); repeat]);
+        }
+        // Host prefix sums: allocated on the launch stream, so that dropping them at the end of
+        // this function frees them in stream order, after the kernels.
+        let host_cu = self.upload_host_cu_seqlens(&prepared.problem, stream)?;
+        let cu_guards = host_cu
+            .as_ref()
+            .map(|(q, k)| (q.device_ptr(stream), k.device_ptr(stream)));
+        if let Some(((cu_q, _), (cu_k, _))) = &cu_guards {
+            ptrs.cu_q = *cu_q;
+            ptrs.cu_k = *cu_k;
+        }
+        let stats = self.enqueue(&prepared, ptrs, stream, opts.time_kernel, repeat)?;
+        drop(cu_guards);
+        drop(host_cu);
+        self.ctx
+            .check_err()
+            .map_err(|e| CudaError::driver("deferred driver call", e))?;
+        Ok(stats)
+    }
+
+    /// Copies a host-varlen problem's prefix sums to the device on `stream`.
+    #[allow(clippy::type_complexity)]
+    fn upload_host_cu_seqlens(
+        &self,
+        problem: &Problem,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Option<(CudaSlice<u32>, CudaSlice<u32>)>, CudaError> {
+        let softmax_core::Sequences::Varlen {
+            cu_seqlens_q,
+            cu_seqlens_k,
+        } = problem.sequences()
+        else {
+            return Ok(None);
+        };
+        let up = |x: &[u32]| {
+            stream
+                .clone_htod(x)
+                .map_err(|e| CudaError::driver("cuMemcpyHtoD", e))
+        };
+        Ok(Some((up(cu_seqlens_q)?, up(cu_seqlens_k)?)))
+    }
+
+    /// Queues `repeat` launches of a checked call on `stream` (CUDA events around each when
+    /// `time`; reading them waits for the kernels).
+    fn enqueue(
         &self,
         prepared: &Prepared,
-        Qkv { q, k, v }: Qkv<&DeviceBuffer<T>>,
-        out: &DeviceBuffer<T>,
-        lse: Option<&DeviceBuffer<f32>>,
+        ptrs: Pointers,
+        stream: &Arc<CudaStream>,
         time: bool,
         repeat: usize,
     ) -> Result<Vec<ForwardStats>, CudaError> {
@@ -387,44 +598,14 @@ impl Device {
             KernelOrigin::Compiled { ms } => Some(ms),
             _ => None,
         };
-        let problem = &prepared.problem;
-        let cu = if problem.is_varlen() {
-            let b = problem.batch();
-            let mut cu_q = Vec::with_capacity(b + 1);
-            let mut cu_k = Vec::with_capacity(b + 1);
-            cu_q.push(0u32);
-            cu_k.push(0u32);
-            for i in 0..b {
-                let s = problem.seq(i);
-                cu_q.push((s.q_start + s.seqlen_q) as u32);
-                cu_k.push((s.k_start + s.seqlen_k) as u32);
-            }
-            let up = |x: &[u32]| {
-                self.stream
-                    .clone_htod(x)
-                    .map_err(|e| CudaError::driver("cuMemcpyHtoD", e))
-            };
-            Some((up(&cu_q)?, up(&cu_k)?))
-        } else {
-            None
-        };
-        let stream = &self.stream;
-        let (q_ptr, _gq) = q.slice.device_ptr(stream);
-        let (k_ptr, _gk) = k.slice.device_ptr(stream);
-        let (v_ptr, _gv) = v.slice.device_ptr(stream);
-        let (o_ptr, _go) = out.slice.device_ptr(stream);
-        let lse_guard = lse.map(|l| l.slice.device_ptr(stream));
-        let cu_guards = cu
-            .as_ref()
-            .map(|(a, b)| (a.device_ptr(stream), b.device_ptr(stream)));
         let params = KernelParams {
-            q: q_ptr,
-            k: k_ptr,
-            v: v_ptr,
-            o: o_ptr,
-            lse: lse_guard.as_ref().map_or(0, |g| g.0),
-            cu_q: cu_guards.as_ref().map_or(0, |g| g.0 .0),
-            cu_k: cu_guards.as_ref().map_or(0, |g| g.1 .0),
+            q: ptrs.q,
+            k: ptrs.k,
+            v: ptrs.v,
+            o: ptrs.o,
+            lse: ptrs.lse,
+            cu_q: ptrs.cu_q,
+            cu_k: ptrs.cu_k,
             ..prepared.params
         };
         let cfg = LaunchConfig {
@@ -451,10 +632,12 @@ impl Device {
             };
             let mut builder = stream.launch_builder(&func);
             builder.arg(&params);
-            // SAFETY: `params` matches the kernel's `Params` layout; every pointer in it refers
-            // to a live allocation of this context whose length `prepare` checked against the
-            // problem's extents (the kernel reads and writes only inside them); the buffers
-            // and guards outlive the launch because callers synchronize before returning.
+            // SAFETY: `params` matches the kernel's `Params` layout; every pointer in it was
+            // checked by `check_raw` (non-null, aligned, long enough for the problem's extents,
+            // which bound the kernel's reads and writes) and is device memory of this context
+            // that stays valid until `stream` passes the kernel: caller memory by
+            // `RawTensor::from_raw`'s contract, owned buffers because their callers wait for
+            // the stream, host prefix sums because they are freed in stream order.
             unsafe { builder.launch(cfg) }.map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
             if let Some((start, end)) = timing {
                 end.record(stream)
@@ -475,10 +658,6 @@ impl Device {
                     .elapsed_ms(end)
                     .map_err(|e| CudaError::driver("cuEventElapsedTime", e))?,
             );
-        }
-        // The varlen prefix sums must stay alive until the kernels have run.
-        if cu.is_some() {
-            self.synchronize()?;
         }
         Ok(all)
     }
@@ -521,6 +700,19 @@ impl Device {
         }
         Ok(stats)
     }
+}
+
+/// An owned buffer seen as a raw tensor for one call on `stream`, with cudarc's guard (which
+/// records the buffer's use on the stream when dropped).
+fn raw_view<'a, T: DeviceElement>(
+    buf: &'a DeviceBuffer<T>,
+    stream: &'a CudaStream,
+) -> (RawTensor<T>, impl Drop + 'a) {
+    let (ptr, guard) = buf.slice.device_ptr(stream);
+    // SAFETY: the slice is a live allocation of the buffer's context holding `len` elements
+    // of `T` (`T::Raw` has `T`'s layout), borrowed for the whole call, and the owned-buffer
+    // layer waits for the stream before it returns.
+    (unsafe { RawTensor::from_raw(ptr, buf.len()) }, guard)
 }
 
 #[cfg(test)]

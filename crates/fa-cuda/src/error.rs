@@ -2,7 +2,7 @@
 //! the CUDA driver, NVRTC or a launch.
 
 use core::fmt;
-use softmax_core::ProblemError;
+use softmax_core::{ProblemError, Tensor};
 
 /// Why a CUDA call of this crate failed.
 #[derive(Clone, Debug, PartialEq)]
@@ -44,6 +44,26 @@ pub enum CudaError {
     },
     /// A device buffer belongs to another device or context than the one asked to run.
     ForeignBuffer,
+    /// The stream belongs to another context than the device's.
+    ForeignStream,
+    /// A raw device address is null while its tensor is not empty (nothing was queued).
+    NullPointer {
+        /// The tensor.
+        tensor: Tensor,
+    },
+    /// A raw device address is not aligned as the kernel needs (nothing was queued).
+    Misaligned {
+        /// The tensor.
+        tensor: Tensor,
+        /// The address given.
+        ptr: u64,
+        /// The alignment needed, in bytes.
+        align: u64,
+    },
+    /// A raw `CUcontext` is not its device's primary context: only primary contexts can be
+    /// shared without taking ownership (wrap other contexts in a `CudaContext` and use
+    /// [`crate::Device::from_context`]).
+    NotPrimaryContext,
 }
 
 impl CudaError {
@@ -85,6 +105,21 @@ impl fmt::Display for CudaError {
             }
             CudaError::ForeignBuffer => {
                 f.write_str("a device buffer belongs to another CUDA context than this device")
+            }
+            CudaError::ForeignStream => {
+                f.write_str("the stream belongs to another CUDA context than this device")
+            }
+            CudaError::NullPointer { tensor } => {
+                write!(f, "{tensor}: null device pointer for a non-empty tensor")
+            }
+            CudaError::Misaligned { tensor, ptr, align } => {
+                write!(
+                    f,
+                    "{tensor}: device pointer {ptr:#x} is not {align}-byte aligned"
+                )
+            }
+            CudaError::NotPrimaryContext => {
+                f.write_str("the CUcontext is not its device's primary context")
             }
         }
     }

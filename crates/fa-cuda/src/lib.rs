@@ -9,9 +9,10 @@
 //! `softmax-core`'s rules (log2 domain, threshold rescale, empty rows → 0 and LSE −∞), and bad
 //! input is rejected with `softmax-core`'s typed errors before anything runs.
 //!
-//! - [`Device`]: opens a GPU (an error value, never a panic, where there is no driver, no
-//!   NVRTC or no GPU), holds buffers ([`DeviceBuffer`]) and runs [`Device::forward`] /
-//!   [`Device::forward_host`];
+//! - [`Device`]: opens a GPU or wraps a caller's context (an error value, never a panic,
+//!   where there is no driver, no NVRTC or no GPU), holds buffers ([`DeviceBuffer`]) and runs
+//!   [`Device::forward`] / [`Device::forward_host`], or [`Device::forward_on_stream`] on
+//!   caller memory ([`RawTensor`]; see "Embedding");
 //! - [`compile`]: NVRTC compilation of any kernel family's variant to a cubin for the device's
 //!   architecture, with ptxas' resource report (registers, spills), cached per process and on
 //!   disk ([`compile::DiskCache`]: a second process loads the cubin instead of compiling;
@@ -20,6 +21,31 @@
 //! - [`kernels`]: the registry of kernel families (sources embedded with `include_str!`: shared
 //!   `common/*.cuh` headers, one directory per family), their variants and one launch-choice
 //!   (plan) function per family, which takes the device's properties ([`DeviceProps`]).
+//!
+//! # Embedding (a runtime's context, stream and memory)
+//! - **Context**: [`Device::open`] retains the device's *primary* context, the one the CUDA
+//!   runtime and PyTorch use; [`Device::from_context`] takes any cudarc `CudaContext` the
+//!   caller holds (primary or not) and [`Device::from_raw_context`] a raw `CUcontext`, which
+//!   must be a primary context (cudarc cannot borrow another one without taking ownership).
+//!   Kernels are loaded into that context; cudarc makes it current on the calling thread for
+//!   each call.
+//! - **Stream**: [`Device::forward_on_stream`] queues on the caller's stream (a cudarc
+//!   `CudaStream` of the device's context, or a raw `CUstream` through
+//!   [`Device::borrow_stream`]) and returns without waiting.
+//! - **Memory**: Q, K, V, O and the LSE are [`RawTensor`]s, device addresses with lengths
+//!   that the caller owns (`unsafe` [`RawTensor::from_raw`]: the memory must stay valid until
+//!   the stream has passed the kernel). Lengths, null and misaligned addresses (16-byte bases,
+//!   4 for the LSE) and overflow are typed errors before anything is queued; a launch error
+//!   is returned.
+//! - **Varlen**: host prefix sums (`Sequences::Varlen`) are copied on the caller's stream
+//!   into memory freed in stream order; prefix sums already on the device go with
+//!   `Sequences::VarlenDevice` (sizes only) and [`Device::forward_varlen_on_stream`]
+//!   ([`CuSeqlens`], int32), with no copy; the kernel clamps them to the packed tensors.
+//! - **Who synchronises**: the caller, before it reads the outputs or frees any buffer (or
+//!   it orders that work after the stream). The owned-buffer layer ([`Device::upload`],
+//!   [`DeviceBuffer`], [`Device::forward`], [`Device::time_forward`],
+//!   [`Device::forward_host`]) runs the same path on the device's default stream and waits
+//!   for the kernel before it returns.
 //!
 //! # Performance (H200, bf16, 16k tokens, same-call PyTorch SDPA peers; docs/benchmarks.md)
 //! At seqlen 8k: hdim 128 1.09× PyTorch's FlashAttention-2 (non-causal) and 1.02× (causal),
@@ -67,6 +93,7 @@ mod device;
 mod error;
 pub mod kernels;
 mod params;
+mod raw;
 
 pub use compile::{precompile, KernelOrigin, PrecompileReport};
 pub use device::{
@@ -75,4 +102,5 @@ pub use device::{
 pub use error::CudaError;
 pub use kernels::{arch_for, DeviceProps, LaunchShape, Tiles, Variant};
 pub use params::ForwardOptions;
+pub use raw::{CuSeqlens, RawOut, RawTensor};
 pub use softmax_core::DType;

@@ -133,8 +133,9 @@ pub(crate) fn prepare<'a>(
         o_strides: triple(&strides[3]),
         lse_bs,
         lse_hs,
-        seqlen_q: if varlen { 0 } else { problem.total_q() as i32 },
-        seqlen_k: if varlen { 0 } else { problem.total_k() as i32 },
+        // Packed: the totals, which bound the kernel's reads of the prefix sums.
+        seqlen_q: problem.total_q() as i32,
+        seqlen_k: problem.total_k() as i32,
         group: problem.group_size() as i32,
         head_dim: problem.head_dim() as i32,
         head_dim_v: problem.head_dim_v() as i32,
@@ -272,6 +273,28 @@ mod tests {
         };
         assert!(prepare(&desc, lens_of(&desc), DType::F16, &bad_tau, &H200).is_err());
         assert!(prepare(&desc, lens_of(&desc), DType::Bf16, &bad_tau, &H200).is_ok());
+    }
+
+    #[test]
+    fn device_prefix_sums_keep_the_mask_code() {
+        let sizes = softmax_core::Sequences::VarlenDevice {
+            batch: 2,
+            total_q: 300,
+            total_k: 512,
+            max_seqlen_q: 200,
+            max_seqlen_k: 256,
+        };
+        let desc = ProblemDesc::new(1, 0, 0, 4, 4, 128).with_sequences(sizes);
+        let p = prepared(&desc, DType::Bf16);
+        let launch = p.launch.expect("work");
+        assert!(launch.variant.masked);
+        assert_eq!(launch.grid.2, 2);
+        assert_eq!((p.params.seqlen_q, p.params.seqlen_k), (300, 512));
+        assert_eq!((p.params.lse_bs, p.params.lse_hs), (0, 300));
+        // The same sizes with host prefix sums whose key tiles are all full: no mask code.
+        let (cu_q, cu_k) = ([0u32, 200, 300], [0u32, 256, 512]);
+        let host = prepared(&ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 128), DType::Bf16);
+        assert!(!host.launch.expect("work").variant.masked);
     }
 
     #[test]

@@ -4,11 +4,12 @@
 //! inputs with f32 accumulation. Ignored by default: they need a CUDA GPU
 //! (`cargo test -p fa-cuda -- --include-ignored`, or `../shared/bin/gpu-pack` and the device).
 
-use fa_cuda::{CudaElement, CudaError, DType, Device, ForwardOptions};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use fa_cuda::{CuSeqlens, CudaElement, CudaError, DType, Device, ForwardOptions, RawTensor};
 use fa_reference::{attention_f64, compare, poison, Case, Rng, Rounding};
 use half::{bf16, f16};
-use softmax_core::{Mask, Out, ProblemError, Qkv, RescalePolicy};
-use std::sync::OnceLock;
+use softmax_core::{Mask, Out, ProblemError, Qkv, RescalePolicy, Sequences, Tensor};
+use std::sync::{Arc, OnceLock};
 
 /// Host slices of Q, K, V as a bundle.
 fn qkv<'a, T>(q: &'a [T], k: &'a [T], v: &'a [T]) -> Qkv<&'a [T]> {
@@ -394,4 +395,261 @@ fn repeated_runs_agree_bitwise() {
             .zip(&again)
             .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
+}
+
+/// Caller memory: a cudarc allocation seen as a raw tensor of `T`.
+fn raw<T, R: DeviceRepr>(slice: &CudaSlice<R>, stream: &CudaStream) -> RawTensor<T> {
+    assert_eq!(core::mem::size_of::<T>(), core::mem::size_of::<R>());
+    let (ptr, _record) = slice.device_ptr(stream);
+    // SAFETY: a live allocation of the stream's context holding `len` values of `T`'s layout;
+    // the tests keep every slice until they have synchronised the stream.
+    unsafe { RawTensor::from_raw(ptr, slice.len()) }
+}
+
+/// The sizes-only description of a varlen case (its prefix sums go to the device).
+fn device_sizes(case: &Case) -> Sequences<'static> {
+    let longest = |cu: &[u32]| {
+        cu.windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0)
+    };
+    Sequences::VarlenDevice {
+        batch: case.cu_seqlens_q.len() - 1,
+        total_q: *case.cu_seqlens_q.last().unwrap() as usize,
+        total_k: *case.cu_seqlens_k.last().unwrap() as usize,
+        max_seqlen_q: longest(&case.cu_seqlens_q),
+        max_seqlen_k: longest(&case.cu_seqlens_k),
+    }
+}
+
+/// Runs a bf16 `case` the way an embedding runtime does: inputs and poisoned outputs
+/// allocated and copied with cudarc on the caller's `stream`, the forward queued there (with
+/// the prefix sums on the device when `device_cu`), then the caller synchronises and reads
+/// back. Checks O and LSE against the oracle; returns O.
+fn check_caller_memory(
+    label: &str,
+    device: &Device,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    device_cu: bool,
+) -> Vec<bf16> {
+    let host_problem = case.desc().validate(256).expect("valid case");
+    let desc = if device_cu {
+        case.desc().with_sequences(device_sizes(case))
+    } else {
+        case.desc()
+    };
+    let problem = desc.validate(256).expect("valid case");
+    let bits = |x: &[f32]| {
+        x.iter()
+            .map(|&v| bf16::from_f32(v).to_bits())
+            .collect::<Vec<u16>>()
+    };
+    let up = |x: &[u16]| stream.clone_htod(x).expect("copy to the device");
+    let (q, k, v) = (up(&bits(&case.q)), up(&bits(&case.k)), up(&bits(&case.v)));
+    let mut o_host = vec![bf16::ZERO; problem.min_buffer_lens().o];
+    poison(&mut o_host);
+    let o = up(&o_host.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    let mut lse_host = vec![0.0f32; problem.lse_len()];
+    poison(&mut lse_host);
+    let lse = stream.clone_htod(&lse_host).expect("copy to the device");
+    let cu = |c: &[u32]| {
+        stream
+            .clone_htod(&c.iter().map(|&x| x as i32).collect::<Vec<i32>>())
+            .expect("copy to the device")
+    };
+    let cu_slices = device_cu.then(|| (cu(&case.cu_seqlens_q), cu(&case.cu_seqlens_k)));
+    let qkv = Qkv::<RawTensor<bf16>>::new(raw(&q, stream), raw(&k, stream), raw(&v, stream));
+    let out = Out::with_lse(raw(&o, stream), raw(&lse, stream));
+    let opts = ForwardOptions::default();
+    let stats = match &cu_slices {
+        Some((cu_q, cu_k)) => {
+            let cu_seqlens = CuSeqlens {
+                q: raw(cu_q, stream),
+                k: raw(cu_k, stream),
+            };
+            device.forward_varlen_on_stream(&problem, cu_seqlens, qkv, out, stream, &opts)
+        }
+        None => device.forward_on_stream(&problem, qkv, out, stream, &opts),
+    }
+    .unwrap_or_else(|e| panic!("{label}: {e}"));
+    // The caller's side of the contract: synchronise before reading (or freeing) anything.
+    stream.synchronize().expect("synchronise");
+    let o_back: Vec<bf16> = stream
+        .clone_dtoh(&o)
+        .expect("copy back")
+        .into_iter()
+        .map(bf16::from_bits)
+        .collect();
+    let lse_back = stream.clone_dtoh(&lse).expect("copy back");
+    stream.synchronize().expect("synchronise");
+    let oracle = attention_f64(&host_problem, &case.q, &case.k, &case.v);
+    let report = compare(&host_problem, &o_back, Some(&lse_back), &oracle);
+    println!(
+        "{label:<48} rel_l2 {:.2e} lse {:.2e} ({})",
+        report.rel_l2,
+        report.lse_max_abs,
+        stats
+            .launch
+            .map_or("no launch".to_string(), |l| l.variant.name())
+    );
+    assert!(
+        report.within(REL_L2_BOUND, LSE_BOUND),
+        "{label}: {report:?} exceeds rel_l2 {REL_L2_BOUND} / lse {LSE_BOUND}"
+    );
+    o_back
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn caller_context_stream_and_memory() {
+    // A context fa-cuda did not create and that is not the primary one (a second
+    // `CudaContext::new(0)` would retain the primary context again), a stream of its own.
+    let ctx = CudaContext::new_non_primary(0, 0).expect("a non-primary context");
+    assert!(!ctx.is_primary());
+    let caller = Device::from_context(ctx.clone()).expect("device on the caller's context");
+    let stream = ctx.new_stream().expect("a non-default stream");
+    let mut rng = Rng::new(9);
+    let case = Case::dense(&mut rng, 2, 300, 257, 8, 2, 128)
+        .causal()
+        .round(Rounding::Bf16);
+    let o = check_caller_memory(
+        "caller memory dense causal GQA",
+        &caller,
+        &stream,
+        &case,
+        false,
+    );
+    // Same inputs through the owned-buffer layer (another context): the same bits.
+    let problem = case.desc().validate(256).expect("valid");
+    let to_bf = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+    let (q, k, v) = (to_bf(&case.q), to_bf(&case.k), to_bf(&case.v));
+    let mut owned = vec![bf16::ZERO; o.len()];
+    device()
+        .forward_host(
+            &problem,
+            qkv(&q, &k, &v),
+            Out::new(&mut owned),
+            &ForwardOptions::default(),
+        )
+        .expect("runs");
+    assert!(o
+        .iter()
+        .zip(&owned)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+
+    // Host prefix sums on the caller's stream (copied and freed in stream order).
+    let case = Case::varlen(
+        &mut rng,
+        &[0, 1, 17, 300, 129],
+        &[3, 1, 0, 280, 129],
+        4,
+        2,
+        64,
+    )
+    .causal();
+    check_caller_memory(
+        "caller memory varlen, host cu_seqlens",
+        &caller,
+        &stream,
+        &case,
+        false,
+    );
+    check_caller_memory(
+        "caller memory varlen, device cu_seqlens",
+        &caller,
+        &stream,
+        &case,
+        true,
+    );
+
+    // Refusals, before anything is queued.
+    let problem = case.desc().validate(256).expect("valid");
+    let lens = problem.min_buffer_lens();
+    let buf = stream
+        .alloc_zeros::<u16>(lens.q.max(lens.k).max(lens.o))
+        .expect("alloc");
+    let t = raw::<bf16, u16>(&buf, &stream);
+    let primary_stream = device().default_stream().clone();
+    assert_eq!(
+        caller.forward_on_stream(
+            &problem,
+            Qkv::new(t, t, t),
+            Out::new(t),
+            &primary_stream,
+            &ForwardOptions::default()
+        ),
+        Err(CudaError::ForeignStream)
+    );
+    // SAFETY: a null address is refused before anything is queued.
+    let null = unsafe { RawTensor::<bf16>::from_raw(0, lens.k) };
+    assert_eq!(
+        caller.forward_on_stream(
+            &problem,
+            Qkv::new(t, null, t),
+            Out::new(t),
+            &stream,
+            &ForwardOptions::default()
+        ),
+        Err(CudaError::NullPointer { tensor: Tensor::K })
+    );
+    stream.synchronize().expect("synchronise");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn varlen_with_device_prefix_sums() {
+    let stream = device()
+        .context()
+        .new_stream()
+        .expect("a non-default stream");
+    let mut rng = Rng::new(10);
+    let seqlens_q = [0u32, 1, 17, 300, 5, 1, 129];
+    let seqlens_k = [3u32, 1, 0, 280, 9, 200, 129];
+    for (name, mask) in masks() {
+        for &d in &[64usize, 128] {
+            let case = Case::varlen(&mut rng, &seqlens_q, &seqlens_k, 4, 2, d)
+                .with_mask(mask)
+                .round(Rounding::Bf16);
+            check_caller_memory(
+                &format!("device cu_seqlens d={d} mask={name}"),
+                device(),
+                &stream,
+                &case,
+                true,
+            );
+        }
+    }
+    // Whole key tiles everywhere: the host cannot see it, the masked variant still agrees.
+    let case = Case::varlen(&mut rng, &[5, 0, 300, 128], &[128, 0, 256, 384], 4, 4, 128)
+        .round(Rounding::Bf16);
+    check_caller_memory(
+        "device cu_seqlens full tiles",
+        device(),
+        &stream,
+        &case,
+        true,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn raw_context_and_stream_handles() {
+    // A C/Python caller's CUcontext: the primary context is shared, another one is refused.
+    let primary = device().context().cu_ctx();
+    // SAFETY: the handle is live (the test's device holds the primary context).
+    let shared = unsafe { Device::from_raw_context(primary) }.expect("primary context");
+    assert_eq!(shared.context().cu_ctx(), primary);
+    let other = CudaContext::new_non_primary(0, 0).expect("a non-primary context");
+    // SAFETY: `other` is live for the call.
+    let refused = unsafe { Device::from_raw_context(other.cu_ctx()) };
+    assert_eq!(refused.unwrap_err(), CudaError::NotPrimaryContext);
+    // A caller's raw CUstream, borrowed for one call.
+    let owner = shared.context().new_stream().expect("a stream");
+    // SAFETY: `owner` keeps the stream alive for the whole test.
+    let borrowed = unsafe { shared.borrow_stream(owner.cu_stream()) };
+    let mut rng = Rng::new(11);
+    let case = Case::dense(&mut rng, 1, 200, 200, 2, 2, 64).round(Rounding::Bf16);
+    check_caller_memory("borrowed raw stream", &shared, &borrowed, &case, false);
 }

@@ -135,6 +135,7 @@ fn validate<'a>(
     opts: &Fp8Options,
 ) -> Result<(Problem<'a>, Option<RandomHadamard>), Fp8Error> {
     let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
+    problem.require_host_seqlens()?;
     problem.check_buffers(lens)?;
     check_p_range(&opts.rescale, P_OFFSET_LOG2)?;
     if let Fp8Scaling::PerBlock { block_q, block_k } = opts.scaling {

@@ -21,6 +21,10 @@ pub enum Tensor {
     SequsedK,
     /// The block table of a paged KV cache.
     BlockTable,
+    /// The query prefix sums of a packed batch (`cu_seqlens_q`).
+    CuSeqlensQ,
+    /// The key prefix sums of a packed batch (`cu_seqlens_k`).
+    CuSeqlensK,
 }
 
 impl fmt::Display for Tensor {
@@ -33,6 +37,8 @@ impl fmt::Display for Tensor {
             Tensor::Lse => "lse",
             Tensor::SequsedK => "seqused_k",
             Tensor::BlockTable => "block_table",
+            Tensor::CuSeqlensQ => "cu_seqlens_q",
+            Tensor::CuSeqlensK => "cu_seqlens_k",
         })
     }
 }
@@ -147,6 +153,16 @@ pub enum ProblemError {
         /// Blocks in the cache.
         num_blocks: usize,
     },
+    /// A packed batch described by its sizes ([`crate::Sequences::VarlenDevice`]) claims a
+    /// longest sequence longer than all its tokens together.
+    SeqlenExceedsTotal {
+        /// Q or K.
+        tensor: Tensor,
+        /// The longest sequence given.
+        max_seqlen: usize,
+        /// Tokens over all sequences.
+        total: usize,
+    },
     /// The backend does not support this (dtype, head dim, architecture, feature).
     Unsupported {
         /// What is not supported.
@@ -235,6 +251,14 @@ impl fmt::Display for ProblemError {
             } => write!(
                 f,
                 "block_table[{batch}][{slot}] = {block} is outside the cache's {num_blocks} blocks"
+            ),
+            ProblemError::SeqlenExceedsTotal {
+                tensor,
+                max_seqlen,
+                total,
+            } => write!(
+                f,
+                "{tensor}: max_seqlen = {max_seqlen} exceeds the {total} tokens of the whole batch"
             ),
             ProblemError::Unsupported { what } => write!(f, "unsupported: {what}"),
         }

@@ -57,6 +57,23 @@ pub enum Sequences<'a> {
         /// Prefix sums of key lengths.
         cu_seqlens_k: &'a [u32],
     },
+    /// Packed sequences whose prefix sums live in device memory (an embedding runtime's
+    /// `cu_seqlens`): the host knows only the sizes below, so [`Problem::seq`] cannot answer
+    /// per sequence ([`Problem::try_seq`] is `None`). The tensors are packed exactly as for
+    /// [`Sequences::Varlen`]. Only device backends take it; a backend that needs the prefix
+    /// sums on the host rejects it through [`Problem::require_host_seqlens`].
+    VarlenDevice {
+        /// Number of sequences (the device arrays hold `batch + 1` prefix sums).
+        batch: usize,
+        /// Query tokens over all sequences (the last query prefix sum).
+        total_q: usize,
+        /// Key tokens over all sequences (the last key prefix sum).
+        total_k: usize,
+        /// The longest query sequence (sizes the launch: longer ones are not computed).
+        max_seqlen_q: usize,
+        /// The longest key sequence.
+        max_seqlen_k: usize,
+    },
 }
 
 /// Where the keys and values of each sequence live: in K/V tensors that hold exactly the
@@ -186,6 +203,13 @@ impl<'a> ProblemDesc<'a> {
             },
             ..ProblemDesc::new(1, 0, 0, heads_q, heads_kv, head_dim)
         }
+    }
+
+    /// Sets how queries and keys are grouped (e.g. [`Sequences::VarlenDevice`]), keeping heads,
+    /// dims, mask and strides.
+    pub fn with_sequences(mut self, sequences: Sequences<'a>) -> Self {
+        self.sequences = sequences;
+        self
     }
 
     /// Sets the causal (bottom-right aligned) mask, intersected with any window.
@@ -334,8 +358,32 @@ impl<'a> ProblemDesc<'a> {
                     max_k,
                 )
             }
+            Sequences::VarlenDevice {
+                batch,
+                total_q,
+                total_k,
+                max_seqlen_q,
+                max_seqlen_k,
+            } => {
+                if batch == 0 {
+                    return Err(ProblemError::ZeroDim { what: "batch" });
+                }
+                for (tensor, max_seqlen, total) in [
+                    (Tensor::Q, max_seqlen_q, total_q),
+                    (Tensor::K, max_seqlen_k, total_k),
+                ] {
+                    if max_seqlen > total {
+                        return Err(ProblemError::SeqlenExceedsTotal {
+                            tensor,
+                            max_seqlen,
+                            total,
+                        });
+                    }
+                }
+                (batch, total_q, total_k, max_seqlen_q, max_seqlen_k)
+            }
         };
-        let varlen = matches!(self.sequences, Sequences::Varlen { .. });
+        let varlen = !matches!(self.sequences, Sequences::Fixed { .. });
         let (total_k, max_seqlen_k, k_rows) = check_cache(&self.kv_cache, varlen, batch, total_k)?
             .unwrap_or((total_k, max_seqlen_k, None));
         // For packed tensors the batch dimension is 1 and the token dimension is the total.
@@ -655,9 +703,29 @@ impl<'a> Problem<'a> {
     pub fn batch(&self) -> usize {
         self.batch
     }
-    /// Whether sequences are packed with `cu_seqlens`.
+    /// Whether sequences are packed with `cu_seqlens` (on the host or on the device).
     pub fn is_varlen(&self) -> bool {
-        matches!(self.sequences, Sequences::Varlen { .. })
+        !matches!(self.sequences, Sequences::Fixed { .. })
+    }
+    /// How queries and keys are grouped into sequences.
+    pub fn sequences(&self) -> Sequences<'a> {
+        self.sequences
+    }
+    /// Whether the host knows every sequence's range: false only for
+    /// [`Sequences::VarlenDevice`], whose prefix sums live in device memory.
+    pub fn has_host_seqlens(&self) -> bool {
+        !matches!(self.sequences, Sequences::VarlenDevice { .. })
+    }
+    /// `Unsupported` when the prefix sums are on the device ([`Sequences::VarlenDevice`]): the
+    /// check every backend that walks sequences on the host makes first.
+    pub fn require_host_seqlens(&self) -> Result<(), ProblemError> {
+        if self.has_host_seqlens() {
+            Ok(())
+        } else {
+            Err(ProblemError::Unsupported {
+                what: "cu_seqlens in device memory (Sequences::VarlenDevice) need a device backend",
+            })
+        }
     }
     /// Query tokens over all sequences (per batch entry for dense problems).
     pub fn total_q(&self) -> usize {
@@ -728,10 +796,23 @@ impl<'a> Problem<'a> {
         ScoreTransform::new(self.softmax_scale as f64, self.softcap.map(|c| c as f64))
     }
 
+    /// Token ranges of sequence `b` (`b < batch`), or `None` when the prefix sums are on the
+    /// device ([`Sequences::VarlenDevice`]).
+    pub fn try_seq(&self, b: usize) -> Option<SeqSpan> {
+        self.has_host_seqlens().then(|| self.seq(b))
+    }
+
     /// Token ranges of sequence `b` (`b < batch`). With a KV cache, `seqlen_k` is the
-    /// sequence's used length.
+    /// sequence's used length. For [`Sequences::VarlenDevice`] the host does not know the
+    /// ranges: an empty span (check [`Problem::has_host_seqlens`] or use [`Problem::try_seq`]).
     pub fn seq(&self, b: usize) -> SeqSpan {
         match self.sequences {
+            Sequences::VarlenDevice { .. } => SeqSpan {
+                q_start: 0,
+                seqlen_q: 0,
+                k_start: 0,
+                seqlen_k: 0,
+            },
             Sequences::Fixed {
                 seqlen_q, seqlen_k, ..
             } => SeqSpan {

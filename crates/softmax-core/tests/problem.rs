@@ -388,3 +388,88 @@ fn one_rescale_rule_for_every_p_type() {
         Err(ProblemError::RescaleThreshold { tau, offset_log2, .. }) if tau == 1.0 && offset_log2 == 8.0
     ));
 }
+
+#[test]
+fn device_prefix_sums_are_sizes_only() {
+    let sizes = Sequences::VarlenDevice {
+        batch: 3,
+        total_q: 40,
+        total_k: 50,
+        max_seqlen_q: 20,
+        max_seqlen_k: 30,
+    };
+    let desc = ProblemDesc::new(1, 0, 0, 4, 2, 16)
+        .with_sequences(sizes)
+        .causal();
+    let p = desc.validate(256).expect("valid");
+    assert!(p.is_varlen());
+    assert!(!p.has_host_seqlens());
+    assert_eq!(p.sequences(), sizes);
+    assert_eq!((p.batch(), p.total_q(), p.total_k()), (3, 40, 50));
+    assert_eq!((p.max_seqlen_q(), p.max_seqlen_k()), (20, 30));
+    // Packed tensors and the packed LSE, exactly as for host prefix sums.
+    let lens = p.min_buffer_lens();
+    assert_eq!(
+        (lens.q, lens.k, lens.o),
+        (40 * 4 * 16, 50 * 2 * 16, 40 * 4 * 16)
+    );
+    assert_eq!(lens.lse, Some(4 * 40));
+    // The host does not know the ranges: no span, and host backends refuse.
+    assert_eq!(p.try_seq(1), None);
+    assert_eq!(p.seq(2).seqlen_q, 0);
+    assert_eq!(p.q_offset(2, 0, 1), 16);
+    assert!(matches!(
+        p.require_host_seqlens(),
+        Err(ProblemError::Unsupported { .. })
+    ));
+    let host = ProblemDesc::varlen(&[0, 3], &[0, 4], 2, 2, 16)
+        .validate(256)
+        .unwrap();
+    assert_eq!(host.require_host_seqlens(), Ok(()));
+    assert_eq!(host.try_seq(0).map(|s| s.seqlen_k), Some(4));
+
+    let with = |s| {
+        ProblemDesc::new(1, 0, 0, 4, 2, 16)
+            .with_sequences(s)
+            .validate(256)
+    };
+    assert!(matches!(
+        with(Sequences::VarlenDevice {
+            batch: 0,
+            total_q: 1,
+            total_k: 1,
+            max_seqlen_q: 1,
+            max_seqlen_k: 1,
+        }),
+        Err(ProblemError::ZeroDim { what: "batch" })
+    ));
+    assert!(matches!(
+        with(Sequences::VarlenDevice {
+            batch: 2,
+            total_q: 10,
+            total_k: 5,
+            max_seqlen_q: 10,
+            max_seqlen_k: 6,
+        }),
+        Err(ProblemError::SeqlenExceedsTotal {
+            tensor: Tensor::K,
+            max_seqlen: 6,
+            total: 5
+        })
+    ));
+    // A KV cache takes a fixed-length batch.
+    let used = [1u32, 1];
+    assert!(matches!(
+        ProblemDesc::new(2, 1, 4, 4, 2, 16)
+            .padded_cache(&used)
+            .with_sequences(Sequences::VarlenDevice {
+                batch: 2,
+                total_q: 2,
+                total_k: 8,
+                max_seqlen_q: 1,
+                max_seqlen_k: 4,
+            })
+            .validate(256),
+        Err(ProblemError::Unsupported { .. })
+    ));
+}

@@ -243,7 +243,10 @@ pub fn plan_forward(
     }
     // Without a mask and with every sequence's keys a whole number of tiles, every tile is
     // full for every query: the variant without mask code (FlashAttention-2's "even" kernel).
+    // Prefix sums on the device: the host cannot see the lengths, so the mask code stays (its
+    // loads check every row against the sequence's length).
     variant.masked = !(problem.mask().is_none()
+        && problem.has_host_seqlens()
         && (0..problem.batch()).all(|b| problem.seq(b).seqlen_k % variant.block_n as usize == 0));
     let m_blocks = (problem.max_seqlen_q() as u32).div_ceil(variant.block_m);
     if m_blocks == 0 {

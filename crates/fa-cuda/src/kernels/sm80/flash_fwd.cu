@@ -70,7 +70,7 @@ struct Params {
     i64 v_bs, v_ss, v_hs;
     i64 o_bs, o_ss, o_hs;
     i64 lse_bs, lse_hs;                 // LSE index = b*lse_bs + h*lse_hs + q_start + i
-    int seqlen_q, seqlen_k;             // dense lengths (varlen: read from cu_q/cu_k)
+    int seqlen_q, seqlen_k;             // dense lengths (varlen: the totals; lengths from cu_q/cu_k)
     int group;                          // heads_q / heads_kv
     int head_dim, head_dim_v;
     int win_left, win_right;            // window, -1 = unbounded
@@ -143,10 +143,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
     if (p.cu_q != 0) {
         const u32* cq = reinterpret_cast<const u32*>(p.cu_q);
         const u32* ck = reinterpret_cast<const u32*>(p.cu_k);
-        q_start = (int)cq[b];
-        sq = (int)cq[b + 1] - q_start;
-        k_start = (int)ck[b];
-        sk = (int)ck[b + 1] - k_start;
+        // Device prefix sums arrive unchecked: clamped to the packed tensors (p.seqlen_q/k
+        // hold total_q/k), bad ones cannot reach outside them; valid ones are unchanged.
+        const u32 q0 = min(cq[b], (u32)p.seqlen_q), q1 = min(max(cq[b + 1], q0), (u32)p.seqlen_q);
+        const u32 k0 = min(ck[b], (u32)p.seqlen_k), k1 = min(max(ck[b + 1], k0), (u32)p.seqlen_k);
+        q_start = (int)q0;
+        sq = (int)(q1 - q0);
+        k_start = (int)k0;
+        sk = (int)(k1 - k0);
     }
     const int m0 = m_block * BLOCK_M;
     if (m0 >= sq) return;

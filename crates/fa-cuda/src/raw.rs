@@ -1,0 +1,379 @@
+//! Caller-owned device memory: raw device addresses with lengths ([`RawTensor`]), and the
+//! checks that run on the host before a call on them queues anything (null, alignment,
+//! lengths against the problem, address overflow).
+
+use crate::device::CudaElement;
+use crate::error::CudaError;
+use crate::kernels::DeviceProps;
+use crate::params::{prepare, ForwardOptions, Prepared};
+use core::marker::PhantomData;
+use softmax_core::{BufferLens, Extent, Out, Problem, ProblemError, Qkv, Sequences, Tensor};
+
+/// A tensor in device memory that the caller owns: a device address and a length in elements
+/// of `T`. It does not own, free or track the memory; [`crate::Device::forward_on_stream`]
+/// checks it against the problem before it queues anything.
+pub struct RawTensor<T> {
+    ptr: u64,
+    len: usize,
+    _element: PhantomData<fn() -> T>,
+}
+
+// Manual impls: a raw tensor is an address and a length whatever `T` is.
+impl<T> Clone for RawTensor<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for RawTensor<T> {}
+impl<T> PartialEq for RawTensor<T> {
+    fn eq(&self, other: &Self) -> bool {
+        (self.ptr, self.len) == (other.ptr, other.len)
+    }
+}
+impl<T> Eq for RawTensor<T> {}
+impl<T> core::fmt::Debug for RawTensor<T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "RawTensor({:#x}, {} elements)", self.ptr, self.len)
+    }
+}
+
+impl<T> RawTensor<T> {
+    /// Wraps `len` elements of `T` at device address `ptr` (a `CUdeviceptr`, e.g. PyTorch's
+    /// `tensor.data_ptr()`).
+    ///
+    /// # Safety
+    /// Unless `len` is 0, `ptr..ptr + len·size_of::<T>()` must be device memory usable from
+    /// the [`crate::Device`]'s context (allocated in it, or mapped into it), holding values
+    /// of `T`, and must stay allocated, and not be written by other work (for inputs) or
+    /// touched at all by other work (for outputs), until the stream the call is queued on has
+    /// passed the kernel. Prefix sums (`RawTensor<i32>` in [`CuSeqlens`]) must moreover be
+    /// valid: `batch + 1` non-decreasing values from 0 to `total_q`/`total_k`, no sequence
+    /// longer than `max_seqlen_q`/`max_seqlen_k` (the kernel clamps bad values to the packed
+    /// tensors, so they cannot make it read or write outside them, but the results of such
+    /// sequences are meaningless and query rows past `max_seqlen_q` are not written).
+    pub unsafe fn from_raw(ptr: u64, len: usize) -> Self {
+        RawTensor {
+            ptr,
+            len,
+            _element: PhantomData,
+        }
+    }
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Elements of `T`.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl<T> Extent for RawTensor<T> {
+    fn elems(&self) -> usize {
+        self.len
+    }
+}
+
+/// Device-resident varlen prefix sums (int32, `batch + 1` entries each, PyTorch's
+/// `cu_seqlens_q`/`cu_seqlens_k`), for a problem described by
+/// [`softmax_core::Sequences::VarlenDevice`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CuSeqlens {
+    /// Query prefix sums.
+    pub q: RawTensor<i32>,
+    /// Key prefix sums.
+    pub k: RawTensor<i32>,
+}
+
+/// The output bundle of a call on caller memory: O and, optionally, the f32 LSE.
+pub type RawOut<T> = Out<RawTensor<T>, RawTensor<f32>>;
+
+/// The buffers of one call on caller memory.
+pub(crate) struct RawCall<T> {
+    pub qkv: Qkv<RawTensor<T>>,
+    pub out: RawOut<T>,
+    pub cu_seqlens: Option<CuSeqlens>,
+}
+
+/// Device addresses of a checked call (0: absent).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Pointers {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub cu_q: u64,
+    pub cu_k: u64,
+}
+
+/// Base alignment the kernel's 16-byte row loads and stores need (rows are whole multiples
+/// of 8 elements apart: `prepare` checks the strides).
+const ROW_ALIGN: u64 = 16;
+
+/// Rejects a null address (unless the tensor is empty), a misaligned one, and a range that
+/// wraps the address space.
+fn check_ptr<T>(tensor: Tensor, t: &RawTensor<T>, align: u64) -> Result<(), CudaError> {
+    if t.len == 0 {
+        return Ok(());
+    }
+    if t.ptr == 0 {
+        return Err(CudaError::NullPointer { tensor });
+    }
+    if t.ptr % align != 0 {
+        return Err(CudaError::Misaligned {
+            tensor,
+            ptr: t.ptr,
+            align,
+        });
+    }
+    (t.len as u64)
+        .checked_mul(core::mem::size_of::<T>() as u64)
+        .and_then(|bytes| t.ptr.checked_add(bytes))
+        .ok_or(ProblemError::Overflow)?;
+    Ok(())
+}
+
+/// Checks a call on caller memory against the problem, touching nothing on the device:
+/// lengths and this backend's limits (`prepare`), then every address, then the device prefix
+/// sums (exactly for [`Sequences::VarlenDevice`], `batch + 1` entries each).
+pub(crate) fn check_raw<'a, T: CudaElement>(
+    problem: &Problem<'a>,
+    call: &RawCall<T>,
+    opts: &ForwardOptions,
+    props: &DeviceProps,
+) -> Result<(Prepared<'a>, Pointers), CudaError> {
+    let prepared = prepare(
+        problem,
+        BufferLens::of(&call.qkv, &call.out),
+        T::DTYPE,
+        opts,
+        props,
+    )?;
+    let Qkv { q, k, v } = &call.qkv;
+    for (tensor, t) in [
+        (Tensor::Q, q),
+        (Tensor::K, k),
+        (Tensor::V, v),
+        (Tensor::O, &call.out.o),
+    ] {
+        check_ptr(tensor, t, ROW_ALIGN)?;
+    }
+    if let Some(lse) = &call.out.lse {
+        check_ptr(Tensor::Lse, lse, 4)?;
+    }
+    let mut ptrs = Pointers {
+        q: q.ptr,
+        k: k.ptr,
+        v: v.ptr,
+        o: call.out.o.ptr,
+        lse: call.out.lse.map_or(0, |l| l.ptr),
+        cu_q: 0,
+        cu_k: 0,
+    };
+    match (problem.sequences(), &call.cu_seqlens) {
+        (Sequences::VarlenDevice { batch, .. }, Some(cu)) => {
+            for (tensor, t) in [(Tensor::CuSeqlensQ, &cu.q), (Tensor::CuSeqlensK, &cu.k)] {
+                let needed = batch + 1;
+                if t.len < needed {
+                    return Err(ProblemError::BufferTooSmall {
+                        tensor,
+                        needed,
+                        len: t.len,
+                    }
+                    .into());
+                }
+                check_ptr(tensor, t, 4)?;
+            }
+            ptrs.cu_q = cu.q.ptr;
+            ptrs.cu_k = cu.k.ptr;
+        }
+        (Sequences::VarlenDevice { .. }, None) => {
+            return Err(ProblemError::Unsupported {
+                what: "a problem with device prefix sums needs them: forward_varlen_on_stream",
+            }
+            .into())
+        }
+        (_, Some(_)) => {
+            return Err(ProblemError::Unsupported {
+                what: "device prefix sums go with Sequences::VarlenDevice only",
+            }
+            .into())
+        }
+        (_, None) => {}
+    }
+    Ok((prepared, ptrs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+    use softmax_core::ProblemDesc;
+
+    /// A raw tensor at a made-up address: these checks never dereference it.
+    fn at<T>(ptr: u64, len: usize) -> RawTensor<T> {
+        // SAFETY: only the host-side checks see it; nothing is launched.
+        unsafe { RawTensor::from_raw(ptr, len) }
+    }
+
+    /// Q, K, V, O, LSE of exactly the needed lengths, 256-byte aligned and far apart.
+    fn call_for(problem: &Problem) -> RawCall<bf16> {
+        let lens = problem.min_buffer_lens();
+        RawCall {
+            qkv: Qkv::new(
+                at(0x10_0000, lens.q),
+                at(0x20_0000, lens.k),
+                at(0x30_0000, lens.v),
+            ),
+            out: Out::with_lse(at(0x40_0000, lens.o), at(0x50_0000, problem.lse_len())),
+            cu_seqlens: None,
+        }
+    }
+
+    fn check(problem: &Problem, call: &RawCall<bf16>) -> Result<Pointers, CudaError> {
+        check_raw(
+            problem,
+            call,
+            &ForwardOptions::default(),
+            &DeviceProps::h200(),
+        )
+        .map(|(_, p)| p)
+    }
+
+    #[test]
+    fn good_pointers_pass_through() {
+        let problem = ProblemDesc::new(2, 33, 40, 4, 2, 64).validate(256).unwrap();
+        let ptrs = check(&problem, &call_for(&problem)).expect("valid");
+        assert_eq!(
+            (ptrs.q, ptrs.o, ptrs.lse, ptrs.cu_q),
+            (0x10_0000, 0x40_0000, 0x50_0000, 0)
+        );
+    }
+
+    #[test]
+    fn null_misaligned_short_and_wrapping_pointers_get_typed_errors() {
+        let problem = ProblemDesc::new(2, 33, 40, 4, 2, 64).validate(256).unwrap();
+        let mut call = call_for(&problem);
+        call.qkv.k = at(0, call.qkv.k.len());
+        assert_eq!(
+            check(&problem, &call),
+            Err(CudaError::NullPointer { tensor: Tensor::K })
+        );
+        let mut call = call_for(&problem);
+        call.out.o = at(0x40_0008, call.out.o.len());
+        assert_eq!(
+            check(&problem, &call),
+            Err(CudaError::Misaligned {
+                tensor: Tensor::O,
+                ptr: 0x40_0008,
+                align: 16
+            })
+        );
+        let mut call = call_for(&problem);
+        call.out.lse = Some(at(0x50_0002, problem.lse_len()));
+        assert!(matches!(
+            check(&problem, &call),
+            Err(CudaError::Misaligned {
+                tensor: Tensor::Lse,
+                align: 4,
+                ..
+            })
+        ));
+        let mut call = call_for(&problem);
+        call.qkv.v = at(0x30_0000, call.qkv.v.len() - 1);
+        assert!(matches!(
+            check(&problem, &call),
+            Err(CudaError::Problem(ProblemError::BufferTooSmall {
+                tensor: Tensor::V,
+                ..
+            }))
+        ));
+        let mut call = call_for(&problem);
+        call.qkv.q = at(u64::MAX - 15, call.qkv.q.len());
+        assert_eq!(
+            check(&problem, &call),
+            Err(CudaError::Problem(ProblemError::Overflow))
+        );
+        // An empty tensor may be null (PyTorch's empty tensors): nothing reads it.
+        let empty = ProblemDesc::new(1, 0, 5, 2, 2, 64).validate(256).unwrap();
+        let mut call = call_for(&empty);
+        call.qkv.q = at(0, 0);
+        call.out = Out::new(at(0, 0));
+        assert!(check(&empty, &call).is_ok());
+    }
+
+    #[test]
+    fn device_prefix_sums_are_checked_and_required() {
+        let sizes = Sequences::VarlenDevice {
+            batch: 3,
+            total_q: 40,
+            total_k: 50,
+            max_seqlen_q: 20,
+            max_seqlen_k: 30,
+        };
+        let problem = ProblemDesc::new(1, 0, 0, 4, 2, 64)
+            .with_sequences(sizes)
+            .validate(256)
+            .unwrap();
+        let mut call = call_for(&problem);
+        assert!(matches!(
+            check(&problem, &call),
+            Err(CudaError::Problem(ProblemError::Unsupported { .. }))
+        ));
+        call.cu_seqlens = Some(CuSeqlens {
+            q: at(0x60_0000, 4),
+            k: at(0x60_0100, 3),
+        });
+        assert_eq!(
+            check(&problem, &call),
+            Err(CudaError::Problem(ProblemError::BufferTooSmall {
+                tensor: Tensor::CuSeqlensK,
+                needed: 4,
+                len: 3
+            }))
+        );
+        call.cu_seqlens = Some(CuSeqlens {
+            q: at(0x60_0002, 4),
+            k: at(0x60_0100, 4),
+        });
+        assert!(matches!(
+            check(&problem, &call),
+            Err(CudaError::Misaligned {
+                tensor: Tensor::CuSeqlensQ,
+                ..
+            })
+        ));
+        call.cu_seqlens = Some(CuSeqlens {
+            q: at(0, 4),
+            k: at(0x60_0100, 4),
+        });
+        assert_eq!(
+            check(&problem, &call),
+            Err(CudaError::NullPointer {
+                tensor: Tensor::CuSeqlensQ
+            })
+        );
+        call.cu_seqlens = Some(CuSeqlens {
+            q: at(0x60_0000, 4),
+            k: at(0x60_0100, 4),
+        });
+        let ptrs = check(&problem, &call).expect("valid");
+        assert_eq!((ptrs.cu_q, ptrs.cu_k), (0x60_0000, 0x60_0100));
+        // Device prefix sums with a problem that does not take them.
+        let dense = ProblemDesc::new(2, 33, 40, 4, 2, 64).validate(256).unwrap();
+        let mut call = call_for(&dense);
+        call.cu_seqlens = Some(CuSeqlens {
+            q: at(0x60_0000, 4),
+            k: at(0x60_0100, 4),
+        });
+        assert!(matches!(
+            check(&dense, &call),
+            Err(CudaError::Problem(ProblemError::Unsupported { .. }))
+        ));
+    }
+}
