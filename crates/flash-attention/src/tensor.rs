@@ -150,7 +150,7 @@ mod tests {
     fn views_know_their_dtype_and_length() {
         let a = vec![0.0f32; 3];
         let mut b = vec![bf16::ZERO; 5];
-        let mut c = vec![f16::ZERO; 2];
+        let mut c = [f16::ZERO; 2];
         assert_eq!(TensorRef::from(&a).dtype(), DType::F32);
         assert_eq!(TensorRef::from(&a[..]).elems(), 3);
         let mut m = TensorMut::from(&mut b);
