@@ -199,7 +199,7 @@ pub fn table_row(r: &BenchResult) -> String {
     )
 }
 
-/// The header of the table `--peers` prints (fa-cuda-bench's columns: our TFLOP/s, PyTorch
+/// The header of the table `--peers` prints (the GPU session logs' columns: our TFLOP/s, PyTorch
 /// SDPA flash's and cuDNN's, and our ratios over them, then the tile choice).
 pub fn peers_header() -> String {
     format!(
