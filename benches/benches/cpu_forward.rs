@@ -1,5 +1,6 @@
 //! fa-cpu's forward pass on a few shapes (B=1, H=8, f32 and bf16, causal and not), with
-//! FLOP throughput (`4·B·H·N²·D`, halved when causal) so criterion reports GFLOP/s.
+//! FLOP throughput (`softmax_core::flops::forward`: `4·B·H·N²·D`, halved when causal) so
+//! criterion reports GFLOP/s.
 //! `cargo bench -p fa-benches --bench cpu_forward`; PyTorch comparisons: scripts/cpu_peer.py.
 
 #![allow(missing_docs)] // criterion's macros generate undocumented items
@@ -31,7 +32,7 @@ fn bench_shape<T: Element>(c: &mut Criterion, seqlen: usize, head_dim: usize, ca
     let mut ws = Workspace::new();
     let opts = ForwardOptions::default();
     let problem = desc.validate(MAX_HEAD_DIM).expect("valid problem");
-    let flops = 4 * heads * seqlen * seqlen * head_dim / if causal { 2 } else { 1 };
+    let flops = softmax_core::flops::forward(1, heads, seqlen, seqlen, head_dim, causal);
     let mut group = c.benchmark_group(format!("cpu_forward_{}", T::NAME));
     group.sample_size(10);
     group.throughput(Throughput::Elements(flops as u64));

@@ -1,107 +1,26 @@
 //! `fa bench`: time the forward pass over the paper shapes or given ones.
 //!
-//! FLOPs are counted as FlashAttention does: `4 · batch · heads · seqlen_q · seqlen_k ·
-//! head_dim`, halved when causal with `seqlen_q = seqlen_k`. Inputs are N(0,1) (never zeros).
+//! FLOPs are counted as FlashAttention does ([`softmax_core::flops::forward`]): `4 · batch ·
+//! heads · seqlen_q · seqlen_k · head_dim`, halved when causal with `seqlen_q = seqlen_k`. Inputs are N(0,1) (never zeros).
 //! Peak memory is the process's peak resident set (`VmHWM`), reset before each shape through
 //! `/proc/self/clear_refs` where the kernel allows it, beside the bytes the inputs and outputs
 //! need.
 
-use crate::backend::{Backend, CallOptions};
+use crate::backend::{Backend, Options};
 use crate::error::CliError;
+use crate::peers::PeerRatios;
 use crate::plan::human_bytes;
 use crate::tensor::{random_normal, DType, HostTensor};
-use softmax_core::ProblemDesc;
-
-/// One benchmark shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct BenchShape {
-    /// Sequences.
-    pub batch: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads.
-    pub heads_kv: usize,
-    /// Queries per sequence.
-    pub seqlen_q: usize,
-    /// Keys per sequence.
-    pub seqlen_k: usize,
-    /// Head dimension.
-    pub head_dim: usize,
-    /// Causal (bottom-right aligned) mask.
-    pub causal: bool,
-}
-
-impl BenchShape {
-    /// Forward FLOPs: `4·B·H·Nq·Nk·D`, halved when causal with `Nq = Nk`.
-    pub fn flops(&self) -> f64 {
-        let full = 4.0
-            * self.batch as f64
-            * self.heads as f64
-            * self.seqlen_q as f64
-            * self.seqlen_k as f64
-            * self.head_dim as f64;
-        if self.causal && self.seqlen_q == self.seqlen_k {
-            full / 2.0
-        } else {
-            full
-        }
-    }
-
-    /// Bytes of Q, K, V and O in `dtype` plus the f32 LSE.
-    pub fn io_bytes(&self, dtype: DType) -> u64 {
-        let (b, d) = (self.batch as u64, self.head_dim as u64);
-        let q_o = 2 * b * self.seqlen_q as u64 * self.heads as u64 * d;
-        let k_v = 2 * b * self.seqlen_k as u64 * self.heads_kv as u64 * d;
-        let lse = 4 * b * self.heads as u64 * self.seqlen_q as u64;
-        (q_o + k_v) * dtype.size() as u64 + lse
-    }
-
-    /// The problem description.
-    pub fn desc(&self) -> ProblemDesc<'static> {
-        let d = ProblemDesc::new(
-            self.batch,
-            self.seqlen_q,
-            self.seqlen_k,
-            self.heads,
-            self.heads_kv,
-            self.head_dim,
-        );
-        if self.causal {
-            d.causal()
-        } else {
-            d
-        }
-    }
-}
-
-/// The FlashAttention papers' shapes: batch·seqlen = 16k tokens, hidden 2048 (heads =
-/// 2048/head_dim), seqlen 512…16k, head_dim 64/128/256, non-causal and causal.
-pub fn paper_shapes() -> Vec<BenchShape> {
-    let mut shapes = Vec::new();
-    for head_dim in [64, 128, 256] {
-        for causal in [false, true] {
-            for seqlen in [512, 1024, 2048, 4096, 8192, 16384] {
-                shapes.push(BenchShape {
-                    batch: 16384 / seqlen,
-                    heads: 2048 / head_dim,
-                    heads_kv: 2048 / head_dim,
-                    seqlen_q: seqlen,
-                    seqlen_k: seqlen,
-                    head_dim,
-                    causal,
-                });
-            }
-        }
-    }
-    shapes
-}
+pub use flash_attention::shapes::{paper_shapes, BenchShape};
+use softmax_core::{Out, Qkv};
 
 /// The measurement of one shape; serialises as one JSON line.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BenchResult {
     /// Backend name.
     pub backend: &'static str,
-    /// Input dtype.
+    /// Input dtype (serialised as its name).
+    #[serde(serialize_with = "dtype_name")]
     pub dtype: DType,
     /// The shape (its fields appear at the top level of the JSON).
     #[serde(flatten)]
@@ -120,6 +39,31 @@ pub struct BenchResult {
     pub peak_rss_bytes: u64,
     /// Bytes the inputs and outputs need.
     pub io_bytes: u64,
+    /// CUDA tile override of this measurement (`None`: the tuned choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tiles: Option<String>,
+    /// PyTorch SDPA's numbers for this shape, with `--peers`.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub peers: Option<PeerRatios>,
+}
+
+impl BenchResult {
+    /// FLOPs / median time, in TFLOP/s.
+    pub fn tflops(&self) -> f64 {
+        self.gflops / 1e3
+    }
+}
+
+fn dtype_name<S: serde::Serializer>(dtype: &DType, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(dtype.name())
+}
+
+/// `t` as `128x64x4x2x2` (block_m × block_n × warps × min_blocks × stages).
+pub fn tiles_name(t: &flash_attention::Tiles) -> String {
+    format!(
+        "{}x{}x{}x{}x{}",
+        t.block_m, t.block_n, t.warps, t.min_blocks, t.stages
+    )
 }
 
 /// Peak resident set size of this process (`VmHWM` of `/proc/self/status`), in bytes.
@@ -155,7 +99,7 @@ pub fn bench_shape(
     backend: &Backend,
     shape: &BenchShape,
     dtype: DType,
-    opts: CallOptions,
+    opts: &Options,
     warmup: usize,
     iters: usize,
     seed: u64,
@@ -163,20 +107,17 @@ pub fn bench_shape(
     reset_peak_rss();
     let mut rng = fa_reference::Rng::new(seed);
     let (b, d) = (shape.batch, shape.head_dim);
-    let q = random_normal(&mut rng, dtype, vec![b, shape.seqlen_q, shape.heads, d]);
-    let k = random_normal(&mut rng, dtype, vec![b, shape.seqlen_k, shape.heads_kv, d]);
-    let v = random_normal(&mut rng, dtype, vec![b, shape.seqlen_k, shape.heads_kv, d]);
-    let mut out = HostTensor::zeros(dtype, q.shape.clone());
+    let q = random_normal(&mut rng, dtype, vec![b, shape.seqlen_q, shape.heads, d])?;
+    let k = random_normal(&mut rng, dtype, vec![b, shape.seqlen_k, shape.heads_kv, d])?;
+    let v = random_normal(&mut rng, dtype, vec![b, shape.seqlen_k, shape.heads_kv, d])?;
+    let mut out = HostTensor::zeros(dtype, q.shape.clone())?;
     let mut lse = vec![0.0f32; b * shape.heads * shape.seqlen_q];
     let desc = shape.desc();
     let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
     let times = backend.time_forward(
         &problem,
-        &q.data,
-        &k.data,
-        &v.data,
-        &mut out.data,
-        &mut lse,
+        Qkv::new(q.view(), k.view(), v.view()),
+        Out::with_lse(out.data.view_mut(), &mut lse[..]),
         opts,
         warmup,
         iters.max(1),
@@ -194,6 +135,8 @@ pub fn bench_shape(
         gflops: shape.flops() / med / 1e9,
         peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
         io_bytes: shape.io_bytes(dtype),
+        tiles: opts.tiles.as_ref().map(tiles_name),
+        peers: None,
     })
 }
 
@@ -256,36 +199,56 @@ pub fn table_row(r: &BenchResult) -> String {
     )
 }
 
+/// The header of the table `--peers` prints (the GPU session logs' columns: our TFLOP/s, PyTorch
+/// SDPA flash's and cuDNN's, and our ratios over them, then the tile choice).
+pub fn peers_header() -> String {
+    format!(
+        "{:>5} {:>6} {:>5} {:>5} {:>6} {:>10} {:>9} {:>8} {:>8} {:>7} {:>7}",
+        "hdim",
+        "seqlen",
+        "batch",
+        "heads",
+        "causal",
+        "median_ms",
+        "TFLOP/s",
+        "flash",
+        "cudnn",
+        "/flash",
+        "/cudnn"
+    )
+}
+
+/// One row of the `--peers` table (the numbers of [`BenchResult::peers`]; `-` where the peer
+/// has none).
+pub fn peers_row(r: &BenchResult) -> String {
+    let s = &r.shape;
+    let p = r.peers.unwrap_or_default();
+    let fmt = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.1}"));
+    let ratio = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}"));
+    format!(
+        "{:>5} {:>6} {:>5} {:>5} {:>6} {:>10.3} {:>9.1} {:>8} {:>8} {:>7} {:>7} {}",
+        s.head_dim,
+        s.seqlen_q,
+        s.batch,
+        s.heads,
+        s.causal,
+        r.time_ms_median,
+        r.tflops(),
+        fmt(p.peer_flash_tflops),
+        fmt(p.peer_cudnn_tflops),
+        ratio(p.vs_flash),
+        ratio(p.vs_cudnn),
+        r.tiles.as_deref().unwrap_or("default")
+    )
+}
+
+/// The line that opens the `--peers` summary (scripts cut the log from it on).
+pub const PEERS_SUMMARY: &str =
+    "summary (TFLOP/s; ratios over PyTorch SDPA measured in the same device call):";
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn flops_and_paper_shapes() {
-        let s = BenchShape {
-            batch: 2,
-            heads: 3,
-            heads_kv: 1,
-            seqlen_q: 5,
-            seqlen_k: 7,
-            head_dim: 11,
-            causal: true,
-        };
-        // seqlen_q ≠ seqlen_k: no halving.
-        assert_eq!(s.flops(), 4.0 * 2.0 * 3.0 * 5.0 * 7.0 * 11.0);
-        let sq = BenchShape { seqlen_k: 5, ..s };
-        assert_eq!(sq.flops(), 2.0 * 2.0 * 3.0 * 5.0 * 5.0 * 11.0);
-        assert_eq!(
-            s.io_bytes(DType::Bf16),
-            (2 * 2 * 5 * 3 * 11 + 2 * 2 * 7 * 11) * 2 + 4 * 2 * 3 * 5
-        );
-        let shapes = paper_shapes();
-        assert_eq!(shapes.len(), 36);
-        for s in shapes {
-            assert_eq!(s.batch * s.seqlen_q, 16384);
-            assert_eq!(s.heads * s.head_dim, 2048);
-        }
-    }
 
     #[test]
     fn median_of_odd_and_even() {

@@ -2,13 +2,15 @@
 //! f64 reference on sampled rows, with its time, throughput and memory beside what a naive
 //! implementation would have needed.
 
-use crate::backend::{Backend, BackendChoice, CallOptions};
+use crate::backend::{Backend, BackendChoice, Options};
 use crate::bench::{peak_rss_bytes, reset_peak_rss, BenchShape};
 use crate::error::CliError;
 use crate::plan::human_bytes;
 use crate::rows::{compare_rows, reference_rows, sample_rows};
 use crate::tensor::{random_normal, DType, HostTensor};
 use crate::verify::bounds;
+use flash_attention::{BackendKind, DTypes};
+use softmax_core::{Out, Qkv};
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -18,7 +20,7 @@ pub struct DemoRequest {
     /// Backend choice.
     pub backend: BackendChoice,
     /// Threads and exp2.
-    pub options: CallOptions,
+    pub options: Options,
     /// Tokens of the sequence (`None`: 16384 on the CPU, 131072 on CUDA).
     pub seqlen: Option<usize>,
     /// Query heads.
@@ -43,7 +45,7 @@ impl Default for DemoRequest {
     fn default() -> Self {
         DemoRequest {
             backend: BackendChoice::Auto,
-            options: CallOptions::default(),
+            options: Options::default(),
             seqlen: None,
             heads: 8,
             heads_kv: 8,
@@ -59,12 +61,16 @@ impl Default for DemoRequest {
 /// The demo's report text and whether the check passed. With `--backend auto`, a CUDA
 /// failure (driver, compilation) is reported on stderr and the demo runs on the CPU.
 pub fn demo(req: &DemoRequest) -> Result<(String, bool), CliError> {
-    let backend = Backend::open(req.backend)?;
+    // With a dtype given, `auto` takes CUDA only if it runs that dtype.
+    let backend = match req.dtype {
+        Some(d) => Backend::open_for(req.backend, DTypes::same(d))?,
+        None => Backend::open(req.backend)?,
+    };
     match demo_on(req, backend) {
         Err(CliError::Backend(why)) if req.backend == BackendChoice::Auto => {
             let first = why.lines().next().unwrap_or("");
             eprintln!("warning: the CUDA backend failed ({first}); running on the CPU instead");
-            demo_on(req, Backend::Cpu)
+            demo_on(req, Backend::cpu())
         }
         other => other,
     }
@@ -72,9 +78,9 @@ pub fn demo(req: &DemoRequest) -> Result<(String, bool), CliError> {
 
 fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliError> {
     let dtype = req.dtype.unwrap_or_else(|| backend.default_dtype());
-    let seqlen = req.seqlen.unwrap_or(match backend {
-        Backend::Cpu => 16384,
-        Backend::Cuda(_) => 131072,
+    let seqlen = req.seqlen.unwrap_or(match backend.kind() {
+        BackendKind::Cuda => 131072,
+        _ => 16384,
     });
     let shape = BenchShape {
         batch: 1,
@@ -91,35 +97,31 @@ fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliErr
     let rss_before = peak_rss_bytes().unwrap_or(0);
     let mut rng = fa_reference::Rng::new(req.seed);
     let dims = |h| vec![1, seqlen, h, req.head_dim];
-    let q = random_normal(&mut rng, dtype, dims(req.heads));
-    let k = random_normal(&mut rng, dtype, dims(req.heads_kv));
-    let v = random_normal(&mut rng, dtype, dims(req.heads_kv));
-    let mut out = HostTensor::zeros(dtype, q.shape.clone());
+    let q = random_normal(&mut rng, dtype, dims(req.heads))?;
+    let k = random_normal(&mut rng, dtype, dims(req.heads_kv))?;
+    let v = random_normal(&mut rng, dtype, dims(req.heads_kv))?;
+    let mut out = HostTensor::zeros(dtype, q.shape.clone())?;
+    let qkv = Qkv::new(q.view(), k.view(), v.view());
     let mut lse = vec![0.0f32; problem.lse_len()];
 
     let start = Instant::now();
     backend.forward(
         &problem,
-        &q.data,
-        &k.data,
-        &v.data,
-        &mut out.data,
-        Some(&mut lse),
-        req.options,
+        qkv,
+        Out::with_lse(out.data.view_mut(), &mut lse[..]),
+        &req.options,
     )?;
     let mut seconds = start.elapsed().as_secs_f64();
     let peak = peak_rss_bytes().unwrap_or(0);
     let mut timing = "wall clock, one call";
-    if let Backend::Cuda(_) = backend {
+    if backend.kind() == BackendKind::Cuda {
         // The first call compiled the kernel and copied the tensors: time the kernel alone.
+        let (mut out2, mut lse2) = (out.data.clone(), lse.clone());
         let times = backend.time_forward(
             &problem,
-            &q.data,
-            &k.data,
-            &v.data,
-            &mut out.data.clone(),
-            &mut lse.clone(),
-            req.options,
+            qkv,
+            Out::with_lse(out2.view_mut(), &mut lse2[..]),
+            &req.options,
             1,
             5,
         )?;
@@ -157,12 +159,12 @@ fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliErr
         s,
         "  time       {:.4} s ({timing}{}), {} ({:.3e} FLOPs)",
         seconds,
-        match backend {
-            Backend::Cpu => format!(
+        match backend.kind() {
+            BackendKind::Cuda => String::new(),
+            _ => format!(
                 ", {} threads",
                 backend.effective_threads(req.options.threads)
             ),
-            Backend::Cuda(_) => String::new(),
         },
         crate::bench::throughput(shape.flops() / seconds / 1e9),
         shape.flops()

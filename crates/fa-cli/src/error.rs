@@ -58,3 +58,12 @@ impl From<ProblemError> for CliError {
         CliError::Problem(e)
     }
 }
+
+impl From<flash_attention::Error> for CliError {
+    fn from(e: flash_attention::Error) -> Self {
+        match e {
+            flash_attention::Error::Problem(p) => CliError::Problem(p),
+            other => CliError::Backend(other.to_string()),
+        }
+    }
+}

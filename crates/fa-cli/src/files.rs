@@ -5,7 +5,7 @@
 
 use crate::error::CliError;
 use crate::npy;
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::{DType, Data, HostTensor};
 use std::path::{Path, PathBuf};
 
 /// A tensor file format.
@@ -35,11 +35,11 @@ fn bad_file(path: &Path, reason: impl ToString) -> CliError {
     }
 }
 
-fn st_dtype(dtype: DType) -> safetensors::Dtype {
-    match dtype {
-        DType::F32 => safetensors::Dtype::F32,
-        DType::Bf16 => safetensors::Dtype::BF16,
-        DType::F16 => safetensors::Dtype::F16,
+fn st_dtype(data: &Data) -> safetensors::Dtype {
+    match data {
+        Data::F32(_) => safetensors::Dtype::F32,
+        Data::Bf16(_) => safetensors::Dtype::BF16,
+        Data::F16(_) => safetensors::Dtype::F16,
     }
 }
 
@@ -88,7 +88,7 @@ pub fn read_tensor(path: &Path, name: &str) -> Result<(HostTensor, FileFormat), 
             ))
         }
     };
-    let t = HostTensor::from_bytes(dtype, view.shape().to_vec(), view.data(), false);
+    let t = HostTensor::from_bytes(dtype, view.shape().to_vec(), view.data(), false)?;
     Ok((t, FileFormat::Safetensors))
 }
 
@@ -113,7 +113,7 @@ pub fn write_tensors(
             let mut views = Vec::with_capacity(raw.len());
             for (name, t, buf) in &raw {
                 let view =
-                    safetensors::tensor::TensorView::new(st_dtype(t.dtype()), t.shape.clone(), buf)
+                    safetensors::tensor::TensorView::new(st_dtype(&t.data), t.shape.clone(), buf)
                         .map_err(|e| bad_file(path, e))?;
                 views.push((*name, view));
             }

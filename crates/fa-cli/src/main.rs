@@ -3,14 +3,16 @@
 //! `fa` with no arguments runs `fa demo`. See `fa --help` and `fa <command> --help`.
 
 use clap::{Args, Parser, Subcommand};
-use fa_cli::backend::{Backend, BackendChoice, CallOptions, Exp2Choice};
+use fa_cli::backend::{parse_dtype, Backend, BackendArg, Exp2Arg, Options};
 use fa_cli::bench::{self, BenchShape};
 use fa_cli::demo::{demo, DemoRequest};
+use fa_cli::peers;
 use fa_cli::plan;
 use fa_cli::run::{parse_window, run, RunRequest};
-use fa_cli::tensor::DType;
 use fa_cli::verify;
 use fa_cli::CliError;
+use flash_attention::{BackendKind, Tiles};
+use softmax_core::DType;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -48,21 +50,22 @@ enum Command {
 #[derive(Args, Clone, Copy)]
 struct ComputeArgs {
     /// Backend: auto (CUDA when a device opens, for bf16/f16; else the CPU), cpu or cuda.
-    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
-    backend: BackendChoice,
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
     /// Worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
     /// exp2 of the CPU kernel: exact (library) or cubic (FlashAttention-4 polynomial).
-    #[arg(long, value_enum, default_value_t = Exp2Choice::Exact)]
-    exp2: Exp2Choice,
+    #[arg(long, value_enum, default_value_t = Exp2Arg::Exact)]
+    exp2: Exp2Arg,
 }
 
 impl ComputeArgs {
-    fn options(&self) -> CallOptions {
-        CallOptions {
+    fn options(&self) -> Options {
+        Options {
             threads: self.threads,
-            exp2: self.exp2,
+            exp2: self.exp2.into(),
+            ..Options::default()
         }
     }
 }
@@ -107,8 +110,9 @@ struct RunArgs {
 
 #[derive(Args)]
 struct VerifyArgs {
-    /// Dtypes to verify, comma-separated (default: f32,bf16,f16 on the CPU; bf16,f16 on CUDA).
-    #[arg(long, value_enum, value_delimiter = ',')]
+    /// Dtypes to verify, comma-separated: f32, bf16, f16 (default: all three on the CPU;
+    /// bf16,f16 on CUDA).
+    #[arg(long, value_parser = parse_dtype, value_delimiter = ',')]
     dtype: Vec<DType>,
     /// Random problems in addition to the fixed cases.
     #[arg(long, default_value_t = 8)]
@@ -144,17 +148,32 @@ struct BenchArgs {
     #[arg(long, value_delimiter = ',')]
     head_dim: Vec<usize>,
     /// Causal mask only (the paper sweep runs both masks unless given).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_causal")]
     causal: bool,
-    /// Element type (default: f32 on the CPU, bf16 on CUDA).
-    #[arg(long, value_enum)]
+    /// No mask only (paper sweep).
+    #[arg(long)]
+    no_causal: bool,
+    /// The paper shapes (16k tokens, hidden 2048) even when --seqlen / --head-dim are given:
+    /// they then select among them.
+    #[arg(long, conflicts_with_all = ["batch", "heads", "heads_kv", "seqlen_k"])]
+    paper: bool,
+    /// Element type: f32, bf16 or f16 (default: f32 on the CPU, bf16 on CUDA).
+    #[arg(long, value_parser = parse_dtype)]
     dtype: Option<DType>,
-    /// Timed iterations per shape (median reported).
-    #[arg(long, default_value_t = 5)]
-    iters: usize,
-    /// Untimed iterations before timing.
-    #[arg(long, default_value_t = 1)]
-    warmup: usize,
+    /// Timed iterations per shape, median reported (default: 5 on the CPU, 30 on CUDA).
+    #[arg(long)]
+    iters: Option<usize>,
+    /// Untimed iterations before timing (default: 1 on the CPU, 5 on CUDA).
+    #[arg(long)]
+    warmup: Option<usize>,
+    /// PyTorch SDPA numbers (`torch_sdpa.py --json`, same device session): print our
+    /// throughput over theirs per shape (and in --json); a missing file only warns.
+    #[arg(long)]
+    peers: Option<PathBuf>,
+    /// CUDA tile overrides to compare (tuning), comma-separated: default or
+    /// BLOCK_MxBLOCK_NxWARPSxMIN_BLOCKS[xSTAGES], e.g. default,128x64x4x2.
+    #[arg(long, value_delimiter = ',', value_parser = parse_tiles)]
+    tiles: Vec<TileChoice>,
     /// Print one JSON object per shape instead of the table.
     #[arg(long)]
     json: bool,
@@ -214,8 +233,8 @@ struct DemoArgs {
     /// No causal mask (the demo is causal by default).
     #[arg(long)]
     no_causal: bool,
-    /// Element type (default: f32 on the CPU, bf16 on CUDA).
-    #[arg(long, value_enum)]
+    /// Element type: f32, bf16 or f16 (default: f32 on the CPU, bf16 on CUDA).
+    #[arg(long, value_parser = parse_dtype)]
     dtype: Option<DType>,
     /// Rows checked against the f64 reference.
     #[arg(long, default_value_t = 32)]
@@ -236,9 +255,9 @@ fn main() -> ExitCode {
             dtype: None,
             check_rows: 32,
             compute: ComputeArgs {
-                backend: BackendChoice::Auto,
+                backend: BackendArg::Auto,
                 threads: None,
-                exp2: Exp2Choice::Exact,
+                exp2: Exp2Arg::Exact,
             },
         }),
         Some(Command::Run(a)) => cmd_run(a),
@@ -268,7 +287,7 @@ fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
         window: a.window,
         softcap: a.softcap,
         scale: a.scale,
-        backend: a.compute.backend,
+        backend: a.compute.backend.into(),
         options: a.compute.options(),
         check_rows: a.check_rows,
     };
@@ -290,7 +309,7 @@ fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
 }
 
 fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
-    let backend = Backend::open(a.compute.backend)?;
+    let backend = Backend::open(a.compute.backend.into())?;
     let seed = a
         .seed
         .unwrap_or_else(|| fa_reference::Rng::fresh().next_u64());
@@ -304,7 +323,7 @@ fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
     println!("{}", verify::table_header());
     let dtypes = if !a.dtype.is_empty() {
         a.dtype.clone()
-    } else if let Backend::Cuda(_) = backend {
+    } else if backend.kind() == BackendKind::Cuda {
         vec![DType::Bf16, DType::F16]
     } else {
         vec![DType::F32, DType::Bf16, DType::F16]
@@ -312,7 +331,7 @@ fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
     let (mut failed, mut skipped, mut total) = (0, 0, 0);
     for dtype in dtypes {
         for case in &cases {
-            let row = verify::verify_case(&backend, case, dtype, a.out_f32, a.compute.options());
+            let row = verify::verify_case(&backend, case, dtype, a.out_f32, &a.compute.options());
             println!("{}", verify::table_row(&row));
             total += 1;
             failed += row.failed() as usize;
@@ -330,14 +349,29 @@ fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
     })
 }
 
-fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
+/// A `--tiles` entry: the tuned choice or an override.
+#[derive(Clone, Copy, Debug)]
+struct TileChoice(Option<Tiles>);
+
+fn parse_tiles(s: &str) -> Result<TileChoice, String> {
+    match s {
+        "default" => Ok(TileChoice(None)),
+        t => Tiles::parse(t)
+            .map(|t| TileChoice(Some(t)))
+            .ok_or_else(|| format!("bad tiles '{t}' (e.g. 128x64x4x2)")),
+    }
+}
+
+/// The shapes `fa bench` measures: the paper sweep (filtered by --head-dim, --seqlen and the
+/// mask flags), or the grid of the given dimensions.
+fn bench_shapes(a: &BenchArgs) -> Vec<BenchShape> {
     let given = !(a.batch.is_empty()
         && a.heads.is_empty()
         && a.seqlen.is_empty()
         && a.head_dim.is_empty()
         && a.heads_kv.is_none()
         && a.seqlen_k.is_none());
-    let shapes: Vec<BenchShape> = if given {
+    if given && !a.paper {
         let or = |v: &Vec<usize>, d: usize| if v.is_empty() { vec![d] } else { v.clone() };
         let mut shapes = Vec::new();
         for &head_dim in &or(&a.head_dim, 128) {
@@ -357,17 +391,41 @@ fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
                 }
             }
         }
-        shapes
-    } else {
-        bench::paper_shapes()
-            .into_iter()
-            .filter(|s| !a.causal || s.causal)
-            .collect()
+        return shapes;
+    }
+    let keep = |list: &Vec<usize>, x: usize| list.is_empty() || list.contains(&x);
+    bench::paper_shapes()
+        .into_iter()
+        .filter(|s| !a.causal || s.causal)
+        .filter(|s| !a.no_causal || !s.causal)
+        .filter(|s| keep(&a.head_dim, s.head_dim) && keep(&a.seqlen, s.seqlen_q))
+        .collect()
+}
+
+fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
+    let shapes = bench_shapes(a);
+    let backend = match a.dtype {
+        Some(d) => Backend::open_for(a.compute.backend.into(), flash_attention::DTypes::same(d))?,
+        None => Backend::open(a.compute.backend.into())?,
     };
-    let backend = Backend::open(a.compute.backend)?;
     let dtype = a.dtype.unwrap_or_else(|| backend.default_dtype());
-    let bar = if shapes.len() > 1 {
-        let bar = indicatif::ProgressBar::new(shapes.len() as u64);
+    let cuda = backend.kind() == BackendKind::Cuda;
+    let iters = a.iters.unwrap_or(if cuda { 30 } else { 5 }).max(1);
+    let warmup = a.warmup.unwrap_or(if cuda { 5 } else { 1 });
+    let tiles = if a.tiles.is_empty() {
+        vec![TileChoice(None)]
+    } else {
+        a.tiles.clone()
+    };
+    let peers = a.peers.as_ref().map(|path| {
+        peers::read_peers(path).unwrap_or_else(|e| {
+            eprintln!("no peer numbers: {e}");
+            Vec::new()
+        })
+    });
+    let total = shapes.len() * tiles.len();
+    let bar = if total > 1 {
+        let bar = indicatif::ProgressBar::new(total as u64);
         if let Ok(style) = indicatif::ProgressStyle::with_template(
             "{bar:30} {pos}/{len} shapes, {elapsed} elapsed, eta {eta} {msg}",
         ) {
@@ -385,43 +443,87 @@ fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
         print(format!(
             "fa bench: {}, {} timed iterations after {} warm-up (median)",
             backend.describe(),
-            a.iters.max(1),
-            a.warmup
+            iters,
+            warmup
         ));
-        print(bench::table_header());
-    }
-    for shape in &shapes {
-        if let Some(b) = &bar {
-            b.set_message(format!(
-                "b{} h{} n{} d{}{}",
-                shape.batch,
-                shape.heads,
-                shape.seqlen_q,
-                shape.head_dim,
-                if shape.causal { " causal" } else { "" }
-            ));
-        }
-        let r = bench::bench_shape(
-            &backend,
-            shape,
-            dtype,
-            a.compute.options(),
-            a.warmup,
-            a.iters,
-            a.seed,
-        )?;
-        let line = if a.json {
-            serde_json::to_string(&r).map_err(|e| CliError::Usage(e.to_string()))?
+        print(if peers.is_some() {
+            bench::peers_header()
         } else {
-            bench::table_row(&r)
+            bench::table_header()
+        });
+    }
+    let (mut summary, mut failed) = (Vec::new(), 0usize);
+    for &TileChoice(tile) in &tiles {
+        let opts = Options {
+            tiles: tile,
+            ..a.compute.options()
         };
-        print(line);
-        if let Some(b) = &bar {
-            b.inc(1);
+        for shape in &shapes {
+            if let Some(b) = &bar {
+                b.set_message(format!(
+                    "b{} h{} n{} d{}{}",
+                    shape.batch,
+                    shape.heads,
+                    shape.seqlen_q,
+                    shape.head_dim,
+                    if shape.causal { " causal" } else { "" }
+                ));
+            }
+            let start = std::time::Instant::now();
+            let measured = bench::bench_shape(&backend, shape, dtype, &opts, warmup, iters, a.seed);
+            if let Some(b) = &bar {
+                b.inc(1);
+            }
+            let mut r = match measured {
+                Ok(r) => r,
+                // One shape or tile choice that cannot run does not end the sweep.
+                Err(e) if total > 1 => {
+                    eprintln!(
+                        "error: b{} h{} n{} d{} causal={} tiles {}: {e}",
+                        shape.batch,
+                        shape.heads,
+                        shape.seqlen_q,
+                        shape.head_dim,
+                        shape.causal,
+                        tile.as_ref()
+                            .map_or("default".to_string(), bench::tiles_name)
+                    );
+                    failed += 1;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            if let Some(p) = &peers {
+                r.peers = Some(peers::ratios(p, shape, r.tflops()));
+            }
+            let line = if a.json {
+                serde_json::to_string(&r).map_err(|e| CliError::Usage(e.to_string()))?
+            } else if peers.is_some() {
+                let row = bench::peers_row(&r);
+                summary.push(row.clone());
+                format!(
+                    "{row}  ({:.1} s incl. warm-up)",
+                    start.elapsed().as_secs_f64()
+                )
+            } else {
+                bench::table_row(&r)
+            };
+            print(line);
         }
     }
     if let Some(b) = bar {
         b.finish_and_clear();
+    }
+    if peers.is_some() && !a.json {
+        println!("\n{}", bench::PEERS_SUMMARY);
+        for line in summary {
+            println!("{line}");
+        }
+    }
+    if failed > 0 {
+        return Err(CliError::Backend(format!(
+            "{failed} of {total} measurements failed (see above)"
+        )));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -482,7 +584,7 @@ fn cmd_plan(a: &PlanArgs) -> Result<ExitCode, CliError> {
 
 fn cmd_demo(a: &DemoArgs) -> Result<ExitCode, CliError> {
     let req = DemoRequest {
-        backend: a.compute.backend,
+        backend: a.compute.backend.into(),
         options: a.compute.options(),
         seqlen: a.seqlen,
         heads: a.heads,

@@ -6,7 +6,7 @@
 //! byte-swapped. Arrays must be C-ordered. bfloat16 outputs are written with the descr `<V2`:
 //! `np.load(path).view(ml_dtypes.bfloat16)` reads them back.
 
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::{DType, Data, HostTensor};
 use core::fmt;
 
 const MAGIC: &[u8] = b"\x93NUMPY";
@@ -298,15 +298,15 @@ pub fn read_npy(bytes: &[u8]) -> Result<HostTensor, NpyError> {
         });
     }
     let big = order == Order::Big;
-    Ok(HostTensor::from_bytes(dtype, shape, data, big))
+    HostTensor::from_bytes(dtype, shape, data, big).map_err(|e| NpyError::BadHeader(e.to_string()))
 }
 
 /// The descr string this writer uses for a dtype.
-fn descr(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => "<f4",
-        DType::F16 => "<f2",
-        DType::Bf16 => "<V2",
+fn descr(data: &Data) -> &'static str {
+    match data {
+        Data::F32(_) => "<f4",
+        Data::F16(_) => "<f2",
+        Data::Bf16(_) => "<V2",
     }
 }
 
@@ -319,7 +319,7 @@ pub fn write_npy(tensor: &HostTensor) -> Vec<u8> {
     };
     let mut header = format!(
         "{{'descr': '{}', 'fortran_order': False, 'shape': {shape}, }}",
-        descr(tensor.dtype())
+        descr(&tensor.data)
     );
     // Pad with spaces so that the data starts on a 64-byte boundary; end with a newline.
     let v1 = header.len() + 1 + 10 <= u16::MAX as usize;
@@ -346,7 +346,6 @@ pub fn write_npy(tensor: &HostTensor) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::Data;
 
     fn header_file(version: u8, header: &str, data: &[u8]) -> Vec<u8> {
         let mut out = MAGIC.to_vec();
@@ -365,7 +364,7 @@ mod tests {
     fn round_trip_every_dtype() {
         let values = [1.5f32, -2.25, 0.1, 3.0e4, -7.0, 0.0];
         for dtype in [DType::F32, DType::F16, DType::Bf16] {
-            let t = HostTensor::from_f32(dtype, vec![1, 3, 2], &values);
+            let t = HostTensor::from_f32(dtype, vec![1, 3, 2], &values).expect("host dtype");
             let bytes = write_npy(&t);
             assert_eq!(
                 (bytes.len() - t.byte_len()) % 64,

@@ -1,11 +1,12 @@
 //! `fa run`: attention over Q, K, V read from files, output (and LSE) written back.
 
-use crate::backend::{Backend, BackendChoice, CallOptions};
+use crate::backend::{Backend, BackendChoice, Options};
 use crate::error::CliError;
 use crate::files::{read_tensor, write_tensors, FileFormat};
 use crate::rows::{compare_rows, reference_rows, sample_rows, RowErrors};
 use crate::tensor::HostTensor;
-use softmax_core::{Mask, ProblemDesc};
+use flash_attention::DTypes;
+use softmax_core::{Mask, Out, ProblemDesc, Qkv};
 use std::path::PathBuf;
 
 /// What `fa run` does.
@@ -31,8 +32,8 @@ pub struct RunRequest {
     pub scale: Option<f32>,
     /// Backend.
     pub backend: BackendChoice,
-    /// Thread bound and exp2 choice.
-    pub options: CallOptions,
+    /// Thread bound, exp2 choice and rescale policy.
+    pub options: Options,
     /// Rows to check against the f64 reference after the run (0: none).
     pub check_rows: usize,
 }
@@ -117,28 +118,22 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
     desc.softmax_scale = req.scale;
     desc.softcap = req.softcap;
     let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
-    let mut backend = Backend::open(req.backend)?;
-    if req.backend == BackendChoice::Auto && q.dtype() == crate::tensor::DType::F32 {
-        // fa-cuda takes 16-bit inputs: f32 files run on the CPU under `auto`.
-        backend = Backend::Cpu;
-    }
+    // `auto` takes CUDA only for dtypes it runs (f32 files run on the CPU).
+    let backend = Backend::open_for(req.backend, DTypes::same(q.dtype()))?;
 
     let [b, sq, hq, _] = bshd("q", &q.shape)?;
     let mut out_shape = q.shape.clone();
     if let Some(last) = out_shape.last_mut() {
         *last = desc.head_dim_v;
     }
-    let mut out = HostTensor::zeros(q.dtype(), out_shape);
+    let mut out = HostTensor::zeros(q.dtype(), out_shape)?;
     let mut lse = vec![0.0f32; problem.lse_len()];
     let start = std::time::Instant::now();
     backend.forward(
         &problem,
-        &q.data,
-        &k.data,
-        &v.data,
-        &mut out.data,
-        Some(&mut lse),
-        req.options,
+        Qkv::new(q.view(), k.view(), v.view()),
+        Out::with_lse(out.data.view_mut(), &mut lse[..]),
+        &req.options,
     )?;
     let seconds = start.elapsed().as_secs_f64();
 

@@ -1,41 +1,16 @@
-//! Host tensors as the command reads and writes them: a shape and typed data (f32, bf16, f16).
+//! Host tensors as the command reads and writes them: a shape and typed data (f32, bf16, f16),
+//! handed to the library as dtype-erased views ([`TensorRef`], [`TensorMut`]).
 
+use crate::error::CliError;
+use flash_attention::{TensorMut, TensorRef};
 use half::{bf16, f16};
+pub use softmax_core::DType;
 
-/// Element type of a tensor the command handles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    /// IEEE single precision.
-    F32,
-    /// bfloat16 (8-bit exponent, 7-bit mantissa).
-    Bf16,
-    /// IEEE half precision.
-    F16,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::Bf16 | DType::F16 => 2,
-        }
-    }
-    /// The name used in tables and JSON.
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::Bf16 => "bf16",
-            DType::F16 => "f16",
-        }
-    }
-}
-
-impl core::fmt::Display for DType {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.write_str(self.name())
-    }
+/// The error for a dtype host tensors do not hold (`DType` may grow, e.g. fp8).
+fn unsupported(dtype: DType) -> CliError {
+    CliError::Usage(format!(
+        "{dtype} tensors are not supported by fa (f32, bf16, f16 are)"
+    ))
 }
 
 /// Typed element storage.
@@ -47,6 +22,35 @@ pub enum Data {
     Bf16(Vec<bf16>),
     /// f16 elements.
     F16(Vec<f16>),
+}
+
+impl Data {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Data::F32(_) => DType::F32,
+            Data::Bf16(_) => DType::Bf16,
+            Data::F16(_) => DType::F16,
+        }
+    }
+
+    /// A read-only view of the elements, for the library.
+    pub fn view(&self) -> TensorRef<'_> {
+        match self {
+            Data::F32(v) => TensorRef::from(v),
+            Data::Bf16(v) => TensorRef::from(v),
+            Data::F16(v) => TensorRef::from(v),
+        }
+    }
+
+    /// A writable view of the elements, for the library.
+    pub fn view_mut(&mut self) -> TensorMut<'_> {
+        match self {
+            Data::F32(v) => TensorMut::from(v),
+            Data::Bf16(v) => TensorMut::from(v),
+            Data::F16(v) => TensorMut::from(v),
+        }
+    }
 }
 
 /// A dense, C-ordered tensor in host memory.
@@ -61,11 +65,7 @@ pub struct HostTensor {
 impl HostTensor {
     /// Element type.
     pub fn dtype(&self) -> DType {
-        match self.data {
-            Data::F32(_) => DType::F32,
-            Data::Bf16(_) => DType::Bf16,
-            Data::F16(_) => DType::F16,
-        }
+        self.data.dtype()
     }
 
     /// Number of elements.
@@ -88,24 +88,35 @@ impl HostTensor {
     }
 
     /// A tensor of `dtype` filled with zeros.
-    pub fn zeros(dtype: DType, shape: Vec<usize>) -> HostTensor {
+    pub fn zeros(dtype: DType, shape: Vec<usize>) -> Result<HostTensor, CliError> {
         let n = shape.iter().product();
         let data = match dtype {
             DType::F32 => Data::F32(vec![0.0; n]),
             DType::Bf16 => Data::Bf16(vec![bf16::ZERO; n]),
             DType::F16 => Data::F16(vec![f16::ZERO; n]),
+            other => return Err(unsupported(other)),
         };
-        HostTensor { shape, data }
+        Ok(HostTensor { shape, data })
     }
 
     /// A tensor of `dtype` from f32 values (rounded to nearest even).
-    pub fn from_f32(dtype: DType, shape: Vec<usize>, values: &[f32]) -> HostTensor {
+    pub fn from_f32(
+        dtype: DType,
+        shape: Vec<usize>,
+        values: &[f32],
+    ) -> Result<HostTensor, CliError> {
         let data = match dtype {
             DType::F32 => Data::F32(values.to_vec()),
             DType::Bf16 => Data::Bf16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
             DType::F16 => Data::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
+            other => return Err(unsupported(other)),
         };
-        HostTensor { shape, data }
+        Ok(HostTensor { shape, data })
+    }
+
+    /// A read-only view of the elements, for the library.
+    pub fn view(&self) -> TensorRef<'_> {
+        self.data.view()
     }
 
     /// The elements widened to f32.
@@ -119,7 +130,12 @@ impl HostTensor {
 
     /// Decodes raw element bytes (`big_endian` selects the byte order). The caller checked
     /// that `bytes.len()` is the element count times the element size.
-    pub fn from_bytes(dtype: DType, shape: Vec<usize>, bytes: &[u8], big_endian: bool) -> Self {
+    pub fn from_bytes(
+        dtype: DType,
+        shape: Vec<usize>,
+        bytes: &[u8],
+        big_endian: bool,
+    ) -> Result<Self, CliError> {
         let two = |c: &[u8]| {
             let b = [c[0], c[1]];
             if big_endian {
@@ -154,8 +170,9 @@ impl HostTensor {
                     .map(|c| f16::from_bits(two(c)))
                     .collect(),
             ),
+            other => return Err(unsupported(other)),
         };
-        HostTensor { shape, data }
+        Ok(HostTensor { shape, data })
     }
 
     /// Appends the elements as little-endian bytes.
@@ -176,12 +193,17 @@ impl HostTensor {
 }
 
 /// N(0,1) values from the shared test generator (never zeros), for benchmarks and the demo.
-pub fn random_normal(rng: &mut fa_reference::Rng, dtype: DType, shape: Vec<usize>) -> HostTensor {
+pub fn random_normal(
+    rng: &mut fa_reference::Rng,
+    dtype: DType,
+    shape: Vec<usize>,
+) -> Result<HostTensor, CliError> {
     let n: usize = shape.iter().product();
     let data = match dtype {
         DType::F32 => Data::F32((0..n).map(|_| rng.normal() as f32).collect()),
         DType::Bf16 => Data::Bf16((0..n).map(|_| bf16::from_f64(rng.normal())).collect()),
         DType::F16 => Data::F16((0..n).map(|_| f16::from_f64(rng.normal())).collect()),
+        other => return Err(unsupported(other)),
     };
-    HostTensor { shape, data }
+    Ok(HostTensor { shape, data })
 }

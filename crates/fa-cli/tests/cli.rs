@@ -28,9 +28,9 @@ struct Inputs {
 
 fn inputs(rng: &mut Rng, dtype: DType, q: [usize; 4], kv: [usize; 4]) -> Inputs {
     Inputs {
-        q: random_normal(rng, dtype, q.to_vec()),
-        k: random_normal(rng, dtype, kv.to_vec()),
-        v: random_normal(rng, dtype, kv.to_vec()),
+        q: random_normal(rng, dtype, q.to_vec()).expect("host dtype"),
+        k: random_normal(rng, dtype, kv.to_vec()).expect("host dtype"),
+        v: random_normal(rng, dtype, kv.to_vec()).expect("host dtype"),
     }
 }
 
@@ -76,7 +76,9 @@ use softmax_core::{Out, Qkv};
 /// fa-cpu's forward on the same data, output in the input dtype, with the LSE.
 fn cpu_forward(inp: &Inputs, desc: &softmax_core::ProblemDesc) -> (Data, Vec<f32>) {
     let p = desc.validate(256).unwrap();
-    let mut out = HostTensor::zeros(inp.q.dtype(), vec![p.min_buffer_lens().o]).data;
+    let mut out = HostTensor::zeros(inp.q.dtype(), vec![p.min_buffer_lens().o])
+        .expect("host dtype")
+        .data;
     let mut lse = vec![0.0f32; p.lse_len()];
     let opts = fa_cpu::ForwardOptions::default();
     let r = match (&inp.q.data, &inp.k.data, &inp.v.data, &mut out) {
@@ -228,7 +230,7 @@ fn bad_files_and_shapes_have_clear_messages() {
     let v4 = save(
         dir.path(),
         "v4.npy",
-        &random_normal(&mut rng, DType::F32, vec![1, 8, 4, 16]),
+        &random_normal(&mut rng, DType::F32, vec![1, 8, 4, 16]).expect("host dtype"),
     );
     let err = run(&q, &k, &v4);
     assert!(
@@ -240,12 +242,12 @@ fn bad_files_and_shapes_have_clear_messages() {
     let k3 = save(
         dir.path(),
         "k3.npy",
-        &random_normal(&mut rng, DType::F32, vec![1, 8, 3, 16]),
+        &random_normal(&mut rng, DType::F32, vec![1, 8, 3, 16]).expect("host dtype"),
     );
     let v3 = save(
         dir.path(),
         "v3.npy",
-        &random_normal(&mut rng, DType::F32, vec![1, 8, 3, 16]),
+        &random_normal(&mut rng, DType::F32, vec![1, 8, 3, 16]).expect("host dtype"),
     );
     let err = run(&q, &k3, &v3);
     assert!(
@@ -257,7 +259,7 @@ fn bad_files_and_shapes_have_clear_messages() {
     let kb = save(
         dir.path(),
         "kb.npy",
-        &random_normal(&mut rng, DType::Bf16, vec![1, 8, 2, 16]),
+        &random_normal(&mut rng, DType::Bf16, vec![1, 8, 2, 16]).expect("host dtype"),
     );
     let err = run(&q, &kb, &v);
     assert!(err.contains("share one dtype"), "{err}");
@@ -266,7 +268,7 @@ fn bad_files_and_shapes_have_clear_messages() {
     let flat = save(
         dir.path(),
         "flat.npy",
-        &random_normal(&mut rng, DType::F32, vec![8, 64]),
+        &random_normal(&mut rng, DType::F32, vec![8, 64]).expect("host dtype"),
     );
     let err = run(&flat, &k, &v);
     assert!(
@@ -419,4 +421,100 @@ fn verify_and_demo_pass_on_small_problems() {
 fn exp2_error_subcommand_still_exists() {
     let o = fa(&["exp2-error", "--help"]);
     assert!(o.status.success());
+}
+
+#[test]
+fn bench_peers_prints_ratios_for_matching_shapes() {
+    let dir = tempfile::tempdir().unwrap();
+    let peers = dir.path().join("peers.json");
+    // torch_sdpa.py --json writes an array; keys it adds beyond ours are ignored.
+    std::fs::write(
+        &peers,
+        r#"[
+ {"hdim": 32, "seqlen": 64, "batch": 1, "heads": 2, "causal": false,
+  "flash_fwd_tflops": 1.5, "cudnn_fwd_tflops": 2.5, "efficient_fwd_tflops": 1.0},
+ {"hdim": 32, "seqlen": 64, "batch": 1, "heads": 2, "causal": true,
+  "flash_fwd_tflops": 9.0, "cudnn_error": "no kernel"}
+]"#,
+    )
+    .unwrap();
+    let args = |json: bool| {
+        let mut v = vec![
+            "bench",
+            "--backend",
+            "cpu",
+            "--seqlen",
+            "64,96",
+            "--heads",
+            "2",
+            "--head-dim",
+            "32",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--peers",
+            s(&peers),
+        ];
+        if json {
+            v.push("--json");
+        }
+        fa(&v)
+    };
+    let o = args(true);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let (out, _) = text(&o);
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    let tflops = lines[0]["gflops"].as_f64().unwrap() / 1e3;
+    assert_eq!(lines[0]["peer_flash_tflops"], 1.5);
+    assert_eq!(lines[0]["peer_cudnn_tflops"], 2.5);
+    let vs_flash = lines[0]["vs_flash"].as_f64().unwrap();
+    assert!((vs_flash - tflops / 1.5).abs() <= 1e-12 * vs_flash.abs().max(1.0));
+    // seqlen 96 has no peer row: the ratio fields are there, empty.
+    assert!(lines[1]["peer_flash_tflops"].is_null(), "{}", lines[1]);
+    assert!(lines[1]["vs_cudnn"].is_null(), "{}", lines[1]);
+
+    let o = args(false);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let (out, _) = text(&o);
+    let summary: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("summary"))
+        .skip(1)
+        .collect();
+    assert_eq!(summary.len(), 2, "{out}");
+    let cols: Vec<&str> = summary[0].split_whitespace().collect();
+    // hdim seqlen batch heads causal median_ms TFLOP/s flash cudnn /flash /cudnn tiles
+    assert_eq!(&cols[..5], ["32", "64", "1", "2", "false"], "{out}");
+    assert_eq!(&cols[7..9], ["1.5", "2.5"], "{out}");
+    assert_eq!(cols[11], "default");
+    let cols: Vec<&str> = summary[1].split_whitespace().collect();
+    assert_eq!(&cols[7..11], ["-", "-", "-", "-"], "{out}");
+
+    // A missing peers file only warns (the GPU session runs on when PyTorch failed).
+    let o = fa(&[
+        "bench",
+        "--backend",
+        "cpu",
+        "--seqlen",
+        "64",
+        "--heads",
+        "1",
+        "--head-dim",
+        "16",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--peers",
+        "/nonexistent/peers.json",
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).1.contains("no peer numbers"), "{:?}", text(&o));
 }

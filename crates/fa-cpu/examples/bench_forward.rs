@@ -167,15 +167,9 @@ fn bench<T: Element>(a: &Args) -> Result<(), String> {
     times.sort_by(f64::total_cmp);
     cpu_times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
-    let mut flops = 4.0
-        * a.batch as f64
-        * a.heads as f64
-        * a.seqlen_q as f64
-        * a.seqlen_k as f64
-        * a.head_dim as f64;
-    if a.causal && a.seqlen_q == a.seqlen_k {
-        flops /= 2.0;
-    }
+    let flops = softmax_core::flops::forward(
+        a.batch, a.heads, a.seqlen_q, a.seqlen_k, a.head_dim, a.causal,
+    );
     let threads = a.threads.unwrap_or_else(rayon_threads);
     println!(
         "{{\"backend\":\"cpu\",\"dtype\":\"{}\",\"batch\":{},\"heads\":{},\"seqlen_q\":{},\"seqlen_k\":{},\"head_dim\":{},\"causal\":{},\"threads\":{},\"time_ms_median\":{:.4},\"time_ms_min\":{:.4},\"cpu_ms_median\":{:.4},\"gflops\":{:.2},\"peak_rss_bytes\":{},\"simd\":\"{}\"}}",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, PyTorch SDPA peers and the fa-cuda benchmark, all in the same
-# session. Run on the GPU machine from the repository root after staging .gpu/ (see
-# docs/gpu-notes.md):   bash .gpu/gpu-session.sh [bench args...]
+# One device call: GPU tests, PyTorch SDPA peers and `fa bench --backend cuda --peers`, all in
+# the same session. Run on the GPU machine from the repository root after staging .gpu/ (see
+# docs/gpu-notes.md):   bash .gpu/gpu-session.sh [fa bench args, e.g. --head-dim 128 --seqlen 8192 --tiles default,128x64x4x2]
 # Logs go to $OUT (tests.log, peers.json, bench.log) when OUT is set.
 set -uo pipefail
 out="${OUT:-/tmp/fa-cuda-out}"; mkdir -p "$out"
@@ -21,6 +21,6 @@ fi
 if [ "${SKIP_PEERS:-0}" != 1 ]; then
     PYTHONUNBUFFERED=1 python3 .gpu/peers/torch_sdpa.py --json "$out/peers.json" > "$out/peers.log" 2>&1 || echo "peers failed: $(tail -3 "$out/peers.log")"
 fi
-.gpu/bin/fa-cuda-bench --peers "$out/peers.json" "$@" 2>&1 | tee "$out/bench.log" | sed -n '/^summary/,$p'
+.gpu/bin/fa bench --backend cuda --peers "$out/peers.json" "$@" 2>&1 | tee "$out/bench.log" | sed -n '/^summary/,$p'
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 exit $rc

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Stages fa-cuda's release test binaries, the benchmark, the peers and gpu-session.sh into
-# .gpu/ (the layout ../shared/bin/gpu-pack makes, but building only this crate).
+# Stages fa-cuda's release test binaries, the `fa` command (its `fa bench --backend cuda` is the
+# benchmark), the peers and gpu-session.sh into .gpu/ (the layout ../shared/bin/gpu-pack makes,
+# but building only these crates).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 grep -qsx '/.gpu/' .git/info/exclude || echo '/.gpu/' >> .git/info/exclude
@@ -13,12 +14,12 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
         name = m["target"]["name"] + "-" + m["target"]["kind"][0]
         shutil.copy2(m["executable"], ".gpu/tests/" + name); print("staged test", name)'
-cargo build --release -p fa-cuda --bins
-cp "${CARGO_TARGET_DIR:-target}/release/fa-cuda-bench" .gpu/bin/
+cargo build --release -p fa-cli --bin fa
+cp "${CARGO_TARGET_DIR:-target}/release/fa" .gpu/bin/
 cp -r ../shared/peers/. .gpu/peers/
 cp crates/fa-cuda/scripts/gpu-session.sh .gpu/
 git rev-parse --short HEAD > .gpu/REVISION
-git diff --quiet -- crates/fa-cuda || echo "+uncommitted" >> .gpu/REVISION
+git diff --quiet -- crates/fa-cuda crates/flash-attention crates/fa-cli || echo "+uncommitted" >> .gpu/REVISION
 cat > .gpu/run-tests <<'RUN'
 #!/usr/bin/env bash
 cd "$(dirname "$0")/.." || exit 2

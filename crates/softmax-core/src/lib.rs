@@ -18,6 +18,7 @@
 //! - [`tensors`]: the bundles a call's buffers travel in ([`Qkv`], [`Out`]), whatever holds
 //!   them (host slices, device buffers);
 //! - [`dtype`](mod@dtype): the one [`DType`] enum of the workspace;
+//! - [`flops`]: the forward pass's FLOP count, the one formula every benchmark reports;
 //! - [`score`]: raw dot product → scaled log2-domain score (with optional softcap).
 //!
 //! # Policies
@@ -64,6 +65,7 @@ extern crate std;
 pub mod dtype;
 pub mod error;
 pub mod exp2;
+pub mod flops;
 pub mod mask;
 pub mod online;
 pub mod problem;

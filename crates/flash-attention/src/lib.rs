@@ -1,0 +1,248 @@
+//! Exact attention behind one API: pick a backend (the SIMD CPU kernel of `fa-cpu` or the
+//! CUDA kernels of `fa-cuda`), ask what it can run, and call it on host tensors whose dtype is
+//! known only at run time. This is the one Rust entry point that the command line (`fa`),
+//! the C ABI and the Python package sit on.
+//!
+//! - [`Backend`]: [`Backend::open`] / [`Backend::open_for`] a [`BackendChoice`] (`Auto` takes
+//!   CUDA when a device opens and takes the call's dtypes, else the CPU), then
+//!   [`Backend::capabilities`], [`Backend::check`] (can it run this problem, answered before
+//!   any work), [`Backend::forward`] and [`Backend::time_forward`];
+//! - [`TensorRef`] / [`TensorMut`]: dtype-erased views of f32, bf16 and f16 host slices;
+//! - [`shapes`]: benchmark shapes (the FlashAttention papers' sweep), their bytes and FLOPs.
+//!
+//! Problems are described and validated with `softmax-core` ([`ProblemDesc`] →
+//! [`Problem`]); buffers travel in its bundles [`Qkv`] and [`Out`]. Errors are values
+//! ([`Error`]), never panics.
+//!
+//! # Example
+//! ```
+//! use flash_attention::{Backend, BackendChoice, DTypes, Options, Out, ProblemDesc, Qkv};
+//! use flash_attention::{DType, TensorMut, TensorRef};
+//!
+//! // 1 sequence, 4 queries, 6 keys, 2 query heads over 1 KV head (GQA), head dim 8, causal.
+//! let problem = ProblemDesc::new(1, 4, 6, 2, 1, 8).causal().validate(256)?;
+//! let q: Vec<f32> = (0..4 * 2 * 8).map(|i| (i as f32 * 0.3).sin()).collect();
+//! let k: Vec<f32> = (0..6 * 8).map(|i| (i as f32 * 0.7).cos()).collect();
+//! let v: Vec<f32> = (0..6 * 8).map(|i| i as f32 * 0.01).collect();
+//! let mut o = vec![0.0f32; 4 * 2 * 8];
+//! let mut lse = vec![0.0f32; 2 * 4];
+//!
+//! // f32 inputs: `Auto` runs them on the CPU (the CUDA kernels take bf16/f16).
+//! let backend = Backend::open_for(BackendChoice::Auto, DTypes::same(DType::F32))?;
+//! assert_eq!(backend.name(), "cpu");
+//! backend.check(&problem, DTypes::same(DType::F32))?;
+//! let qkv = Qkv::new(TensorRef::from(&q), TensorRef::from(&k), TensorRef::from(&v));
+//! let out = Out::with_lse(TensorMut::from(&mut o), &mut lse[..]);
+//! let stats = backend.forward(&problem, qkv, out, &Options::default())?;
+//! assert!(stats.tiles_computed.is_some());
+//! assert!(o.iter().chain(&lse).all(|x| x.is_finite()));
+//! # Ok::<(), flash_attention::Error>(())
+//! ```
+
+pub mod backend;
+pub mod shapes;
+pub mod tensor;
+
+pub use backend::{
+    Backend, BackendChoice, BackendKind, Capabilities, DTypes, Error, Exp2, ForwardStats, Options,
+    OutputDTypes,
+};
+pub use fa_cuda::Tiles;
+pub use softmax_core::{DType, Out, Problem, ProblemDesc, ProblemError, Qkv, RescalePolicy};
+pub use tensor::{TensorMut, TensorRef};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    fn problem(head_dim: usize) -> Problem<'static> {
+        ProblemDesc::new(1, 16, 16, 2, 2, head_dim)
+            .validate(256)
+            .expect("valid")
+    }
+
+    #[test]
+    fn cpu_takes_every_dtype_and_f32_output() {
+        let cpu = BackendKind::Cpu.capabilities();
+        for d in DType::ALL {
+            assert!(cpu.takes(DTypes::same(d)), "{d}");
+            assert!(cpu.takes(DTypes {
+                input: d,
+                output: DType::F32
+            }));
+        }
+        assert!(!cpu.takes(DTypes {
+            input: DType::F32,
+            output: DType::Bf16
+        }));
+        let b = Backend::cpu();
+        for d in DType::ALL {
+            assert_eq!(b.check(&problem(60), DTypes::same(d)), Ok(()));
+        }
+    }
+
+    #[test]
+    fn cuda_rejects_f32_and_head_dim_60_with_clear_errors() {
+        let caps = BackendKind::Cuda.capabilities();
+        assert!(!caps.takes(DTypes::same(DType::F32)));
+        assert!(caps.takes(DTypes::same(DType::Bf16)));
+        assert!(!caps.takes(DTypes {
+            input: DType::Bf16,
+            output: DType::F32
+        }));
+        let unsupported = |r: Result<(), ProblemError>| match r {
+            Err(ProblemError::Unsupported { what }) => what,
+            other => panic!("expected Unsupported, got {other:?}"),
+        };
+        let what = unsupported(backend::check_kind_for_tests(
+            BackendKind::Cuda,
+            &problem(64),
+            DTypes::same(DType::F32),
+        ));
+        assert!(what.contains("bf16 or f16"), "{what}");
+        let what = unsupported(backend::check_kind_for_tests(
+            BackendKind::Cuda,
+            &problem(60),
+            DTypes::same(DType::Bf16),
+        ));
+        assert!(what.contains("multiples of 8"), "{what}");
+        assert_eq!(
+            backend::check_kind_for_tests(
+                BackendKind::Cuda,
+                &problem(64),
+                DTypes::same(DType::F16)
+            ),
+            Ok(())
+        );
+        let cache = [16u32];
+        let cached = ProblemDesc::new(1, 1, 16, 2, 2, 64)
+            .padded_cache(&cache)
+            .validate(256)
+            .expect("valid");
+        for kind in [BackendKind::Cpu, BackendKind::Cuda] {
+            let what = unsupported(backend::check_kind_for_tests(
+                kind,
+                &cached,
+                DTypes::same(DType::Bf16),
+            ));
+            assert!(what.contains("KV-cache"), "{what}");
+        }
+    }
+
+    #[test]
+    fn auto_falls_back_to_the_cpu_without_a_gpu() {
+        // f32 never goes to CUDA under Auto, with or without a GPU.
+        let b = Backend::open_for(BackendChoice::Auto, DTypes::same(DType::F32)).expect("cpu");
+        assert_eq!(b.kind(), BackendKind::Cpu);
+        if !fa_cuda::driver_available() {
+            let b = Backend::open(BackendChoice::Auto).expect("cpu");
+            assert_eq!(b.kind(), BackendKind::Cpu);
+            assert_eq!(b.default_dtype(), DType::F32);
+            let e = Backend::open(BackendChoice::Cuda).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::Unavailable {
+                        backend: BackendKind::Cuda,
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+            assert!(e.to_string().starts_with("CUDA is not usable here"), "{e}");
+        }
+        assert_eq!(BackendChoice::from_name("cuda"), Some(BackendChoice::Cuda));
+        assert_eq!(BackendChoice::from_name("gpu"), None);
+    }
+
+    #[test]
+    fn forward_checks_dtypes_and_lengths_before_writing() {
+        let p = problem(8);
+        let n = 16 * 2 * 8;
+        let q = vec![bf16::from_f32(0.5); n];
+        let k = vec![0.25f32; n];
+        let mut o = vec![bf16::from_f32(7.0); n];
+        let b = Backend::cpu();
+        let mixed = Qkv::new(
+            TensorRef::from(&q),
+            TensorRef::from(&k),
+            TensorRef::from(&q),
+        );
+        let e = b
+            .forward(
+                &p,
+                mixed,
+                Out::new(TensorMut::from(&mut o)),
+                &Options::default(),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("share one dtype"), "{e}");
+        let short = Qkv::new(
+            TensorRef::from(&q[..n - 1]),
+            TensorRef::from(&q),
+            TensorRef::from(&q),
+        );
+        let e = b
+            .forward(
+                &p,
+                short,
+                Out::new(TensorMut::from(&mut o)),
+                &Options::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Problem(ProblemError::BufferTooSmall { .. })),
+            "{e:?}"
+        );
+        assert!(o.iter().all(|x| x.to_f32() == 7.0), "untouched on error");
+    }
+
+    #[test]
+    fn cpu_forward_and_timing_match_fa_cpu_bitwise() {
+        let p = problem(8);
+        let n = 16 * 2 * 8;
+        let x: Vec<bf16> = (0..n)
+            .map(|i| bf16::from_f32((i as f32 * 0.37).sin()))
+            .collect();
+        let mut direct = vec![0.0f32; n];
+        let mut direct_lse = vec![0.0f32; 2 * 16];
+        fa_cpu::forward(
+            &p,
+            Qkv::new(&x[..], &x[..], &x[..]),
+            Out::with_lse(&mut direct[..], &mut direct_lse[..]),
+            &fa_cpu::ForwardOptions::default(),
+        )
+        .expect("runs");
+        let b = Backend::cpu();
+        let qkv = Qkv::new(
+            TensorRef::from(&x),
+            TensorRef::from(&x),
+            TensorRef::from(&x),
+        );
+        let mut o = vec![0.0f32; n];
+        let mut lse = vec![0.0f32; 2 * 16];
+        b.forward(
+            &p,
+            qkv,
+            Out::with_lse(TensorMut::from(&mut o), &mut lse[..]),
+            &Options::default(),
+        )
+        .expect("runs");
+        assert_eq!(o, direct);
+        assert_eq!(lse, direct_lse);
+        let mut o2 = vec![0.0f32; n];
+        let times = b
+            .time_forward(
+                &p,
+                qkv,
+                Out::new(TensorMut::from(&mut o2)),
+                &Options::default(),
+                1,
+                2,
+            )
+            .expect("runs");
+        assert_eq!(times.len(), 2);
+        assert_eq!(o2, direct);
+    }
+}
