@@ -9,6 +9,7 @@ use crate::plan::human_bytes;
 use crate::rows::{compare_rows, reference_rows, sample_rows};
 use crate::tensor::{random_normal, DType, HostTensor};
 use crate::verify::bounds;
+use flash_attention::KernelOrigin;
 use flash_attention::{BackendKind, DTypes};
 use softmax_core::{Out, Qkv};
 use std::fmt::Write as _;
@@ -105,7 +106,7 @@ fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliErr
     let mut lse = vec![0.0f32; problem.lse_len()];
 
     let start = Instant::now();
-    backend.forward(
+    let stats = backend.forward(
         &problem,
         qkv,
         Out::with_lse(out.data.view_mut(), &mut lse[..]),
@@ -145,6 +146,9 @@ fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliErr
     let mut s = String::new();
     let _ = writeln!(s, "fa demo: exact attention over one long sequence");
     let _ = writeln!(s, "  backend    {}", backend.describe());
+    if let Some(origin) = stats.kernel_source {
+        let _ = writeln!(s, "  kernel     {}", describe_origin(origin));
+    }
     let _ = writeln!(
         s,
         "  problem    1 sequence x {} tokens, {} query heads / {} KV heads, head_dim {}, {}, {}",
@@ -208,4 +212,17 @@ fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliErr
         scores_f32 as f64 / peak.max(io as u64) as f64
     );
     Ok((s, pass))
+}
+
+/// How a CUDA call got its kernel, for the demo's report.
+fn describe_origin(origin: KernelOrigin) -> String {
+    match origin {
+        KernelOrigin::Compiled { ms } => {
+            format!("compiled by NVRTC in {ms:.0} ms (kept in the disk cache unless it is off)")
+        }
+        KernelOrigin::DiskCache => {
+            "loaded from the disk cache (cache hit: nothing compiled)".into()
+        }
+        KernelOrigin::ProcessCache => "already loaded in this process".into(),
+    }
 }

@@ -41,6 +41,8 @@ enum Command {
     Plan(PlanArgs),
     /// One long sequence on the best backend, checked against the reference on sampled rows.
     Demo(DemoArgs),
+    /// Compile every CUDA kernel into the disk cache (for device 0's arch, or --arch without a GPU).
+    Warmup(WarmupArgs),
     /// Measure the software exp2's max relative error over every f32 input in [-125, 128).
     #[command(name = "exp2-error")]
     Exp2Error,
@@ -265,6 +267,7 @@ fn main() -> ExitCode {
         Some(Command::Bench(a)) => cmd_bench(&a),
         Some(Command::Plan(a)) => cmd_plan(&a),
         Some(Command::Demo(a)) => cmd_demo(&a),
+        Some(Command::Warmup(a)) => cmd_warmup(&a),
         Some(Command::Exp2Error) => cmd_exp2_error(),
     };
     match result {
@@ -602,6 +605,35 @@ fn cmd_demo(a: &DemoArgs) -> Result<ExitCode, CliError> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `fa warmup`'s arguments.
+#[derive(Args)]
+struct WarmupArgs {
+    /// NVRTC architecture (e.g. sm_90a, sm_80); default: that of CUDA device 0.
+    #[arg(long)]
+    arch: Option<String>,
+}
+
+fn cmd_warmup(a: &WarmupArgs) -> Result<ExitCode, CliError> {
+    let report = flash_attention::warmup(a.arch.as_deref())?;
+    let compiled = report.compiled();
+    println!(
+        "{} kernels for {}: {compiled} compiled now, {} already in the cache; cache: {}",
+        report.kernels.len(),
+        report.arch,
+        report.kernels.len() - compiled,
+        report
+            .cache_dir
+            .as_ref()
+            .map_or("off (FA_CUDA_CACHE=off): nothing kept".into(), |d| d
+                .display()
+                .to_string())
+    );
+    if let Some(k) = report.kernels.iter().find(|k| !k.cached) {
+        println!("warning: {} could not be written to the cache", k.name);
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn cmd_exp2_error() -> Result<ExitCode, CliError> {

@@ -47,6 +47,17 @@ pub fn scratch_bytes_per_thread(head_dim: usize, head_dim_v: usize, level: SimdL
     4 * kernel::scratch_elems(&Tiling::for_level(level), head_dim, head_dim_v, true)
 }
 
+/// Whether fa-cpu can run a validated problem (any of its dtypes), answered before any buffer
+/// is involved (what a backend choice asks); the forward calls check the same.
+pub fn supports(problem: &Problem) -> Result<(), ProblemError> {
+    if problem.has_kv_cache() {
+        return Err(ProblemError::Unsupported {
+            what: "fa-cpu does not read KV-cache layouts yet",
+        });
+    }
+    problem.require_host_seqlens()
+}
+
 /// [`crate::forward`] with caller-owned scratch and pool (reused across calls).
 pub fn forward_with_workspace<T: Element, O: Element>(
     problem: &Problem,
@@ -55,12 +66,7 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     opts: &ForwardOptions,
     ws: &mut Workspace,
 ) -> Result<ForwardStats, ProblemError> {
-    if problem.has_kv_cache() {
-        return Err(ProblemError::Unsupported {
-            what: "fa-cpu does not read KV-cache layouts yet",
-        });
-    }
-    problem.require_host_seqlens()?;
+    supports(problem)?;
     problem.check_buffers(BufferLens::of(&qkv, &out))?;
     // P stays f32 here (a probability hook may narrow it, and checks its own range).
     opts.rescale.check(DType::F32.max_finite(), 0.0)?;

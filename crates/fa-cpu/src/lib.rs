@@ -51,7 +51,7 @@ mod kernel;
 
 pub use arch::SimdLevel;
 pub use element::Element;
-pub use forward::{forward_with_workspace, scratch_bytes_per_thread, Workspace};
+pub use forward::{forward_with_workspace, scratch_bytes_per_thread, supports, Workspace};
 
 use softmax_core::{Out, Problem, ProblemError, Qkv, RescalePolicy, RescaleStats};
 

@@ -101,6 +101,6 @@ pub use device::{
 };
 pub use error::CudaError;
 pub use kernels::{arch_for, DeviceProps, LaunchShape, Tiles, Variant};
-pub use params::ForwardOptions;
+pub use params::{supports, ForwardOptions};
 pub use raw::{CuSeqlens, RawOut, RawTensor};
 pub use softmax_core::DType;

@@ -65,6 +65,36 @@ pub(crate) struct Prepared<'a> {
 /// Largest token count, window or head count the kernel's 32-bit index arithmetic allows.
 const MAX_TOKENS: usize = 1 << 30;
 
+/// Whether fa-cuda's kernels can run a validated problem with inputs of `dtype`, answered on
+/// the host before any buffer or device is involved (what a backend choice asks). The calls
+/// check the same, so an answer of `Ok` leaves only buffer lengths and device limits.
+pub fn supports(problem: &Problem, dtype: DType) -> Result<(), ProblemError> {
+    let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
+    if !matches!(dtype, DType::Bf16 | DType::F16) {
+        return unsupported("fa-cuda takes bf16 or f16 inputs with an output of the same dtype");
+    }
+    if problem.has_kv_cache() {
+        return unsupported("fa-cuda does not read KV-cache layouts yet");
+    }
+    if problem.head_dim() % 8 != 0 || problem.head_dim_v() % 8 != 0 {
+        return unsupported("fa-cuda needs head dims that are multiples of 8");
+    }
+    if problem
+        .strides()
+        .iter()
+        .any(|s| s.batch % 8 != 0 || s.seq % 8 != 0 || s.head % 8 != 0)
+    {
+        return unsupported("fa-cuda needs strides that are multiples of 8 elements");
+    }
+    if problem.total_q() >= MAX_TOKENS || problem.total_k() >= MAX_TOKENS {
+        return unsupported("fa-cuda handles fewer than 2^30 tokens per tensor");
+    }
+    if problem.heads_q() > 65535 || problem.batch() > 65535 {
+        return unsupported("fa-cuda handles at most 65535 heads and 65535 sequences");
+    }
+    Ok(())
+}
+
 /// Checks the buffer lengths against a validated problem, applies this backend's limits, plans
 /// the launch for the device `props` describes and fills the kernel parameters. Touches
 /// nothing: bad input returns before any device work.
@@ -77,29 +107,8 @@ pub(crate) fn prepare<'a>(
 ) -> Result<Prepared<'a>, ProblemError> {
     let problem = *problem;
     problem.check_buffers(lens)?;
-    let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
-    if !matches!(dtype, DType::Bf16 | DType::F16) {
-        return unsupported("fa-cuda takes bf16 or f16 inputs");
-    }
-    if problem.has_kv_cache() {
-        return unsupported("fa-cuda does not read KV-cache layouts yet");
-    }
-    if problem.head_dim() % 8 != 0 || problem.head_dim_v() % 8 != 0 {
-        return unsupported("fa-cuda needs head dims that are multiples of 8");
-    }
+    supports(&problem, dtype)?;
     let strides = problem.strides();
-    if strides
-        .iter()
-        .any(|s| s.batch % 8 != 0 || s.seq % 8 != 0 || s.head % 8 != 0)
-    {
-        return unsupported("fa-cuda needs strides that are multiples of 8 elements");
-    }
-    if problem.total_q() >= MAX_TOKENS || problem.total_k() >= MAX_TOKENS {
-        return unsupported("fa-cuda handles fewer than 2^30 tokens per tensor");
-    }
-    if problem.heads_q() > 65535 || problem.batch() > 65535 {
-        return unsupported("fa-cuda handles at most 65535 heads and 65535 sequences");
-    }
     // P is stored as a 16-bit operand of the inputs' dtype and reaches 2^tau.
     opts.rescale.check(dtype.max_finite(), 0.0)?;
     let tau = match opts.rescale {

@@ -187,6 +187,8 @@ pub struct ForwardStats {
     pub rescale: Option<softmax_core::RescaleStats>,
     /// CUDA: NVRTC compile time in milliseconds, when this call compiled the kernel.
     pub compile_ms: Option<f64>,
+    /// CUDA: where the kernel came from (compiled now, the disk cache, the process cache).
+    pub kernel_source: Option<fa_cuda::KernelOrigin>,
     /// CUDA: kernel time in milliseconds, when measured.
     pub kernel_ms: Option<f64>,
     /// CUDA: registers per thread of the kernel.
@@ -253,6 +255,26 @@ impl From<fa_cuda::CudaError> for Error {
     }
 }
 
+/// Fills the CUDA kernel cache on disk with every kernel the launch choice can select, for
+/// `arch` (e.g. `sm_90a`) or, when `None`, for the architecture of CUDA device 0. NVRTC only:
+/// with `arch` given no GPU is needed. A later process then loads cubins instead of compiling
+/// them (`FA_CUDA_CACHE_DIR` moves the cache, `FA_CUDA_CACHE=off` turns it off).
+pub fn warmup(arch: Option<&str>) -> Result<fa_cuda::PrecompileReport, Error> {
+    let arch = match arch {
+        Some(a) => a.to_string(),
+        None => fa_cuda::Device::open(0)
+            .map_err(|e| Error::Unavailable {
+                backend: BackendKind::Cuda,
+                reason: format!(
+                    "{e} (give an architecture, e.g. sm_90a, to compile without a GPU)"
+                ),
+            })?
+            .arch()
+            .to_string(),
+    };
+    Ok(fa_cuda::compile::precompile_all(&arch)?)
+}
+
 const MIXED_INPUTS: ProblemError = ProblemError::Unsupported {
     what: "q, k and v must share one dtype",
 };
@@ -262,11 +284,6 @@ const CPU_DTYPES: ProblemError = ProblemError::Unsupported {
 const CUDA_DTYPES: ProblemError = ProblemError::Unsupported {
     what: "fa-cuda takes bf16 or f16 inputs with an output of the same dtype",
 };
-
-/// Largest token count the CUDA kernels' 32-bit index arithmetic allows (fa-cuda's limit).
-const CUDA_MAX_TOKENS: usize = 1 << 30;
-/// Largest head and sequence count of a CUDA launch grid (fa-cuda's limit).
-const CUDA_MAX_GRID: usize = 65535;
 
 /// An opened backend.
 ///
@@ -482,37 +499,14 @@ fn check_kind(kind: BackendKind, problem: &Problem, dtypes: DTypes) -> Result<()
             BackendKind::Cuda => CUDA_DTYPES,
         });
     }
-    if problem.has_kv_cache() && !caps.kv_cache {
-        return match kind {
-            BackendKind::Cpu => unsupported("fa-cpu does not read KV-cache layouts yet"),
-            BackendKind::Cuda => unsupported("fa-cuda does not read KV-cache layouts yet"),
-        };
-    }
     if problem.head_dim().max(problem.head_dim_v()) > caps.max_head_dim {
         return unsupported("the head dimension is larger than the backend supports");
     }
-    if kind == BackendKind::Cuda {
-        if problem.head_dim() % caps.head_dim_multiple != 0
-            || problem.head_dim_v() % caps.head_dim_multiple != 0
-        {
-            return unsupported("fa-cuda needs head dims that are multiples of 8");
-        }
-        let m = caps.stride_multiple;
-        if problem
-            .strides()
-            .iter()
-            .any(|s| s.batch % m != 0 || s.seq % m != 0 || s.head % m != 0)
-        {
-            return unsupported("fa-cuda needs strides that are multiples of 8 elements");
-        }
-        if problem.total_q() >= CUDA_MAX_TOKENS || problem.total_k() >= CUDA_MAX_TOKENS {
-            return unsupported("fa-cuda handles fewer than 2^30 tokens per tensor");
-        }
-        if problem.heads_q() > CUDA_MAX_GRID || problem.batch() > CUDA_MAX_GRID {
-            return unsupported("fa-cuda handles at most 65535 heads and 65535 sequences");
-        }
+    // The rules themselves live in each backend, beside the code they protect.
+    match kind {
+        BackendKind::Cpu => fa_cpu::supports(problem),
+        BackendKind::Cuda => fa_cuda::supports(problem, dtypes.input),
     }
-    Ok(())
 }
 
 fn cuda_options(opts: &Options) -> fa_cuda::ForwardOptions {
@@ -543,6 +537,7 @@ fn cuda_forward(
     };
     Ok(ForwardStats {
         compile_ms: stats.compile_ms,
+        kernel_source: stats.kernel_source,
         kernel_ms: stats.kernel_ms.map(f64::from),
         registers: stats.registers,
         launch: stats.launch,

@@ -44,10 +44,10 @@ pub mod shapes;
 pub mod tensor;
 
 pub use backend::{
-    Backend, BackendChoice, BackendKind, Capabilities, DTypes, Error, Exp2, ForwardStats, Options,
-    OutputDTypes,
+    warmup, Backend, BackendChoice, BackendKind, Capabilities, DTypes, Error, Exp2, ForwardStats,
+    Options, OutputDTypes,
 };
-pub use fa_cuda::Tiles;
+pub use fa_cuda::{KernelOrigin, PrecompileReport, Tiles};
 pub use softmax_core::{DType, Out, Problem, ProblemDesc, ProblemError, Qkv, RescalePolicy};
 pub use tensor::{TensorMut, TensorRef};
 
