@@ -548,7 +548,8 @@ fn caller_context_stream_and_memory() {
         2,
         64,
     )
-    .causal();
+    .causal()
+    .round(Rounding::Bf16);
     check_caller_memory(
         "caller memory varlen, host cu_seqlens",
         &caller,
