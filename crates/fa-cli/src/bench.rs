@@ -127,9 +127,10 @@ pub fn bench_shape(
     iters: usize,
     seed: u64,
 ) -> Result<BenchResult, CliError> {
+    // Sizes first: building the description multiplies the dimensions unchecked.
+    ensure_shape_fits(shape, dtype)?;
     let desc = shape.desc();
     let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
-    ensure_shape_fits(shape, dtype)?;
     reset_peak_rss();
     let mut rng = fa_reference::Rng::new(seed);
     let (b, d) = (shape.batch, shape.head_dim);

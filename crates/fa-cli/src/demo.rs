@@ -102,9 +102,10 @@ fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliErr
             return Err(CliError::Usage(format!("{flag} must be at least 1")));
         }
     }
+    // Sizes first: building the description multiplies the dimensions unchecked.
+    crate::bench::ensure_shape_fits(&shape, dtype)?;
     let desc = shape.desc();
     let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
-    crate::bench::ensure_shape_fits(&shape, dtype)?;
     reset_peak_rss();
     let rss_before = peak_rss_bytes().unwrap_or(0);
     let mut rng = fa_reference::Rng::new(req.seed);

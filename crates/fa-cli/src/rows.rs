@@ -267,4 +267,29 @@ mod tests {
             }
         }
     }
+
+    /// A NaN where the reference is finite is a mismatching row and fails the check.
+    #[test]
+    fn nan_rows_fail_the_check() {
+        let mut rng = Rng::new(3);
+        let case = Case::dense(&mut rng, 1, 4, 4, 1, 1, 2);
+        let p = case.desc().validate(256).unwrap();
+        let rows = [RowIndex {
+            batch: 0,
+            head: 0,
+            query: 1,
+        }];
+        let data = |x: &Vec<f32>| Data::F32(x.clone());
+        let refs =
+            reference_rows(&p, &data(&case.q), &data(&case.k), &data(&case.v), &rows).unwrap();
+        let full = attention_f64(&p, &case.q, &case.k, &case.v);
+        let mut out: Vec<f32> = full.out.iter().map(|&x| x as f32).collect();
+        let lse: Vec<f32> = full.lse.iter().map(|&x| x as f32).collect();
+        let ok = compare_rows(&p, &Data::F32(out.clone()), &lse, &rows, &refs);
+        assert!(ok.passes(1e-5, 1e-4) && ok.nan_rows == 0, "{ok:?}");
+        out[p.o_offset(0, 1, 0)] = f32::NAN;
+        let bad = compare_rows(&p, &Data::F32(out), &lse, &rows, &refs);
+        assert_eq!(bad.nan_rows, 1);
+        assert!(!bad.passes(1e-5, 1e-4), "{bad:?}");
+    }
 }
