@@ -94,6 +94,29 @@ pub fn median(xs: &[f64]) -> f64 {
     }
 }
 
+/// Refuses a shape whose host buffers (Q, K, V, O and the f32 LSE) overflow or exceed the
+/// memory available, before anything is allocated.
+pub fn ensure_shape_fits(shape: &BenchShape, dtype: DType) -> Result<(), CliError> {
+    let e = dtype.size();
+    let (b, d) = (shape.batch, shape.head_dim);
+    let parts = [
+        crate::memory::checked_bytes(&[b, shape.seqlen_q, shape.heads, d], e),
+        crate::memory::checked_bytes(&[b, shape.seqlen_k, shape.heads_kv, d], 2 * e),
+        crate::memory::checked_bytes(&[b, shape.seqlen_q, shape.heads, d], e),
+        crate::memory::checked_bytes(&[b, shape.seqlen_q, shape.heads], 4),
+    ];
+    let total = parts
+        .iter()
+        .try_fold(0u128, |acc, p| p.and_then(|p| acc.checked_add(p)));
+    crate::memory::ensure_fits(
+        &format!(
+            "b{} h{} n{} d{} {dtype} (Q, K, V, O and LSE)",
+            b, shape.heads, shape.seqlen_q, d
+        ),
+        total,
+    )
+}
+
 /// Times one shape: `warmup` untimed calls, then `iters` timed ones (at least one).
 pub fn bench_shape(
     backend: &Backend,
@@ -104,6 +127,10 @@ pub fn bench_shape(
     iters: usize,
     seed: u64,
 ) -> Result<BenchResult, CliError> {
+    // Sizes first: building the description multiplies the dimensions unchecked.
+    ensure_shape_fits(shape, dtype)?;
+    let desc = shape.desc();
+    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
     reset_peak_rss();
     let mut rng = fa_reference::Rng::new(seed);
     let (b, d) = (shape.batch, shape.head_dim);
@@ -111,9 +138,7 @@ pub fn bench_shape(
     let k = random_normal(&mut rng, dtype, vec![b, shape.seqlen_k, shape.heads_kv, d])?;
     let v = random_normal(&mut rng, dtype, vec![b, shape.seqlen_k, shape.heads_kv, d])?;
     let mut out = HostTensor::zeros(dtype, q.shape.clone())?;
-    let mut lse = vec![0.0f32; b * shape.heads * shape.seqlen_q];
-    let desc = shape.desc();
-    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
+    let mut lse = crate::memory::try_filled(problem.lse_len(), 0.0f32, "the LSE")?;
     let times = backend.time_forward(
         &problem,
         Qkv::new(q.view(), k.view(), v.view()),

@@ -28,6 +28,15 @@ pub enum CliError {
     Backend(String),
     /// A bad combination of arguments.
     Usage(String),
+    /// A size this machine cannot hold (or that overflows), found before allocating.
+    TooLarge {
+        /// What was being sized.
+        what: String,
+        /// Bytes it needs (`None`: the size overflows).
+        needed: Option<u128>,
+        /// Bytes available (`None`: unknown).
+        available: Option<u64>,
+    },
 }
 
 impl core::fmt::Display for CliError {
@@ -39,6 +48,23 @@ impl core::fmt::Display for CliError {
             CliError::Problem(e) => write!(f, "invalid attention problem: {e}"),
             CliError::Backend(why) => write!(f, "backend: {why}"),
             CliError::Usage(why) => f.write_str(why),
+            CliError::TooLarge {
+                what,
+                needed,
+                available,
+            } => {
+                let human = crate::plan::human_bytes;
+                match needed {
+                    None => write!(f, "too large: the size of {what} overflows"),
+                    Some(n) => {
+                        write!(f, "too large for this machine: {what} needs {}", human(*n))?;
+                        match available {
+                            Some(a) => write!(f, ", {} available", human(*a as u128)),
+                            None => f.write_str(", more than this process can address"),
+                        }
+                    }
+                }
+            }
         }
     }
 }

@@ -6,6 +6,8 @@
 use crate::error::CliError;
 use crate::npy;
 use crate::tensor::{DType, Data, HostTensor};
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 /// A tensor file format.
@@ -43,17 +45,131 @@ fn st_dtype(data: &Data) -> safetensors::Dtype {
     }
 }
 
-/// Reads the tensor `name` from `path` (`.npy`, or `.safetensors` by content), and the format.
-pub fn read_tensor(path: &Path, name: &str) -> Result<(HostTensor, FileFormat), CliError> {
-    let bytes = std::fs::read(path).map_err(|source| CliError::Io {
+/// Reads a whole input file after checking, from its header alone, that it is a regular file
+/// whose size is the one its header promises (so that `/dev/zero`, a FIFO or a file with a
+/// lying header is an error, not an unbounded read), and that it fits in memory.
+fn read_checked(path: &Path) -> Result<Vec<u8>, CliError> {
+    let io = |source| CliError::Io {
         path: path.to_path_buf(),
         source,
-    })?;
+    };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if !meta.is_file() {
+        return Err(bad_file(
+            path,
+            "not a regular file (a device, FIFO or directory): fa reads .npy and .safetensors files",
+        ));
+    }
+    let size = meta.len();
+    let mut file = File::open(path).map_err(io)?;
+    let mut prefix = Vec::new();
+    (&mut file)
+        .take(npy::PREFIX_MAX as u64)
+        .read_to_end(&mut prefix)
+        .map_err(io)?;
+    let promised: u64 = if prefix.starts_with(b"\x93NUMPY") {
+        let header_len = npy::header_len(&prefix).map_err(|e| bad_file(path, e))?;
+        if header_len as u64 > size {
+            return Err(bad_file(path, npy::NpyError::Truncated { what: "header" }));
+        }
+        let mut header = prefix;
+        (&mut file)
+            .take(header_len as u64 - header.len() as u64)
+            .read_to_end(&mut header)
+            .map_err(io)?;
+        let h = npy::read_header(&header).map_err(|e| bad_file(path, e))?;
+        if size != h.data_start as u64 + h.data_len as u64 {
+            return Err(bad_file(
+                path,
+                npy::NpyError::DataLength {
+                    expected: h.data_len,
+                    found: (size - h.data_start as u64) as usize,
+                },
+            ));
+        }
+        size
+    } else {
+        safetensors_len(path, &mut file, &prefix, size)?
+    };
+    if promised != size {
+        return Err(bad_file(
+            path,
+            format!("the file holds {size} bytes, its header promises {promised}"),
+        ));
+    }
+    crate::memory::ensure_fits(&format!("reading {}", path.display()), Some(size as u128))?;
+    let mut bytes = crate::memory::try_with_capacity(size as usize, "an input file")?;
+    file.seek(SeekFrom::Start(0)).map_err(io)?;
+    // One byte more than promised: a file that grew since is seen, not read without end.
+    file.take(size + 1).read_to_end(&mut bytes).map_err(io)?;
+    if bytes.len() as u64 != size {
+        return Err(bad_file(path, "the file changed while it was read"));
+    }
+    Ok(bytes)
+}
+
+/// The length a `.safetensors` file's header promises: 8 bytes, the JSON header, and the data up
+/// to the largest `data_offsets` end.
+fn safetensors_len(
+    path: &Path,
+    file: &mut File,
+    prefix: &[u8],
+    size: u64,
+) -> Result<u64, CliError> {
+    let not_either = |why: String| {
+        bad_file(
+            path,
+            match FileFormat::from_extension(path) {
+                Some(FileFormat::Npy) => {
+                    "not a .npy file (missing the \\x93NUMPY magic)".to_string()
+                }
+                _ => format!("neither a .npy file nor a valid .safetensors file ({why})"),
+            },
+        )
+    };
+    let Some(len) = prefix.get(..8) else {
+        return Err(not_either("shorter than the 8-byte header length".into()));
+    };
+    let n = u64::from_le_bytes([
+        len[0], len[1], len[2], len[3], len[4], len[5], len[6], len[7],
+    ]);
+    if n > size.saturating_sub(8) {
+        return Err(not_either(format!(
+            "its header length {n} exceeds the file's {size} bytes"
+        )));
+    }
+    let mut header = prefix[8..].to_vec();
+    file.take(n - header.len() as u64)
+        .read_to_end(&mut header)
+        .map_err(|source| CliError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    let json: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| not_either(format!("header: {e}")))?;
+    let mut end = 0u64;
+    for (name, entry) in &json {
+        if name == "__metadata__" {
+            continue;
+        }
+        let offsets = entry.get("data_offsets").and_then(|o| o.as_array());
+        let last = offsets
+            .and_then(|o| o.get(1))
+            .and_then(|x| x.as_u64())
+            .ok_or_else(|| not_either(format!("tensor '{name}' has no valid data_offsets")))?;
+        end = end.max(last);
+    }
+    Ok(8u64.saturating_add(n).saturating_add(end))
+}
+
+/// Reads the tensor `name` from `path` (`.npy`, or `.safetensors` by content), and the format.
+pub fn read_tensor(path: &Path, name: &str) -> Result<(HostTensor, FileFormat), CliError> {
+    let bytes = read_checked(path)?;
     if bytes.starts_with(b"\x93NUMPY") {
         let t = npy::read_npy(&bytes).map_err(|e| bad_file(path, e))?;
         return Ok((t, FileFormat::Npy));
     }
-    // Not .npy: try safetensors (8-byte little-endian header length, then a JSON header).
+    // Not .npy: safetensors (8-byte little-endian header length, then a JSON header).
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
         let hint = match FileFormat::from_extension(path) {
             Some(FileFormat::Npy) => "not a .npy file (missing the \\x93NUMPY magic)".to_string(),
@@ -92,13 +208,15 @@ pub fn read_tensor(path: &Path, name: &str) -> Result<(HostTensor, FileFormat), 
     Ok((t, FileFormat::Safetensors))
 }
 
-/// Writes named tensors to `path` in `format` (`.npy` holds exactly one tensor).
-pub fn write_tensors(
+/// Encodes named tensors as the bytes of a `format` file (`.npy` holds exactly one tensor).
+pub fn encode_tensors(
     path: &Path,
     format: FileFormat,
     tensors: &[(&str, &HostTensor)],
-) -> Result<(), CliError> {
-    let bytes = match format {
+) -> Result<Vec<u8>, CliError> {
+    let total: usize = tensors.iter().map(|(_, t)| t.byte_len()).sum();
+    crate::memory::ensure_fits("encoding the output", Some(2 * total as u128))?;
+    Ok(match format {
         FileFormat::Npy => match tensors {
             [(_, t)] => npy::write_npy(t),
             _ => return Err(bad_file(path, "a .npy file holds exactly one tensor")),
@@ -106,7 +224,7 @@ pub fn write_tensors(
         FileFormat::Safetensors => {
             let mut raw = Vec::with_capacity(tensors.len());
             for (name, t) in tensors {
-                let mut buf = Vec::new();
+                let mut buf = crate::memory::try_with_capacity(t.byte_len(), "an output")?;
                 t.append_le_bytes(&mut buf);
                 raw.push((*name, t, buf));
             }
@@ -119,9 +237,148 @@ pub fn write_tensors(
             }
             safetensors::serialize(views, None).map_err(|e| bad_file(path, e))?
         }
-    };
-    std::fs::write(path, bytes).map_err(|source| CliError::Io {
-        path: PathBuf::from(path),
-        source,
     })
+}
+
+/// Writes named tensors to `path` in `format` (`.npy` holds exactly one tensor), atomically
+/// (see [`write_files`]).
+pub fn write_tensors(
+    path: &Path,
+    format: FileFormat,
+    tensors: &[(&str, &HostTensor)],
+) -> Result<(), CliError> {
+    let bytes = encode_tensors(path, format, tensors)?;
+    write_files(&[(path.to_path_buf(), bytes)])
+}
+
+/// The identity of an existing file: device and inode on Unix (so that hard links, symlinks
+/// and `..` resolve to one file), its canonical path elsewhere.
+#[cfg(unix)]
+fn existing_identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// The identity of an existing file: its canonical path (no inodes here).
+#[cfg(not(unix))]
+fn existing_identity(path: &Path) -> Option<PathBuf> {
+    std::fs::canonicalize(path).ok()
+}
+
+/// Where a path's file lives: its canonical parent directory and its name (for paths whose file
+/// does not exist yet), or the path itself when the parent cannot be resolved.
+fn canonical_location(path: &Path) -> PathBuf {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    match (std::fs::canonicalize(parent), path.file_name()) {
+        (Ok(dir), Some(name)) => dir.join(name),
+        _ => path.to_path_buf(),
+    }
+}
+
+/// Whether `a` and `b` name the same file (existing: same device and inode; otherwise the same
+/// canonical location).
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    match (existing_identity(a), existing_identity(b)) {
+        (Some(x), Some(y)) => x == y,
+        (None, None) => canonical_location(a) == canonical_location(b),
+        _ => false,
+    }
+}
+
+/// Refuses an output path that is, or resolves to, one of the inputs: checked before anything
+/// is read or written, so that a run never overwrites what it reads.
+pub fn check_outputs_are_not_inputs(
+    inputs: &[(&str, &Path)],
+    outputs: &[(&str, &Path)],
+) -> Result<(), CliError> {
+    for (out_flag, out) in outputs {
+        for (in_flag, input) in inputs {
+            if same_file(out, input) {
+                return Err(CliError::Usage(format!(
+                    "{out_flag} {} is the same file as the input {in_flag} {}: refusing to \
+                     overwrite an input; choose another output path",
+                    out.display(),
+                    input.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes every `(path, bytes)` atomically, all or nothing as far as the file system allows:
+/// each destination's directory must exist; each file is written to a temporary file beside it
+/// and synced, and only when all are written are they renamed over the destinations. On a
+/// failure before the renames, the temporary files are removed and no existing file changes.
+/// A destination that is a symlink to an existing file is replaced at its target.
+pub fn write_files(files: &[(PathBuf, Vec<u8>)]) -> Result<(), CliError> {
+    let mut dests = Vec::with_capacity(files.len());
+    for (path, _) in files {
+        let dest = if path.is_file() {
+            std::fs::canonicalize(path).unwrap_or_else(|_| path.clone())
+        } else {
+            path.clone()
+        };
+        if dest.is_dir() {
+            return Err(bad_file(path, "is a directory"));
+        }
+        let dir = match dest.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        if !dir.is_dir() {
+            return Err(bad_file(
+                path,
+                format!("the directory {} does not exist", dir.display()),
+            ));
+        }
+        dests.push((dest, dir));
+    }
+    let mut temps: Vec<PathBuf> = Vec::with_capacity(files.len());
+    let cleanup = |temps: &[PathBuf]| {
+        for t in temps {
+            let _ = std::fs::remove_file(t);
+        }
+    };
+    for (i, ((path, bytes), (dest, dir))) in files.iter().zip(&dests).enumerate() {
+        let name = dest
+            .file_name()
+            .map_or_else(|| "output".into(), |n| n.to_string_lossy().into_owned());
+        let temp = dir.join(format!(".{name}.fa-tmp-{}-{i}", std::process::id()));
+        let written = (|| {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&temp)?;
+            temps.push(temp.clone());
+            f.write_all(bytes)?;
+            f.sync_all()
+        })();
+        if let Err(source) = written {
+            cleanup(&temps);
+            return Err(CliError::Io {
+                path: path.clone(),
+                source,
+            });
+        }
+    }
+    for (n, (temp, (dest, _))) in temps.iter().zip(&dests).enumerate() {
+        if let Err(source) = std::fs::rename(temp, dest) {
+            cleanup(&temps[n..]);
+            return Err(CliError::Io {
+                path: dest.clone(),
+                source,
+            });
+        }
+    }
+    // The renames themselves reach the disk with their directories.
+    for (_, dir) in &dests {
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
 }

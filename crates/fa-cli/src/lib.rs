@@ -29,6 +29,7 @@ pub mod demo;
 pub mod error;
 pub mod exp2_error;
 pub mod files;
+pub mod memory;
 pub mod npy;
 pub mod peers;
 pub mod plan;

@@ -54,8 +54,8 @@ struct ComputeArgs {
     /// Backend: auto (CUDA when a device opens, for bf16/f16; else the CPU), cpu or cuda.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
-    /// Worker threads (default: all cores).
-    #[arg(long)]
+    /// Worker threads, 1 to the machine's available parallelism (default: all of them).
+    #[arg(long, value_parser = parse_threads)]
     threads: Option<usize>,
     /// exp2 of the CPU kernel: exact (library) or cubic (FlashAttention-4 polynomial).
     #[arg(long, value_enum, default_value_t = Exp2Arg::Exact)]
@@ -245,6 +245,51 @@ struct DemoArgs {
     compute: ComputeArgs,
 }
 
+/// Parses `--threads`: at least 1, at most the machine's available parallelism (more threads
+/// than cores only add scheduling: a pool of thousands stalls a small run for minutes).
+fn parse_threads(s: &str) -> Result<usize, String> {
+    let n: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a number of threads"))?;
+    let max = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match n {
+        0 => Err("--threads must be at least 1".into()),
+        n if n > max => Err(format!(
+            "--threads {n} exceeds this machine's available parallelism ({max})"
+        )),
+        n => Ok(n),
+    }
+}
+
+/// Writes report text to stdout; a closed pipe (`fa plan | head -1`) comes back as an
+/// [`CliError::Io`] with `BrokenPipe`, which `main` ends quietly with success.
+fn emit(text: std::fmt::Arguments<'_>) -> Result<(), CliError> {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_fmt(text)
+        .and_then(|()| stdout.flush())
+        .map_err(|source| CliError::Io {
+            path: PathBuf::from("standard output"),
+            source,
+        })
+}
+
+/// `println!` through [`emit`], returning the error from the enclosing function.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        emit(format_args!("{}\n", format_args!($($arg)*)))?
+    };
+}
+
+/// `print!` through [`emit`].
+macro_rules! out {
+    ($($arg:tt)*) => {
+        emit(format_args!($($arg)*))?
+    };
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -272,6 +317,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        // The reader went away (`fa plan | head -1`): stop quietly, as Unix tools do.
+        Err(CliError::Io { source, .. }) if source.kind() == std::io::ErrorKind::BrokenPipe => {
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(2)
@@ -303,27 +352,49 @@ fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
         req.output.display()
     );
     if let Some(c) = summary.check {
+        let clamped = if c.requested > c.rows {
+            format!(
+                " (clamped from {}: the output has {} rows)",
+                c.requested, c.rows
+            )
+        } else {
+            String::new()
+        };
+        let nan = if c.errors.nan_rows > 0 {
+            format!(", {} rows with NaN", c.errors.nan_rows)
+        } else {
+            String::new()
+        };
         eprintln!(
-            "check: {} rows against the f64 reference: rel_l2 {:.2e}, LSE err {:.2e}",
-            a.check_rows, c.rel_l2, c.lse_max_abs
+            "check: {} rows{clamped} against the f64 reference: rel_l2 {:.2e} (bound {:.0e}), LSE err {:.2e} (bound {:.0e}){nan}: {}",
+            c.rows,
+            c.errors.rel_l2,
+            c.bound,
+            c.errors.lse_max_abs,
+            c.lse_bound,
+            if c.pass { "pass" } else { "FAIL" }
         );
+        if !c.pass {
+            return Ok(ExitCode::FAILURE);
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
 
 fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
     let backend = Backend::open(a.compute.backend.into())?;
-    let seed = a
-        .seed
-        .unwrap_or_else(|| fa_reference::Rng::fresh().next_u64());
-    println!(
+    // One seed, printed once: `--seed` with it reproduces the run.
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0x5eed, |d| d.as_nanos() as u64)
+    });
+    outln!(
         "fa verify: backend {}, exp2 {:?}, seed {seed}",
         backend.describe(),
         a.compute.exp2
     );
-    let mut rng = fa_reference::Rng::new(seed);
-    let cases = verify::cases(&mut rng, a.random);
-    println!("{}", verify::table_header());
+    outln!("{}", verify::table_header());
     let dtypes = if !a.dtype.is_empty() {
         a.dtype.clone()
     } else if backend.kind() == BackendKind::Cuda {
@@ -333,15 +404,16 @@ fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
     };
     let (mut failed, mut skipped, mut total) = (0, 0, 0);
     for dtype in dtypes {
-        for case in &cases {
-            let row = verify::verify_case(&backend, case, dtype, a.out_f32, &a.compute.options());
-            println!("{}", verify::table_row(&row));
+        // Drawn lazily, the same cases for every dtype: memory does not grow with --random.
+        for case in verify::case_stream(seed, a.random) {
+            let row = verify::verify_case(&backend, &case, dtype, a.out_f32, &a.compute.options());
+            outln!("{}", verify::table_row(&row));
             total += 1;
             failed += row.failed() as usize;
             skipped += matches!(row.outcome, verify::Outcome::Unsupported(_)) as usize;
         }
     }
-    println!(
+    outln!(
         "{} passed, {failed} failed, {skipped} skipped (unsupported by the backend) of {total} cases",
         total - failed - skipped
     );
@@ -438,9 +510,12 @@ fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
     } else {
         None
     };
-    let print = |line: String| match &bar {
-        Some(b) if !b.is_hidden() => b.println(line),
-        _ => println!("{line}"),
+    let print = |line: String| -> Result<(), CliError> {
+        match &bar {
+            Some(b) if !b.is_hidden() => b.println(line),
+            _ => outln!("{line}"),
+        }
+        Ok(())
     };
     if !a.json {
         print(format!(
@@ -448,12 +523,12 @@ fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
             backend.describe(),
             iters,
             warmup
-        ));
+        ))?;
         print(if peers.is_some() {
             bench::peers_header()
         } else {
             bench::table_header()
-        });
+        })?;
     }
     let (mut summary, mut failed) = (Vec::new(), 0usize);
     for &TileChoice(tile) in &tiles {
@@ -511,16 +586,16 @@ fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
             } else {
                 bench::table_row(&r)
             };
-            print(line);
+            print(line)?;
         }
     }
     if let Some(b) = bar {
         b.finish_and_clear();
     }
     if peers.is_some() && !a.json {
-        println!("\n{}", bench::PEERS_SUMMARY);
+        outln!("\n{}", bench::PEERS_SUMMARY);
         for line in summary {
-            println!("{line}");
+            outln!("{line}");
         }
     }
     if failed > 0 {
@@ -580,8 +655,11 @@ fn cmd_plan(a: &PlanArgs) -> Result<ExitCode, CliError> {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as u64);
     let kv = base(plan::llama3_70b())?;
     let scores = base(plan::qwen_27b())?;
-    println!("{}", plan::kv_cache_report(&kv));
-    print!("{}", plan::score_report(&scores, threads));
+    for m in [&kv, &scores] {
+        plan::check_sizes(m, threads).map_err(CliError::Usage)?;
+    }
+    outln!("{}", plan::kv_cache_report(&kv));
+    out!("{}", plan::score_report(&scores, threads));
     Ok(ExitCode::SUCCESS)
 }
 
@@ -599,7 +677,7 @@ fn cmd_demo(a: &DemoArgs) -> Result<ExitCode, CliError> {
         ..DemoRequest::default()
     };
     let (report, pass) = demo(&req)?;
-    print!("{report}");
+    out!("{report}");
     Ok(if pass {
         ExitCode::SUCCESS
     } else {
@@ -618,7 +696,7 @@ struct WarmupArgs {
 fn cmd_warmup(a: &WarmupArgs) -> Result<ExitCode, CliError> {
     let report = flash_attention::warmup(a.arch.as_deref())?;
     let compiled = report.compiled();
-    println!(
+    outln!(
         "{} kernels for {}: {compiled} compiled now, {} already in the cache; cache: {}",
         report.kernels.len(),
         report.arch,
@@ -631,7 +709,7 @@ fn cmd_warmup(a: &WarmupArgs) -> Result<ExitCode, CliError> {
                 .to_string())
     );
     if let Some(k) = report.kernels.iter().find(|k| !k.cached) {
-        println!("warning: {} could not be written to the cache", k.name);
+        outln!("warning: {} could not be written to the cache", k.name);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -639,7 +717,7 @@ fn cmd_warmup(a: &WarmupArgs) -> Result<ExitCode, CliError> {
 fn cmd_exp2_error() -> Result<ExitCode, CliError> {
     let (worst_x, worst) = fa_cli::exp2_error::sweep_exp2();
     let bound = softmax_core::EXP2_CUBIC_MAX_REL_ERROR;
-    println!(
+    outln!(
         "exp2_cubic: max relative error {worst:.3e} at x = {worst_x:e} over every f32 in [-125, 128) (documented bound {bound:e})"
     );
     Ok(if worst > bound {

@@ -230,33 +230,64 @@ fn parse_descr(descr: &str) -> Result<(DType, Order), NpyError> {
     }
 }
 
-/// Parses a whole `.npy` file.
-pub fn read_npy(bytes: &[u8]) -> Result<HostTensor, NpyError> {
-    if !bytes.starts_with(MAGIC) {
+/// What a `.npy` header promises: where the data starts, its length, dtype and shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NpyHeader {
+    /// Offset of the first data byte (the header's whole length).
+    pub data_start: usize,
+    /// Bytes of data the shape and dtype need.
+    pub data_len: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// Dimensions.
+    pub shape: Vec<usize>,
+    big_endian: bool,
+}
+
+impl NpyHeader {
+    /// The length of the whole file the header describes, `None` on overflow.
+    pub fn file_len(&self) -> Option<usize> {
+        self.data_start.checked_add(self.data_len)
+    }
+}
+
+/// The bytes before the header dictionary (magic, version, length): 10 or 12 of them.
+pub const PREFIX_MAX: usize = 12;
+
+/// The total header length (`data_start`) from the first [`PREFIX_MAX`] bytes (or fewer).
+pub fn header_len(prefix: &[u8]) -> Result<usize, NpyError> {
+    if !prefix.starts_with(MAGIC) {
         return Err(NpyError::NotNpy);
     }
-    let version = bytes
+    let version = prefix
         .get(6..8)
         .ok_or(NpyError::Truncated { what: "version" })?;
     let (major, minor) = (version[0], version[1]);
     let (header_len, header_start): (usize, usize) = match major {
         1 => {
-            let b = bytes.get(8..10).ok_or(NpyError::Truncated {
+            let b = prefix.get(8..10).ok_or(NpyError::Truncated {
                 what: "header length",
             })?;
             (u16::from_le_bytes([b[0], b[1]]) as usize, 10)
         }
         2 | 3 => {
-            let b = bytes.get(8..12).ok_or(NpyError::Truncated {
+            let b = prefix.get(8..12).ok_or(NpyError::Truncated {
                 what: "header length",
             })?;
             (u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize, 12)
         }
         _ => return Err(NpyError::UnsupportedVersion { major, minor }),
     };
-    let data_start = header_start
+    header_start
         .checked_add(header_len)
-        .ok_or(NpyError::Truncated { what: "header" })?;
+        .ok_or(NpyError::Truncated { what: "header" })
+}
+
+/// Parses the header at the start of `bytes` (which must hold at least the whole header; the
+/// data may be absent), so that a file's size can be checked before its data is read.
+pub fn read_header(bytes: &[u8]) -> Result<NpyHeader, NpyError> {
+    let data_start = header_len(bytes)?;
+    let header_start = if bytes.get(6) == Some(&1) { 10 } else { 12 };
     let header = bytes
         .get(header_start..data_start)
         .ok_or(NpyError::Truncated { what: "header" })?;
@@ -287,18 +318,30 @@ pub fn read_npy(bytes: &[u8]) -> Result<HostTensor, NpyError> {
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
         .ok_or_else(|| NpyError::BadHeader("shape overflows".into()))?;
-    let expected = elements
+    let data_len = elements
         .checked_mul(dtype.size())
         .ok_or_else(|| NpyError::BadHeader("shape overflows".into()))?;
-    let data = &bytes[data_start..];
-    if data.len() != expected {
+    Ok(NpyHeader {
+        data_start,
+        data_len,
+        dtype,
+        shape,
+        big_endian: order == Order::Big,
+    })
+}
+
+/// Parses a whole `.npy` file.
+pub fn read_npy(bytes: &[u8]) -> Result<HostTensor, NpyError> {
+    let h = read_header(bytes)?;
+    let data = &bytes[h.data_start..];
+    if data.len() != h.data_len {
         return Err(NpyError::DataLength {
-            expected,
+            expected: h.data_len,
             found: data.len(),
         });
     }
-    let big = order == Order::Big;
-    HostTensor::from_bytes(dtype, shape, data, big).map_err(|e| NpyError::BadHeader(e.to_string()))
+    HostTensor::from_bytes(h.dtype, h.shape, data, h.big_endian)
+        .map_err(|e| NpyError::BadHeader(e.to_string()))
 }
 
 /// The descr string this writer uses for a dtype.

@@ -133,6 +133,40 @@ pub fn tiled_bytes(m: &ModelShape, threads: u64) -> TiledBytes {
     }
 }
 
+/// Checks that every size the reports print fits (checked arithmetic): `Err` says which one is
+/// too large, instead of a silent overflow.
+pub fn check_sizes(m: &ModelShape, threads: u64) -> Result<(), String> {
+    let product = |factors: &[u64]| {
+        factors
+            .iter()
+            .try_fold(1u128, |acc, &f| acc.checked_mul(f as u128))
+    };
+    let too_large = |what: &str| {
+        format!(
+            "too large: {what} of {} overflows 128-bit arithmetic; use smaller --tokens, \
+             --batch, --layers, --heads or --head-dim",
+            m.name
+        )
+    };
+    // The scratch estimate sizes tiles from head_dim; far beyond any real model it overflows.
+    if m.head_dim > u32::MAX as u64 {
+        return Err(too_large("the tile scratch (--head-dim)"));
+    }
+    let heads = m.heads_q.max(m.heads_kv);
+    product(&[2, m.layers, m.batch, m.tokens, heads, m.head_dim, m.bytes])
+        .ok_or_else(|| too_large("the KV cache"))?;
+    product(&[m.batch, m.tokens, m.tokens, m.bytes, m.heads_q])
+        .ok_or_else(|| too_large("the score matrix"))?;
+    let tiled = product(&[2, m.batch, m.tokens, m.head_dim, m.bytes, heads])
+        .and_then(|x| x.checked_mul(2))
+        .and_then(|x| x.checked_add(product(&[m.batch, m.tokens, m.heads_q, 4])?))
+        .and_then(|x| {
+            x.checked_add(product(&[threads])?.checked_mul(tile_scratch_bytes(m.head_dim))?)
+        });
+    tiled.ok_or_else(|| too_large("the tiled kernel's memory"))?;
+    Ok(())
+}
+
 /// `bytes` in binary units: an exact multiple prints without decimals (`40 GiB`).
 pub fn human_bytes(bytes: u128) -> String {
     const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
@@ -327,6 +361,17 @@ mod tests {
             2 * (t.total() - t.scratch)
         );
         assert_eq!(doubled.scratch, t.scratch);
+    }
+
+    #[test]
+    fn huge_shapes_are_too_large_not_wrapped() {
+        let mut m = llama3_70b();
+        assert_eq!(check_sizes(&m, 8), Ok(()));
+        m.tokens = u64::MAX;
+        m.batch = u64::MAX;
+        m.layers = u64::MAX;
+        let e = check_sizes(&m, 8).unwrap_err();
+        assert!(e.starts_with("too large"), "{e}");
     }
 
     #[test]

@@ -108,6 +108,26 @@ pub struct RowErrors {
     pub lse_max_abs: f64,
     /// Rows whose LSE differ in kind (finite, −∞, NaN) from the reference.
     pub lse_kind_mismatches: usize,
+    /// Rows with a NaN in the output (or LSE) where the reference has none.
+    pub nan_rows: usize,
+}
+
+impl RowErrors {
+    /// Whether the rows pass the bounds: no NaN row, no LSE of the wrong kind, errors within
+    /// the bounds (a NaN error fails).
+    pub fn passes(&self, bound: f64, lse_bound: f64) -> bool {
+        self.nan_rows == 0
+            && self.lse_kind_mismatches == 0
+            && self.rel_l2 <= bound
+            && self.lse_max_abs <= lse_bound
+    }
+}
+
+/// Rows of the output (`batch · heads_q · seqlen_q` summed over the sequences).
+pub fn row_count(problem: &Problem) -> usize {
+    (0..problem.batch())
+        .map(|b| problem.seq(b).seqlen_q.saturating_mul(problem.heads_q()))
+        .fold(0usize, usize::saturating_add)
 }
 
 /// Compares the computed output (`out` widened to f64 by `get(offset)`) and LSE at the
@@ -130,16 +150,20 @@ pub fn compare_rows(
     let mut errs = RowErrors::default();
     for (r, reference) in rows.iter().zip(refs) {
         let oo = problem.o_offset(r.batch, r.query, r.head);
+        let mut nan_row = false;
         for (c, &want) in reference.out.iter().enumerate() {
             let got = get(oo + c);
             if got.is_nan() || want.is_nan() {
-                nan |= got.is_nan() != want.is_nan();
+                nan_row |= got.is_nan() != want.is_nan();
                 continue;
             }
             diff2 += (got - want) * (got - want);
             ref2 += want * want;
         }
+        nan |= nan_row;
         let got = lse[problem.lse_offset(r.batch, r.head, r.query)] as f64;
+        nan_row |= got.is_nan() && !reference.lse.is_nan();
+        errs.nan_rows += nan_row as usize;
         let kind = |y: f64| (y.is_nan(), y == f64::NEG_INFINITY);
         if kind(got) != kind(reference.lse) {
             errs.lse_kind_mismatches += 1;
@@ -242,5 +266,30 @@ mod tests {
                 assert!(want == got.lse || (want - got.lse).abs() < 1e-12);
             }
         }
+    }
+
+    /// A NaN where the reference is finite is a mismatching row and fails the check.
+    #[test]
+    fn nan_rows_fail_the_check() {
+        let mut rng = Rng::new(3);
+        let case = Case::dense(&mut rng, 1, 4, 4, 1, 1, 2);
+        let p = case.desc().validate(256).unwrap();
+        let rows = [RowIndex {
+            batch: 0,
+            head: 0,
+            query: 1,
+        }];
+        let data = |x: &Vec<f32>| Data::F32(x.clone());
+        let refs =
+            reference_rows(&p, &data(&case.q), &data(&case.k), &data(&case.v), &rows).unwrap();
+        let full = attention_f64(&p, &case.q, &case.k, &case.v);
+        let mut out: Vec<f32> = full.out.iter().map(|&x| x as f32).collect();
+        let lse: Vec<f32> = full.lse.iter().map(|&x| x as f32).collect();
+        let ok = compare_rows(&p, &Data::F32(out.clone()), &lse, &rows, &refs);
+        assert!(ok.passes(1e-5, 1e-4) && ok.nan_rows == 0, "{ok:?}");
+        out[p.o_offset(0, 1, 0)] = f32::NAN;
+        let bad = compare_rows(&p, &Data::F32(out), &lse, &rows, &refs);
+        assert_eq!(bad.nan_rows, 1);
+        assert!(!bad.passes(1e-5, 1e-4), "{bad:?}");
     }
 }

@@ -2,7 +2,9 @@
 
 use crate::backend::{Backend, BackendChoice, Options};
 use crate::error::CliError;
-use crate::files::{read_tensor, write_tensors, FileFormat};
+use crate::files::{
+    check_outputs_are_not_inputs, encode_tensors, read_tensor, same_file, write_files, FileFormat,
+};
 use crate::rows::{compare_rows, reference_rows, sample_rows, RowErrors};
 use crate::tensor::HostTensor;
 use flash_attention::DTypes;
@@ -47,8 +49,25 @@ pub struct RunSummary {
     pub shape: String,
     /// Seconds of the forward call.
     pub seconds: f64,
-    /// Errors of the checked rows, when asked.
-    pub check: Option<RowErrors>,
+    /// The check of sampled rows, when asked.
+    pub check: Option<RowCheck>,
+}
+
+/// The check of sampled rows against the f64 reference.
+#[derive(Clone, Copy, Debug)]
+pub struct RowCheck {
+    /// Rows checked (the request clamped to the rows the problem has).
+    pub rows: usize,
+    /// Rows asked for.
+    pub requested: usize,
+    /// Their errors.
+    pub errors: RowErrors,
+    /// Bound on the normwise error.
+    pub bound: f64,
+    /// Bound on the LSE error.
+    pub lse_bound: f64,
+    /// Whether every bound holds (a NaN where the reference is finite fails).
+    pub pass: bool,
 }
 
 /// The `[batch, seqlen, heads, head_dim]` view of a rank-3 or rank-4 shape.
@@ -109,6 +128,34 @@ pub fn problem_from_shapes(
 
 /// Reads the inputs, runs the forward pass and writes the output (and LSE).
 pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
+    // Before anything is read or written: no output may be an input, and -o and --lse are
+    // one file only where one .safetensors file holds both.
+    let inputs = [
+        ("--q", req.q.as_path()),
+        ("--k", req.k.as_path()),
+        ("--v", req.v.as_path()),
+    ];
+    let mut outputs = vec![("-o", req.output.as_path())];
+    if let Some(lse) = &req.lse {
+        outputs.push(("--lse", lse.as_path()));
+    }
+    check_outputs_are_not_inputs(&inputs, &outputs)?;
+    let lse_in_output = match &req.lse {
+        Some(path) if *path == req.output || same_file(path, &req.output) => {
+            let same_safetensors = FileFormat::from_extension(path)
+                == Some(FileFormat::Safetensors)
+                && FileFormat::from_extension(&req.output) == Some(FileFormat::Safetensors);
+            if !same_safetensors && *path != req.output {
+                return Err(CliError::Usage(format!(
+                    "--lse {} and -o {} are the same file: only one .safetensors path holds both",
+                    path.display(),
+                    req.output.display()
+                )));
+            }
+            true
+        }
+        _ => false,
+    };
     let (q, format) = read_tensor(&req.q, "q")?;
     let (k, _) = read_tensor(&req.k, "k")?;
     let (v, _) = read_tensor(&req.v, "v")?;
@@ -127,7 +174,7 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
         *last = desc.head_dim_v;
     }
     let mut out = HostTensor::zeros(q.dtype(), out_shape)?;
-    let mut lse = vec![0.0f32; problem.lse_len()];
+    let mut lse = crate::memory::try_filled(problem.lse_len(), 0.0f32, "the LSE")?;
     let start = std::time::Instant::now();
     backend.forward(
         &problem,
@@ -137,11 +184,21 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
     )?;
     let seconds = start.elapsed().as_secs_f64();
 
+    let total_rows = crate::rows::row_count(&problem);
     let check = (req.check_rows > 0).then(|| {
         let mut rng = fa_reference::Rng::new(0x5eed);
-        let rows = sample_rows(&problem, req.check_rows, &mut rng);
+        let rows = sample_rows(&problem, req.check_rows.min(total_rows), &mut rng);
         let refs = reference_rows(&problem, &q.data, &k.data, &v.data, &rows).unwrap_or_default();
-        compare_rows(&problem, &out.data, &lse, &rows, &refs)
+        let errors = compare_rows(&problem, &out.data, &lse, &rows, &refs);
+        let (bound, lse_bound) = crate::verify::bounds(q.dtype(), req.options.exp2);
+        RowCheck {
+            rows: rows.len(),
+            requested: req.check_rows,
+            pass: errors.passes(bound, lse_bound),
+            errors,
+            bound,
+            lse_bound,
+        }
     });
 
     let out_format = FileFormat::from_extension(&req.output).unwrap_or(format);
@@ -154,23 +211,37 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
         shape: lse_shape,
         data: crate::tensor::Data::F32(lse),
     };
-    match &req.lse {
+    // Everything is encoded before anything is written; then all files at once, atomically.
+    let files = match &req.lse {
         // One .safetensors file can hold both.
-        Some(path) if *path == req.output && out_format == FileFormat::Safetensors => {
-            write_tensors(path, out_format, &[("out", &out), ("lse", &lse_tensor)])?;
-        }
-        Some(path) if *path == req.output => {
+        Some(path) if lse_in_output && out_format == FileFormat::Safetensors => vec![(
+            path.clone(),
+            encode_tensors(path, out_format, &[("out", &out), ("lse", &lse_tensor)])?,
+        )],
+        Some(_) if lse_in_output => {
             return Err(CliError::Usage(
                 "--lse names the output file: only a .safetensors file holds both".into(),
             ))
         }
         Some(path) => {
-            write_tensors(&req.output, out_format, &[("out", &out)])?;
             let lse_format = FileFormat::from_extension(path).unwrap_or(out_format);
-            write_tensors(path, lse_format, &[("lse", &lse_tensor)])?;
+            vec![
+                (
+                    req.output.clone(),
+                    encode_tensors(&req.output, out_format, &[("out", &out)])?,
+                ),
+                (
+                    path.clone(),
+                    encode_tensors(path, lse_format, &[("lse", &lse_tensor)])?,
+                ),
+            ]
         }
-        None => write_tensors(&req.output, out_format, &[("out", &out)])?,
-    }
+        None => vec![(
+            req.output.clone(),
+            encode_tensors(&req.output, out_format, &[("out", &out)])?,
+        )],
+    };
+    write_files(&files)?;
     Ok(RunSummary {
         backend: backend.describe(),
         shape: format!(
@@ -192,7 +263,7 @@ fn desc_seqlen_k(desc: &ProblemDesc) -> usize {
     }
 }
 
-/// Parses `L,R` (either may be negative: unbounded).
+/// Parses `L,R`: each side is -1 (unbounded) or a number of keys ≥ 0.
 pub fn parse_window(s: &str) -> Result<(i64, i64), String> {
     let (l, r) = s
         .split_once(',')
@@ -202,5 +273,11 @@ pub fn parse_window(s: &str) -> Result<(i64, i64), String> {
             .parse::<i64>()
             .map_err(|_| format!("'{x}' is not an integer (use -1 for unbounded)"))
     };
-    Ok((parse(l)?, parse(r)?))
+    let side = |x: &str| match parse(x)? {
+        v if v >= -1 => Ok(v),
+        v => Err(format!(
+            "window side {v}: use -1 for unbounded or a number of keys ≥ 0"
+        )),
+    };
+    Ok((side(l)?, side(r)?))
 }

@@ -2,6 +2,7 @@
 //! handed to the library as dtype-erased views ([`TensorRef`], [`TensorMut`]).
 
 use crate::error::CliError;
+use crate::memory::{checked_bytes, checked_product, ensure_fits, try_filled, try_with_capacity};
 use flash_attention::{TensorMut, TensorRef};
 use half::{bf16, f16};
 pub use softmax_core::DType;
@@ -11,6 +12,25 @@ fn unsupported(dtype: DType) -> CliError {
     CliError::Usage(format!(
         "{dtype} tensors are not supported by fa (f32, bf16, f16 are)"
     ))
+}
+
+/// The element count of `shape`, checked: an overflow or a size beyond the available memory is
+/// [`CliError::TooLarge`].
+pub fn element_count(shape: &[usize], dtype: DType) -> Result<usize, CliError> {
+    let what = format!("a {dtype} tensor of shape {shape:?}");
+    ensure_fits(&what, checked_bytes(shape, dtype.size()))?;
+    checked_product(shape).ok_or(CliError::TooLarge {
+        what,
+        needed: None,
+        available: None,
+    })
+}
+
+/// Collects `n` items into a vector reserved fallibly.
+fn try_extend<T>(n: usize, items: impl Iterator<Item = T>) -> Result<Vec<T>, CliError> {
+    let mut v = try_with_capacity(n, "a tensor")?;
+    v.extend(items);
+    Ok(v)
 }
 
 /// Typed element storage.
@@ -88,12 +108,14 @@ impl HostTensor {
     }
 
     /// A tensor of `dtype` filled with zeros.
+    /// Sizes are checked and the allocation is fallible: a shape too large is
+    /// [`CliError::TooLarge`], never an abort.
     pub fn zeros(dtype: DType, shape: Vec<usize>) -> Result<HostTensor, CliError> {
-        let n = shape.iter().product();
+        let n = element_count(&shape, dtype)?;
         let data = match dtype {
-            DType::F32 => Data::F32(vec![0.0; n]),
-            DType::Bf16 => Data::Bf16(vec![bf16::ZERO; n]),
-            DType::F16 => Data::F16(vec![f16::ZERO; n]),
+            DType::F32 => Data::F32(try_filled(n, 0.0, "a tensor")?),
+            DType::Bf16 => Data::Bf16(try_filled(n, bf16::ZERO, "a tensor")?),
+            DType::F16 => Data::F16(try_filled(n, f16::ZERO, "a tensor")?),
             other => return Err(unsupported(other)),
         };
         Ok(HostTensor { shape, data })
@@ -144,32 +166,27 @@ impl HostTensor {
                 u16::from_le_bytes(b)
             }
         };
+        let n = bytes.len() / dtype.size().max(1);
         let data = match dtype {
-            DType::F32 => Data::F32(
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| {
-                        let b = [c[0], c[1], c[2], c[3]];
-                        if big_endian {
-                            f32::from_be_bytes(b)
-                        } else {
-                            f32::from_le_bytes(b)
-                        }
-                    })
-                    .collect(),
-            ),
-            DType::Bf16 => Data::Bf16(
-                bytes
-                    .chunks_exact(2)
-                    .map(|c| bf16::from_bits(two(c)))
-                    .collect(),
-            ),
-            DType::F16 => Data::F16(
-                bytes
-                    .chunks_exact(2)
-                    .map(|c| f16::from_bits(two(c)))
-                    .collect(),
-            ),
+            DType::F32 => Data::F32(try_extend(
+                n,
+                bytes.chunks_exact(4).map(|c| {
+                    let b = [c[0], c[1], c[2], c[3]];
+                    if big_endian {
+                        f32::from_be_bytes(b)
+                    } else {
+                        f32::from_le_bytes(b)
+                    }
+                }),
+            )?),
+            DType::Bf16 => Data::Bf16(try_extend(
+                n,
+                bytes.chunks_exact(2).map(|c| bf16::from_bits(two(c))),
+            )?),
+            DType::F16 => Data::F16(try_extend(
+                n,
+                bytes.chunks_exact(2).map(|c| f16::from_bits(two(c))),
+            )?),
             other => return Err(unsupported(other)),
         };
         Ok(HostTensor { shape, data })
@@ -198,11 +215,11 @@ pub fn random_normal(
     dtype: DType,
     shape: Vec<usize>,
 ) -> Result<HostTensor, CliError> {
-    let n: usize = shape.iter().product();
+    let n = element_count(&shape, dtype)?;
     let data = match dtype {
-        DType::F32 => Data::F32((0..n).map(|_| rng.normal() as f32).collect()),
-        DType::Bf16 => Data::Bf16((0..n).map(|_| bf16::from_f64(rng.normal())).collect()),
-        DType::F16 => Data::F16((0..n).map(|_| f16::from_f64(rng.normal())).collect()),
+        DType::F32 => Data::F32(try_extend(n, (0..n).map(|_| rng.normal() as f32))?),
+        DType::Bf16 => Data::Bf16(try_extend(n, (0..n).map(|_| bf16::from_f64(rng.normal())))?),
+        DType::F16 => Data::F16(try_extend(n, (0..n).map(|_| f16::from_f64(rng.normal())))?),
         other => return Err(unsupported(other)),
     };
     Ok(HostTensor { shape, data })

@@ -127,7 +127,29 @@ fn describe_shape(case: &Case) -> String {
 /// The fixed cases (odd shapes, GQA/MQA, every mask kind, seqlen_q ≠ seqlen_k, fully masked
 /// rows, softcap, explicit scale, padded strides, varlen) followed by `random` drawn ones.
 pub fn cases(rng: &mut Rng, random: usize) -> Vec<Case> {
-    let mut v = vec![
+    let mut v = fixed_cases(rng);
+    for _ in 0..random {
+        v.push(random_case(rng));
+    }
+    v
+}
+
+/// The cases of [`cases`] for `Rng::new(seed)`, drawn one at a time as they are consumed: memory
+/// stays bounded however many random cases are asked for, and the same seed gives the same
+/// cases.
+pub fn case_stream(seed: u64, random: usize) -> impl Iterator<Item = Case> {
+    let mut rng = Rng::new(seed);
+    let fixed = fixed_cases(&mut rng);
+    let mut left = random;
+    fixed.into_iter().chain(core::iter::from_fn(move || {
+        left = left.checked_sub(1)?;
+        Some(random_case(&mut rng))
+    }))
+}
+
+/// The fixed cases.
+fn fixed_cases(rng: &mut Rng) -> Vec<Case> {
+    vec![
         Case::dense(rng, 1, 1, 1, 1, 1, 1),
         Case::dense(rng, 2, 37, 37, 4, 4, 64),
         Case::dense(rng, 1, 130, 130, 8, 2, 128).causal(),
@@ -141,36 +163,37 @@ pub fn cases(rng: &mut Rng, random: usize) -> Vec<Case> {
         Case::dense(rng, 3, 33, 47, 2, 1, 128).with_scale(0.3),
         Case::dense(rng, 2, 31, 33, 4, 2, 127).padded(rng, 3, Rounding::F32),
         Case::varlen(rng, &[5, 64, 1, 100], &[7, 64, 33, 100], 4, 2, 64).causal(),
-    ];
+    ]
+}
+
+/// One random case.
+fn random_case(rng: &mut Rng) -> Case {
     let dims = [1, 16, 32, 64, 96, 128, 192, 256];
-    for _ in 0..random {
-        let heads_kv = 1 + rng.below(3);
-        let heads_q = heads_kv * (1 + rng.below(4));
-        let d = dims[rng.below(dims.len())];
-        let sq = 1 + rng.below(300);
-        let sk = if rng.below(2) == 0 {
-            sq
-        } else {
-            1 + rng.below(300)
-        };
-        let batch = 1 + rng.below(2);
-        let mut c = Case::dense(rng, batch, sq, sk, heads_q, heads_kv, d);
-        c = match rng.below(4) {
-            0 => c,
-            1 => c.causal(),
-            2 => c.with_mask(Mask::from_flash_args(
-                false,
-                rng.below(64) as i64,
-                rng.below(64) as i64,
-            )),
-            _ => c.with_mask(Mask::from_flash_args(true, rng.below(128) as i64, -1)),
-        };
-        if rng.below(4) == 0 {
-            c = c.with_softcap(5.0 + 45.0 * rng.uniform() as f32);
-        }
-        v.push(c);
+    let heads_kv = 1 + rng.below(3);
+    let heads_q = heads_kv * (1 + rng.below(4));
+    let d = dims[rng.below(dims.len())];
+    let sq = 1 + rng.below(300);
+    let sk = if rng.below(2) == 0 {
+        sq
+    } else {
+        1 + rng.below(300)
+    };
+    let batch = 1 + rng.below(2);
+    let mut c = Case::dense(rng, batch, sq, sk, heads_q, heads_kv, d);
+    c = match rng.below(4) {
+        0 => c,
+        1 => c.causal(),
+        2 => c.with_mask(Mask::from_flash_args(
+            false,
+            rng.below(64) as i64,
+            rng.below(64) as i64,
+        )),
+        _ => c.with_mask(Mask::from_flash_args(true, rng.below(128) as i64, -1)),
+    };
+    if rng.below(4) == 0 {
+        c = c.with_softcap(5.0 + 45.0 * rng.uniform() as f32);
     }
-    v
+    c
 }
 
 fn to_data(values: &[f32], dtype: DType) -> Result<Data, String> {
@@ -309,5 +332,23 @@ pub fn table_row(r: &VerifyRow) -> String {
             };
             format!("{head} {:>50}  FAIL ({first}{more})", "")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The lazy stream draws the very cases of the eager list, in order.
+    #[test]
+    fn case_stream_is_cases_drawn_lazily() {
+        let eager = cases(&mut Rng::new(42), 5);
+        let lazy: Vec<Case> = case_stream(42, 5).collect();
+        assert_eq!(eager.len(), lazy.len());
+        for (a, b) in eager.iter().zip(&lazy) {
+            assert_eq!((&a.q, &a.k, &a.v, a.dense), (&b.q, &b.k, &b.v, b.dense));
+        }
+        // A huge count costs nothing until consumed.
+        assert_eq!(case_stream(1, usize::MAX).take(12).count(), 12);
     }
 }

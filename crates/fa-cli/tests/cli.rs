@@ -518,3 +518,355 @@ fn bench_peers_prints_ratios_for_matching_shapes() {
     assert!(o.status.success(), "{:?}", text(&o));
     assert!(text(&o).1.contains("no peer numbers"), "{:?}", text(&o));
 }
+
+// ---- issue 16: robustness regressions -------------------------------------------------------
+
+/// `fa` with a wall-clock limit: killed (and the test failed by the caller's asserts) when it
+/// runs past `secs`, so that a regression to an unbounded read or a hang cannot stall the suite.
+fn fa_limited(args: &[&str], secs: u64) -> (Option<i32>, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fa"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the fa binary runs");
+    let start = std::time::Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if start.elapsed().as_secs() >= secs {
+            let _ = child.kill();
+            let o = child.wait_with_output().expect("output");
+            return (None, text(&o).0, text(&o).1);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let o = child.wait_with_output().expect("output");
+    let (out, err) = text(&o);
+    (o.status.code(), out, err)
+}
+
+/// Item 1: an output that is (or resolves to) an input is refused before anything is written.
+/// Fails on 69660dd: `-o q.npy` exits 0 and q.npy holds O.
+#[test]
+fn output_that_is_an_input_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(16);
+    let inp = inputs(&mut rng, DType::F32, [1, 8, 2, 16], [1, 8, 2, 16]);
+    let qkv = save_npy(dir.path(), &inp);
+    let before: Vec<Vec<u8>> = qkv.iter().map(|p| std::fs::read(p).unwrap()).collect();
+    std::fs::create_dir(dir.path().join("sub")).unwrap();
+    let dotdot = dir.path().join("sub").join("..").join("k.npy");
+    let hard = dir.path().join("hard.npy");
+    std::fs::hard_link(&qkv[2], &hard).unwrap();
+    let mut cases: Vec<(PathBuf, Vec<&str>)> = vec![
+        (qkv[0].clone(), vec![]),
+        (dir.path().join("o.npy"), vec!["--lse", s(&qkv[0])]),
+        (dotdot.clone(), vec![]),
+        (hard.clone(), vec![]),
+    ];
+    #[cfg(unix)]
+    {
+        let link = dir.path().join("link.npy");
+        std::os::unix::fs::symlink(&qkv[1], &link).unwrap();
+        cases.push((link, vec![]));
+    }
+    for (out, extra) in &cases {
+        let o = fa_run(&qkv, out, extra);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{out:?} {extra:?}: {err}");
+        assert!(err.contains("same file as the input"), "{err}");
+        for (p, b) in qkv.iter().zip(&before) {
+            assert_eq!(&std::fs::read(p).unwrap(), b, "{p:?} unchanged");
+        }
+    }
+    // -o and --lse naming one .npy file through `..`: refused, nothing written.
+    let out = dir.path().join("out.npy");
+    let lse = dir.path().join("sub").join("..").join("out.npy");
+    let o = fa_run(&qkv, &out, &["--lse", s(&lse)]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("same file"), "{:?}", text(&o));
+    assert!(!out.exists());
+}
+
+/// Item 2: writes are all or nothing. Fails on 69660dd: out.npy is replaced before the LSE's
+/// write fails.
+#[test]
+fn failed_write_leaves_existing_output_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(17);
+    let inp = inputs(&mut rng, DType::F32, [1, 8, 2, 16], [1, 8, 2, 16]);
+    let qkv = save_npy(dir.path(), &inp);
+    let out = dir.path().join("out.npy");
+    std::fs::write(&out, b"the user's previous output").unwrap();
+    let lse = dir.path().join("nodir").join("l.npy");
+    let o = fa_run(&qkv, &out, &["--lse", s(&lse)]);
+    let (_, err) = text(&o);
+    assert_ne!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("does not exist"), "{err}");
+    assert_eq!(std::fs::read(&out).unwrap(), b"the user's previous output");
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("fa-tmp"))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "temporary files removed: {leftovers:?}"
+    );
+    // And a run that succeeds replaces it with O.
+    let o = fa_run(&qkv, &out, &[]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert_eq!(read_tensor(&out, "out").unwrap().0.shape, vec![1, 8, 2, 16]);
+}
+
+/// Item 3: inputs that are not regular files, or whose size is not their header's, are errors
+/// read from the header alone. Fails on 69660dd: `--q /dev/zero` reads until memory runs out
+/// (killed here after 30 s).
+#[test]
+fn inputs_not_regular_or_not_their_headers_size_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(18);
+    let inp = inputs(&mut rng, DType::F32, [1, 8, 2, 16], [1, 8, 2, 16]);
+    let [q, k, v] = save_npy(dir.path(), &inp);
+    let out = dir.path().join("out.npy");
+    let run = |q: &Path| {
+        let args = [
+            "run",
+            "--q",
+            s(q),
+            "--k",
+            s(&k),
+            "--v",
+            s(&v),
+            "-o",
+            s(&out),
+        ];
+        fa_limited(&args, 30)
+    };
+    if Path::new("/dev/zero").exists() {
+        let (code, _, err) = run(Path::new("/dev/zero"));
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("not a regular file"), "{err}");
+    }
+    let (code, _, err) = run(dir.path());
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("not a regular file"), "{err}");
+    // Longer than the header promises.
+    let mut bytes = std::fs::read(&q).unwrap();
+    bytes.extend_from_slice(&[0; 64]);
+    let long = dir.path().join("long.npy");
+    std::fs::write(&long, &bytes).unwrap();
+    let (code, _, err) = run(&long);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("data section holds"), "{err}");
+    // A safetensors header promising far more data than the file holds.
+    let st = dir.path().join("q.safetensors");
+    write_tensors(&st, FileFormat::Safetensors, &[("q", &inp.q)]).unwrap();
+    let mut bytes = std::fs::read(&st).unwrap();
+    bytes.truncate(bytes.len() - 100);
+    std::fs::write(&st, &bytes).unwrap();
+    let (code, _, err) = run(&st);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("header promises"), "{err}");
+    // A safetensors header length beyond the file.
+    let bad = dir.path().join("bad.safetensors");
+    let mut bytes = u64::MAX.to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{}");
+    std::fs::write(&bad, &bytes).unwrap();
+    let (code, _, err) = run(&bad);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("exceeds the file"), "{err}");
+    assert!(!out.exists());
+}
+
+/// Item 3: absurd sizes are a typed "too large" error before any allocation, and --threads
+/// beyond the machine is a usage error. Fails on 69660dd: demo and bench abort (exit 134) with
+/// "memory allocation of … bytes failed"; --threads 100000 is accepted.
+#[test]
+fn absurd_sizes_and_threads_are_clear_errors() {
+    for args in [
+        &["demo", "--backend", "cpu", "--seqlen", "100000000"][..],
+        &[
+            "bench",
+            "--backend",
+            "cpu",
+            "--seqlen",
+            "100000000",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+        ][..],
+        &[
+            "bench",
+            "--backend",
+            "cpu",
+            "--seqlen",
+            "4611686018427387904",
+            "--batch",
+            "64",
+        ][..],
+    ] {
+        let (code, _, err) = fa_limited(args, 60);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains("too large"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    let (code, _, err) = fa_limited(
+        &[
+            "demo",
+            "--backend",
+            "cpu",
+            "--seqlen",
+            "16",
+            "--threads",
+            "100000",
+        ],
+        60,
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("available parallelism"), "{err}");
+    let (code, _, err) = fa_limited(&["demo", "--seqlen", "16", "--threads", "0"], 60);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("at least 1"), "{err}");
+}
+
+/// Item 3 and 5: `fa verify` draws its cases lazily (the first rows appear at once even for
+/// --random 3000000) and prints one seed. Fails on 69660dd: every case is built before the
+/// first row (nothing printed within the limit) and two different seeds are printed.
+#[test]
+fn verify_streams_its_cases_and_prints_one_seed() {
+    let (code, out, err) = fa_limited(
+        &[
+            "verify",
+            "--backend",
+            "cpu",
+            "--dtype",
+            "f32",
+            "--random",
+            "3000000",
+        ],
+        20,
+    );
+    assert_eq!(code, None, "still running when stopped: {out}{err}");
+    let rows = out.lines().filter(|l| l.contains("pass")).count();
+    assert!(rows >= 1, "rows printed as the cases run: {out}\n{err}");
+    assert_eq!(
+        (out + &err).matches("seed").count(),
+        1,
+        "one seed, the one --seed reproduces"
+    );
+}
+
+/// Item 4: --check-rows fails the exit code when a row does not match, NaN rows included.
+/// Fails on 69660dd: `--softcap 1e-39` exits 0 with "rel_l2 NaN". The library may reject the
+/// setting (exit 2) or compute it exactly (then the check passes and O has no NaN).
+#[test]
+fn check_rows_mismatch_is_a_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(19);
+    let inp = inputs(&mut rng, DType::F32, [1, 16, 2, 16], [1, 16, 2, 16]);
+    let qkv = save_npy(dir.path(), &inp);
+    let out = dir.path().join("out.npy");
+    for extra in [
+        &["--softcap", "1e-39", "--check-rows", "8"][..],
+        &["--scale", "1e38", "--check-rows", "8"][..],
+    ] {
+        let o = fa_run(&qkv, &out, extra);
+        let (_, err) = text(&o);
+        assert!(!err.contains("panicked"), "{err}");
+        if o.status.success() {
+            assert!(err.contains(": pass"), "{extra:?}: {err}");
+            let (o_t, _) = read_tensor(&out, "out").unwrap();
+            assert!(o_t.to_f32().iter().all(|x| !x.is_nan()), "{extra:?}");
+        } else {
+            assert!(matches!(o.status.code(), Some(1 | 2)), "{err}");
+            assert!(err.contains("FAIL") || err.starts_with("error:"), "{err}");
+        }
+    }
+}
+
+/// Item 5: the smaller ones.
+/// Fails on 69660dd: plan overflows (panics in this debug build), `fa plan` into a closed pipe
+/// panics, `--check-rows 0` prints "pass", `--check-rows` beyond the rows is not clamped,
+/// `--seqlen 0` prints "infx", `--window -5,3` is accepted.
+#[test]
+fn smaller_robustness_cases() {
+    let o = fa(&[
+        "plan",
+        "--tokens",
+        "18446744073709551615",
+        "--batch",
+        "4294967296",
+    ]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("too large"), "{err}");
+
+    // A closed pipe: the reader is gone before fa writes anything.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let o = Command::new(env!("CARGO_BIN_EXE_fa"))
+        .arg("plan")
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(err.is_empty(), "quiet: {err}");
+
+    let demo = |extra: &[&str]| {
+        let mut args = vec![
+            "demo",
+            "--backend",
+            "cpu",
+            "--seqlen",
+            "32",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+        ];
+        args.extend_from_slice(extra);
+        fa(&args)
+    };
+    let o = demo(&["--check-rows", "0"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(
+        out.contains("not checked") && !out.contains("pass"),
+        "{out}"
+    );
+    let o = demo(&["--check-rows", "1000000"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(
+        out.contains("64 sampled rows (clamped from 1000000"),
+        "{out}"
+    );
+    let o = fa(&["demo", "--backend", "cpu", "--seqlen", "0"]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}{err}");
+    assert!(
+        err.contains("--seqlen must be at least 1") && !out.contains("inf"),
+        "{err}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(20);
+    let inp = inputs(&mut rng, DType::F32, [1, 8, 2, 16], [1, 8, 2, 16]);
+    let qkv = save_npy(dir.path(), &inp);
+    let out = dir.path().join("out.npy");
+    let o = fa_run(&qkv, &out, &["--window", "-5,3"]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("-1 for unbounded"), "{err}");
+    assert!(!out.exists());
+    let o = fa_run(&qkv, &out, &["--window", "-1,3", "--check-rows", "100"]);
+    let (_, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("16 rows (clamped from 100") && err.contains("pass"),
+        "{err}"
+    );
+}
