@@ -182,6 +182,21 @@ pub enum ProblemError {
         /// Tokens over all sequences.
         total: usize,
     },
+    /// More worker threads asked for than a backend accepts.
+    TooManyThreads {
+        /// The count asked for.
+        threads: usize,
+        /// The largest accepted.
+        max: usize,
+    },
+    /// A backend could not allocate memory of its own (scratch, task list): reported instead
+    /// of aborting the process.
+    OutOfMemory {
+        /// What the memory was for.
+        what: &'static str,
+        /// Bytes asked for.
+        bytes: usize,
+    },
     /// The backend does not support this (dtype, head dim, architecture, feature).
     Unsupported {
         /// What is not supported.
@@ -288,6 +303,12 @@ impl fmt::Display for ProblemError {
                 f,
                 "{tensor}: max_seqlen = {max_seqlen} exceeds the {total} tokens of the whole batch"
             ),
+            ProblemError::TooManyThreads { threads, max } => {
+                write!(f, "threads = {threads} is too many: at most {max}")
+            }
+            ProblemError::OutOfMemory { what, bytes } => {
+                write!(f, "out of memory: could not allocate {bytes} bytes for {what}")
+            }
             ProblemError::Unsupported { what } => write!(f, "unsupported: {what}"),
         }
     }
