@@ -2,7 +2,7 @@
 
 use crate::arch::SimdLevel;
 use crate::dispatch::{dispatch, Isa};
-use crate::kernel::{self, Ctx, ForwardTask, Scratch, SharedOut, TaskStats, Tiling};
+use crate::kernel::{self, Ctx, ForwardTask, Scratch, ScratchLens, SharedOut, TaskStats, Tiling};
 use crate::{Element, ForwardOptions, ForwardStats, HostOut};
 use softmax_core::{BufferLens, DType, Out, Problem, ProblemError, Qkv};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -33,11 +33,45 @@ impl Workspace {
             .sum()
     }
 
-    fn ensure_slots(&mut self, n: usize) {
+    /// Makes `n` scratch slots, each reserved for `lens`: allocation failures are typed
+    /// errors here, and the tasks then run without allocating.
+    fn ensure_slots(
+        &mut self,
+        n: usize,
+        tiling: &Tiling,
+        lens: ScratchLens,
+    ) -> Result<(), ProblemError> {
+        let oom = |what| ProblemError::OutOfMemory {
+            what,
+            bytes: scratch_bytes_per_thread_for(tiling, lens),
+        };
+        self.slots
+            .try_reserve(n.saturating_sub(self.slots.len()))
+            .map_err(|_| oom("the scratch slots"))?;
         while self.slots.len() < n {
             self.slots.push(Mutex::new(Scratch::default()));
         }
+        for slot in &mut self.slots[..n] {
+            let scratch = match slot.get_mut() {
+                Ok(s) => s,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            scratch
+                .try_reserve(tiling, lens)
+                .map_err(|_| oom("per-thread scratch"))?;
+        }
+        Ok(())
     }
+}
+
+/// The most threads [`crate::ForwardOptions::threads`] accepts. Each call with `Some(n)`
+/// keeps a pool of `n − 1` threads; past a few times the cores they only queue (a pool of
+/// 5000 made a 64-token call take minutes), so the limit is generous but finite.
+pub const MAX_THREADS: usize = 1024;
+
+/// Scratch bytes of one worker for `lens` (for error messages).
+fn scratch_bytes_per_thread_for(tiling: &Tiling, lens: ScratchLens) -> usize {
+    4 * kernel::scratch_elems(tiling, lens.head_dim, lens.head_dim_v, lens.hook)
 }
 
 /// Bytes of scratch one worker thread needs for a problem of these head dims at a SIMD
@@ -79,10 +113,23 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     };
     let threads = match opts.threads {
         Some(0) => return Err(ProblemError::ZeroDim { what: "threads" }),
+        Some(n) if n > MAX_THREADS => {
+            return Err(ProblemError::TooManyThreads {
+                threads: n,
+                max: MAX_THREADS,
+            })
+        }
         other => other,
     };
     let tiling = Tiling::for_level(isa.level());
-    let task_list = kernel::tasks(problem, &tiling);
+    let task_list = kernel::tasks(problem, &tiling)?;
+    let lens = ScratchLens {
+        max_rows: task_list.iter().map(|t| t.heads * t.len).max().unwrap_or(0),
+        head_dim: problem.head_dim(),
+        head_dim_v: problem.head_dim_v(),
+        masked: !problem.mask().is_none(),
+        hook: opts.probability_hook.is_some(),
+    };
     let ctx = Ctx {
         problem,
         q,
@@ -113,7 +160,7 @@ pub fn forward_with_workspace<T: Element, O: Element>(
         }
     }
     let workers = threads.unwrap_or_else(|| rayon::current_num_threads().max(1));
-    ws.ensure_slots(workers);
+    ws.ensure_slots(workers, &tiling, lens)?;
     let slots = &ws.slots;
 
     // Dynamic scheduling: every worker takes the next task from one shared counter, so the

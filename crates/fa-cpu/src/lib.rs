@@ -51,7 +51,9 @@ mod kernel;
 
 pub use arch::SimdLevel;
 pub use element::Element;
-pub use forward::{forward_with_workspace, scratch_bytes_per_thread, supports, Workspace};
+pub use forward::{
+    forward_with_workspace, scratch_bytes_per_thread, supports, Workspace, MAX_THREADS,
+};
 
 use softmax_core::{Out, Problem, ProblemError, Qkv, RescalePolicy, RescaleStats};
 
@@ -81,7 +83,8 @@ pub struct ForwardOptions<'a> {
     /// Threads in all, the calling thread included: `Some(n)` runs on the caller and a pool
     /// of `n − 1` threads kept in the workspace (`Some(1)` starts none); `None`: the caller
     /// and rayon's global pool, as many as that pool has threads. Results are identical
-    /// whatever the count. `Some(0)` is an error.
+    /// whatever the count. `Some(0)` and more than [`MAX_THREADS`] are errors
+    /// ([`ProblemError::ZeroDim`], [`ProblemError::TooManyThreads`]).
     pub threads: Option<usize>,
     /// When to rescale the accumulators (default: `Threshold(8.0)`, FlashAttention-4's).
     pub rescale: RescalePolicy<f32>,

@@ -154,6 +154,20 @@ fn every_bad_input_is_a_typed_error_and_leaves_outputs_untouched() {
     expect_error(&ok, good, &zero_threads, |e| {
         matches!(e, ProblemError::ZeroDim { what: "threads" })
     });
+    // Issue 16: `threads: Some(5000)` started a pool of 4999 threads and took minutes on a
+    // small problem; above MAX_THREADS it is refused before any thread starts.
+    for n in [fa_cpu::MAX_THREADS + 1, 5000, usize::MAX] {
+        let many_threads = ForwardOptions {
+            threads: Some(n),
+            ..ForwardOptions::default()
+        };
+        expect_error(&ok, good, &many_threads, |e| {
+            *e == ProblemError::TooManyThreads {
+                threads: n,
+                max: fa_cpu::MAX_THREADS,
+            }
+        });
+    }
     for tau in [f32::NAN, -1.0, f32::INFINITY, 1000.0] {
         let bad_tau = ForwardOptions {
             rescale: RescalePolicy::Threshold(tau),

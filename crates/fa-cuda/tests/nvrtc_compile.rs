@@ -1,7 +1,10 @@
 //! CI compile check: every kernel variant compiles with NVRTC for sm_80 and sm_90a, with no
-//! register spill and no stack frame. Needs libnvrtc, not a GPU. Where libnvrtc cannot be
-//! loaded the test is skipped with a message, except when the `CI` variable is set: then it
-//! fails, so that CI never passes it silently (`.ci/install-nvrtc.sh` provides the library).
+//! register spill and no stack frame. Needs libnvrtc, not a GPU, so the check is `#[ignore]`d
+//! with that reason (a test that cannot run must not count as passed) and fails when run
+//! without libnvrtc; `.ci/run` sources `.ci/install-nvrtc.sh` and runs it with
+//! `--include-ignored`. Locally: `source .ci/install-nvrtc.sh && cargo test -p fa-cuda --test
+//! nvrtc_compile -- --include-ignored`. `ci_has_libnvrtc` (not ignored) fails when `CI` is set
+//! and libnvrtc cannot be loaded.
 
 use fa_cuda::compile::{compile_variant_with, nvrtc_available, Compiled};
 use fa_cuda::Variant;
@@ -9,16 +12,22 @@ use std::sync::Mutex;
 
 const ARCHS: [&str; 2] = ["sm_80", "sm_90a"];
 
+/// Under CI the compile check must be able to run.
 #[test]
+fn ci_has_libnvrtc() {
+    assert!(
+        std::env::var_os("CI").is_none() || nvrtc_available(),
+        "CI is set but libnvrtc cannot be loaded: source .ci/install-nvrtc.sh first"
+    );
+}
+
+#[test]
+#[ignore = "needs libnvrtc (source .ci/install-nvrtc.sh); CI runs it with --include-ignored"]
 fn every_variant_compiles_without_spills() {
-    if !nvrtc_available() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI is set but libnvrtc cannot be loaded: source .ci/install-nvrtc.sh first"
-        );
-        eprintln!("SKIPPED: libnvrtc not found (set LD_LIBRARY_PATH, see .ci/install-nvrtc.sh)");
-        return;
-    }
+    assert!(
+        nvrtc_available(),
+        "libnvrtc cannot be loaded: source .ci/install-nvrtc.sh first"
+    );
     // FA_NVRTC_ONLY=<substring> narrows the check to matching variants while developing.
     let only = std::env::var("FA_NVRTC_ONLY").unwrap_or_default();
     let jobs: Vec<(Variant, &str)> = Variant::all()

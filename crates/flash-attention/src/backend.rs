@@ -427,8 +427,17 @@ impl Backend {
         problem.check_buffers(BufferLens::of(&qkv, &out))?;
         match &self.inner {
             Inner::Cpu => {
-                let mut times = Vec::with_capacity(iters);
-                for i in 0..warmup + iters {
+                // `iters` comes from the user: a count too large for memory is a typed error,
+                // not an abort.
+                let calls = warmup.checked_add(iters).ok_or(ProblemError::Overflow)?;
+                let mut times = Vec::new();
+                times
+                    .try_reserve_exact(iters)
+                    .map_err(|_| ProblemError::OutOfMemory {
+                        what: "the timing list",
+                        bytes: iters.saturating_mul(std::mem::size_of::<f64>()),
+                    })?;
+                for i in 0..calls {
                     let call = Out {
                         o: out.o.reborrow(),
                         lse: out.lse.as_deref_mut(),

@@ -245,4 +245,60 @@ mod tests {
         assert_eq!(times.len(), 2);
         assert_eq!(o2, direct);
     }
+
+    /// Issue 16: a huge `iters` aborted the process ("capacity overflow" / "memory allocation
+    /// failed"), and a huge thread count started thousands of threads; both are typed errors.
+    #[test]
+    fn absurd_iteration_and_thread_counts_are_typed_errors() {
+        let p = problem(8);
+        let n = 16 * 2 * 8;
+        let x = vec![0.5f32; n];
+        let qkv = Qkv::new(
+            TensorRef::from(&x),
+            TensorRef::from(&x),
+            TensorRef::from(&x),
+        );
+        let mut o = vec![7.0f32; n];
+        let b = Backend::cpu();
+        let e = b
+            .time_forward(
+                &p,
+                qkv,
+                Out::new(TensorMut::from(&mut o)),
+                &Options::default(),
+                0,
+                usize::MAX / 2,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Problem(ProblemError::OutOfMemory { .. })),
+            "{e:?}"
+        );
+        let e = b
+            .time_forward(
+                &p,
+                qkv,
+                Out::new(TensorMut::from(&mut o)),
+                &Options::default(),
+                usize::MAX,
+                1,
+            )
+            .unwrap_err();
+        assert!(matches!(e, Error::Problem(ProblemError::Overflow)), "{e:?}");
+        let many = Options {
+            threads: Some(5000),
+            ..Options::default()
+        };
+        let e = b
+            .forward(&p, qkv, Out::new(TensorMut::from(&mut o)), &many)
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Problem(ProblemError::TooManyThreads { threads: 5000, .. })
+            ),
+            "{e:?}"
+        );
+        assert!(o.iter().all(|&x| x == 7.0), "untouched on error");
+    }
 }

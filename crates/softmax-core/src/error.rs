@@ -78,6 +78,25 @@ pub enum ProblemError {
         /// The value given.
         softcap: f32,
     },
+    /// `|softmax_scale|` exceeds [`crate::MAX_SOFTMAX_SCALE`]: the scaled scores would overflow
+    /// f32 (NaN where the exact answer is finite).
+    ScaleOutOfRange {
+        /// The value given.
+        scale: f32,
+        /// The largest magnitude accepted.
+        max: f32,
+    },
+    /// The softcap is outside `min..=max`: below `min = |scale| / `
+    /// [`crate::MAX_SCALE_OVER_SOFTCAP`] the factor `scale/cap` folded into Q overflows f32,
+    /// above `max =` [`crate::MAX_SOFTCAP`] `cap·log2 e` does.
+    SoftcapOutOfRange {
+        /// The value given.
+        softcap: f32,
+        /// The smallest softcap accepted with this scale.
+        min: f32,
+        /// The largest softcap accepted.
+        max: f32,
+    },
     /// `cu_seqlens_q` and `cu_seqlens_k` differ in length, or are shorter than two entries.
     CuSeqlensLength {
         /// Entries of `cu_seqlens_q`.
@@ -163,6 +182,21 @@ pub enum ProblemError {
         /// Tokens over all sequences.
         total: usize,
     },
+    /// More worker threads asked for than a backend accepts.
+    TooManyThreads {
+        /// The count asked for.
+        threads: usize,
+        /// The largest accepted.
+        max: usize,
+    },
+    /// A backend could not allocate memory of its own (scratch, task list): reported instead
+    /// of aborting the process.
+    OutOfMemory {
+        /// What the memory was for.
+        what: &'static str,
+        /// Bytes asked for.
+        bytes: usize,
+    },
     /// The backend does not support this (dtype, head dim, architecture, feature).
     Unsupported {
         /// What is not supported.
@@ -194,6 +228,15 @@ impl fmt::Display for ProblemError {
             ProblemError::BadSoftcap { softcap } => {
                 write!(f, "softcap = {softcap} must be finite and positive")
             }
+            ProblemError::ScaleOutOfRange { scale, max } => write!(
+                f,
+                "softmax_scale = {scale:e} is out of range: |scale| ≤ {max:e} (larger scores overflow f32)"
+            ),
+            ProblemError::SoftcapOutOfRange { softcap, min, max } => write!(
+                f,
+                "softcap = {softcap:e} is out of range: {min:e}..={max:e} with this softmax_scale \
+                 (outside it scale/cap or cap·log2 e overflows f32)"
+            ),
             ProblemError::CuSeqlensLength { len_q, len_k } => write!(
                 f,
                 "cu_seqlens_q has {len_q} entries and cu_seqlens_k {len_k}: both need batch + 1 ≥ 2"
@@ -260,6 +303,12 @@ impl fmt::Display for ProblemError {
                 f,
                 "{tensor}: max_seqlen = {max_seqlen} exceeds the {total} tokens of the whole batch"
             ),
+            ProblemError::TooManyThreads { threads, max } => {
+                write!(f, "threads = {threads} is too many: at most {max}")
+            }
+            ProblemError::OutOfMemory { what, bytes } => {
+                write!(f, "out of memory: could not allocate {bytes} bytes for {what}")
+            }
             ProblemError::Unsupported { what } => write!(f, "unsupported: {what}"),
         }
     }

@@ -80,6 +80,7 @@ pub use mask::{Mask, TileKind};
 pub use online::{merge_into, BlockStep, RowResult, RowState};
 pub use problem::{
     BufferLens, KvCache, Problem, ProblemDesc, SeqSpan, Sequences, Strides, MAX_HEAD_DIM,
+    MAX_SCALE_OVER_SOFTCAP, MAX_SOFTCAP, MAX_SOFTMAX_SCALE,
 };
 pub use rescale::{RescalePolicy, RescaleStats, DEFAULT_RESCALE_THRESHOLD, MAX_RESCALE_THRESHOLD};
 pub use score::{ScoreTransform, LOG2_E};

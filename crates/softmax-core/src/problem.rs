@@ -13,6 +13,20 @@ use crate::score::ScoreTransform;
 /// The largest head dimension any backend supports.
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// The largest `|softmax_scale|` accepted (2³²). Kernels fold `scale·log2 e` into Q in f32; past
+/// this a score `scale·q·k` overflows for ordinary inputs and the softmax turns NaN (the exact
+/// answer is then the argmax's one-hot row, which f32 cannot compute in general). Within it, a
+/// score stays finite while `|q·k| ≤ 2⁹⁴`.
+pub const MAX_SOFTMAX_SCALE: f32 = 4_294_967_296.0;
+
+/// The largest `|softmax_scale| / softcap` accepted (2³²): with a softcap the kernels fold
+/// `scale/cap` into Q, which must stay finite (a subnormal cap such as 1e-39 made it overflow).
+/// So the smallest softcap accepted is `|scale| / 2³²`.
+pub const MAX_SCALE_OVER_SOFTCAP: f32 = 4_294_967_296.0;
+
+/// The largest softcap accepted (2⁶⁴): the factor `cap·log2 e` after `tanh` must stay finite.
+pub const MAX_SOFTCAP: f32 = 18_446_744_073_709_551_616.0;
+
 /// Element strides of a `[batch, seqlen, heads, head_dim]` tensor; `head_dim` is contiguous.
 /// For variable-length (packed) tensors `batch` is ignored and `seq` steps over tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -138,9 +152,11 @@ pub struct ProblemDesc<'a> {
     pub head_dim: usize,
     /// Head dimension of V and O (usually `head_dim`).
     pub head_dim_v: usize,
-    /// Multiplier of `q·k`; `None` means `1/sqrt(head_dim)`.
+    /// Multiplier of `q·k`; `None` means `1/sqrt(head_dim)`. Finite, `|scale| ≤`
+    /// [`MAX_SOFTMAX_SCALE`].
     pub softmax_scale: Option<f32>,
-    /// `cap·tanh(s/cap)` on the scaled score `s`, when set.
+    /// `cap·tanh(s/cap)` on the scaled score `s`, when set; within
+    /// `|scale| / `[`MAX_SCALE_OVER_SOFTCAP`]`..=`[`MAX_SOFTCAP`].
     pub softcap: Option<f32>,
     /// Causal and/or sliding-window mask.
     pub mask: Mask,
@@ -318,12 +334,27 @@ impl<'a> ProblemDesc<'a> {
         }
         let softmax_scale = match self.softmax_scale {
             Some(s) if !s.is_finite() => return Err(ProblemError::NonFiniteScale { scale: s }),
+            Some(s) if libm::fabsf(s) > MAX_SOFTMAX_SCALE => {
+                return Err(ProblemError::ScaleOutOfRange {
+                    scale: s,
+                    max: MAX_SOFTMAX_SCALE,
+                })
+            }
             Some(s) => s,
             None => 1.0 / libm::sqrtf(self.head_dim as f32),
         };
         if let Some(cap) = self.softcap {
             if !(cap.is_finite() && cap > 0.0) {
                 return Err(ProblemError::BadSoftcap { softcap: cap });
+            }
+            // Compared in f64 so that neither bound rounds across the f32 edge.
+            let min = libm::fabs(softmax_scale as f64) / MAX_SCALE_OVER_SOFTCAP as f64;
+            if (cap as f64) < min || cap > MAX_SOFTCAP {
+                return Err(ProblemError::SoftcapOutOfRange {
+                    softcap: cap,
+                    min: min as f32,
+                    max: MAX_SOFTCAP,
+                });
             }
         }
         let (batch, total_q, total_k, max_seqlen_q, max_seqlen_k) = match self.sequences {

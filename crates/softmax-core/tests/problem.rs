@@ -89,6 +89,29 @@ fn every_bad_input_has_its_error() {
             ProblemError::BadSoftcap { softcap: -3.0 },
         ),
         (
+            ok_desc().scale(1e38),
+            ProblemError::ScaleOutOfRange {
+                scale: 1e38,
+                max: softmax_core::MAX_SOFTMAX_SCALE,
+            },
+        ),
+        (
+            ok_desc().scale(1.0).softcap(1e-39),
+            ProblemError::SoftcapOutOfRange {
+                softcap: 1e-39,
+                min: 1.0 / softmax_core::MAX_SCALE_OVER_SOFTCAP,
+                max: softmax_core::MAX_SOFTCAP,
+            },
+        ),
+        (
+            ok_desc().scale(1.0).softcap(1e30),
+            ProblemError::SoftcapOutOfRange {
+                softcap: 1e30,
+                min: 1.0 / softmax_core::MAX_SCALE_OVER_SOFTCAP,
+                max: softmax_core::MAX_SOFTCAP,
+            },
+        ),
+        (
             ok_desc().strides(
                 Tensor::O,
                 Strides {

@@ -43,7 +43,7 @@ pub(crate) mod tiling;
 mod twin_tests;
 
 pub(crate) use forward_task::{Ctx, ForwardTask, TaskStats};
-pub(crate) use scratch::{scratch_elems, Scratch, SharedOut};
+pub(crate) use scratch::{scratch_elems, Scratch, ScratchLens, SharedOut};
 pub(crate) use tiling::{tasks, Tiling};
 
 /// The cache line (bytes) the scratch is aligned to and prefetches step by.

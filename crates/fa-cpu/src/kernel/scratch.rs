@@ -124,7 +124,54 @@ pub(crate) fn scratch_elems(
         + 6 * ALIGN_SLACK
 }
 
+/// The lengths [`Scratch`]'s buffers grow to for the tasks of one call: what `run_task` asks of
+/// [`ensure`]/[`ensure_aligned`] for its largest task, so that reserving them up front (where a
+/// failure is a typed error) leaves nothing to allocate while the tasks run.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ScratchLens {
+    /// Query rows of the largest task (heads × positions).
+    pub max_rows: usize,
+    /// Head dims of Q/K and of V.
+    pub head_dim: usize,
+    /// Head dim of V and O.
+    pub head_dim_v: usize,
+    /// Whether the problem has a mask (smaller key tiles).
+    pub masked: bool,
+    /// Whether a probability hook runs (its row-major copy).
+    pub hook: bool,
+}
+
 impl Scratch {
+    /// Reserves every buffer for `lens` (nothing where it is already large enough). Mirrors
+    /// the lengths `run_task` asks for; a buffer reserved short would only grow later.
+    pub(crate) fn try_reserve(
+        &mut self,
+        tiling: &Tiling,
+        lens: ScratchLens,
+    ) -> Result<(), std::collections::TryReserveError> {
+        fn grow<E>(buf: &mut Vec<E>, len: usize) -> Result<(), std::collections::TryReserveError> {
+            buf.try_reserve_exact(len.saturating_sub(buf.len()))
+        }
+        let (d, dv) = (lens.head_dim, lens.head_dim_v);
+        let panel = tiling.lanes * tiling.row_vectors;
+        let dv_pad = dv.div_ceil(tiling.pv_channels) * tiling.pv_channels;
+        let br = tiling.padded_rows(lens.max_rows);
+        let bc = tiling.keys_for(d, dv, lens.masked);
+        grow(&mut self.qt, d * br + ALIGN_SLACK)?;
+        grow(&mut self.ot, dv_pad * br + ALIGN_SLACK)?;
+        grow(&mut self.st, bc * panel + ALIGN_SLACK)?;
+        grow(&mut self.kt, bc * d + ALIGN_SLACK)?;
+        grow(&mut self.vt, bc * Tiling::v_stride(dv_pad) + ALIGN_SLACK)?;
+        grow(&mut self.row, panel * d.max(dv) + ALIGN_SLACK)?;
+        grow(&mut self.corr, br)?;
+        grow(&mut self.states, br)?;
+        grow(&mut self.kinds, br / panel)?;
+        if lens.hook {
+            grow(&mut self.probs, panel * bc)?;
+        }
+        Ok(())
+    }
+
     /// Bytes currently held.
     pub fn bytes(&self) -> usize {
         4 * (self.qt.capacity()

@@ -4,7 +4,7 @@
 use super::CACHE_LINE;
 use crate::arch::{Arch, SimdLevel};
 use crate::dispatch::{with_arch, ArchFn, Entry};
-use softmax_core::Problem;
+use softmax_core::{Problem, ProblemError};
 
 /// Tile sizes of one architecture (all in elements).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,7 +129,10 @@ impl Task {
 
 /// The tasks of a problem: (sequence, KV head, group of query heads, query block), in an
 /// order that depends only on the problem and the tiling (never on the thread count).
-pub(crate) fn tasks(p: &Problem, tiling: &Tiling) -> Vec<Task> {
+///
+/// The list is allocated with `try_reserve` (counted first), so a list too large for memory is
+/// [`ProblemError::OutOfMemory`] rather than an abort.
+pub(crate) fn tasks(p: &Problem, tiling: &Tiling) -> Result<Vec<Task>, ProblemError> {
     /// Enough tasks that a worker slowed down by a noisy neighbour does not hold up the
     /// end of the call (a problem-size rule: the split never depends on the thread count).
     const MIN_TASKS: usize = 8;
@@ -148,22 +151,41 @@ pub(crate) fn tasks(p: &Problem, tiling: &Tiling) -> Vec<Task> {
     } else {
         1
     };
+    let block_of = |seqlen_q: usize| {
+        let blocks = seqlen_q
+            .div_ceil(block_max)
+            .max(wanted_blocks.min(seqlen_q.div_ceil(block_min)))
+            .max(1);
+        let block = seqlen_q.div_ceil(blocks).div_ceil(align) * align;
+        block.clamp(1, block_max.max(align))
+    };
+    let groups_per_head = group.div_ceil(heads_per_task);
+    let mut count = 0usize;
+    for batch in 0..p.batch() {
+        let seqlen_q = p.seq(batch).seqlen_q;
+        let per_head = seqlen_q.div_ceil(block_of(seqlen_q)) * groups_per_head;
+        count = count
+            .checked_add(
+                per_head
+                    .checked_mul(p.heads_kv())
+                    .ok_or(ProblemError::Overflow)?,
+            )
+            .ok_or(ProblemError::Overflow)?;
+    }
     let mut out = Vec::new();
+    out.try_reserve_exact(count)
+        .map_err(|_| ProblemError::OutOfMemory {
+            what: "the task list",
+            bytes: count.saturating_mul(std::mem::size_of::<Task>()),
+        })?;
     for batch in 0..p.batch() {
         let seq = p.seq(batch);
-        let blocks = seq
-            .seqlen_q
-            .div_ceil(block_max)
-            .max(wanted_blocks.min(seq.seqlen_q.div_ceil(block_min)))
-            .max(1);
-        let block = seq.seqlen_q.div_ceil(blocks).div_ceil(align) * align;
-        let block = block.clamp(1, block_max.max(align));
+        let block = block_of(seq.seqlen_q);
         for head_kv in 0..p.heads_kv() {
             for head0 in (head_kv * group..(head_kv + 1) * group).step_by(heads_per_task) {
                 let heads = heads_per_task.min((head_kv + 1) * group - head0);
                 // Last query block first: under a causal mask it is the heaviest.
-                let starts: Vec<usize> = (0..seq.seqlen_q).step_by(block).collect();
-                for &i0 in starts.iter().rev() {
+                for i0 in (0..seq.seqlen_q).step_by(block).rev() {
                     out.push(Task {
                         batch,
                         head_kv,
@@ -176,5 +198,5 @@ pub(crate) fn tasks(p: &Problem, tiling: &Tiling) -> Vec<Task> {
             }
         }
     }
-    out
+    Ok(out)
 }
