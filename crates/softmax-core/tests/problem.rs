@@ -496,3 +496,12 @@ fn device_prefix_sums_are_sizes_only() {
         Err(ProblemError::Unsupported { .. })
     ));
 }
+
+#[test]
+fn absurd_sizes_are_an_overflow_error_not_a_panic() {
+    let huge = 1usize << 62;
+    assert!(matches!(
+        ProblemDesc::new(64, huge, huge, 8, 8, 128).validate(MAX_HEAD_DIM),
+        Err(ProblemError::Overflow)
+    ));
+}
