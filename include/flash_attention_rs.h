@@ -86,7 +86,8 @@ typedef struct FaOptions {
   uint32_t size;
   // `FA_API_VERSION` as the caller compiled it.
   uint32_t version;
-  // CPU threads in all, the caller included; 0: one per core. Ignored on CUDA.
+  // CPU threads in all, the caller included; 0: one per core; more than the machine has is
+  // refused. Ignored on CUDA.
   uint32_t threads;
   // `FA_EXP2_*` of the CPU kernel. Ignored on CUDA.
   uint32_t exp2;

@@ -143,7 +143,7 @@ int main(void) {
 
     /* f32 in, f32 out. */
     FaOptions opts = FA_OPTIONS_INIT;
-    opts.threads = 2;
+    opts.threads = 1; /* at most the machine's cores; 0 = one per core */
     int rc = fa_forward_cpu(&problem, &tq, &tk, &tv, &to, lse, &opts);
     if (rc != FA_OK) printf("error %d: %s\n", rc, fa_last_error_message());
     check(rc == FA_OK, "f32 forward returns FA_OK");

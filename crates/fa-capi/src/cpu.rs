@@ -83,6 +83,15 @@ unsafe fn view_mut<'a>(dtype: DType, addr: usize, len: usize) -> Result<TensorMu
 }
 
 fn cpu_options(opts: &FaOptions) -> Result<Options, Failure> {
+    // A local pool of that many OS threads is started: more than the machine has is refused
+    // (as `fa --threads` does) rather than left to exhaust the process.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if opts.threads as usize > cores {
+        return Err(Failure::invalid(format!(
+            "options.threads is {}: more than the {cores} available here",
+            opts.threads
+        )));
+    }
     Ok(Options {
         threads: (opts.threads != 0).then_some(opts.threads as usize),
         exp2: match opts.exp2 {

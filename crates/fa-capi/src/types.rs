@@ -128,7 +128,8 @@ pub struct FaOptions {
     pub size: u32,
     /// `FA_API_VERSION` as the caller compiled it.
     pub version: u32,
-    /// CPU threads in all, the caller included; 0: one per core. Ignored on CUDA.
+    /// CPU threads in all, the caller included; 0: one per core; more than the machine has is
+    /// refused. Ignored on CUDA.
     pub threads: u32,
     /// `FA_EXP2_*` of the CPU kernel. Ignored on CUDA.
     pub exp2: u32,
