@@ -1,0 +1,179 @@
+//! `fa_forward_cpu`: forward attention on host memory with fa-cpu (through flash-attention).
+
+use crate::convert::*;
+use crate::error::{guard, Failure};
+use crate::types::*;
+use flash_attention::{Backend, DType, Exp2, Options, Out, Qkv, TensorMut, TensorRef};
+use half::{bf16, f16};
+
+/// The problem and the four tensor descriptors of a call, copied out of the caller's memory.
+pub(crate) struct Call {
+    pub problem: FaProblem,
+    pub tensors: [FaTensor; 4],
+}
+
+impl Call {
+    /// The tensor descriptors as `describe` takes them.
+    pub fn tensor_refs(&self) -> [&FaTensor; 4] {
+        let [q, k, v, o] = &self.tensors;
+        [q, k, v, o]
+    }
+}
+
+/// Reads the problem and the Q, K, V, O descriptors.
+///
+/// # Safety
+/// Each non-null, aligned pointer must point to a readable, initialised struct.
+pub(crate) unsafe fn read_call(
+    problem: *const FaProblem,
+    q: *const FaTensor,
+    k: *const FaTensor,
+    v: *const FaTensor,
+    o: *const FaTensor,
+) -> Result<Call, Failure> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        Ok(Call {
+            problem: read_struct(problem, "problem")?,
+            tensors: [
+                read_struct(q, "q")?,
+                read_struct(k, "k")?,
+                read_struct(v, "v")?,
+                read_struct(o, "o")?,
+            ],
+        })
+    }
+}
+
+/// A read-only host view of `len` elements of `dtype` at `addr`.
+///
+/// # Safety
+/// As [`slice_ref`].
+unsafe fn view_ref<'a>(dtype: DType, addr: usize, len: usize) -> Result<TensorRef<'a>, Failure> {
+    // SAFETY: forwarded; f32, bf16 and f16 are valid for every bit pattern.
+    unsafe {
+        Ok(match dtype {
+            DType::F32 => TensorRef::F32(slice_ref::<f32>(addr, len)),
+            DType::Bf16 => TensorRef::Bf16(slice_ref::<bf16>(addr, len)),
+            DType::F16 => TensorRef::F16(slice_ref::<f16>(addr, len)),
+            other => return Err(no_view(other)),
+        })
+    }
+}
+
+/// A dtype that `dtype()` may make one day but that has no host view here yet.
+fn no_view(dtype: DType) -> Failure {
+    Failure::unsupported(format!("the C API has no host view of {dtype} tensors"))
+}
+
+/// A writable host view of `len` elements of `dtype` at `addr`.
+///
+/// # Safety
+/// As [`slice_mut`].
+unsafe fn view_mut<'a>(dtype: DType, addr: usize, len: usize) -> Result<TensorMut<'a>, Failure> {
+    // SAFETY: forwarded; f32, bf16 and f16 are valid for every bit pattern.
+    unsafe {
+        Ok(match dtype {
+            DType::F32 => TensorMut::F32(slice_mut::<f32>(addr, len)),
+            DType::Bf16 => TensorMut::Bf16(slice_mut::<bf16>(addr, len)),
+            DType::F16 => TensorMut::F16(slice_mut::<f16>(addr, len)),
+            other => return Err(no_view(other)),
+        })
+    }
+}
+
+fn cpu_options(opts: &FaOptions) -> Result<Options, Failure> {
+    // A local pool of that many OS threads is started: more than the machine has is refused
+    // (as `fa --threads` does) rather than left to exhaust the process.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if opts.threads as usize > cores {
+        return Err(Failure::invalid(format!(
+            "options.threads is {}: more than the {cores} available here",
+            opts.threads
+        )));
+    }
+    Ok(Options {
+        threads: (opts.threads != 0).then_some(opts.threads as usize),
+        exp2: match opts.exp2 {
+            FA_EXP2_EXACT => Exp2::Exact,
+            FA_EXP2_CUBIC => Exp2::Cubic,
+            other => {
+                return Err(Failure::invalid(format!(
+                    "options.exp2 is {other}: not an FA_EXP2_* value"
+                )))
+            }
+        },
+        ..Options::default()
+    })
+}
+
+/// Forward attention on host memory: `o` (and `lse`, when not null: f32, natural log,
+/// `[batch, heads_q, seqlen_q]` dense or `[heads_q, total_q]` packed) receive
+/// `softmax(q·kᵀ·scale)·v`, computed by the SIMD CPU kernel.
+///
+/// Q, K and V share one dtype; O is that dtype or f32. Every argument is checked before
+/// anything is written: on an error code the outputs are untouched (except `FA_ERR_PANIC`)
+/// and `fa_last_error_message()` says why. `options` may be null (defaults).
+///
+/// # Safety
+/// Every non-null pointer must point to what its type says: the descriptors to initialised
+/// structs; each tensor's `data` to host memory holding every element its shape and strides
+/// reach (the library computes that extent from the problem), writable for `o`; `lse` to
+/// `heads_q · total_q` (packed) or `batch · heads_q · seqlen_q` floats; host prefix sums to
+/// `batch + 1` int32s. Inputs must not be written by anyone during the call. The library
+/// refuses null (for non-empty tensors), misaligned, overflowing and overlapping outputs.
+#[no_mangle]
+pub unsafe extern "C" fn fa_forward_cpu(
+    problem: *const FaProblem,
+    q: *const FaTensor,
+    k: *const FaTensor,
+    v: *const FaTensor,
+    o: *const FaTensor,
+    lse: *mut f32,
+    options: *const FaOptions,
+) -> i32 {
+    guard(|| {
+        // SAFETY: the descriptor pointers follow this function's contract.
+        let call = unsafe { read_call(problem, q, k, v, o) }?;
+        // SAFETY: as above.
+        let opts = cpu_options(&unsafe { read_options(options) }?)?;
+        // SAFETY: the prefix sums follow this function's contract.
+        let seqlens = unsafe { read_seqlens(&call.problem, false) }?;
+        let problem = describe(&call.problem, &seqlens, call.tensor_refs())?
+            .validate(softmax_core::MAX_HEAD_DIM)?;
+        let lens = problem.min_buffer_lens();
+        let names = ["q", "k", "v", "o"];
+        let mut dtypes = [DType::F32; 4];
+        let mut spans = Vec::with_capacity(5);
+        for (i, (t, len)) in call
+            .tensors
+            .iter()
+            .zip([lens.q, lens.k, lens.v, lens.o])
+            .enumerate()
+        {
+            dtypes[i] = dtype(t, names[i])?;
+            let span = host_span(names[i], t.data as usize, len, dtypes[i].size())?;
+            spans.push((names[i], span, i == 3));
+        }
+        let lse_len = problem.lse_len();
+        if !lse.is_null() {
+            spans.push(("lse", host_span("lse", lse as usize, lse_len, 4)?, true));
+        }
+        check_disjoint(&spans)?;
+        let [tq, tk, tv, to] = &call.tensors;
+        // SAFETY: each address passed host_span for its dtype and length, the outputs overlap
+        // nothing (check_disjoint), and the memory is what the contract promises.
+        let (qkv, out) = unsafe {
+            let qkv = Qkv::new(
+                view_ref(dtypes[0], tq.data as usize, lens.q)?,
+                view_ref(dtypes[1], tk.data as usize, lens.k)?,
+                view_ref(dtypes[2], tv.data as usize, lens.v)?,
+            );
+            let o = view_mut(dtypes[3], to.data as usize, lens.o)?;
+            let lse = (!lse.is_null()).then(|| slice_mut::<f32>(lse as usize, lse_len));
+            (qkv, Out { o, lse })
+        };
+        Backend::cpu().forward(&problem, qkv, out, &opts)?;
+        Ok(())
+    })
+}

@@ -1,0 +1,61 @@
+//! A small, versioned C ABI over `flash-attention`: exact attention forward on host memory
+//! (`fa_forward_cpu`, the SIMD CPU kernel) and on caller-owned CUDA memory queued on the
+//! caller's stream (`fa_forward_cuda`, no synchronisation), with the log-sum-exp out.
+//!
+//! The header is `include/flash_attention_rs.h`, generated from this crate by cbindgen (the
+//! test `header_is_current` fails when it is stale; `FA_CAPI_BLESS=1 cargo test -p fa-capi`
+//! rewrites it). The library builds as `libflash_attention_rs.{a,so}`.
+//!
+//! Rules at the boundary:
+//! - every function returns an `FA_*` code (`FA_OK` = 0) and leaves a message for
+//!   `fa_last_error_message()` (thread-local, valid until the next call on that thread);
+//! - no panic crosses into C: each body runs under `catch_unwind` (`FA_ERR_PANIC`);
+//! - enums are plain integers, checked when read; sizes are signed and checked; the elements
+//!   each tensor spans are computed from the validated problem and its strides (overflow is
+//!   an error), then null, misaligned, overflowing and overlapping buffers are refused
+//!   before anything is written or queued;
+//! - `FaOptions` starts with its size and the API version: older layouts are read as far as
+//!   they go, newer ones refused (`FA_ERR_VERSION`).
+//!
+//! `unsafe` lives in small named functions (`convert::read_struct`, `slice_ref`, …), each
+//! with the contract it relies on; the entry points' own contracts are in their docs.
+
+mod convert;
+mod cpu;
+mod cuda;
+mod error;
+mod types;
+
+pub use cpu::fa_forward_cpu;
+pub use cuda::{
+    fa_cuda_device_create, fa_cuda_device_create_from_context, fa_cuda_device_destroy,
+    fa_forward_cuda,
+};
+pub use types::*;
+
+use core::ffi::c_char;
+
+/// The library's version (`MAJOR.MINOR.PATCH`), a static NUL-terminated string.
+#[no_mangle]
+pub extern "C" fn fa_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// The C API version this library implements (`FA_API_VERSION` of its header).
+#[no_mangle]
+pub extern "C" fn fa_api_version() -> u32 {
+    FA_API_VERSION
+}
+
+/// Options with every default, `size` and `version` filled in (as `FA_OPTIONS_INIT`).
+#[no_mangle]
+pub extern "C" fn fa_options_default() -> FaOptions {
+    FaOptions::default()
+}
+
+/// The message of the last failed call on this thread (empty after a success), NUL-terminated
+/// and never null; valid until the next call into this library on this thread.
+#[no_mangle]
+pub extern "C" fn fa_last_error_message() -> *const c_char {
+    error::last_error_ptr()
+}

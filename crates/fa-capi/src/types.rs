@@ -1,0 +1,153 @@
+//! The C-visible data: constants (API version, error codes, dtypes, sequence kinds) and the
+//! `#[repr(C)]` descriptors. Plain integers stand for C enums, so that no value a C caller
+//! writes can be an invalid Rust enum: every field is checked when it is read.
+
+use core::ffi::c_void;
+
+/// The version of this C API. It grows when a descriptor or the options gain fields; a
+/// caller passes the version it was compiled against in [`FaOptions::version`].
+pub const FA_API_VERSION: u32 = 1;
+
+/// Success.
+pub const FA_OK: i32 = 0;
+/// A null pointer, a bad enum value, a negative or overflowing size, a buffer that does not
+/// match the problem, a misaligned pointer, an output that overlaps an input, or a problem
+/// that fails validation.
+pub const FA_ERR_INVALID_ARGUMENT: i32 = 1;
+/// A valid problem that this backend cannot run (dtype combination, head dimension, …).
+pub const FA_ERR_UNSUPPORTED: i32 = 2;
+/// The CUDA driver or NVRTC failed while running.
+pub const FA_ERR_CUDA: i32 = 3;
+/// No usable CUDA device: no driver, no NVRTC, or no device with that ordinal.
+pub const FA_ERR_NO_DEVICE: i32 = 4;
+/// The library panicked (a bug); the panic was caught and the outputs may be partly written.
+pub const FA_ERR_PANIC: i32 = 5;
+/// An options struct of a size or version this library does not know (newer than it).
+pub const FA_ERR_VERSION: i32 = 6;
+
+/// 32-bit floats.
+pub const FA_DTYPE_F32: u32 = 0;
+/// bfloat16, stored as its 16 bits (`uint16_t` in C).
+pub const FA_DTYPE_BF16: u32 = 1;
+/// IEEE half, stored as its 16 bits (`uint16_t` in C).
+pub const FA_DTYPE_F16: u32 = 2;
+
+/// `batch` sequences of `seqlen_q` queries and `seqlen_k` keys (BSHD tensors).
+pub const FA_SEQLENS_FIXED: u32 = 0;
+/// Packed sequences, prefix sums in host memory (`cu_seqlens_q/k`, `batch + 1` entries).
+pub const FA_SEQLENS_VARLEN_HOST: u32 = 1;
+/// Packed sequences, prefix sums in device memory (CUDA only): the caller also gives
+/// `total_q`, `total_k`, `max_seqlen_q`, `max_seqlen_k`.
+pub const FA_SEQLENS_VARLEN_DEVICE: u32 = 2;
+
+/// Exact software exp2 on the CPU (the default).
+pub const FA_EXP2_EXACT: u32 = 0;
+/// FlashAttention-4's cubic exp2 on the CPU.
+pub const FA_EXP2_CUBIC: u32 = 1;
+
+/// One tensor: where its elements are, their type, and its strides in elements.
+///
+/// Dense tensors are `[batch, seqlen, heads, head_dim]`, packed (varlen) ones
+/// `[total_tokens, heads, head_dim]` (then `stride_batch` is ignored); `head_dim` is always
+/// contiguous. A contiguous BSHD tensor has `stride_head = head_dim`,
+/// `stride_seq = heads * head_dim`, `stride_batch = seqlen * heads * head_dim`. The library
+/// computes how many elements the tensor spans from the problem and these strides; the
+/// memory must hold them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FaTensor {
+    /// First element: host memory for `fa_forward_cpu`, a device address for
+    /// `fa_forward_cuda`. May be null only when the tensor spans no element.
+    pub data: *mut c_void,
+    /// `FA_DTYPE_*`.
+    pub dtype: u32,
+    /// Elements between batch entries.
+    pub stride_batch: i64,
+    /// Elements between consecutive tokens.
+    pub stride_seq: i64,
+    /// Elements between consecutive heads.
+    pub stride_head: i64,
+}
+
+/// The attention problem: shapes, sequences, mask, scale and softcap.
+///
+/// Sizes are signed so that a negative value from C is an error rather than a huge size.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FaProblem {
+    /// Number of sequences (for varlen: the prefix sums hold `batch + 1` entries).
+    pub batch: i64,
+    /// Queries per sequence (`FA_SEQLENS_FIXED` only).
+    pub seqlen_q: i64,
+    /// Keys per sequence (`FA_SEQLENS_FIXED` only).
+    pub seqlen_k: i64,
+    /// Query heads.
+    pub heads_q: i64,
+    /// Key/value heads; `heads_q` must be a multiple (GQA/MQA).
+    pub heads_kv: i64,
+    /// Head dimension of Q and K.
+    pub head_dim: i64,
+    /// Head dimension of V and O; 0 means `head_dim`.
+    pub head_dim_v: i64,
+    /// `FA_SEQLENS_*`.
+    pub seqlens: u32,
+    /// Non-zero: causal mask (bottom-right aligned), intersected with the window.
+    pub causal: u32,
+    /// Query prefix sums (`batch + 1` int32 values from 0), host or device memory per
+    /// `seqlens`; ignored for `FA_SEQLENS_FIXED`.
+    pub cu_seqlens_q: *const i32,
+    /// Key prefix sums, as `cu_seqlens_q`.
+    pub cu_seqlens_k: *const i32,
+    /// Query tokens in all (`FA_SEQLENS_VARLEN_DEVICE` only: the last query prefix sum).
+    pub total_q: i64,
+    /// Key tokens in all (`FA_SEQLENS_VARLEN_DEVICE` only).
+    pub total_k: i64,
+    /// The longest query sequence (`FA_SEQLENS_VARLEN_DEVICE` only).
+    pub max_seqlen_q: i64,
+    /// The longest key sequence (`FA_SEQLENS_VARLEN_DEVICE` only).
+    pub max_seqlen_k: i64,
+    /// Keys before the diagonal a query sees; negative: unbounded.
+    pub window_left: i64,
+    /// Keys after the diagonal a query sees; negative: unbounded.
+    pub window_right: i64,
+    /// Multiplier of `q·k`; 0 means `1/sqrt(head_dim)`.
+    pub softmax_scale: f32,
+    /// `cap·tanh(s/cap)` on the scaled scores when positive; 0 means none.
+    pub softcap: f32,
+}
+
+/// Options of a call beyond the problem. It begins with its own size and the API version so
+/// that it can grow: a library accepts the options of any older header (fields it reads past
+/// `size` keep their defaults) and refuses a larger size or a newer version with
+/// `FA_ERR_VERSION`. Initialise it with `FA_OPTIONS_INIT` or `fa_options_default`; a null
+/// options pointer means the defaults.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FaOptions {
+    /// `sizeof(FaOptions)` as the caller compiled it.
+    pub size: u32,
+    /// `FA_API_VERSION` as the caller compiled it.
+    pub version: u32,
+    /// CPU threads in all, the caller included; 0: one per core; more than the machine has is
+    /// refused. Ignored on CUDA.
+    pub threads: u32,
+    /// `FA_EXP2_*` of the CPU kernel. Ignored on CUDA.
+    pub exp2: u32,
+}
+
+impl Default for FaOptions {
+    fn default() -> Self {
+        FaOptions {
+            size: core::mem::size_of::<FaOptions>() as u32,
+            version: FA_API_VERSION,
+            threads: 0,
+            exp2: FA_EXP2_EXACT,
+        }
+    }
+}
+
+/// An opened CUDA device (opaque to C): created by `fa_cuda_device_create` or
+/// `fa_cuda_device_create_from_context`, freed by `fa_cuda_device_destroy`.
+pub struct FaCudaDevice {
+    pub(crate) device: fa_cuda::Device,
+}
