@@ -18,7 +18,9 @@
 //!   [`RescalePolicy::decide`], tested lane by lane against it; results are the same bits.
 //! - Memory: per-thread scratch sized by the head dims and the tiling only
 //!   ([`scratch_bytes_per_thread`]), reusable through a [`Workspace`].
-//! - Not here yet: the backward pass, and AMX for bf16 (bf16/f16 run through f32 FMAs).
+//! - [`backward`]: the gradients dQ, dK, dV with recomputation from the saved LSE, bitwise
+//!   identical for any thread count (a plain f32 implementation so far, not tuned for speed).
+//! - Not here yet: AMX for bf16 (bf16/f16 run through f32 FMAs).
 //!
 //! # Example
 //! ```
@@ -44,12 +46,17 @@
 //! ```
 
 mod arch;
+mod backward;
 mod dispatch;
 mod element;
 mod forward;
 mod kernel;
 
 pub use arch::SimdLevel;
+pub use backward::{
+    backward, backward_scratch_bytes_per_thread, BackwardInputs, BackwardOptions, BackwardStats,
+    HostGrads,
+};
 pub use element::Element;
 pub use forward::{
     forward_with_workspace, scratch_bytes_per_thread, supports, Workspace, MAX_THREADS,

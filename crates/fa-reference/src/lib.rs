@@ -4,6 +4,9 @@
 //!   packed, strides, GQA, causal/window masks, softcap), returning O and the LSE. It
 //!   materialises each row's scores: it is the oracle, not a product path. Its mask rule is
 //!   written out from the definition, independently of `softmax_core::Mask`.
+//! - [`attention_backward_f64`]: the f64 backward (dQ, dK, dV of `Σ dO ∘ O`), two-pass like
+//!   the forward oracle, checked against finite differences of [`attention_f64`] in the
+//!   tests; [`compare_grads`] measures a backend's gradients against it.
 //! - [`Rng`]: a small seeded generator (xoshiro256**) with normal samples, so that tests draw
 //!   fresh, reproducible inputs without extra dependencies.
 //! - [`Case`]: a random problem with its owned tensors, optionally rounded to bf16/f16.
@@ -26,7 +29,9 @@
 
 use softmax_core::{Mask, Problem, ProblemDesc, Strides, Tensor};
 
+mod backward;
 mod rng;
+pub use backward::{attention_backward_f64, compare_grads, rel_l2_of, tensor_offsets};
 pub use rng::Rng;
 
 /// Output of the oracle: O laid out as the problem's O strides say (entries outside the

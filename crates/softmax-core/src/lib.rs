@@ -84,4 +84,4 @@ pub use problem::{
 };
 pub use rescale::{RescalePolicy, RescaleStats, DEFAULT_RESCALE_THRESHOLD, MAX_RESCALE_THRESHOLD};
 pub use score::{ScoreTransform, LOG2_E};
-pub use tensors::{Extent, Out, Qkv};
+pub use tensors::{Extent, Grads, Out, Qkv};

@@ -3,8 +3,8 @@
 //!
 //! The bundles are generic over what holds the elements: host slices (`&[T]`, `&mut [T]`),
 //! a backend's device buffers, or raw device pointers. [`Extent`] gives their lengths so that
-//! [`crate::Problem::check_buffers`] can check any of them against the problem. Passes to come
-//! add their own bundles beside these (gradients and `dO` for the backward).
+//! [`crate::Problem::check_buffers`] can check any of them against the problem. The backward
+//! pass writes its gradients into a [`Grads`] bundle (dQ, dK, dV in the layouts of Q, K, V).
 
 use crate::problem::BufferLens;
 
@@ -63,6 +63,43 @@ impl<O, L> Out<O, L> {
     /// O and the LSE.
     pub fn with_lse(o: O, lse: L) -> Self {
         Out { o, lse: Some(lse) }
+    }
+}
+
+/// The gradients of a backward call: dQ, dK and dV, laid out as Q, K and V (same shapes and
+/// strides), so that [`Grads::lens_as_inputs`] checks them like the inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grads<X> {
+    /// Gradient with respect to the queries.
+    pub dq: X,
+    /// Gradient with respect to the keys (summed over the query heads of a GQA group).
+    pub dk: X,
+    /// Gradient with respect to the values (summed over the query heads of a GQA group).
+    pub dv: X,
+}
+
+impl<X> Grads<X> {
+    /// Bundles dQ, dK and dV.
+    pub fn new(dq: X, dk: X, dv: X) -> Self {
+        Grads { dq, dk, dv }
+    }
+
+    /// Applies `f` to each of dQ, dK, dV.
+    pub fn map<Y>(self, mut f: impl FnMut(X) -> Y) -> Grads<Y> {
+        Grads {
+            dq: f(self.dq),
+            dk: f(self.dk),
+            dv: f(self.dv),
+        }
+    }
+}
+
+impl<X: Extent> Grads<X> {
+    /// The gradients' lengths as a Q/K/V bundle, for checking them against the inputs'
+    /// shapes and strides (`problem.check_buffers(BufferLens::of(&grads.lens_as_inputs(), ..))`
+    /// or a direct comparison with [`crate::Problem::min_buffer_lens`]).
+    pub fn lens_as_inputs(&self) -> Qkv<usize> {
+        Qkv::new(self.dq.elems(), self.dk.elems(), self.dv.elems())
     }
 }
 
@@ -133,5 +170,13 @@ mod tests {
         let out: Out<&mut [u16], &mut [f32]> = Out::new(&mut o[..]);
         assert_eq!(BufferLens::of(&qkv, &out).lse, None);
         assert_eq!(qkv.map(|x| x.len()), Qkv::new(6, 4, 5));
+    }
+
+    #[test]
+    fn lens_of_grads() {
+        let (mut dq, mut dk, mut dv) = ([0f32; 3], [0f32; 2], [0f32; 9]);
+        let grads = Grads::new(&mut dq[..], &mut dk[..], &mut dv[..]);
+        assert_eq!(grads.lens_as_inputs(), Qkv::new(3, 2, 9));
+        assert_eq!(grads.map(|x| x.len()), Grads::new(3, 2, 9));
     }
 }

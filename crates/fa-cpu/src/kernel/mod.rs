@@ -29,8 +29,11 @@
 //! - [`mask`]: hiding the keys a row does not see within a tile;
 //! - [`softmax`]: the online-softmax step of a panel, the vector exponentials over slices;
 //! - [`forward_task`]: one task of the forward pass, the [`crate::dispatch::SimdTask`] that
-//!   strings the steps above together.
+//!   strings the steps above together;
+//! - [`backward_task`]: the tasks of the backward pass (dK/dV per key block, dQ per query
+//!   block), with probabilities recomputed from the saved LSE.
 
+pub(crate) mod backward_task;
 pub(crate) mod forward_task;
 pub(crate) mod mask;
 pub(crate) mod micro;
