@@ -1,6 +1,9 @@
 //! Compiles `examples/c/forward_cpu.c` with the system C compiler against the static library
-//! cargo built for this test run (`target/<profile>/libflash_attention_rs.a`, beside the
-//! test's own `deps/` directory), runs it and expects exit 0.
+//! cargo built for this test run, runs it and expects exit 0.
+//!
+//! Under `cargo test` the library is not a root unit, so cargo leaves the archive in
+//! `target/<profile>/deps/` (beside this test) and copies it up to `target/<profile>/` only
+//! after a `cargo build`; the test takes the one in `deps/`, which this run built.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -10,11 +13,9 @@ fn the_c_example_compiles_links_and_passes() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     // This test runs from target/<profile>/deps/; cargo puts the library one level up.
     let exe = std::env::current_exe().expect("the test's path");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>");
-    let lib = profile_dir.join("libflash_attention_rs.a");
+    let deps_dir = exe.parent().expect("target/<profile>/deps");
+    let profile_dir = deps_dir.parent().expect("target/<profile>");
+    let lib = deps_dir.join("libflash_attention_rs.a");
     assert!(
         lib.is_file(),
         "{} is missing: cargo builds it with the crate (crate-type staticlib)",
