@@ -201,11 +201,8 @@ impl Experiment {
         let mut out = vec![f32::NAN; self.q.len()];
         forward_fp8(
             &self.desc(),
-            &self.q,
-            &self.k,
-            &self.v,
-            &mut out,
-            None,
+            Qkv::new(&self.q[..], &self.k[..], &self.v[..]),
+            Out::new(&mut out),
             opts,
         )
         .expect("fp8 forward");
@@ -389,7 +386,12 @@ fn main() {
                 hi = hi.max(draw[3] / draw[6]);
                 let t_run = t1.elapsed().as_secs_f64();
                 let study_opts = fp8(block, true);
-                let ops = prepare(&e.desc(), &e.q, &e.k, &e.v, &study_opts).expect("prepare");
+                let ops = prepare(
+                    &e.desc(),
+                    Qkv::new(&e.q[..], &e.k[..], &e.v[..]),
+                    &study_opts,
+                )
+                .expect("prepare");
                 let out = e.run_fp8(&study_opts);
                 let (a, b, c) = row_sum_study(&e, &ops, &out);
                 study = (study.0 + a * a, study.1 + b * b, study.2 + c * c);

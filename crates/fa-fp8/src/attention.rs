@@ -129,12 +129,13 @@ pub struct Fp8Operands {
     pub hadamard: Option<RandomHadamard>,
 }
 
-fn validate<'a>(
-    desc: &ProblemDesc<'a>,
+/// FP8's own checks on a validated problem: host sequence lengths, buffer lengths, the P range
+/// under the rescale policy, block sizes; returns the Hadamard rotation the options ask for.
+fn check(
+    problem: &Problem,
     lens: BufferLens,
     opts: &Fp8Options,
-) -> Result<(Problem<'a>, Option<RandomHadamard>), Fp8Error> {
-    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
+) -> Result<Option<RandomHadamard>, Fp8Error> {
     problem.require_host_seqlens()?;
     problem.check_buffers(lens)?;
     check_p_range(&opts.rescale, P_OFFSET_LOG2)?;
@@ -143,18 +144,15 @@ fn validate<'a>(
             return Err(Fp8Error::ZeroBlock);
         }
     }
-    let hadamard = match opts.hadamard_seed {
-        Some(seed) => Some(RandomHadamard::new(problem.head_dim(), seed)?),
-        None => None,
-    };
-    Ok((problem, hadamard))
+    match opts.hadamard_seed {
+        Some(seed) => Ok(Some(RandomHadamard::new(problem.head_dim(), seed)?)),
+        None => Ok(None),
+    }
 }
 
 fn quantize_operands(
     problem: &Problem,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    Qkv { q, k, v }: Qkv<&[f32]>,
     hadamard: Option<RandomHadamard>,
     opts: &Fp8Options,
 ) -> Result<Fp8Operands, Fp8Error> {
@@ -192,74 +190,50 @@ fn quantize_operands(
 /// Rotates (if asked) and quantises Q, K and V: the inputs of an FP8 kernel.
 pub fn prepare(
     desc: &ProblemDesc,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    qkv: Qkv<&[f32]>,
     opts: &Fp8Options,
 ) -> Result<Fp8Operands, Fp8Error> {
-    let lens = BufferLens {
-        q: q.len(),
-        k: k.len(),
-        v: v.len(),
-        o: desc
-            .validate(softmax_core::MAX_HEAD_DIM)?
-            .min_buffer_lens()
-            .o,
-        lse: None,
-    };
-    let (problem, hadamard) = validate(desc, lens, opts)?;
-    quantize_operands(&problem, q, k, v, hadamard, opts)
+    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
+    // There is no output here: the inputs are checked, and O's length is taken as given.
+    let mut lens = BufferLens::of(&qkv, &Out::<&[f32], &[f32]>::new(&[]));
+    lens.o = problem.min_buffer_lens().o;
+    let hadamard = check(&problem, lens, opts)?;
+    quantize_operands(&problem, qkv, hadamard, opts)
 }
 
-/// FP8 attention forward (see the module doc): writes `out` (the problem's O layout, f32) and,
-/// if given, the natural-log LSE. Q, K, V are f32 in the problem's layouts. On error nothing
-/// is written.
+/// FP8 attention forward (see the module doc): writes `out.o` (the problem's O layout, f32)
+/// and, if given, the natural-log LSE. Q, K, V are f32 in the problem's layouts. On error
+/// nothing is written.
 pub fn forward_fp8(
     desc: &ProblemDesc,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    out: &mut [f32],
-    lse: Option<&mut [f32]>,
+    qkv: Qkv<&[f32]>,
+    out: Out<&mut [f32], &mut [f32]>,
     opts: &Fp8Options,
 ) -> Result<ForwardStats, Fp8Error> {
-    let lens = BufferLens::of(
-        &Qkv::new(q, k, v),
-        &Out {
-            o: &*out,
-            lse: lse.as_deref(),
-        },
-    );
-    let (problem, hadamard) = validate(desc, lens, opts)?;
-    let operands = quantize_operands(&problem, q, k, v, hadamard, opts)?;
-    forward_operands(&problem, &operands, out, lse, opts)
+    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
+    let hadamard = check(&problem, BufferLens::of(&qkv, &out), opts)?;
+    let operands = quantize_operands(&problem, qkv, hadamard, opts)?;
+    forward_operands(&problem, &operands, out, opts)
 }
 
 /// Runs fa-cpu on already quantised operands (from [`prepare`] with the same `desc`).
 pub fn forward_prepared(
     desc: &ProblemDesc,
     operands: &Fp8Operands,
-    out: &mut [f32],
-    lse: Option<&mut [f32]>,
+    out: Out<&mut [f32], &mut [f32]>,
     opts: &Fp8Options,
 ) -> Result<ForwardStats, Fp8Error> {
     let (q, k, v) = (&operands.q.codes, &operands.k.codes, &operands.v.codes);
-    let lens = BufferLens::of(
-        &Qkv::new(&q[..], &k[..], &v[..]),
-        &Out {
-            o: &*out,
-            lse: lse.as_deref(),
-        },
-    );
-    let (problem, _) = validate(desc, lens, opts)?;
-    forward_operands(&problem, operands, out, lse, opts)
+    let lens = BufferLens::of(&Qkv::new(&q[..], &k[..], &v[..]), &out);
+    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
+    check(&problem, lens, opts)?;
+    forward_operands(&problem, operands, out, opts)
 }
 
 fn forward_operands(
     problem: &Problem,
     operands: &Fp8Operands,
-    out: &mut [f32],
-    lse: Option<&mut [f32]>,
+    out: Out<&mut [f32], &mut [f32]>,
     opts: &Fp8Options,
 ) -> Result<ForwardStats, Fp8Error> {
     let dequantized = |t: &Quantized| -> Result<Vec<f32>, Fp8Error> {
@@ -289,5 +263,5 @@ fn forward_operands(
         ..ForwardOptions::default()
     };
     let qkv = Qkv::new(&q[..], &k[..], &v[..]);
-    Ok(forward(problem, qkv, Out { o: out, lse }, &fwd)?)
+    Ok(forward(problem, qkv, out, &fwd)?)
 }

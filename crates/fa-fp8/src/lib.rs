@@ -21,7 +21,7 @@
 //! ```
 //! use fa_fp8::attention::{forward_fp8, Fp8Options};
 //! use fa_fp8::Fp8Format;
-//! use softmax_core::ProblemDesc;
+//! use softmax_core::{Out, ProblemDesc, Qkv};
 //!
 //! // The codecs.
 //! let e4m3 = Fp8Format::E4m3;
@@ -36,7 +36,7 @@
 //! let k: Vec<f32> = (0..8 * 16).map(|i| (i as f32 * 0.3).cos()).collect();
 //! let v: Vec<f32> = (0..8 * 16).map(|i| (i % 5) as f32 - 2.0).collect();
 //! let mut out = vec![0.0f32; 4 * 16];
-//! forward_fp8(&desc, &q, &k, &v, &mut out, None, &Fp8Options::default())?;
+//! forward_fp8(&desc, Qkv::new(&q[..], &k[..], &v[..]), Out::new(&mut out), &Fp8Options::default())?;
 //! // Each output is a convex combination of V's entries (up to FP8 rounding of P).
 //! assert!(out.iter().all(|&o| (-2.2..=2.2).contains(&o)));
 //! # Ok::<(), fa_fp8::Fp8Error>(())

@@ -6,7 +6,7 @@ use fa_fp8::attention::{check_p_range, forward_fp8, prepare, Fp8Options, Fp8Scal
 use fa_fp8::scale::Operand;
 use fa_fp8::{Fp8Error, Fp8Format};
 use fa_reference::{attention_f64, compare, poison, Case, Rng};
-use softmax_core::{Mask, RescalePolicy};
+use softmax_core::{Mask, Out, Qkv, RescalePolicy};
 
 fn variants() -> Vec<Fp8Options> {
     let mut out = Vec::new();
@@ -37,7 +37,7 @@ fn variants() -> Vec<Fp8Options> {
 fn dequantised(case: &Case, opts: &Fp8Options) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let desc = case.desc();
     let problem = desc.validate(256).unwrap();
-    let ops = prepare(&desc, &case.q, &case.k, &case.v, opts).unwrap();
+    let ops = prepare(&desc, Qkv::new(&case.q[..], &case.k[..], &case.v[..]), opts).unwrap();
     let rebuild = |t: &fa_fp8::scale::Quantized, data_len: usize| -> Vec<f32> {
         let mut out = vec![0.0f32; data_len];
         for b in 0..problem.batch() {
@@ -96,11 +96,11 @@ fn without_p_rounding_the_output_is_exact_attention_of_the_dequantised_operands(
             poison(&mut lse);
             forward_fp8(
                 &desc,
-                &case.q,
-                &case.k,
-                &case.v,
-                &mut out,
-                Some(&mut lse),
+                Qkv::new(&case.q[..], &case.k[..], &case.v[..]),
+                Out {
+                    o: &mut out,
+                    lse: Some(&mut lse),
+                },
                 &opts,
             )
             .unwrap();
@@ -128,7 +128,13 @@ fn p_rounding_error_is_bounded_and_present() {
         let oracle = attention_f64(&problem, &q, &k, &v);
         let mut out = vec![0.0f32; problem.min_buffer_lens().o];
         poison(&mut out);
-        forward_fp8(&desc, &case.q, &case.k, &case.v, &mut out, None, &opts).unwrap();
+        forward_fp8(
+            &desc,
+            Qkv::new(&case.q[..], &case.k[..], &case.v[..]),
+            Out::new(&mut out),
+            &opts,
+        )
+        .unwrap();
         let report = compare(&problem, &out, None, &oracle);
         // Each P entry moves by at most 2^-4 relative (e4m3 normal range with the 2^8
         // offset; entries below 2^-14 by at most 2^-18 absolute), the row sum is exact
@@ -175,7 +181,13 @@ fn fp8_error_on_normal_data_against_the_true_reference() {
             };
             let mut out = vec![0.0f32; problem.min_buffer_lens().o];
             poison(&mut out);
-            forward_fp8(&desc, &case.q, &case.k, &case.v, &mut out, None, &opts).unwrap();
+            forward_fp8(
+                &desc,
+                Qkv::new(&case.q[..], &case.k[..], &case.v[..]),
+                Out::new(&mut out),
+                &opts,
+            )
+            .unwrap();
             let r = compare(&problem, &out, None, &oracle);
             // Measured ≈ 3e-2 normwise (e4m3 keeps 3 mantissa bits: 2^-4 relative rounding).
             assert!(
@@ -197,11 +209,8 @@ fn bad_input_leaves_outputs_untouched() {
     // 96 is not a power of two: no Hadamard.
     let err = forward_fp8(
         &desc,
-        &case.q,
-        &case.k,
-        &case.v,
-        &mut out,
-        None,
+        Qkv::new(&case.q[..], &case.k[..], &case.v[..]),
+        Out::new(&mut out),
         &Fp8Options::default(),
     );
     assert_eq!(err, Err(Fp8Error::HadamardDim { dim: 96 }));
@@ -212,7 +221,12 @@ fn bad_input_leaves_outputs_untouched() {
     };
     let mut short = vec![7.0f32; 8 * 96 - 1];
     assert!(matches!(
-        forward_fp8(&desc, &case.q, &case.k, &case.v, &mut short, None, &opts),
+        forward_fp8(
+            &desc,
+            Qkv::new(&case.q[..], &case.k[..], &case.v[..]),
+            Out::new(&mut short),
+            &opts
+        ),
         Err(Fp8Error::Problem(_))
     ));
     // A threshold that lets P·256 overflow e4m3.
@@ -221,7 +235,12 @@ fn bad_input_leaves_outputs_untouched() {
         ..opts
     };
     assert!(matches!(
-        forward_fp8(&desc, &case.q, &case.k, &case.v, &mut out, None, &loose),
+        forward_fp8(
+            &desc,
+            Qkv::new(&case.q[..], &case.k[..], &case.v[..]),
+            Out::new(&mut out),
+            &loose
+        ),
         Err(Fp8Error::PRange { .. })
     ));
     let zero_block = Fp8Options {
@@ -234,11 +253,8 @@ fn bad_input_leaves_outputs_untouched() {
     assert_eq!(
         forward_fp8(
             &desc,
-            &case.q,
-            &case.k,
-            &case.v,
-            &mut out,
-            None,
+            Qkv::new(&case.q[..], &case.k[..], &case.v[..]),
+            Out::new(&mut out),
             &zero_block
         ),
         Err(Fp8Error::ZeroBlock)
@@ -265,12 +281,24 @@ fn a_small_threshold_gives_the_same_answer_as_always() {
     let mut a = vec![0.0f32; 40 * 64];
     let mut b = a.clone();
     let opts = Fp8Options::default();
-    forward_fp8(&desc, &case.q, &case.k, &case.v, &mut a, None, &opts).unwrap();
+    forward_fp8(
+        &desc,
+        Qkv::new(&case.q[..], &case.k[..], &case.v[..]),
+        Out::new(&mut a),
+        &opts,
+    )
+    .unwrap();
     let t = Fp8Options {
         rescale: RescalePolicy::Threshold(0.5),
         ..opts
     };
-    forward_fp8(&desc, &case.q, &case.k, &case.v, &mut b, None, &t).unwrap();
+    forward_fp8(
+        &desc,
+        Qkv::new(&case.q[..], &case.k[..], &case.v[..]),
+        Out::new(&mut b),
+        &t,
+    )
+    .unwrap();
     // Different reference maxima round P differently: same answer within FP8 noise.
     let num: f32 = a.iter().zip(&b).map(|(x, y)| (x - y).powi(2)).sum();
     let den: f32 = a.iter().map(|x| x * x).sum();

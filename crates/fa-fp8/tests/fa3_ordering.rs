@@ -64,7 +64,13 @@ fn error_ordering_on_the_outlier_distribution() {
             hadamard_seed,
             ..Fp8Options::default()
         };
-        forward_fp8(&desc, &q, &k, &v, &mut out, None, &opts).unwrap();
+        forward_fp8(
+            &desc,
+            Qkv::new(&q[..], &k[..], &v[..]),
+            Out::new(&mut out),
+            &opts,
+        )
+        .unwrap();
         rmse(&out)
     };
     let f32_err = rounded(Rounding::F32);
