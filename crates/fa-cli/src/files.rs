@@ -138,7 +138,9 @@ fn safetensors_len(
             "its header length {n} exceeds the file's {size} bytes"
         )));
     }
-    let mut header = prefix[8..].to_vec();
+    // The prefix already read may run past a short header (n = 0, say): keep only the header.
+    let in_prefix = usize::try_from(n).map_or(prefix.len(), |n| prefix.len().min(8 + n));
+    let mut header = prefix[8..in_prefix].to_vec();
     file.take(n - header.len() as u64)
         .read_to_end(&mut header)
         .map_err(|source| CliError::Io {

@@ -675,6 +675,15 @@ fn inputs_not_regular_or_not_their_headers_size_are_refused() {
     let (code, _, err) = run(&bad);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("exceeds the file"), "{err}");
+    // A header length shorter than the bytes that follow the length (found by the fuzz target
+    // safetensors_reader on its first run: the reader subtracted past zero and panicked).
+    let short = dir.path().join("short.safetensors");
+    let mut bytes = 0u64.to_le_bytes().to_vec();
+    bytes.extend_from_slice(&[0xff, 0x25]);
+    std::fs::write(&short, &bytes).unwrap();
+    let (code, _, err) = run(&short);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("nor a valid .safetensors file"), "{err}");
     assert!(!out.exists());
 }
 
