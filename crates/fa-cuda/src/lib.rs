@@ -100,7 +100,8 @@ pub use device::{
     driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, DeviceOut, ForwardStats,
 };
 pub use error::CudaError;
+pub use kernels::decode::{num_splits_heuristic, DecodePlan};
 pub use kernels::{arch_for, DeviceProps, LaunchShape, Tiles, Variant};
 pub use params::{supports, ForwardOptions};
-pub use raw::{CuSeqlens, RawOut, RawTensor};
+pub use raw::{CacheTables, CuSeqlens, RawOut, RawTensor};
 pub use softmax_core::DType;

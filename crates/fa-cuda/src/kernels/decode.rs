@@ -423,8 +423,6 @@ pub(crate) fn decode_params(
     plan: &DecodePlan,
     rescale: RescalePolicy<f32>,
 ) -> (DecodeParams, usize) {
-    let strides = problem.strides();
-    let triple = |s: &softmax_core::Strides| [s.batch as i64, s.seq as i64, s.head as i64];
     let tau = match rescale {
         RescalePolicy::Always => 0.0,
         RescalePolicy::Threshold(t) => t,
@@ -433,7 +431,54 @@ pub(crate) fn decode_params(
     let mask = problem.mask();
     let window = |w: Option<usize>| w.map_or(-1, |w| w.min(1 << 30) as i32);
     let seqlen_q = problem.max_seqlen_q();
-    let (capacity, block_size, blocks_per_seq, num_blocks) = match problem.kv_cache() {
+    let params = DecodeParams {
+        seqlen_q: seqlen_q as i32,
+        win_left: window(mask.left),
+        win_right: window(mask.right),
+        rows: (problem.group_size() * seqlen_q) as i32,
+        num_m_blocks: (plan.grid.0 / plan.num_splits) as i32,
+        num_splits: plan.num_splits as i32,
+        pre: transform.pre_factor() as f32,
+        softcap_post: transform.softcap_post_factor().unwrap_or(0.0) as f32,
+        tau,
+        ..cache_params(problem)
+    };
+    let out_rows = problem.batch() * problem.heads_q() * seqlen_q;
+    let ml_offset = plan.num_splits as usize * out_rows * problem.head_dim_v();
+    (params, ml_offset)
+}
+
+/// The parameters that describe the cache and the tensors' strides (shared by the decode and
+/// the append kernel): strides, capacity per sequence, paged shape, head counts and dims.
+pub(crate) fn cache_params(problem: &Problem) -> DecodeParams {
+    let strides = problem.strides();
+    let triple = |s: &softmax_core::Strides| [s.batch as i64, s.seq as i64, s.head as i64];
+    let (capacity, block_size, blocks_per_seq, num_blocks) = cache_shape(problem);
+    let seqlen_q = problem.max_seqlen_q();
+    DecodeParams {
+        q_strides: triple(&strides[0]),
+        k_strides: triple(&strides[1]),
+        v_strides: triple(&strides[2]),
+        o_strides: triple(&strides[3]),
+        lse_bs: (problem.heads_q() * seqlen_q) as i64,
+        lse_hs: seqlen_q as i64,
+        capacity: capacity as i32,
+        group: problem.group_size() as i32,
+        head_dim: problem.head_dim() as i32,
+        head_dim_v: problem.head_dim_v() as i32,
+        block_size: block_size as i32,
+        blocks_per_seq: blocks_per_seq as i32,
+        num_blocks: num_blocks.min(i32::MAX as usize) as i32,
+        batch: problem.batch() as i32,
+        heads_q: problem.heads_q() as i32,
+        ..DecodeParams::default()
+    }
+}
+
+/// `(capacity, block_size, blocks_per_seq, num_blocks)` of the problem's cache: keys one
+/// sequence can hold, and the paged shape (block size 0: padded, or no cache).
+pub(crate) fn cache_shape(problem: &Problem) -> (usize, usize, usize, usize) {
+    match problem.kv_cache() {
         KvCache::Paged {
             blocks_per_seq,
             block_size,
@@ -446,37 +491,7 @@ pub(crate) fn decode_params(
             num_blocks,
         ),
         _ => (problem.total_k(), 0, 0, 0),
-    };
-    let out_rows = problem.batch() * problem.heads_q() * seqlen_q;
-    let ml_offset = plan.num_splits as usize * out_rows * problem.head_dim_v();
-    let params = DecodeParams {
-        q_strides: triple(&strides[0]),
-        k_strides: triple(&strides[1]),
-        v_strides: triple(&strides[2]),
-        o_strides: triple(&strides[3]),
-        lse_bs: (problem.heads_q() * seqlen_q) as i64,
-        lse_hs: seqlen_q as i64,
-        seqlen_q: seqlen_q as i32,
-        capacity: capacity as i32,
-        group: problem.group_size() as i32,
-        head_dim: problem.head_dim() as i32,
-        head_dim_v: problem.head_dim_v() as i32,
-        win_left: window(mask.left),
-        win_right: window(mask.right),
-        rows: (problem.group_size() * seqlen_q) as i32,
-        num_m_blocks: (plan.grid.0 / plan.num_splits) as i32,
-        num_splits: plan.num_splits as i32,
-        block_size: block_size as i32,
-        blocks_per_seq: blocks_per_seq as i32,
-        num_blocks: num_blocks.min(i32::MAX as usize) as i32,
-        batch: problem.batch() as i32,
-        heads_q: problem.heads_q() as i32,
-        pre: transform.pre_factor() as f32,
-        softcap_post: transform.softcap_post_factor().unwrap_or(0.0) as f32,
-        tau,
-        ..DecodeParams::default()
-    };
-    (params, ml_offset)
+    }
 }
 
 /// The key tiles `[begin, end)` that split `split` of m-block `m_block` reads for a sequence
