@@ -146,8 +146,12 @@ pub struct Device {
     props: DeviceProps,
     functions: Mutex<HashMap<Variant, (CudaFunction, u32)>>,
     /// Kernels of the other families, by (family, variant name).
-    named_functions: Mutex<HashMap<(&'static str, String), (CudaFunction, u32)>>,
+    named_functions: Mutex<NamedFunctions>,
 }
+
+/// Loaded kernels of the families other than sm80's, by (family, variant name), with their
+/// register counts.
+type NamedFunctions = HashMap<(&'static str, String), (CudaFunction, u32)>;
 
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

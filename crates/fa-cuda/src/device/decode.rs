@@ -568,8 +568,13 @@ pub(crate) fn check_append(
                 continue;
             }
             let row = &block_table[b * blocks_per_seq..(b + 1) * blocks_per_seq];
-            for slot in used as usize / block_size..end.div_ceil(block_size) {
-                let block = row[slot];
+            let first = used as usize / block_size;
+            for (slot, &block) in row
+                .iter()
+                .enumerate()
+                .take(end.div_ceil(block_size))
+                .skip(first)
+            {
                 if block < 0 || block as usize >= num_blocks {
                     return Err(ProblemError::BlockIndex {
                         batch: b,
