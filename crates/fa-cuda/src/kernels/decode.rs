@@ -280,6 +280,12 @@ pub(crate) struct DecodeParams {
 // size assertion below and by the GPU tests).
 unsafe impl cudarc::driver::DeviceRepr for DecodeParams {}
 const _: () = assert!(core::mem::size_of::<DecodeParams>() == 328);
+// Field offsets as `decode/params.cuh` lays them out (9 pointers, 14 strides, 15 ints, ...).
+const _: () = assert!(core::mem::offset_of!(DecodeParams, q_strides) == 72);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, seqlen_q) == 184);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, pre) == 244);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, k_new) == 264);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, kn_strides) == 280);
 
 /// The launch choice of a decode call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -485,7 +491,12 @@ pub(crate) fn cache_shape(problem: &Problem) -> (usize, usize, usize, usize) {
             num_blocks,
             ..
         } => (
-            blocks_per_seq * block_size,
+            // No block at all: nothing can be read, whatever device-side lengths say.
+            if num_blocks == 0 {
+                0
+            } else {
+                blocks_per_seq * block_size
+            },
             block_size,
             blocks_per_seq,
             num_blocks,

@@ -35,4 +35,7 @@ struct DecodeParams {
     i64 vn_bs, vn_ss, vn_hs;      // append_kv: strides of the new V
 };
 
+// The size the Rust side asserts too (kernels/decode.rs, with its field offsets).
+static_assert(sizeof(DecodeParams) == 328, "DecodeParams layout");
+
 #endif // FA_DECODE_PARAMS_CUH
