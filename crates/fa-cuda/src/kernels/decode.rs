@@ -643,6 +643,247 @@ mod tests {
         }
     }
 
+    /// The decode and combine kernels' index arithmetic, emulated in f64 on the host with the
+    /// sources' own expressions (row packing `r = g·seqlen_q + i`, split tiles, each warp's key
+    /// slice with its own online softmax, the warps' merge, the workspace rows
+    /// `((split·batch + b)·heads_q + h)·seqlen_q + i` and the (m, l) block after the
+    /// accumulators, the combine's row decomposition, the LSE index), through the parameters
+    /// `decode_params` fills, against the f64 reference on random padded and paged caches.
+    #[test]
+    fn emulated_kernels_match_the_reference() {
+        use fa_reference::{attention_f64, Rng};
+        use softmax_core::Mask;
+        let mut rng = Rng::new(21);
+        let masks = [
+            Mask::NONE,
+            Mask::CAUSAL,
+            Mask {
+                left: Some(9),
+                right: Some(1),
+            },
+        ];
+        for (paged, sq, hq, hk, d, splits) in [
+            (false, 1, 8, 2, 64, 1),
+            (true, 3, 8, 2, 64, 3),
+            (true, 2, 16, 1, 72, 16),
+            (false, 4, 4, 4, 128, 2),
+        ] {
+            for mask in masks {
+                let used = [0u32, 1, 77, 130 + rng.below(40) as u32];
+                let bs = 5;
+                let bps = 200usize.div_ceil(bs);
+                let num_blocks = used.len() * bps;
+                let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+                for i in (1..ids.len()).rev() {
+                    ids.swap(i, rng.below(i + 1));
+                }
+                let desc = ProblemDesc::new(used.len(), sq, 200, hq, hk, d).with_mask(mask);
+                let desc = if paged {
+                    desc.paged_cache(&used, &ids, bps, bs, num_blocks)
+                } else {
+                    desc.padded_cache(&used)
+                };
+                let problem = desc.validate(256).expect("valid");
+                let lens = problem.min_buffer_lens();
+                let mut draw = |n: usize| (0..n).map(|_| rng.normal()).collect::<Vec<f64>>();
+                let (q, k, v) = (draw(lens.q), draw(lens.k), draw(lens.v));
+                let table: Vec<i32> = if paged { ids.clone() } else { Vec::new() };
+                let plan = plan_decode(&problem, DType::Bf16, Some(splits), &DeviceProps::h200())
+                    .expect("plan")
+                    .expect("work");
+                let (p, ml_offset) = decode_params(&problem, &plan, RescalePolicy::Threshold(8.0));
+                let (o, lse) = emulate(&p, ml_offset, &plan, &q, &k, &v, &used, &table);
+                let oracle = attention_f64(&problem, &q, &k, &v);
+                let report = fa_reference::compare(&problem, &o, Some(&lse), &oracle);
+                assert!(
+                    report.within(1e-6, 1e-5),
+                    "{paged} {sq} {hq}/{hk} {mask:?}: {report:?}"
+                );
+            }
+        }
+    }
+
+    /// `flash_decode` then `flash_decode_combine` on the host, statement by statement as far
+    /// as indices go (f64 arithmetic, exact exponentials, τ = 8 threshold rescale).
+    #[allow(clippy::too_many_arguments)]
+    fn emulate(
+        p: &DecodeParams,
+        ml_offset: usize,
+        plan: &DecodePlan,
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        seqused: &[u32],
+        table: &[i32],
+    ) -> (Vec<f64>, Vec<f32>) {
+        use softmax_core::RowState;
+        let var = plan.variant;
+        let (block_m, block_n, wn) = (var.block_m() as i64, var.block_n() as i64, var.wn as i64);
+        let sq = p.seqlen_q as i64;
+        let rows_total = p.batch as i64 * p.heads_q as i64 * sq;
+        let o_len = (p.batch as i64 * p.o_strides[0]) as usize;
+        let mut o = vec![f64::NAN; o_len];
+        let mut lse = vec![f32::NAN; rows_total as usize];
+        let mut ws = vec![f64::NAN; ml_offset + 2 * rows_total as usize * p.num_splits as usize];
+        let key_lo = |i: i64, diag: i64| {
+            if p.win_left >= 0 {
+                (i + diag - p.win_left as i64).max(0)
+            } else {
+                0
+            }
+        };
+        let key_hi = |i: i64, diag: i64, sk: i64| {
+            if p.win_right >= 0 {
+                (i + diag + p.win_right as i64 + 1).min(sk)
+            } else {
+                sk
+            }
+        };
+        let (gx, gy, gz) = plan.grid;
+        for b in 0..gz as i64 {
+            for hk in 0..gy as i64 {
+                for x in 0..gx as i64 {
+                    let split = x % p.num_splits as i64;
+                    let m_block = x / p.num_splits as i64;
+                    let m0 = m_block * block_m;
+                    if m0 >= p.rows as i64 {
+                        continue;
+                    }
+                    let rows_here = block_m.min(p.rows as i64 - m0);
+                    let sk = (seqused[b as usize] as i64).clamp(0, p.capacity as i64);
+                    let diag = sk - sq;
+                    let (r_first, r_last) = (m0, m0 + rows_here - 1);
+                    let (mut i_min, mut i_max) = (0, sq - 1);
+                    if r_first / sq == r_last / sq {
+                        i_min = r_first % sq;
+                        i_max = r_last % sq;
+                    }
+                    let (ulo, uhi) = (key_lo(i_min, diag), key_hi(i_max, diag, sk));
+                    let (mut t_begin, mut t_end) = (0, 0);
+                    if uhi > ulo {
+                        let (tl, th) = (ulo / block_n, (uhi + block_n - 1) / block_n);
+                        let per = (th - tl + p.num_splits as i64 - 1) / p.num_splits as i64;
+                        t_begin = (tl + split * per).min(th);
+                        t_end = (t_begin + per).min(th);
+                    }
+                    // Key offset as load_kv computes it.
+                    let kv_off = |key: i64, strides: [i64; 3]| -> i64 {
+                        if p.block_size > 0 {
+                            let slot = key / p.block_size as i64;
+                            let in_block = key - slot * p.block_size as i64;
+                            let blk = (table[(b * p.blocks_per_seq as i64 + slot) as usize] as i64)
+                                .clamp(0, p.num_blocks as i64 - 1);
+                            blk * strides[0] + in_block * strides[1]
+                        } else {
+                            b * strides[0] + key * strides[1]
+                        }
+                    };
+                    for row in 0..rows_here {
+                        let r = m0 + row;
+                        let (i, h) = (r % sq, hk * p.group as i64 + r / sq);
+                        let (lo, hi) = (key_lo(i, diag), key_hi(i, diag, sk));
+                        let qo =
+                            (b * p.q_strides[0] + i * p.q_strides[1] + h * p.q_strides[2]) as usize;
+                        // One online softmax per warp over its key slices, then the merge.
+                        let mut state = RowState::<f64>::new();
+                        let mut acc = vec![0.0f64; p.head_dim_v as usize];
+                        for w in 0..var.warps as i64 {
+                            let mut ws_state = RowState::<f64>::new();
+                            let mut ws_acc = vec![0.0f64; p.head_dim_v as usize];
+                            for t in t_begin..t_end {
+                                let n0 = t * block_n + w * wn;
+                                let cols: Vec<(i64, f64)> = (n0..n0 + wn)
+                                    .map(|col| {
+                                        if col < lo || col >= hi {
+                                            return (col, f64::NEG_INFINITY);
+                                        }
+                                        let ko = (kv_off(col, p.k_strides) + hk * p.k_strides[2])
+                                            as usize;
+                                        let dot: f64 = (0..p.head_dim as usize)
+                                            .map(|c| q[qo + c] * k[ko + c])
+                                            .sum();
+                                        (col, dot * p.pre as f64)
+                                    })
+                                    .collect();
+                                let bm = cols.iter().fold(f64::NEG_INFINITY, |m, c| m.max(c.1));
+                                let m = ws_state.max;
+                                if bm > m && (m == f64::NEG_INFINITY || bm - m > p.tau as f64) {
+                                    let c = (m - bm).exp2();
+                                    ws_state.sum *= c;
+                                    ws_acc.iter_mut().for_each(|a| *a *= c);
+                                    ws_state.max = bm;
+                                }
+                                let off = if ws_state.max == f64::NEG_INFINITY {
+                                    0.0
+                                } else {
+                                    ws_state.max
+                                };
+                                for (col, x) in cols {
+                                    let pr = (x - off).exp2();
+                                    ws_state.sum += pr;
+                                    if pr > 0.0 {
+                                        let vo = (kv_off(col, p.v_strides) + hk * p.v_strides[2])
+                                            as usize;
+                                        for c in 0..p.head_dim_v as usize {
+                                            ws_acc[c] += pr * v[vo + c];
+                                        }
+                                    }
+                                }
+                            }
+                            softmax_core::merge_into(&mut state, &mut acc, &ws_state, &ws_acc);
+                        }
+                        if p.num_splits == 1 {
+                            let fin = state.finish();
+                            let oo = (b * p.o_strides[0] + i * p.o_strides[1] + h * p.o_strides[2])
+                                as usize;
+                            for c in 0..p.head_dim_v as usize {
+                                o[oo + c] = acc[c] * fin.inv_sum;
+                            }
+                            lse[(b * p.lse_bs + h * p.lse_hs + i) as usize] = fin.lse as f32;
+                        } else {
+                            let prow =
+                                ((split * p.batch as i64 + b) * p.heads_q as i64 + h) * sq + i;
+                            let at = (prow * p.head_dim_v as i64) as usize;
+                            ws[at..at + p.head_dim_v as usize].copy_from_slice(&acc);
+                            ws[ml_offset + 2 * prow as usize] = state.max;
+                            ws[ml_offset + 2 * prow as usize + 1] = state.sum;
+                        }
+                    }
+                }
+            }
+        }
+        if p.num_splits > 1 {
+            for r in 0..rows_total {
+                let i = r % sq;
+                let h = (r / sq) % p.heads_q as i64;
+                let b = r / (sq * p.heads_q as i64);
+                let mut state = RowState::<f64>::new();
+                let mut acc = vec![0.0f64; p.head_dim_v as usize];
+                for s in 0..p.num_splits as i64 {
+                    let prow = (s * rows_total + r) as usize;
+                    let part = RowState {
+                        max: ws[ml_offset + 2 * prow],
+                        sum: ws[ml_offset + 2 * prow + 1],
+                    };
+                    let at = prow * p.head_dim_v as usize;
+                    let src = ws[at..at + p.head_dim_v as usize].to_vec();
+                    assert!(
+                        src.iter().all(|x| !x.is_nan()),
+                        "workspace row {prow} never written"
+                    );
+                    softmax_core::merge_into(&mut state, &mut acc, &part, &src);
+                }
+                let fin = state.finish();
+                let oo = (b * p.o_strides[0] + i * p.o_strides[1] + h * p.o_strides[2]) as usize;
+                for c in 0..p.head_dim_v as usize {
+                    o[oo + c] = acc[c] * fin.inv_sum;
+                }
+                lse[(b * p.lse_bs + h * p.lse_hs + i) as usize] = fin.lse as f32;
+            }
+        }
+        (o, lse)
+    }
+
     /// The splits of every m-block cover each visible key tile exactly once, for masks,
     /// lengths (0 and 1 included), query counts and split counts.
     #[test]
