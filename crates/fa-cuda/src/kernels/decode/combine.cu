@@ -34,13 +34,32 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_decode_combine(co
     float o[8];
 #pragma unroll
     for (int c = 0; c < 8; ++c) o[c] = 0.0f;
-    for (int s = 0; s < p.num_splits; ++s) {
-        const i64 prow = (i64)s * rows + r;
-        float fa, fb;
-        merge_state(m, l, ml[prow * 2], ml[prow * 2 + 1], fa, fb);
-        if (active) {
-            const f32x4* src = reinterpret_cast<const f32x4*>(part + prow * p.head_dim_v + col);
-            const f32x4 x0 = src[0], x1 = src[1];
+    // Splits in groups of GROUP: all loads of a group first (independent of the merges, so
+    // their latencies overlap), then the merges in split order.
+    constexpr int GROUP = 4;
+    for (int s0 = 0; s0 < p.num_splits; s0 += GROUP) {
+        float gm[GROUP], gl[GROUP];
+        f32x4 gx[GROUP][2];
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) {
+            const bool here = s0 + j < p.num_splits;
+            const i64 prow = (i64)(here ? s0 + j : s0) * rows + r;
+            gm[j] = here ? ml[prow * 2] : NEG_INF;
+            gl[j] = here ? ml[prow * 2 + 1] : 0.0f;
+            if (active) {
+                const f32x4* src = reinterpret_cast<const f32x4*>(part + prow * p.head_dim_v + col);
+                gx[j][0] = src[0];
+                gx[j][1] = src[1];
+            } else {
+                gx[j][0] = gx[j][1] = f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) {
+            if (s0 + j >= p.num_splits) break;
+            float fa, fb;
+            merge_state(m, l, gm[j], gl[j], fa, fb);
+            const f32x4 x0 = gx[j][0], x1 = gx[j][1];
             o[0] = o[0] * fa + x0.x * fb;
             o[1] = o[1] * fa + x0.y * fb;
             o[2] = o[2] * fa + x0.z * fb;

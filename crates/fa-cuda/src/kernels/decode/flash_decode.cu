@@ -42,6 +42,10 @@
 #define ROW_BYTES (HDP * 2)
 #define TPR (THREADS / BLOCK_M)      // threads per row in the final merge
 #define CPT (HDP / TPR)              // columns per thread in the final merge
+#define LOAD_ITERS (BLOCK_N * CHUNKS / THREADS) // K/V rows per thread per tile
+// Read the block-table entries of the next tile one tile ahead (registers: LOAD_ITERS ints;
+// the head-dim-256 variant has none to spare).
+#define PREFETCH_TABLE (HDP <= 128)
 
 #if (HDP % 64) != 0 || (WN % 16) != 0 || (THREADS % BLOCK_M) != 0 || (CPT % 8) != 0 || STAGES < 2
 #error "bad decode tile configuration"
@@ -133,30 +137,44 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         }
     }
 
-    // One K/V tile into stage `stage`: row t of the tile is key n0 + t, zero-filled at and past
-    // the used length (and in the columns past the head dims). A paged cache looks each key's
-    // block up in the table (entries clamped to the cache), a padded one steps by the batch.
+    // The K/V rows of a tile this thread loads: rows row0 + it*(THREADS/CHUNKS), one 16-byte
+    // chunk column each.
     const u16* gk = reinterpret_cast<const u16*>(p.k) + (i64)hk * p.k_hs;
     const u16* gv = reinterpret_cast<const u16*>(p.v) + (i64)hk * p.v_hs;
     const int* table = reinterpret_cast<const int*>(p.block_table) + (i64)b * p.blocks_per_seq;
-    auto load_kv = [&](const int t, const int stage) {
+    // A paged cache's block-table entries of this thread's rows of tile t (read only for used
+    // keys: entries past them are unchecked). With PREFETCH_TABLE they are read one tile ahead
+    // of the copies that use them, so their latency hides under a tile's compute.
+    auto lookup = [&](const int t, int (&blk)[LOAD_ITERS]) {
+        const int n0 = t * BLOCK_N, row0 = tid / CHUNKS;
+#pragma unroll
+        for (int it = 0; it < LOAD_ITERS; ++it) {
+            const int key = n0 + row0 + it * (THREADS / CHUNKS);
+            blk[it] = (p.block_size > 0 && key < sk) ? table[key / p.block_size] : 0;
+        }
+    };
+    // One K/V tile into stage `stage`: row t of the tile is key n0 + t, zero-filled at and past
+    // the used length (and in the columns past the head dims). A paged cache addresses each
+    // key through its block (`blk`, from `lookup`, clamped to the cache), a padded one steps
+    // by the batch.
+    auto load_kv = [&](const int t, const int stage, const int (&blk)[LOAD_ITERS]) {
         const int n0 = t * BLOCK_N;
         const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
         const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
         const int c = tid % CHUNKS, row0 = tid / CHUNKS;
         const bool k_col = c * 8 < p.head_dim, v_col = c * 8 < p.head_dim_v;
 #pragma unroll
-        for (int it = 0; it < BLOCK_N * CHUNKS / THREADS; ++it) {
+        for (int it = 0; it < LOAD_ITERS; ++it) {
             const int row = row0 + it * (THREADS / CHUNKS);
             const int key = n0 + row;
             const bool ok = key < sk;
             i64 k_off = 0, v_off = 0;
             if (ok) {
                 if (p.block_size > 0) {
-                    const int slot = key / p.block_size, in_block = key - slot * p.block_size;
-                    const int blk = min(max(table[slot], 0), p.num_blocks - 1);
-                    k_off = (i64)blk * p.k_bs + (i64)in_block * p.k_ss;
-                    v_off = (i64)blk * p.v_bs + (i64)in_block * p.v_ss;
+                    const int in_block = key % p.block_size;
+                    const int bb = min(max(blk[it], 0), p.num_blocks - 1);
+                    k_off = (i64)bb * p.k_bs + (i64)in_block * p.k_ss;
+                    v_off = (i64)bb * p.v_bs + (i64)in_block * p.v_ss;
                 } else {
                     k_off = (i64)b * p.k_bs + (i64)key * p.k_ss;
                     v_off = (i64)b * p.v_bs + (i64)key * p.v_ss;
@@ -326,17 +344,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
 
     // Pipeline: Q and the first STAGES-1 tiles in flight, then one new tile per tile consumed.
     // Every step commits a group (possibly empty) so that the wait count stays uniform.
+    int blk[LOAD_ITERS];
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_tiles) load_kv(t_begin + st, st);
+        if (st < n_tiles) {
+            lookup(t_begin + st, blk);
+            load_kv(t_begin + st, st, blk);
+        }
         cp_async_commit();
     }
+#if PREFETCH_TABLE
+    if (STAGES - 1 < n_tiles) lookup(t_begin + STAGES - 1, blk);
+#endif
     for (int it = 0; it < n_tiles; ++it) {
         cp_async_wait_pending<STAGES - 2>();
         __syncthreads(); // tile `it` (and Q) visible; every warp is done with tile it-1's stage
         const int ahead = it + STAGES - 1;
-        if (ahead < n_tiles) load_kv(t_begin + ahead, ahead % STAGES);
+        if (ahead < n_tiles) {
+#if !PREFETCH_TABLE
+            lookup(t_begin + ahead, blk);
+#endif
+            load_kv(t_begin + ahead, ahead % STAGES, blk);
+        }
         cp_async_commit();
+#if PREFETCH_TABLE
+        if (ahead + 1 < n_tiles) lookup(t_begin + ahead + 1, blk);
+#endif
         tile(t_begin + it, it % STAGES);
     }
 
