@@ -450,4 +450,68 @@ mod tests {
             Err(CudaError::Problem(ProblemError::Unsupported { .. }))
         ));
     }
+
+    #[test]
+    fn device_cache_tables_are_checked() {
+        let used = [5u32, 9];
+        let table = [0i32, 1, 2, 3, 4, 5];
+        let padded = ProblemDesc::new(2, 1, 16, 4, 2, 64)
+            .padded_cache(&used)
+            .validate(256)
+            .unwrap();
+        let paged = ProblemDesc::new(2, 1, 0, 4, 2, 64)
+            .paged_cache(&used, &table, 3, 4, 6)
+            .validate(256)
+            .unwrap();
+        let tables = |used: RawTensor<i32>, table: Option<RawTensor<i32>>| CacheTables {
+            seqused_k: used,
+            block_table: table,
+        };
+        let good_used = at(0x70_0000, 2);
+        let good_table = at(0x71_0000, 6);
+        assert_eq!(
+            check_cache_tables(&padded, &tables(good_used, None)),
+            Ok((0x70_0000, 0))
+        );
+        assert_eq!(
+            check_cache_tables(&paged, &tables(good_used, Some(good_table))),
+            Ok((0x70_0000, 0x71_0000))
+        );
+        // A padded cache takes no table, a paged one needs it.
+        assert!(check_cache_tables(&padded, &tables(good_used, Some(good_table))).is_err());
+        assert!(check_cache_tables(&paged, &tables(good_used, None)).is_err());
+        // Short, null, misaligned.
+        assert_eq!(
+            check_cache_tables(&paged, &tables(at(0x70_0000, 1), Some(good_table))),
+            Err(CudaError::Problem(ProblemError::BufferTooSmall {
+                tensor: Tensor::SequsedK,
+                needed: 2,
+                len: 1
+            }))
+        );
+        assert_eq!(
+            check_cache_tables(&paged, &tables(good_used, Some(at(0x71_0000, 5)))),
+            Err(CudaError::Problem(ProblemError::BufferTooSmall {
+                tensor: Tensor::BlockTable,
+                needed: 6,
+                len: 5
+            }))
+        );
+        assert_eq!(
+            check_cache_tables(&padded, &tables(at(0, 2), None)),
+            Err(CudaError::NullPointer {
+                tensor: Tensor::SequsedK
+            })
+        );
+        assert!(matches!(
+            check_cache_tables(&paged, &tables(good_used, Some(at(0x71_0002, 6)))),
+            Err(CudaError::Misaligned {
+                tensor: Tensor::BlockTable,
+                ..
+            })
+        ));
+        // Tables without a cache.
+        let dense = ProblemDesc::new(2, 1, 16, 4, 2, 64).validate(256).unwrap();
+        assert!(check_cache_tables(&dense, &tables(good_used, None)).is_err());
+    }
 }
