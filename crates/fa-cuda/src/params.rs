@@ -108,6 +108,12 @@ pub(crate) fn prepare<'a>(
     let problem = *problem;
     problem.check_buffers(lens)?;
     supports(&problem, dtype)?;
+    if problem.has_kv_cache() {
+        // The device routes these to the decode family before preparing (device/decode.rs).
+        return Err(ProblemError::Unsupported {
+            what: "KV-cache problems run the decode kernels, not the forward kernel",
+        });
+    }
     let strides = problem.strides();
     // P is stored as a 16-bit operand of the inputs' dtype and reaches 2^tau.
     opts.rescale.check(dtype.max_finite(), 0.0)?;
