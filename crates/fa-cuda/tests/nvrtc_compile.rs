@@ -155,12 +155,32 @@ fn decode_family_compiles_without_spills() {
         "libnvrtc cannot be loaded: source .ci/install-nvrtc.sh first"
     );
     let only = std::env::var("FA_NVRTC_ONLY").unwrap_or_default();
-    let mut failures = Vec::new();
-    for v in DecodeVariant::all() {
-        if v.name().contains(&only) {
-            check_variant(&v, &mut failures);
-        }
-    }
+    let variants: Vec<DecodeVariant> = DecodeVariant::all()
+        .into_iter()
+        .filter(|v| v.name().contains(&only))
+        .collect();
+    // A few threads, each taking every n-th variant.
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .min(8);
+    let mut failures: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let variants = &variants;
+                s.spawn(move || {
+                    let mut out = Vec::new();
+                    for v in variants.iter().skip(t).step_by(threads) {
+                        check_variant(v, &mut out);
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("compile thread"))
+            .collect()
+    });
     for dtype in [DType::Bf16, DType::F16] {
         check_variant(&CombineVariant { dtype }, &mut failures);
     }
