@@ -9,8 +9,10 @@
 //! ```text
 //! cargo run --release -p fa-cuda --example decode_bench -- [--batches 1,16]
 //!     [--caches 4096,16384,65536,131072] [--heads-q 64] [--heads-kv 8] [--hdim 128]
-//!     [--queries 1] [--layouts padded,paged16,paged256] [--splits N] [--iters 50]
+//!     [--queries 1] [--layouts padded,paged16,paged256] [--splits plan,8,15,30] [--iters 50]
 //! ```
+//! `--splits` lists split counts to time per shape (`plan`: the plan's own choice, the
+//! default), for tuning the split rule.
 //! The caches are filled with random bf16 values (a 32 MiB random chunk copied over them on
 //! the device); paged block tables are random permutations of the blocks.
 
@@ -76,7 +78,7 @@ fn main() {
     let (mut batches, mut caches) = (vec![1, 16], vec![4096, 16384, 65536, 131072]);
     let (mut hq, mut hk, mut d, mut sq, mut iters) = (64usize, 8usize, 128usize, 1usize, 50usize);
     let mut layouts: Vec<String> = ["padded", "paged16", "paged256"].map(String::from).to_vec();
-    let mut splits: Option<u32> = None;
+    let mut split_list: Vec<Option<u32>> = vec![None];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let v = args.next().unwrap_or_default();
@@ -88,7 +90,12 @@ fn main() {
             "--hdim" => d = v.parse().expect("--hdim N"),
             "--queries" => sq = v.parse().expect("--queries N"),
             "--iters" => iters = v.parse().expect("--iters N"),
-            "--splits" => splits = Some(v.parse().expect("--splits N")),
+            "--splits" => {
+                split_list = v
+                    .split(',')
+                    .map(|x| (x != "plan").then(|| x.parse().expect("--splits plan,N,...")))
+                    .collect()
+            }
             "--layouts" => layouts = v.split(',').map(String::from).collect(),
             other => panic!("unknown argument {other}"),
         }
@@ -169,67 +176,76 @@ fn main() {
                 let problem = desc.validate(MAX_HEAD_DIM).expect("valid shape");
                 let table_dev =
                     (!table.is_empty()).then(|| stream.clone_htod(&table).expect("upload"));
-                let opts = ForwardOptions {
-                    splits,
-                    time_kernel: true,
-                    ..ForwardOptions::default()
-                };
-                let bytes = dev
-                    .decode_workspace_bytes(&problem, DType::Bf16, &opts)
-                    .expect("workspace size");
-                let ws = stream
-                    .alloc_zeros::<f32>(bytes.div_ceil(4).max(1))
-                    .expect("workspace");
-                let tables = CacheTables {
-                    seqused_k: raw(&used_dev, &stream),
-                    block_table: table_dev.as_ref().map(|t| raw(t, &stream)),
-                };
-                let lens = problem.min_buffer_lens();
-                // SAFETY: prefixes of live allocations (K/V hold max_kv >= lens.k elements).
-                let (kr, vr) = unsafe {
-                    (
-                        RawTensor::<bf16>::from_raw(raw::<bf16, u16>(&k, &stream).ptr(), lens.k),
-                        RawTensor::<bf16>::from_raw(raw::<bf16, u16>(&v, &stream).ptr(), lens.v),
-                    )
-                };
-                let qkv = Qkv::new(raw::<bf16, u16>(&q, &stream), kr, vr);
-                let mut times = Vec::new();
-                let mut plan = None;
-                for it in 0..iters + 5 {
-                    let stats = dev
-                        .forward_cache_on_stream(
-                            &problem,
-                            tables,
-                            Some(raw(&ws, &stream)),
-                            qkv,
-                            Out::new(raw::<bf16, u16>(&o, &stream)),
-                            &stream,
-                            &opts,
+                for &splits in &split_list {
+                    let opts = ForwardOptions {
+                        splits,
+                        time_kernel: true,
+                        ..ForwardOptions::default()
+                    };
+                    let bytes = dev
+                        .decode_workspace_bytes(&problem, DType::Bf16, &opts)
+                        .expect("workspace size");
+                    let ws = stream
+                        .alloc_zeros::<f32>(bytes.div_ceil(4).max(1))
+                        .expect("workspace");
+                    let tables = CacheTables {
+                        seqused_k: raw(&used_dev, &stream),
+                        block_table: table_dev.as_ref().map(|t| raw(t, &stream)),
+                    };
+                    let lens = problem.min_buffer_lens();
+                    // SAFETY: prefixes of live allocations (K/V hold max_kv >= lens.k elements).
+                    let (kr, vr) = unsafe {
+                        (
+                            RawTensor::<bf16>::from_raw(
+                                raw::<bf16, u16>(&k, &stream).ptr(),
+                                lens.k,
+                            ),
+                            RawTensor::<bf16>::from_raw(
+                                raw::<bf16, u16>(&v, &stream).ptr(),
+                                lens.v,
+                            ),
                         )
-                        .expect("decode");
-                    plan = stats.decode;
-                    if it >= 5 {
-                        times.push(stats.kernel_ms.expect("timed"));
+                    };
+                    let qkv = Qkv::new(raw::<bf16, u16>(&q, &stream), kr, vr);
+                    let mut times = Vec::new();
+                    let mut plan = None;
+                    for it in 0..iters + 5 {
+                        let stats = dev
+                            .forward_cache_on_stream(
+                                &problem,
+                                tables,
+                                Some(raw(&ws, &stream)),
+                                qkv,
+                                Out::new(raw::<bf16, u16>(&o, &stream)),
+                                &stream,
+                                &opts,
+                            )
+                            .expect("decode");
+                        plan = stats.decode;
+                        if it >= 5 {
+                            times.push(stats.kernel_ms.expect("timed"));
+                        }
                     }
-                }
-                stream.synchronize().expect("sync");
-                let t_ms = median(times) as f64;
-                let kv_bytes = 2.0 * (batch * cache * hk * d * 2) as f64;
-                let gbs = kv_bytes / (t_ms * 1e-3) / 1e9;
-                let plan = plan.expect("a launch");
-                eprintln!(
+                    stream.synchronize().expect("sync");
+                    let t_ms = median(times) as f64;
+                    let kv_bytes = 2.0 * (batch * cache * hk * d * 2) as f64;
+                    let gbs = kv_bytes / (t_ms * 1e-3) / 1e9;
+                    let plan = plan.expect("a launch");
+                    eprintln!(
                     "batch {batch:>2} cache {cache:>6} {layout:<9} {:>8.1} us {gbs:>6.0} GB/s ({:.2} of copy) splits {}",
                     t_ms * 1e3,
                     gbs / copy_gbs,
                     plan.num_splits
                 );
-                rows.push(format!(
-                    "{{\"batch\":{batch},\"cache\":{cache},\"queries\":{sq},\"heads_q\":{hq},\"heads_kv\":{hk},\"hdim\":{d},\"layout\":\"{layout}\",\"us\":{:.1},\"kv_gbs\":{gbs:.0},\"frac_of_copy\":{:.3},\"splits\":{},\"variant\":\"{}\"}}",
+                    rows.push(format!(
+                    "{{\"batch\":{batch},\"cache\":{cache},\"queries\":{sq},\"heads_q\":{hq},\"heads_kv\":{hk},\"hdim\":{d},\"layout\":\"{layout}\",\"us\":{:.1},\"kv_gbs\":{gbs:.0},\"frac_of_copy\":{:.3},\"splits\":{},\"forced\":{},\"variant\":\"{}\"}}",
                     t_ms * 1e3,
                     gbs / copy_gbs,
                     plan.num_splits,
+                    splits.is_some(),
                     plan.variant.name()
                 ));
+                }
             }
         }
     }
