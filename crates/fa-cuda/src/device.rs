@@ -492,7 +492,10 @@ impl Device {
     /// Host prefix sums (`Sequences::Varlen`) are copied on `stream` into memory freed in
     /// stream order after the kernel (cudarc's `cuMemFreeAsync`; where the device has no
     /// memory pools, cudarc waits for the stream before it frees); device prefix sums
-    /// (`Sequences::VarlenDevice`) go through [`Device::forward_varlen_on_stream`]. The caller
+    /// (`Sequences::VarlenDevice`) go through [`Device::forward_varlen_on_stream`]. A KV-cache
+    /// problem runs the decode kernels: its host `seqused_k` and block table are copied and
+    /// its split workspace allocated the same way (stream-ordered);
+    /// [`Device::forward_cache_on_stream`] takes both from the caller instead. The caller
     /// synchronises (or orders later work after `stream`) before it reads the outputs or
     /// frees the buffers; with [`ForwardOptions::time_kernel`] this call waits for the kernel
     /// to read its events.
