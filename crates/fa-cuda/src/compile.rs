@@ -434,9 +434,20 @@ pub fn precompile_into<V: KernelVariant + Clone>(
 }
 
 /// [`precompile`] of every variant of every family that supports `arch` (what `fa warmup`
-/// runs).
+/// runs): the sm80 forward, the decode kernels, their combine and the append.
 pub fn precompile_all(arch: &str) -> Result<PrecompileReport, CudaError> {
-    precompile(arch, &Variant::all())
+    use crate::kernels::decode::{AppendVariant, CombineVariant, DecodeVariant};
+    use crate::kernels::DType;
+    let mut report = precompile(arch, &Variant::all())?;
+    let combine = [DType::Bf16, DType::F16].map(|dtype| CombineVariant { dtype });
+    for more in [
+        precompile(arch, &DecodeVariant::all())?,
+        precompile(arch, &combine)?,
+        precompile(arch, &[AppendVariant])?,
+    ] {
+        report.kernels.extend(more.kernels);
+    }
+    Ok(report)
 }
 
 #[cfg(test)]

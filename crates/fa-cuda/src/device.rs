@@ -17,6 +17,8 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
 
+mod decode;
+
 /// Whether the CUDA driver library can be loaded. `cudarc` panics on the first driver call
 /// when it cannot, so [`Device::open`] checks this first.
 pub fn driver_available() -> bool {
@@ -127,8 +129,12 @@ pub struct ForwardStats {
     pub kernel_source: Option<KernelOrigin>,
     /// Registers per thread of the variant (ptxas' report).
     pub registers: Option<u32>,
-    /// Kernel time from CUDA events, when [`ForwardOptions::time_kernel`] was set.
+    /// Kernel time from CUDA events, when [`ForwardOptions::time_kernel`] was set (with a KV
+    /// cache: the decode and the combine kernel together).
     pub kernel_ms: Option<f32>,
+    /// The decode launch (split count, grid, workspace) of a KV-cache problem; `launch` is
+    /// then `None`.
+    pub decode: Option<crate::kernels::decode::DecodePlan>,
 }
 
 /// One CUDA device: its context, a stream, and the kernels loaded into it.
@@ -139,7 +145,13 @@ pub struct Device {
     name: String,
     props: DeviceProps,
     functions: Mutex<HashMap<Variant, (CudaFunction, u32)>>,
+    /// Kernels of the other families, by (family, variant name).
+    named_functions: Mutex<NamedFunctions>,
 }
+
+/// Loaded kernels of the families other than sm80's, by (family, variant name), with their
+/// register counts.
+type NamedFunctions = HashMap<(&'static str, String), (CudaFunction, u32)>;
 
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -208,6 +220,7 @@ impl Device {
             name,
             props,
             functions: Mutex::new(HashMap::new()),
+            named_functions: Mutex::new(HashMap::new()),
         })
     }
 
@@ -479,7 +492,10 @@ impl Device {
     /// Host prefix sums (`Sequences::Varlen`) are copied on `stream` into memory freed in
     /// stream order after the kernel (cudarc's `cuMemFreeAsync`; where the device has no
     /// memory pools, cudarc waits for the stream before it frees); device prefix sums
-    /// (`Sequences::VarlenDevice`) go through [`Device::forward_varlen_on_stream`]. The caller
+    /// (`Sequences::VarlenDevice`) go through [`Device::forward_varlen_on_stream`]. A KV-cache
+    /// problem runs the decode kernels: its host `seqused_k` and block table are copied and
+    /// its split workspace allocated the same way (stream-ordered);
+    /// [`Device::forward_cache_on_stream`] takes both from the caller instead. The caller
     /// synchronises (or orders later work after `stream`) before it reads the outputs or
     /// frees the buffers; with [`ForwardOptions::time_kernel`] this call waits for the kernel
     /// to read its events.
@@ -532,6 +548,9 @@ impl Device {
         opts: &ForwardOptions,
         repeat: usize,
     ) -> Result<Vec<ForwardStats>, CudaError> {
+        if problem.has_kv_cache() {
+            return self.launch_decode(problem, call, None, stream, opts, repeat);
+        }
         if **stream.context() != *self.ctx {
             return Err(CudaError::ForeignStream);
         }
@@ -650,6 +669,7 @@ impl Device {
                 kernel_source: Some(origin),
                 registers: Some(registers),
                 kernel_ms: None,
+                decode: None,
             });
         }
         for (stat, (start, end)) in all.iter_mut().zip(&events) {
@@ -672,13 +692,12 @@ impl Device {
         out: Out<&mut [T], &mut [f32]>,
         opts: &ForwardOptions,
     ) -> Result<ForwardStats, CudaError> {
-        prepare(
-            problem,
-            BufferLens::of(&qkv, &out),
-            T::DTYPE,
-            opts,
-            &self.props,
-        )?;
+        let lens = BufferLens::of(&qkv, &out);
+        if problem.has_kv_cache() {
+            decode::check_decode(problem, lens, T::DTYPE, opts, &self.props)?;
+        } else {
+            prepare(problem, lens, T::DTYPE, opts, &self.props)?;
+        }
         let Out { o: out, lse } = out;
         let dq = self.upload(qkv.q)?;
         let dk = self.upload(qkv.k)?;

@@ -64,6 +64,19 @@ pub enum CudaError {
     /// shared without taking ownership (wrap other contexts in a `CudaContext` and use
     /// [`crate::Device::from_context`]).
     NotPrimaryContext,
+    /// The caller's split-KV workspace is smaller than the call needs (see
+    /// [`crate::Device::decode_workspace_bytes`]); nothing was queued.
+    WorkspaceTooSmall {
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes given.
+        len: usize,
+    },
+    /// The split-KV workspace's address is null or not 16-byte aligned (nothing was queued).
+    BadWorkspace {
+        /// The address given.
+        ptr: u64,
+    },
 }
 
 impl CudaError {
@@ -121,6 +134,14 @@ impl fmt::Display for CudaError {
             CudaError::NotPrimaryContext => {
                 f.write_str("the CUcontext is not its device's primary context")
             }
+            CudaError::BadWorkspace { ptr } => write!(
+                f,
+                "the decode workspace at {ptr:#x} is null or not 16-byte aligned"
+            ),
+            CudaError::WorkspaceTooSmall { needed, len } => write!(
+                f,
+                "the decode workspace holds {len} bytes; this call needs {needed}"
+            ),
         }
     }
 }

@@ -5,8 +5,10 @@
 //!
 //! Layout of the sources (`src/kernels/`): `common/` holds the PTX helpers, the mask, the
 //! online-softmax steps and the row epilogue that every family shares; `sm80/` the
-//! `mma.sync` forward kernel ([`sm80`]); `sm90/` is where Hopper (`wgmma`) kernels will go.
+//! `mma.sync` forward kernel ([`sm80`]); `decode/` the split-KV decode, combine and append
+//! kernels ([`decode`]); `sm90/` is where Hopper (`wgmma`) kernels will go.
 
+pub mod decode;
 pub mod sm80;
 
 pub use sm80::{plan_forward, LaunchShape, Tiles, Variant};
@@ -70,7 +72,12 @@ impl KernelFamily {
 
 /// Every kernel family of the crate.
 pub fn families() -> &'static [&'static KernelFamily] {
-    static FAMILIES: [&KernelFamily; 1] = [&sm80::FAMILY];
+    static FAMILIES: [&KernelFamily; 4] = [
+        &sm80::FAMILY,
+        &decode::FAMILY,
+        &decode::COMBINE_FAMILY,
+        &decode::APPEND_FAMILY,
+    ];
     &FAMILIES
 }
 

@@ -47,6 +47,22 @@
 //!   [`Device::forward_host`]) runs the same path on the device's default stream and waits
 //!   for the kernel before it returns.
 //!
+//! # Decode (KV cache)
+//! A problem with a `softmax_core::KvCache` (padded with `seqused_k`, or paged through an
+//! int32 block table, any block size) runs the decode family from every entry above: a
+//! split-KV kernel (the query heads of a KV group and the sequence's few queries share one
+//! tile, so each K/V byte is read once per group; causal and windows bottom-right against
+//! `seqused_k`; softcap; LSE) whose splits are merged by a combine kernel with softmax-core's
+//! merge rule (`kernels/common/merge.cuh`). The split count comes from the problem and the SM
+//! count ([`num_splits_heuristic`]), or [`ForwardOptions::splits`]; [`ForwardStats::decode`]
+//! reports the plan. On the owned-buffer path and [`Device::forward_on_stream`] the host
+//! tables are copied and the split workspace allocated on the stream (freed in stream order);
+//! [`Device::forward_cache_on_stream`] takes the tables on the device ([`CacheTables`]) and a
+//! caller workspace of [`Device::decode_workspace_bytes`] bytes, with no copy or allocation.
+//! [`Device::append_kv`] / [`Device::append_kv_on_stream`] write new K/V tokens into the cache
+//! at each sequence's used length (typed errors for a full cache or a bad block, cache
+//! untouched).
+//!
 //! # Performance (H200, bf16, 16k tokens, same-call PyTorch SDPA peers; docs/benchmarks.md)
 //! At seqlen 8k: hdim 128 1.09× PyTorch's FlashAttention-2 (non-causal) and 1.02× (causal),
 //! hdim 64 1.11× / 0.95×, hdim 256 1.06× / 0.99×; cuDNN's Hopper kernels stay 1.4–2.2× ahead
@@ -58,10 +74,10 @@
 //! and spills without a GPU (and writes the cubins for `nvdisasm` with `--cubin-dir`).
 //!
 //! # Testing without a GPU
-//! The unit tests, the NVRTC compile check (`tests/nvrtc_compile.rs`: every variant for sm_80
-//! and sm_90a, no register spill) and the disk-cache tests (`tests/disk_cache.rs`) need no GPU; the check needs `libnvrtc` on the loader
+//! The unit tests, the NVRTC compile check (`tests/nvrtc_compile.rs`: every variant of every
+//! family for sm_80 and sm_90a, no register spill) and the disk-cache tests (`tests/disk_cache.rs`) need no GPU; the check needs `libnvrtc` on the loader
 //! path (`source .ci/install-nvrtc.sh`) and fails when `CI` is set and it is missing. The GPU
-//! tests (`tests/gpu.rs`) are ignored by default.
+//! tests (`tests/gpu.rs`, `tests/gpu_decode.rs`) are ignored by default.
 //!
 //! # Example
 //! ```no_run
@@ -100,7 +116,8 @@ pub use device::{
     driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, DeviceOut, ForwardStats,
 };
 pub use error::CudaError;
+pub use kernels::decode::{num_splits_heuristic, DecodePlan};
 pub use kernels::{arch_for, DeviceProps, LaunchShape, Tiles, Variant};
 pub use params::{supports, ForwardOptions};
-pub use raw::{CuSeqlens, RawOut, RawTensor};
+pub use raw::{CacheTables, CuSeqlens, RawOut, RawTensor};
 pub use softmax_core::DType;

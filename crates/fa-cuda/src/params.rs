@@ -15,6 +15,9 @@ pub struct ForwardOptions {
     pub time_kernel: bool,
     /// Override the launch choice's tile sizes (tuning experiments; `None`: the tuned choice).
     pub tiles: Option<Tiles>,
+    /// KV-cache (decode) problems: force this many key splits (`None`: the plan's choice from
+    /// the problem and the SM count; `Some(0)` is an error).
+    pub splits: Option<u32>,
 }
 
 /// The kernel's parameter block; the `.cu` source's `struct Params` has the same layout.
@@ -73,9 +76,6 @@ pub fn supports(problem: &Problem, dtype: DType) -> Result<(), ProblemError> {
     if !matches!(dtype, DType::Bf16 | DType::F16) {
         return unsupported("fa-cuda takes bf16 or f16 inputs with an output of the same dtype");
     }
-    if problem.has_kv_cache() {
-        return unsupported("fa-cuda does not read KV-cache layouts yet");
-    }
     if problem.head_dim() % 8 != 0 || problem.head_dim_v() % 8 != 0 {
         return unsupported("fa-cuda needs head dims that are multiples of 8");
     }
@@ -108,6 +108,12 @@ pub(crate) fn prepare<'a>(
     let problem = *problem;
     problem.check_buffers(lens)?;
     supports(&problem, dtype)?;
+    if problem.has_kv_cache() {
+        // The device routes these to the decode family before preparing (device/decode.rs).
+        return Err(ProblemError::Unsupported {
+            what: "KV-cache problems run the decode kernels, not the forward kernel",
+        });
+    }
     let strides = problem.strides();
     // P is stored as a 16-bit operand of the inputs' dtype and reaches 2^tau.
     opts.rescale.check(dtype.max_finite(), 0.0)?;

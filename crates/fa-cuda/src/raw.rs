@@ -7,7 +7,9 @@ use crate::error::CudaError;
 use crate::kernels::DeviceProps;
 use crate::params::{prepare, ForwardOptions, Prepared};
 use core::marker::PhantomData;
-use softmax_core::{BufferLens, Extent, Out, Problem, ProblemError, Qkv, Sequences, Tensor};
+use softmax_core::{
+    BufferLens, Extent, KvCache, Out, Problem, ProblemError, Qkv, Sequences, Tensor,
+};
 
 /// A tensor in device memory that the caller owns: a device address and a length in elements
 /// of `T`. It does not own, free or track the memory; [`crate::Device::forward_on_stream`]
@@ -89,6 +91,78 @@ pub struct CuSeqlens {
     pub k: RawTensor<i32>,
 }
 
+/// Device-resident KV-cache tables (int32, PyTorch's `cache_seqlens` and `block_table`) for
+/// [`crate::Device::forward_cache_on_stream`] and [`crate::Device::append_kv_on_stream`]: the
+/// problem's host copies (validated by `softmax-core`) describe them, the kernels read these.
+/// Their values must equal the host copies ([`RawTensor::from_raw`]'s contract); the kernels
+/// clamp lengths to the cache's capacity and block indices to its blocks, so wrong values
+/// give wrong results but no access outside the tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheTables {
+    /// Keys used per sequence, `batch` entries.
+    pub seqused_k: RawTensor<i32>,
+    /// Row-major `[batch, blocks_per_seq]` block indices: required for a paged cache, absent
+    /// for a padded one.
+    pub block_table: Option<RawTensor<i32>>,
+}
+
+/// Checks device cache tables against the problem's cache (lengths, null, 4-byte alignment,
+/// a table exactly when the cache is paged); returns their addresses (0: no table).
+pub(crate) fn check_cache_tables(
+    problem: &Problem,
+    tables: &CacheTables,
+) -> Result<(u64, u64), CudaError> {
+    let needed_used = problem.batch();
+    let needed_table = match problem.kv_cache() {
+        KvCache::None => {
+            return Err(ProblemError::Unsupported {
+                what: "device cache tables go with a KV-cache problem",
+            }
+            .into())
+        }
+        KvCache::Padded { .. } => None,
+        KvCache::Paged { blocks_per_seq, .. } => Some(
+            problem
+                .batch()
+                .checked_mul(blocks_per_seq)
+                .ok_or(ProblemError::Overflow)?,
+        ),
+    };
+    let mut checked = vec![(Tensor::SequsedK, &tables.seqused_k, needed_used)];
+    match (needed_table, &tables.block_table) {
+        (Some(needed), Some(t)) => checked.push((Tensor::BlockTable, t, needed)),
+        (None, None) => {}
+        (Some(_), None) => {
+            return Err(ProblemError::Unsupported {
+                what: "a paged cache needs its block table on the device",
+            }
+            .into())
+        }
+        (None, Some(_)) => {
+            return Err(ProblemError::Unsupported {
+                what: "a padded cache takes no block table",
+            }
+            .into())
+        }
+    }
+    for (tensor, t, needed) in checked {
+        if t.len < needed {
+            return Err(ProblemError::BufferTooSmall {
+                tensor,
+                needed,
+                len: t.len,
+            }
+            .into());
+        }
+        // An empty table (no block per sequence) is never read.
+        check_ptr(tensor, t, 4)?;
+    }
+    Ok((
+        tables.seqused_k.ptr,
+        tables.block_table.map_or(0, |t| t.ptr),
+    ))
+}
+
 /// The output bundle of a call on caller memory: O and, optionally, the f32 LSE.
 pub type RawOut<T> = Out<RawTensor<T>, RawTensor<f32>>;
 
@@ -117,7 +191,7 @@ const ROW_ALIGN: u64 = 16;
 
 /// Rejects a null address (unless the tensor is empty), a misaligned one, and a range that
 /// wraps the address space.
-fn check_ptr<T>(tensor: Tensor, t: &RawTensor<T>, align: u64) -> Result<(), CudaError> {
+pub(crate) fn check_ptr<T>(tensor: Tensor, t: &RawTensor<T>, align: u64) -> Result<(), CudaError> {
     if t.len == 0 {
         return Ok(());
     }
@@ -375,5 +449,69 @@ mod tests {
             check(&dense, &call),
             Err(CudaError::Problem(ProblemError::Unsupported { .. }))
         ));
+    }
+
+    #[test]
+    fn device_cache_tables_are_checked() {
+        let used = [5u32, 9];
+        let table = [0i32, 1, 2, 3, 4, 5];
+        let padded = ProblemDesc::new(2, 1, 16, 4, 2, 64)
+            .padded_cache(&used)
+            .validate(256)
+            .unwrap();
+        let paged = ProblemDesc::new(2, 1, 0, 4, 2, 64)
+            .paged_cache(&used, &table, 3, 4, 6)
+            .validate(256)
+            .unwrap();
+        let tables = |used: RawTensor<i32>, table: Option<RawTensor<i32>>| CacheTables {
+            seqused_k: used,
+            block_table: table,
+        };
+        let good_used = at(0x70_0000, 2);
+        let good_table = at(0x71_0000, 6);
+        assert_eq!(
+            check_cache_tables(&padded, &tables(good_used, None)),
+            Ok((0x70_0000, 0))
+        );
+        assert_eq!(
+            check_cache_tables(&paged, &tables(good_used, Some(good_table))),
+            Ok((0x70_0000, 0x71_0000))
+        );
+        // A padded cache takes no table, a paged one needs it.
+        assert!(check_cache_tables(&padded, &tables(good_used, Some(good_table))).is_err());
+        assert!(check_cache_tables(&paged, &tables(good_used, None)).is_err());
+        // Short, null, misaligned.
+        assert_eq!(
+            check_cache_tables(&paged, &tables(at(0x70_0000, 1), Some(good_table))),
+            Err(CudaError::Problem(ProblemError::BufferTooSmall {
+                tensor: Tensor::SequsedK,
+                needed: 2,
+                len: 1
+            }))
+        );
+        assert_eq!(
+            check_cache_tables(&paged, &tables(good_used, Some(at(0x71_0000, 5)))),
+            Err(CudaError::Problem(ProblemError::BufferTooSmall {
+                tensor: Tensor::BlockTable,
+                needed: 6,
+                len: 5
+            }))
+        );
+        assert_eq!(
+            check_cache_tables(&padded, &tables(at(0, 2), None)),
+            Err(CudaError::NullPointer {
+                tensor: Tensor::SequsedK
+            })
+        );
+        assert!(matches!(
+            check_cache_tables(&paged, &tables(good_used, Some(at(0x71_0002, 6)))),
+            Err(CudaError::Misaligned {
+                tensor: Tensor::BlockTable,
+                ..
+            })
+        ));
+        // Tables without a cache.
+        let dense = ProblemDesc::new(2, 1, 16, 4, 2, 64).validate(256).unwrap();
+        assert!(check_cache_tables(&dense, &tables(good_used, None)).is_err());
     }
 }

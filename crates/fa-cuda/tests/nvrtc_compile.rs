@@ -109,3 +109,81 @@ fn every_variant_compiles_without_spills() {
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Compiles `variant` for both architectures; a failure, a missing ptxas report, a spill or a
+/// stack frame is returned as a message.
+fn check_variant<V: fa_cuda::kernels::KernelVariant + Clone>(variant: &V, out: &mut Vec<String>) {
+    for (n, arch) in ARCHS.iter().enumerate() {
+        let nonce = (std::process::id() % 100_000) * 1000 + 900 + n as u32;
+        let nonce = vec![format!("-DFA_COMPILE_CHECK_NONCE={nonce}")];
+        match compile_variant_with(variant, arch, &nonce) {
+            Err(e) => out.push(e.to_string()),
+            Ok(c) => {
+                println!(
+                    "{:<40} {:<7} {:>4} regs  stack {:>3}  spill st/ld {:>3}/{:<3} {:>7.0} ms",
+                    variant.name(),
+                    arch,
+                    c.usage.registers,
+                    c.usage.stack_frame,
+                    c.usage.spill_stores,
+                    c.usage.spill_loads,
+                    c.compile_ms
+                );
+                if c.usage.registers == 0 {
+                    out.push(format!("{} {arch}: no ptxas report", variant.name()));
+                } else if c.usage.spills() || c.usage.stack_frame > 0 {
+                    out.push(format!(
+                        "{} {arch}: spills or stack frame: {:?}",
+                        variant.name(),
+                        c.usage
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// The decode family (every variant the plan can pick), its combine kernel (both dtypes) and
+/// the append kernel, for sm_80 and sm_90a, without spills.
+#[test]
+#[ignore = "needs libnvrtc (source .ci/install-nvrtc.sh); CI runs it with --include-ignored"]
+fn decode_family_compiles_without_spills() {
+    use fa_cuda::kernels::decode::{AppendVariant, CombineVariant, DecodeVariant};
+    use fa_cuda::DType;
+    assert!(
+        nvrtc_available(),
+        "libnvrtc cannot be loaded: source .ci/install-nvrtc.sh first"
+    );
+    let only = std::env::var("FA_NVRTC_ONLY").unwrap_or_default();
+    let variants: Vec<DecodeVariant> = DecodeVariant::all()
+        .into_iter()
+        .filter(|v| v.name().contains(&only))
+        .collect();
+    // A few threads, each taking every n-th variant.
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .min(8);
+    let mut failures: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let variants = &variants;
+                s.spawn(move || {
+                    let mut out = Vec::new();
+                    for v in variants.iter().skip(t).step_by(threads) {
+                        check_variant(v, &mut out);
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("compile thread"))
+            .collect()
+    });
+    for dtype in [DType::Bf16, DType::F16] {
+        check_variant(&CombineVariant { dtype }, &mut failures);
+    }
+    check_variant(&AppendVariant, &mut failures);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -1,0 +1,257 @@
+//! Times the decode family on the issue's shapes (default: Llama-3 70B's layer, 64 query /
+//! 8 KV heads, head dim 128, bf16, one query per sequence, batch 1 and 16, caches 4k–128k,
+//! padded and paged with blocks of 16 and 256) and prints one JSON document: the device-copy
+//! bandwidth measured in the same run (read + write), and per shape the median kernel time
+//! (decode + combine, CUDA events), the K/V read bandwidth and its fraction of the copy
+//! bandwidth, with the plan's split count. Beside `scripts/torch_sdpa_decode.py` in one device
+//! call this gives the issue's table.
+//!
+//! ```text
+//! cargo run --release -p fa-cuda --example decode_bench -- [--batches 1,16]
+//!     [--caches 4096,16384,65536,131072] [--heads-q 64] [--heads-kv 8] [--hdim 128]
+//!     [--queries 1] [--layouts padded,paged16,paged256] [--splits plan,8,15,30] [--iters 50]
+//! ```
+//! `--splits` lists split counts to time per shape (`plan`: the plan's own choice, the
+//! default), for tuning the split rule.
+//! The caches are filled with random bf16 values (a 32 MiB random chunk copied over them on
+//! the device); paged block tables are random permutations of the blocks.
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use fa_cuda::{CacheTables, DType, Device, ForwardOptions, RawTensor};
+use half::bf16;
+use softmax_core::{Out, ProblemDesc, Qkv, MAX_HEAD_DIM};
+use std::sync::Arc;
+
+/// xorshift64*: cheap reproducible host randomness.
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Roughly N(0, 1/3): a sum of three uniforms on [-1, 1).
+    fn value(&mut self) -> f32 {
+        (0..3)
+            .map(|_| (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+            .sum::<f32>()
+            / 3.0
+    }
+}
+
+fn list(s: &str) -> Vec<usize> {
+    s.split(',').filter_map(|x| x.parse().ok()).collect()
+}
+
+/// A device allocation seen as a raw tensor of `T` (same size as `R`).
+fn raw<T, R: cudarc::driver::DeviceRepr>(
+    slice: &CudaSlice<R>,
+    stream: &CudaStream,
+) -> RawTensor<T> {
+    let (ptr, _record) = slice.device_ptr(stream);
+    // SAFETY: a live allocation of the device's context holding `len` values of `T`'s size,
+    // kept alive until after the stream is synchronised.
+    unsafe { RawTensor::from_raw(ptr, slice.len()) }
+}
+
+/// Fills `dst` with copies of a random chunk (device to device).
+fn fill(stream: &Arc<CudaStream>, dst: &mut CudaSlice<u16>, chunk: &CudaSlice<u16>) {
+    let n = chunk.len();
+    let mut at = 0;
+    while at < dst.len() {
+        let len = n.min(dst.len() - at);
+        let mut view = dst.slice_mut(at..at + len);
+        stream
+            .memcpy_dtod(&chunk.slice(0..len), &mut view)
+            .expect("device copy");
+        at += len;
+    }
+}
+
+fn median(mut v: Vec<f32>) -> f32 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() {
+    let (mut batches, mut caches) = (vec![1, 16], vec![4096, 16384, 65536, 131072]);
+    let (mut hq, mut hk, mut d, mut sq, mut iters) = (64usize, 8usize, 128usize, 1usize, 50usize);
+    let mut layouts: Vec<String> = ["padded", "paged16", "paged256"].map(String::from).to_vec();
+    let mut split_list: Vec<Option<u32>> = vec![None];
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let v = args.next().unwrap_or_default();
+        match a.as_str() {
+            "--batches" => batches = list(&v),
+            "--caches" => caches = list(&v),
+            "--heads-q" => hq = v.parse().expect("--heads-q N"),
+            "--heads-kv" => hk = v.parse().expect("--heads-kv N"),
+            "--hdim" => d = v.parse().expect("--hdim N"),
+            "--queries" => sq = v.parse().expect("--queries N"),
+            "--iters" => iters = v.parse().expect("--iters N"),
+            "--splits" => {
+                split_list = v
+                    .split(',')
+                    .map(|x| (x != "plan").then(|| x.parse().expect("--splits plan,N,...")))
+                    .collect()
+            }
+            "--layouts" => layouts = v.split(',').map(String::from).collect(),
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    let dev = Device::open(0).unwrap_or_else(|e| panic!("needs a CUDA GPU: {e}"));
+    let stream = dev.default_stream().clone();
+    let ctx = dev.context().clone();
+    let mut rng = Lcg(0x9e37_79b9_7f4a_7c15);
+    let chunk: Vec<u16> = (0..16 << 20)
+        .map(|_| bf16::from_f32(rng.value()).to_bits())
+        .collect();
+    let chunk = stream.clone_htod(&chunk).expect("upload");
+    let max_kv = batches.iter().max().copied().unwrap_or(1)
+        * caches.iter().max().copied().unwrap_or(1)
+        * hk
+        * d;
+    let mut k = stream.alloc_zeros::<u16>(max_kv).expect("K cache");
+    let mut v = stream.alloc_zeros::<u16>(max_kv).expect("V cache");
+    fill(&stream, &mut k, &chunk);
+    fill(&stream, &mut v, &chunk);
+
+    // The copy ceiling: K copied onto V, bytes read + written per second.
+    let copy_gbs = {
+        let mut times = Vec::new();
+        for _ in 0..10 {
+            let (s, e) = (
+                ctx.new_event(None).expect("event"),
+                ctx.new_event(None).expect("event"),
+            );
+            s.record(&stream).expect("record");
+            stream.memcpy_dtod(&k, &mut v).expect("copy");
+            e.record(&stream).expect("record");
+            stream.synchronize().expect("sync");
+            times.push(s.elapsed_ms(&e).expect("elapsed"));
+        }
+        2.0 * (max_kv * 2) as f64 / (median(times) as f64 * 1e-3) / 1e9
+    };
+    fill(&stream, &mut v, &chunk);
+    eprintln!("device copy: {copy_gbs:.0} GB/s (read + write)");
+
+    let mut rows = Vec::new();
+    for &batch in &batches {
+        for &cache in &caches {
+            let q_host: Vec<u16> = (0..batch * sq * hq * d)
+                .map(|_| bf16::from_f32(rng.value()).to_bits())
+                .collect();
+            let q = stream.clone_htod(&q_host).expect("upload");
+            let o = stream.alloc_zeros::<u16>(q_host.len()).expect("O");
+            let used_host = vec![cache as u32; batch];
+            let used_dev = stream
+                .clone_htod(&vec![cache as i32; batch])
+                .expect("upload");
+            for layout in &layouts {
+                let block_size: Option<usize> = layout
+                    .strip_prefix("paged")
+                    .map(|b| b.parse().expect("paged<N>"));
+                // A random permutation of the blocks (every sequence's blocks scattered).
+                let table: Vec<i32> = match block_size {
+                    None => Vec::new(),
+                    Some(bs) => {
+                        let mut t: Vec<i32> = (0..(batch * cache.div_ceil(bs)) as i32).collect();
+                        for i in (1..t.len()).rev() {
+                            t.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+                        }
+                        t
+                    }
+                };
+                let desc = match block_size {
+                    None => ProblemDesc::new(batch, sq, cache, hq, hk, d).padded_cache(&used_host),
+                    Some(bs) => ProblemDesc::new(batch, sq, 0, hq, hk, d).paged_cache(
+                        &used_host,
+                        &table,
+                        cache.div_ceil(bs),
+                        bs,
+                        table.len(),
+                    ),
+                };
+                let problem = desc.validate(MAX_HEAD_DIM).expect("valid shape");
+                let table_dev =
+                    (!table.is_empty()).then(|| stream.clone_htod(&table).expect("upload"));
+                for &splits in &split_list {
+                    let opts = ForwardOptions {
+                        splits,
+                        time_kernel: true,
+                        ..ForwardOptions::default()
+                    };
+                    let bytes = dev
+                        .decode_workspace_bytes(&problem, DType::Bf16, &opts)
+                        .expect("workspace size");
+                    let ws = stream
+                        .alloc_zeros::<f32>(bytes.div_ceil(4).max(1))
+                        .expect("workspace");
+                    let tables = CacheTables {
+                        seqused_k: raw(&used_dev, &stream),
+                        block_table: table_dev.as_ref().map(|t| raw(t, &stream)),
+                    };
+                    let lens = problem.min_buffer_lens();
+                    // SAFETY: prefixes of live allocations (K/V hold max_kv >= lens.k elements).
+                    let (kr, vr) = unsafe {
+                        (
+                            RawTensor::<bf16>::from_raw(
+                                raw::<bf16, u16>(&k, &stream).ptr(),
+                                lens.k,
+                            ),
+                            RawTensor::<bf16>::from_raw(
+                                raw::<bf16, u16>(&v, &stream).ptr(),
+                                lens.v,
+                            ),
+                        )
+                    };
+                    let qkv = Qkv::new(raw::<bf16, u16>(&q, &stream), kr, vr);
+                    let mut times = Vec::new();
+                    let mut plan = None;
+                    for it in 0..iters + 5 {
+                        let stats = dev
+                            .forward_cache_on_stream(
+                                &problem,
+                                tables,
+                                Some(raw(&ws, &stream)),
+                                qkv,
+                                Out::new(raw::<bf16, u16>(&o, &stream)),
+                                &stream,
+                                &opts,
+                            )
+                            .expect("decode");
+                        plan = stats.decode;
+                        if it >= 5 {
+                            times.push(stats.kernel_ms.expect("timed"));
+                        }
+                    }
+                    stream.synchronize().expect("sync");
+                    let t_ms = median(times) as f64;
+                    let kv_bytes = 2.0 * (batch * cache * hk * d * 2) as f64;
+                    let gbs = kv_bytes / (t_ms * 1e-3) / 1e9;
+                    let plan = plan.expect("a launch");
+                    eprintln!(
+                    "batch {batch:>2} cache {cache:>6} {layout:<9} {:>8.1} us {gbs:>6.0} GB/s ({:.2} of copy) splits {}",
+                    t_ms * 1e3,
+                    gbs / copy_gbs,
+                    plan.num_splits
+                );
+                    rows.push(format!(
+                    "{{\"batch\":{batch},\"cache\":{cache},\"queries\":{sq},\"heads_q\":{hq},\"heads_kv\":{hk},\"hdim\":{d},\"layout\":\"{layout}\",\"us\":{:.1},\"kv_gbs\":{gbs:.0},\"frac_of_copy\":{:.3},\"splits\":{},\"forced\":{},\"variant\":\"{}\"}}",
+                    t_ms * 1e3,
+                    gbs / copy_gbs,
+                    plan.num_splits,
+                    splits.is_some(),
+                    plan.variant.name()
+                ));
+                }
+            }
+        }
+    }
+    println!(
+        "{{\"bench\":\"fa_cuda_decode\",\"device\":\"{}\",\"copy_gbs\":{copy_gbs:.0},\"rows\":[\n{}\n]}}",
+        dev.name(),
+        rows.join(",\n")
+    );
+}

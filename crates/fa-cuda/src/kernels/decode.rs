@@ -1,0 +1,943 @@
+//! The decode family (sm_80 and newer): split-KV attention of a few queries per sequence
+//! against a KV cache (padded with `seqused_k`, or paged through an int32 block table), the
+//! combine kernel that merges the splits, and the in-place append of new K/V tokens. Its
+//! sources (`decode/*.cu`, `decode/params.cuh`, `common/merge.cuh`), variants, parameter block
+//! and plan: the split count from the problem and [`DeviceProps::sm_count`] (FlashAttention's
+//! wave-efficiency rule), overridable by [`crate::ForwardOptions::splits`].
+
+use super::{DType, DeviceProps, KernelFamily, KernelVariant, SourceFile, COMMON_HEADERS};
+use softmax_core::{KvCache, Problem, ProblemError, RescalePolicy};
+
+/// The headers of the decode family: the common ones, the merge rule and the parameter block.
+pub static DECODE_HEADERS: [SourceFile; 6] = [
+    COMMON_HEADERS[0],
+    COMMON_HEADERS[1],
+    COMMON_HEADERS[2],
+    COMMON_HEADERS[3],
+    SourceFile {
+        name: "common/merge.cuh",
+        text: include_str!("common/merge.cuh"),
+    },
+    SourceFile {
+        name: "decode/params.cuh",
+        text: include_str!("decode/params.cuh"),
+    },
+];
+
+/// The split-KV decode kernel.
+pub static FAMILY: KernelFamily = KernelFamily {
+    name: "flash_decode_sm80",
+    main: SourceFile {
+        name: "decode/flash_decode.cu",
+        text: include_str!("decode/flash_decode.cu"),
+    },
+    headers: &DECODE_HEADERS,
+    entries: &["flash_decode"],
+    min_capability: (8, 0),
+    max_major: None,
+};
+
+/// The combine kernel: merges the splits' partial rows and writes O and the LSE.
+pub static COMBINE_FAMILY: KernelFamily = KernelFamily {
+    name: "flash_decode_combine",
+    main: SourceFile {
+        name: "decode/combine.cu",
+        text: include_str!("decode/combine.cu"),
+    },
+    headers: &DECODE_HEADERS,
+    entries: &["flash_decode_combine"],
+    min_capability: (8, 0),
+    max_major: None,
+};
+
+/// The append kernel: new K/V tokens written into the cache at each sequence's used length.
+pub static APPEND_FAMILY: KernelFamily = KernelFamily {
+    name: "append_kv",
+    main: SourceFile {
+        name: "decode/append.cu",
+        text: include_str!("decode/append.cu"),
+    },
+    headers: &DECODE_HEADERS,
+    entries: &["append_kv"],
+    min_capability: (8, 0),
+    max_major: None,
+};
+
+/// One compiled specialisation of the decode kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DecodeVariant {
+    /// Head dim the tiles are laid out for (64, 128, 256).
+    pub hdp: u32,
+    /// 16-row m-tiles per CTA (the query heads of a KV group times the queries).
+    pub mt: u32,
+    /// Keys per warp per tile.
+    pub wn: u32,
+    /// Warps per CTA (they split each tile's keys).
+    pub warps: u32,
+    /// K/V tiles in flight.
+    pub stages: u32,
+    /// Element type.
+    pub dtype: DType,
+    /// Softcap or a non-positive scale: scores transformed before the max.
+    pub general_scores: bool,
+}
+
+impl DecodeVariant {
+    /// Query rows per CTA.
+    pub fn block_m(&self) -> u32 {
+        16 * self.mt
+    }
+    /// Keys per tile.
+    pub fn block_n(&self) -> u32 {
+        self.warps * self.wn
+    }
+    /// Threads per CTA.
+    pub fn threads(&self) -> u32 {
+        self.warps * 32
+    }
+    /// Dynamic shared memory: the Q tile and `stages` K and V tiles (16-bit), or, if larger,
+    /// the warps' partial rows (f32) that the final merge reads.
+    pub fn smem_bytes(&self) -> u32 {
+        let tiles = (self.block_m() + 2 * self.stages * self.block_n()) * self.hdp * 2;
+        let merge = self.warps * self.block_m() * (self.hdp + 2) * 4;
+        tiles.max(merge)
+    }
+    /// The NVRTC `-D` options.
+    pub fn defines(&self) -> Vec<String> {
+        vec![
+            format!("-DHDP={}", self.hdp),
+            format!("-DMT={}", self.mt),
+            format!("-DWN={}", self.wn),
+            format!("-DWARPS={}", self.warps),
+            format!("-DSTAGES={}", self.stages),
+            format!("-DIS_BF16={}", u32::from(self.dtype == DType::Bf16)),
+            format!("-DGENERAL_SCORES={}", u32::from(self.general_scores)),
+        ]
+    }
+    /// A readable name, e.g. `decode_sm80_bf16_d128_m16_n64_w4_s4` (`_gen`: general scores).
+    pub fn name(&self) -> String {
+        format!(
+            "decode_sm80_{}_d{}_m{}_n{}_w{}_s{}{}",
+            self.dtype.name(),
+            self.hdp,
+            self.block_m(),
+            self.block_n(),
+            self.warps,
+            self.stages,
+            if self.general_scores { "_gen" } else { "" }
+        )
+    }
+    /// The tuned variant for a padded head dim, a row count per KV head and a dtype: one
+    /// 16-row m-tile, or two where the rows need them and the registers allow (head dim ≤ 128);
+    /// tiles of 64 keys (128 at head dim 64) and as many stages in flight as fit in 128 KiB.
+    pub fn for_shape(hdp: u32, rows: usize, dtype: DType, general_scores: bool) -> DecodeVariant {
+        let mt = if hdp <= 128 && rows > 16 { 2 } else { 1 };
+        let (wn, stages) = match hdp {
+            64 => (32, 4),
+            128 => (16, 4),
+            _ => (16, 2),
+        };
+        DecodeVariant {
+            hdp,
+            mt,
+            wn,
+            warps: 4,
+            stages,
+            dtype,
+            general_scores,
+        }
+    }
+    /// Every variant the plan can select (what the CI compile check builds).
+    pub fn all() -> Vec<DecodeVariant> {
+        let mut all = Vec::new();
+        for dtype in [DType::Bf16, DType::F16] {
+            for hdp in [64, 128, 256] {
+                for rows in [16, 32] {
+                    for general in [false, true] {
+                        let v = DecodeVariant::for_shape(hdp, rows, dtype, general);
+                        if !all.contains(&v) {
+                            all.push(v);
+                        }
+                    }
+                }
+            }
+        }
+        all
+    }
+}
+
+impl KernelVariant for DecodeVariant {
+    fn family(&self) -> &'static KernelFamily {
+        &FAMILY
+    }
+    fn defines(&self) -> Vec<String> {
+        DecodeVariant::defines(self)
+    }
+    fn entry(&self) -> &'static str {
+        FAMILY.entries[0]
+    }
+    fn name(&self) -> String {
+        DecodeVariant::name(self)
+    }
+}
+
+/// The combine kernel of one dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CombineVariant {
+    /// Element type of O.
+    pub dtype: DType,
+}
+
+impl CombineVariant {
+    /// Warps (rows) per CTA, as the source's `WARPS`.
+    pub const WARPS: u32 = 4;
+}
+
+impl KernelVariant for CombineVariant {
+    fn family(&self) -> &'static KernelFamily {
+        &COMBINE_FAMILY
+    }
+    fn defines(&self) -> Vec<String> {
+        vec![format!(
+            "-DIS_BF16={}",
+            u32::from(self.dtype == DType::Bf16)
+        )]
+    }
+    fn entry(&self) -> &'static str {
+        COMBINE_FAMILY.entries[0]
+    }
+    fn name(&self) -> String {
+        format!("decode_combine_{}", self.dtype.name())
+    }
+}
+
+/// The append kernel (a byte copy: one variant for both 16-bit dtypes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AppendVariant;
+
+impl KernelVariant for AppendVariant {
+    fn family(&self) -> &'static KernelFamily {
+        &APPEND_FAMILY
+    }
+    fn defines(&self) -> Vec<String> {
+        Vec::new()
+    }
+    fn entry(&self) -> &'static str {
+        APPEND_FAMILY.entries[0]
+    }
+    fn name(&self) -> String {
+        "append_kv".to_string()
+    }
+}
+
+/// The parameter block of the decode family; `decode/params.cuh`'s `DecodeParams` has the same
+/// layout.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct DecodeParams {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub seqused_k: u64,
+    pub block_table: u64,
+    pub o_part: u64,
+    pub ml_part: u64,
+    pub q_strides: [i64; 3],
+    pub k_strides: [i64; 3],
+    pub v_strides: [i64; 3],
+    pub o_strides: [i64; 3],
+    pub lse_bs: i64,
+    pub lse_hs: i64,
+    pub seqlen_q: i32,
+    pub capacity: i32,
+    pub group: i32,
+    pub head_dim: i32,
+    pub head_dim_v: i32,
+    pub win_left: i32,
+    pub win_right: i32,
+    pub rows: i32,
+    pub num_m_blocks: i32,
+    pub num_splits: i32,
+    pub block_size: i32,
+    pub blocks_per_seq: i32,
+    pub num_blocks: i32,
+    pub batch: i32,
+    pub heads_q: i32,
+    pub pre: f32,
+    pub softcap_post: f32,
+    pub tau: f32,
+    pub seqlen_new: i32,
+    pub pad: i32,
+    pub k_new: u64,
+    pub v_new: u64,
+    pub kn_strides: [i64; 3],
+    pub vn_strides: [i64; 3],
+}
+
+// SAFETY: plain old data with a C layout matching the kernels' `DecodeParams` (checked by the
+// size assertion below and by the GPU tests).
+unsafe impl cudarc::driver::DeviceRepr for DecodeParams {}
+const _: () = assert!(core::mem::size_of::<DecodeParams>() == 328);
+// Field offsets as `decode/params.cuh` lays them out (9 pointers, 14 strides, 15 ints, ...).
+const _: () = assert!(core::mem::offset_of!(DecodeParams, q_strides) == 72);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, seqlen_q) == 184);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, pre) == 244);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, k_new) == 264);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, kn_strides) == 280);
+
+/// The launch choice of a decode call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodePlan {
+    /// The decode kernel's variant.
+    pub variant: DecodeVariant,
+    /// Grid (m-blocks × splits, KV heads, sequences).
+    pub grid: (u32, u32, u32),
+    /// Threads per CTA.
+    pub block: u32,
+    /// Dynamic shared memory in bytes.
+    pub smem_bytes: u32,
+    /// Key splits (1: the decode kernel writes O itself, no combine).
+    pub num_splits: u32,
+    /// CTAs of the combine kernel (0 without splits).
+    pub combine_blocks: u32,
+    /// Bytes of f32 workspace the splits need (0 without splits).
+    pub workspace_bytes: usize,
+}
+
+/// The largest split count (FlashAttention-2's cap).
+pub const MAX_SPLITS: u32 = 128;
+
+/// The split count of a launch of `ctas` CTAs (without splitting) whose longest sequence has
+/// `n_tiles` key tiles, on `sm_count` SMs: 1 when the CTAs already fill 80 % of the SMs;
+/// otherwise the smallest count whose wave efficiency (waves / whole waves) is within 85 % of
+/// the best count's, among counts that shorten the longest split (FlashAttention's rule, in
+/// `hopper/heuristics.h`), at most [`MAX_SPLITS`], the SM count and the tile count.
+pub fn num_splits_heuristic(ctas: u32, sm_count: u32, n_tiles: u32) -> u32 {
+    let sm_count = sm_count.max(1);
+    if ctas == 0 || ctas as f64 >= 0.8 * sm_count as f64 {
+        return 1;
+    }
+    let max_splits = MAX_SPLITS.min(sm_count).min(n_tiles).max(1);
+    let eligible = |s: u32| s == 1 || n_tiles.div_ceil(s) != n_tiles.div_ceil(s - 1);
+    let efficiency = |s: u32| {
+        let waves = (ctas * s) as f64 / sm_count as f64;
+        waves / waves.ceil()
+    };
+    let best = (1..=max_splits)
+        .filter(|&s| eligible(s))
+        .map(efficiency)
+        .fold(0.0f64, f64::max);
+    (1..=max_splits)
+        .find(|&s| eligible(s) && efficiency(s) >= 0.85 * best)
+        .unwrap_or(1)
+}
+
+/// Padded head dim of the tiles.
+fn hdp_of(problem: &Problem) -> u32 {
+    match problem.head_dim().max(problem.head_dim_v()) {
+        0..=64 => 64,
+        65..=128 => 128,
+        _ => 256,
+    }
+}
+
+/// The plan of a decode call on a device: variant, split count (`splits` forces it; `Some(0)`
+/// is an error), grid and workspace. `Ok(None)` when there is nothing to compute (no query).
+/// Errors: a problem without a KV cache, more CTAs than a grid holds, shared memory over the
+/// device's limit.
+pub fn plan_decode(
+    problem: &Problem,
+    dtype: DType,
+    splits: Option<u32>,
+    props: &DeviceProps,
+) -> Result<Option<DecodePlan>, ProblemError> {
+    let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
+    if !problem.has_kv_cache() {
+        return unsupported("the decode kernels read a KV cache");
+    }
+    if splits == Some(0) {
+        return unsupported("a forced split count must be at least 1");
+    }
+    let seqlen_q = problem.max_seqlen_q();
+    if seqlen_q == 0 {
+        return Ok(None);
+    }
+    let rows = problem.group_size() * seqlen_q;
+    let general = problem.softcap().is_some() || problem.softmax_scale() <= 0.0;
+    let variant = DecodeVariant::for_shape(hdp_of(problem), rows, dtype, general);
+    if variant.smem_bytes() > props.smem_optin_bytes {
+        return unsupported("the decode kernel's shared memory exceeds this device's limit");
+    }
+    let m_blocks = rows.div_ceil(variant.block_m() as usize);
+    let ctas = m_blocks
+        .checked_mul(problem.heads_kv() * problem.batch())
+        .ok_or(ProblemError::Overflow)?;
+    let longest = (0..problem.batch())
+        .map(|b| problem.seq(b).seqlen_k)
+        .max()
+        .unwrap_or(0);
+    let n_tiles = longest.div_ceil(variant.block_n() as usize);
+    let num_splits = match splits {
+        Some(s) => s.min(1024),
+        None => num_splits_heuristic(
+            u32::try_from(ctas).unwrap_or(u32::MAX),
+            props.sm_count,
+            u32::try_from(n_tiles).unwrap_or(u32::MAX),
+        ),
+    };
+    let grid_x = m_blocks
+        .checked_mul(num_splits as usize)
+        .filter(|&x| x < i32::MAX as usize)
+        .ok_or(ProblemError::Unsupported {
+            what: "too many decode CTAs for one grid",
+        })?;
+    let out_rows = problem.batch() * problem.heads_q() * seqlen_q;
+    let (combine_blocks, workspace_bytes) = if num_splits > 1 {
+        let blocks = out_rows.div_ceil(CombineVariant::WARPS as usize);
+        let bytes = (num_splits as usize)
+            .checked_mul(out_rows)
+            .and_then(|n| n.checked_mul((problem.head_dim_v() + 2) * 4))
+            .ok_or(ProblemError::Overflow)?;
+        (
+            u32::try_from(blocks).map_err(|_| ProblemError::Overflow)?,
+            bytes,
+        )
+    } else {
+        (0, 0)
+    };
+    Ok(Some(DecodePlan {
+        variant,
+        grid: (
+            grid_x as u32,
+            problem.heads_kv() as u32,
+            problem.batch() as u32,
+        ),
+        block: variant.threads(),
+        smem_bytes: variant.smem_bytes(),
+        num_splits,
+        combine_blocks,
+        workspace_bytes,
+    }))
+}
+
+/// The kernel parameters of a decode call (device pointers still zero) and the element offset
+/// of the (m, l) part inside the workspace.
+pub(crate) fn decode_params(
+    problem: &Problem,
+    plan: &DecodePlan,
+    rescale: RescalePolicy<f32>,
+) -> (DecodeParams, usize) {
+    let tau = match rescale {
+        RescalePolicy::Always => 0.0,
+        RescalePolicy::Threshold(t) => t,
+    };
+    let transform = problem.score_transform::<f64>();
+    let mask = problem.mask();
+    let window = |w: Option<usize>| w.map_or(-1, |w| w.min(1 << 30) as i32);
+    let seqlen_q = problem.max_seqlen_q();
+    let params = DecodeParams {
+        seqlen_q: seqlen_q as i32,
+        win_left: window(mask.left),
+        win_right: window(mask.right),
+        rows: (problem.group_size() * seqlen_q) as i32,
+        num_m_blocks: (plan.grid.0 / plan.num_splits) as i32,
+        num_splits: plan.num_splits as i32,
+        pre: transform.pre_factor() as f32,
+        softcap_post: transform.softcap_post_factor().unwrap_or(0.0) as f32,
+        tau,
+        ..cache_params(problem)
+    };
+    let out_rows = problem.batch() * problem.heads_q() * seqlen_q;
+    let ml_offset = plan.num_splits as usize * out_rows * problem.head_dim_v();
+    (params, ml_offset)
+}
+
+/// The parameters that describe the cache and the tensors' strides (shared by the decode and
+/// the append kernel): strides, capacity per sequence, paged shape, head counts and dims.
+pub(crate) fn cache_params(problem: &Problem) -> DecodeParams {
+    let strides = problem.strides();
+    let triple = |s: &softmax_core::Strides| [s.batch as i64, s.seq as i64, s.head as i64];
+    let (capacity, block_size, blocks_per_seq, num_blocks) = cache_shape(problem);
+    let seqlen_q = problem.max_seqlen_q();
+    DecodeParams {
+        q_strides: triple(&strides[0]),
+        k_strides: triple(&strides[1]),
+        v_strides: triple(&strides[2]),
+        o_strides: triple(&strides[3]),
+        lse_bs: (problem.heads_q() * seqlen_q) as i64,
+        lse_hs: seqlen_q as i64,
+        capacity: capacity as i32,
+        group: problem.group_size() as i32,
+        head_dim: problem.head_dim() as i32,
+        head_dim_v: problem.head_dim_v() as i32,
+        block_size: block_size as i32,
+        blocks_per_seq: blocks_per_seq as i32,
+        num_blocks: num_blocks.min(i32::MAX as usize) as i32,
+        batch: problem.batch() as i32,
+        heads_q: problem.heads_q() as i32,
+        ..DecodeParams::default()
+    }
+}
+
+/// `(capacity, block_size, blocks_per_seq, num_blocks)` of the problem's cache: keys one
+/// sequence can hold, and the paged shape (block size 0: padded, or no cache).
+pub(crate) fn cache_shape(problem: &Problem) -> (usize, usize, usize, usize) {
+    match problem.kv_cache() {
+        KvCache::Paged {
+            blocks_per_seq,
+            block_size,
+            num_blocks,
+            ..
+        } => (
+            // No block at all: nothing can be read, whatever device-side lengths say.
+            if num_blocks == 0 {
+                0
+            } else {
+                blocks_per_seq * block_size
+            },
+            block_size,
+            blocks_per_seq,
+            num_blocks,
+        ),
+        _ => (problem.total_k(), 0, 0, 0),
+    }
+}
+
+/// The key tiles `[begin, end)` that split `split` of m-block `m_block` reads for a sequence
+/// of `seqused` keys: the host's mirror of `flash_decode`'s split arithmetic (tests check
+/// that the splits cover every visible tile exactly once).
+pub fn split_tiles(
+    variant: &DecodeVariant,
+    problem: &Problem,
+    seqused: usize,
+    num_splits: u32,
+    m_block: usize,
+    split: u32,
+) -> (usize, usize) {
+    let sq = problem.max_seqlen_q();
+    let rows = problem.group_size() * sq;
+    let m0 = m_block * variant.block_m() as usize;
+    if m0 >= rows {
+        return (0, 0);
+    }
+    let last = (m0 + variant.block_m() as usize).min(rows) - 1;
+    let (i_min, i_max) = if m0 / sq == last / sq {
+        (m0 % sq, last % sq)
+    } else {
+        (0, sq - 1)
+    };
+    let mask = problem.mask();
+    let diag = seqused as i64 - sq as i64;
+    let lo = mask
+        .left
+        .map_or(0, |l| (i_min as i64 + diag - l as i64).max(0));
+    let hi = mask.right.map_or(seqused as i64, |r| {
+        (i_max as i64 + diag + r as i64 + 1).min(seqused as i64)
+    });
+    if hi <= lo {
+        return (0, 0);
+    }
+    let bn = variant.block_n() as i64;
+    let (t_lo, t_hi) = (lo / bn, (hi + bn - 1) / bn);
+    let per = (t_hi - t_lo + num_splits as i64 - 1) / num_splits as i64;
+    let begin = (t_lo + split as i64 * per).min(t_hi);
+    let end = (begin + per).min(t_hi);
+    (begin as usize, end as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use softmax_core::ProblemDesc;
+
+    #[test]
+    fn splits_follow_the_wave_rule() {
+        // Already most of a wave: no split.
+        assert_eq!(num_splits_heuristic(128, 132, 1000), 1);
+        assert_eq!(num_splits_heuristic(106, 132, 1000), 1);
+        // Llama-3 70B, batch 1: 8 KV heads on 132 SMs; 15 splits fill 120 SMs (91 %).
+        assert_eq!(num_splits_heuristic(8, 132, 1000), 15);
+        // Few tiles cap the count.
+        assert_eq!(num_splits_heuristic(8, 132, 4), 4);
+        assert_eq!(num_splits_heuristic(8, 132, 1), 1);
+        // Never more than the SM count or MAX_SPLITS.
+        assert!(num_splits_heuristic(1, 1000, 100_000) <= MAX_SPLITS);
+        assert!(num_splits_heuristic(1, 8, 100_000) <= 8);
+        for ctas in 1..200 {
+            for tiles in [1, 2, 7, 64, 2048] {
+                let s = num_splits_heuristic(ctas, 132, tiles);
+                assert!(
+                    s >= 1 && s <= tiles.max(1) && s <= 132,
+                    "{ctas} {tiles} {s}"
+                );
+            }
+        }
+    }
+
+    fn paged<'a>(seqused: &'a [u32], table: &'a [i32], bs: usize, sq: usize) -> Problem<'a> {
+        let bps = table.len() / seqused.len();
+        ProblemDesc::new(seqused.len(), sq, 0, 8, 2, 128)
+            .paged_cache(seqused, table, bps, bs, 64)
+            .validate(256)
+            .expect("valid")
+    }
+
+    #[test]
+    fn plan_picks_splits_gqa_packing_and_workspace() {
+        let used = [1000u32, 7];
+        let table: Vec<i32> = (0..2 * 63).map(|i| i % 64).collect();
+        let problem = paged(&used, &table, 16, 1);
+        let plan = plan_decode(&problem, DType::Bf16, None, &DeviceProps::h200())
+            .expect("plan")
+            .expect("work");
+        // 4 query heads per KV head, one query: one 16-row m-block per KV head.
+        assert_eq!(plan.variant.mt, 1);
+        assert_eq!(plan.grid.1, 2);
+        assert_eq!(plan.grid.2, 2);
+        assert!(plan.num_splits > 1);
+        assert_eq!(plan.grid.0, plan.num_splits);
+        let out_rows = 2 * 8;
+        assert_eq!(
+            plan.workspace_bytes,
+            plan.num_splits as usize * out_rows * (128 + 2) * 4
+        );
+        assert_eq!(plan.combine_blocks, 4);
+        let forced = plan_decode(&problem, DType::Bf16, Some(3), &DeviceProps::a100())
+            .expect("plan")
+            .expect("work");
+        assert_eq!(forced.num_splits, 3);
+        let one = plan_decode(&problem, DType::Bf16, Some(1), &DeviceProps::a100())
+            .expect("plan")
+            .expect("work");
+        assert_eq!((one.workspace_bytes, one.combine_blocks), (0, 0));
+        assert!(plan_decode(&problem, DType::Bf16, Some(0), &DeviceProps::a100()).is_err());
+        let dense = ProblemDesc::new(1, 1, 10, 8, 2, 128).validate(256).unwrap();
+        assert!(plan_decode(&dense, DType::Bf16, None, &DeviceProps::a100()).is_err());
+        // 8 queries × 4 heads: 32 rows, two m-tiles.
+        let multi = paged(&used, &table, 16, 8);
+        let plan = plan_decode(&multi, DType::F16, None, &DeviceProps::h200())
+            .expect("plan")
+            .expect("work");
+        assert_eq!(plan.variant.mt, 2);
+    }
+
+    #[test]
+    fn every_variant_fits_both_reference_devices_and_has_a_distinct_name() {
+        let all = DecodeVariant::all();
+        let mut names: Vec<String> = all.iter().map(DecodeVariant::name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
+        for v in &all {
+            assert!(
+                v.smem_bytes() <= DeviceProps::a100().smem_optin_bytes,
+                "{}",
+                v.name()
+            );
+            assert_eq!(v.block_m() % 16, 0);
+            assert_eq!((v.threads() / v.block_m()) * v.block_m(), v.threads());
+            // Columns per thread of the final merge: whole 16-byte chunks.
+            assert_eq!((v.hdp / (v.threads() / v.block_m())) % 8, 0);
+        }
+    }
+
+    /// The decode and combine kernels' index arithmetic, emulated in f64 on the host with the
+    /// sources' own expressions (row packing `r = g·seqlen_q + i`, split tiles, each warp's key
+    /// slice with its own online softmax, the warps' merge, the workspace rows
+    /// `((split·batch + b)·heads_q + h)·seqlen_q + i` and the (m, l) block after the
+    /// accumulators, the combine's row decomposition, the LSE index), through the parameters
+    /// `decode_params` fills, against the f64 reference on random padded and paged caches.
+    #[test]
+    fn emulated_kernels_match_the_reference() {
+        use fa_reference::{attention_f64, Rng};
+        use softmax_core::Mask;
+        let mut rng = Rng::new(21);
+        let masks = [
+            Mask::NONE,
+            Mask::CAUSAL,
+            Mask {
+                left: Some(9),
+                right: Some(1),
+            },
+        ];
+        for (paged, sq, hq, hk, d, splits) in [
+            (false, 1, 8, 2, 64, 1),
+            (true, 3, 8, 2, 64, 3),
+            (true, 2, 16, 1, 72, 16),
+            (false, 4, 4, 4, 128, 2),
+        ] {
+            for mask in masks {
+                let used = [0u32, 1, 77, 130 + rng.below(40) as u32];
+                let bs = 5;
+                let bps = 200usize.div_ceil(bs);
+                let num_blocks = used.len() * bps;
+                let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+                for i in (1..ids.len()).rev() {
+                    ids.swap(i, rng.below(i + 1));
+                }
+                let desc = ProblemDesc::new(used.len(), sq, 200, hq, hk, d).with_mask(mask);
+                let desc = if paged {
+                    desc.paged_cache(&used, &ids, bps, bs, num_blocks)
+                } else {
+                    desc.padded_cache(&used)
+                };
+                let problem = desc.validate(256).expect("valid");
+                let lens = problem.min_buffer_lens();
+                let mut draw = |n: usize| (0..n).map(|_| rng.normal()).collect::<Vec<f64>>();
+                let (q, k, v) = (draw(lens.q), draw(lens.k), draw(lens.v));
+                let table: Vec<i32> = if paged { ids.clone() } else { Vec::new() };
+                let plan = plan_decode(&problem, DType::Bf16, Some(splits), &DeviceProps::h200())
+                    .expect("plan")
+                    .expect("work");
+                let (p, ml_offset) = decode_params(&problem, &plan, RescalePolicy::Threshold(8.0));
+                let (o, lse) = emulate(&p, ml_offset, &plan, &q, &k, &v, &used, &table);
+                let oracle = attention_f64(&problem, &q, &k, &v);
+                let report = fa_reference::compare(&problem, &o, Some(&lse), &oracle);
+                assert!(
+                    report.within(1e-6, 1e-5),
+                    "{paged} {sq} {hq}/{hk} {mask:?}: {report:?}"
+                );
+            }
+        }
+    }
+
+    /// `flash_decode` then `flash_decode_combine` on the host, statement by statement as far
+    /// as indices go (f64 arithmetic, exact exponentials, τ = 8 threshold rescale).
+    #[allow(clippy::too_many_arguments)]
+    fn emulate(
+        p: &DecodeParams,
+        ml_offset: usize,
+        plan: &DecodePlan,
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        seqused: &[u32],
+        table: &[i32],
+    ) -> (Vec<f64>, Vec<f32>) {
+        use softmax_core::RowState;
+        let var = plan.variant;
+        let (block_m, block_n, wn) = (var.block_m() as i64, var.block_n() as i64, var.wn as i64);
+        let sq = p.seqlen_q as i64;
+        let rows_total = p.batch as i64 * p.heads_q as i64 * sq;
+        let o_len = (p.batch as i64 * p.o_strides[0]) as usize;
+        let mut o = vec![f64::NAN; o_len];
+        let mut lse = vec![f32::NAN; rows_total as usize];
+        let mut ws = vec![f64::NAN; ml_offset + 2 * rows_total as usize * p.num_splits as usize];
+        let key_lo = |i: i64, diag: i64| {
+            if p.win_left >= 0 {
+                (i + diag - p.win_left as i64).max(0)
+            } else {
+                0
+            }
+        };
+        let key_hi = |i: i64, diag: i64, sk: i64| {
+            if p.win_right >= 0 {
+                (i + diag + p.win_right as i64 + 1).min(sk)
+            } else {
+                sk
+            }
+        };
+        let (gx, gy, gz) = plan.grid;
+        for b in 0..gz as i64 {
+            for hk in 0..gy as i64 {
+                for x in 0..gx as i64 {
+                    let split = x % p.num_splits as i64;
+                    let m_block = x / p.num_splits as i64;
+                    let m0 = m_block * block_m;
+                    if m0 >= p.rows as i64 {
+                        continue;
+                    }
+                    let rows_here = block_m.min(p.rows as i64 - m0);
+                    let sk = (seqused[b as usize] as i64).clamp(0, p.capacity as i64);
+                    let diag = sk - sq;
+                    let (r_first, r_last) = (m0, m0 + rows_here - 1);
+                    let (mut i_min, mut i_max) = (0, sq - 1);
+                    if r_first / sq == r_last / sq {
+                        i_min = r_first % sq;
+                        i_max = r_last % sq;
+                    }
+                    let (ulo, uhi) = (key_lo(i_min, diag), key_hi(i_max, diag, sk));
+                    let (mut t_begin, mut t_end) = (0, 0);
+                    if uhi > ulo {
+                        let (tl, th) = (ulo / block_n, (uhi + block_n - 1) / block_n);
+                        let per = (th - tl + p.num_splits as i64 - 1) / p.num_splits as i64;
+                        t_begin = (tl + split * per).min(th);
+                        t_end = (t_begin + per).min(th);
+                    }
+                    // Key offset as load_kv computes it.
+                    let kv_off = |key: i64, strides: [i64; 3]| -> i64 {
+                        if p.block_size > 0 {
+                            let slot = key / p.block_size as i64;
+                            let in_block = key - slot * p.block_size as i64;
+                            let blk = (table[(b * p.blocks_per_seq as i64 + slot) as usize] as i64)
+                                .clamp(0, p.num_blocks as i64 - 1);
+                            blk * strides[0] + in_block * strides[1]
+                        } else {
+                            b * strides[0] + key * strides[1]
+                        }
+                    };
+                    for row in 0..rows_here {
+                        let r = m0 + row;
+                        let (i, h) = (r % sq, hk * p.group as i64 + r / sq);
+                        let (lo, hi) = (key_lo(i, diag), key_hi(i, diag, sk));
+                        let qo =
+                            (b * p.q_strides[0] + i * p.q_strides[1] + h * p.q_strides[2]) as usize;
+                        // One online softmax per warp over its key slices, then the merge.
+                        let mut state = RowState::<f64>::new();
+                        let mut acc = vec![0.0f64; p.head_dim_v as usize];
+                        for w in 0..var.warps as i64 {
+                            let mut ws_state = RowState::<f64>::new();
+                            let mut ws_acc = vec![0.0f64; p.head_dim_v as usize];
+                            for t in t_begin..t_end {
+                                let n0 = t * block_n + w * wn;
+                                let cols: Vec<(i64, f64)> = (n0..n0 + wn)
+                                    .map(|col| {
+                                        if col < lo || col >= hi {
+                                            return (col, f64::NEG_INFINITY);
+                                        }
+                                        let ko = (kv_off(col, p.k_strides) + hk * p.k_strides[2])
+                                            as usize;
+                                        let dot: f64 = (0..p.head_dim as usize)
+                                            .map(|c| q[qo + c] * k[ko + c])
+                                            .sum();
+                                        (col, dot * p.pre as f64)
+                                    })
+                                    .collect();
+                                let bm = cols.iter().fold(f64::NEG_INFINITY, |m, c| m.max(c.1));
+                                let m = ws_state.max;
+                                if bm > m && (m == f64::NEG_INFINITY || bm - m > p.tau as f64) {
+                                    let c = (m - bm).exp2();
+                                    ws_state.sum *= c;
+                                    ws_acc.iter_mut().for_each(|a| *a *= c);
+                                    ws_state.max = bm;
+                                }
+                                let off = if ws_state.max == f64::NEG_INFINITY {
+                                    0.0
+                                } else {
+                                    ws_state.max
+                                };
+                                for (col, x) in cols {
+                                    let pr = (x - off).exp2();
+                                    ws_state.sum += pr;
+                                    if pr > 0.0 {
+                                        let vo = (kv_off(col, p.v_strides) + hk * p.v_strides[2])
+                                            as usize;
+                                        for c in 0..p.head_dim_v as usize {
+                                            ws_acc[c] += pr * v[vo + c];
+                                        }
+                                    }
+                                }
+                            }
+                            softmax_core::merge_into(&mut state, &mut acc, &ws_state, &ws_acc);
+                        }
+                        if p.num_splits == 1 {
+                            let fin = state.finish();
+                            let oo = (b * p.o_strides[0] + i * p.o_strides[1] + h * p.o_strides[2])
+                                as usize;
+                            for c in 0..p.head_dim_v as usize {
+                                o[oo + c] = acc[c] * fin.inv_sum;
+                            }
+                            lse[(b * p.lse_bs + h * p.lse_hs + i) as usize] = fin.lse as f32;
+                        } else {
+                            let prow =
+                                ((split * p.batch as i64 + b) * p.heads_q as i64 + h) * sq + i;
+                            let at = (prow * p.head_dim_v as i64) as usize;
+                            ws[at..at + p.head_dim_v as usize].copy_from_slice(&acc);
+                            ws[ml_offset + 2 * prow as usize] = state.max;
+                            ws[ml_offset + 2 * prow as usize + 1] = state.sum;
+                        }
+                    }
+                }
+            }
+        }
+        if p.num_splits > 1 {
+            for r in 0..rows_total {
+                let i = r % sq;
+                let h = (r / sq) % p.heads_q as i64;
+                let b = r / (sq * p.heads_q as i64);
+                let mut state = RowState::<f64>::new();
+                let mut acc = vec![0.0f64; p.head_dim_v as usize];
+                for s in 0..p.num_splits as i64 {
+                    let prow = (s * rows_total + r) as usize;
+                    let part = RowState {
+                        max: ws[ml_offset + 2 * prow],
+                        sum: ws[ml_offset + 2 * prow + 1],
+                    };
+                    let at = prow * p.head_dim_v as usize;
+                    let src = ws[at..at + p.head_dim_v as usize].to_vec();
+                    assert!(
+                        src.iter().all(|x| !x.is_nan()),
+                        "workspace row {prow} never written"
+                    );
+                    softmax_core::merge_into(&mut state, &mut acc, &part, &src);
+                }
+                let fin = state.finish();
+                let oo = (b * p.o_strides[0] + i * p.o_strides[1] + h * p.o_strides[2]) as usize;
+                for c in 0..p.head_dim_v as usize {
+                    o[oo + c] = acc[c] * fin.inv_sum;
+                }
+                lse[(b * p.lse_bs + h * p.lse_hs + i) as usize] = fin.lse as f32;
+            }
+        }
+        (o, lse)
+    }
+
+    /// The splits of every m-block cover each visible key tile exactly once, for masks,
+    /// lengths (0 and 1 included), query counts and split counts.
+    #[test]
+    fn splits_cover_every_visible_tile_once() {
+        let masks = [
+            softmax_core::Mask::NONE,
+            softmax_core::Mask::CAUSAL,
+            softmax_core::Mask {
+                left: Some(70),
+                right: Some(0),
+            },
+            softmax_core::Mask {
+                left: Some(5),
+                right: Some(3),
+            },
+        ];
+        for &used in &[0u32, 1, 63, 64, 65, 300, 1000] {
+            for sq in [1usize, 3, 4] {
+                for mask in masks {
+                    let seqused = [used];
+                    let problem = ProblemDesc::new(1, sq, 1024, 8, 2, 128)
+                        .padded_cache(&seqused)
+                        .with_mask(mask)
+                        .validate(256)
+                        .expect("valid");
+                    let v = DecodeVariant::for_shape(128, 4 * sq, DType::Bf16, false);
+                    let bn = v.block_n() as usize;
+                    let m_blocks = (4 * sq).div_ceil(v.block_m() as usize);
+                    for m_block in 0..m_blocks {
+                        let whole = split_tiles(&v, &problem, used as usize, 1, m_block, 0);
+                        for splits in [1u32, 2, 3, 16] {
+                            let mut covered = Vec::new();
+                            for s in 0..splits {
+                                let (b, e) =
+                                    split_tiles(&v, &problem, used as usize, splits, m_block, s);
+                                covered.extend(b..e);
+                            }
+                            let expected: Vec<usize> = (whole.0..whole.1).collect();
+                            assert_eq!(covered, expected, "used {used} sq {sq} {mask:?} {splits}");
+                        }
+                        // Every key a row of the block sees lies in the whole range.
+                        let rows = 4 * sq;
+                        for r in m_block * 16..((m_block + 1) * 16).min(rows) {
+                            let i = r % sq;
+                            for j in 0..used as usize {
+                                if mask.allows(i, j, sq, used as usize) {
+                                    let t = j / bn;
+                                    assert!(t >= whole.0 && t < whole.1);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,451 @@
+// Split-KV decode kernel (flash-decoding) for sm_80 and newer: a few queries per sequence
+// against a KV cache, padded (`seqused_k`) or paged (int32 block table). mma.sync.m16n8k16,
+// ldmatrix and multi-stage cp.async from common/*.cuh; compiled by NVRTC with these defines:
+//
+//   HDP         head dim the tiles are laid out for (64, 128 or 256; the real head dims may be
+//               smaller: missing columns are zero-filled)
+//   MT          16-row m-tiles per CTA: the CTA's rows are the query heads of one KV group
+//               times the queries of the sequence (GQA packing, head-major: row = g*seqlen_q + i)
+//   WN          keys per warp per tile (16 or 32); a tile is WARPS*WN keys
+//   WARPS       warps per CTA; all of them share the CTA's rows and split each tile's keys
+//   STAGES      K/V tiles in flight (cp.async groups)
+//   IS_BF16     1: bf16, 0: fp16
+//   GENERAL_SCORES 1: scores transformed before the max (softcap or a non-positive scale)
+//
+// Grid: x = m_block * num_splits + split, y = KV head, z = sequence. A split takes a contiguous
+// range of the sequence's key tiles (those its rows can see); every warp keeps its own online
+// softmax over its keys of each tile, and at the end the warps' partial rows are merged with
+// softmax-core's merge (common/merge.cuh). With one split the CTA writes O and the LSE; with
+// more it writes its unnormalised accumulator and (m, l) per row to the f32 workspace, and
+// flash_decode_combine (decode/combine.cu) merges the splits.
+//
+// Every device-side length and table entry is clamped to the tensors the host checked, so
+// unchecked device values (caller-memory path) cannot make the kernel read or write outside
+// them.
+
+#if !defined(HDP) || !defined(MT) || !defined(WN) || !defined(WARPS) || !defined(STAGES) || \
+    !defined(IS_BF16) || !defined(GENERAL_SCORES)
+#error "decode/flash_decode.cu needs HDP, MT, WN, WARPS, STAGES, IS_BF16, GENERAL_SCORES"
+#endif
+
+#include "common/merge.cuh"
+#include "decode/params.cuh"
+
+#define THREADS (WARPS * 32)
+#define BLOCK_M (16 * MT)            // rows per CTA
+#define BLOCK_N (WARPS * WN)         // keys per tile
+#define NT (WN / 8)                  // 8-key n-tiles of one warp's S
+#define DT (HDP / 8)                 // 8-column n-tiles of O
+#define KQ (HDP / 16)                // k-steps of S = Q K^T
+#define KP (WN / 16)                 // k-steps of O += P V
+#define CHUNKS (HDP / 8)             // 16-byte chunks per smem row
+#define ROW_BYTES (HDP * 2)
+#define TPR (THREADS / BLOCK_M)      // threads per row in the final merge
+#define CPT (HDP / TPR)              // columns per thread in the final merge
+#define LOAD_ITERS (BLOCK_N * CHUNKS / THREADS) // K/V rows per thread per tile
+// Read the block-table entries of the next tile one tile ahead (registers: LOAD_ITERS ints;
+// the head-dim-256 variant has none to spare).
+#define PREFETCH_TABLE (HDP <= 128)
+
+#if (HDP % 64) != 0 || (WN % 16) != 0 || (THREADS % BLOCK_M) != 0 || (CPT % 8) != 0 || STAGES < 2
+#error "bad decode tile configuration"
+#endif
+#if (THREADS % CHUNKS) != 0 || ((BLOCK_N * CHUNKS) % THREADS) != 0
+#error "K/V tile loads must divide evenly among threads"
+#endif
+
+#ifdef FA_COMPILE_CHECK_NONCE
+__device__ const int fa_compile_check_nonce = FA_COMPILE_CHECK_NONCE;
+#endif
+
+#define ELEM_BF16 (IS_BF16 != 0)
+
+// Waits until at most N cp.async groups of this thread are pending.
+template <int N>
+static __device__ __forceinline__ void cp_async_wait_pending() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+static __device__ __forceinline__ int swz(int row, int chunk) {
+    return row * HDP + ((chunk ^ (row & 7)) << 3);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const DecodeParams p) {
+    extern __shared__ __attribute__((aligned(128))) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sK = sQ + BLOCK_M * HDP;
+    u16* sV = sK + STAGES * BLOCK_N * HDP;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tig = lane & 3;
+    const int split = (int)blockIdx.x % p.num_splits;
+    const int m_block = (int)blockIdx.x / p.num_splits;
+    const int hk = blockIdx.y, b = blockIdx.z;
+    const int sq = p.seqlen_q;
+    const int m0 = m_block * BLOCK_M;
+    if (m0 >= p.rows) return;
+    const int rows_here = min(BLOCK_M, p.rows - m0);
+
+    // Keys this sequence uses, clamped to the cache's capacity.
+    const int seqused = reinterpret_cast<const int*>(p.seqused_k)[b];
+    const int sk = min(max(seqused, 0), p.capacity);
+    const int diag = sk - sq;
+#define LO_OF(i) KEY_LO((i), diag, p.win_left)
+#define HI_OF(i) KEY_HI((i), diag, p.win_right, sk)
+
+    // The queries of this CTA's rows: one query range when the rows lie within one head,
+    // every query otherwise (a bound on the keys they see, not a mask).
+    const int r_first = m0, r_last = m0 + rows_here - 1;
+    int i_min = 0, i_max = sq - 1;
+    if (r_first / sq == r_last / sq) {
+        i_min = r_first % sq;
+        i_max = r_last % sq;
+    }
+    const int union_lo = LO_OF(i_min), union_hi = HI_OF(i_max);
+    int t_begin = 0, t_end = 0;
+    if (union_hi > union_lo) {
+        const int tiles_lo = union_lo / BLOCK_N, tiles_hi = (union_hi + BLOCK_N - 1) / BLOCK_N;
+        const int per_split = (tiles_hi - tiles_lo + p.num_splits - 1) / p.num_splits;
+        t_begin = min(tiles_lo + split * per_split, tiles_hi);
+        t_end = min(t_begin + per_split, tiles_hi);
+    }
+    const int n_tiles = t_end - t_begin;
+
+    // Per fragment row: its visible keys [lo, hi) (padding rows see [0, sk): never stored).
+    int row_lo[MT][2], row_hi[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = m0 + mt * 16 + g + 8 * hh;
+            const int i = r % sq;
+            row_lo[mt][hh] = r < p.rows ? LO_OF(i) : 0;
+            row_hi[mt][hh] = r < p.rows ? HI_OF(i) : sk;
+        }
+
+    // Q rows: row r is query i of query head hk*group + r / seqlen_q (zero-filled past the rows).
+    {
+        const u16* gq = reinterpret_cast<const u16*>(p.q) + b * p.q_bs;
+        const u32 base = smem_u32(sQ);
+        for (int id = tid; id < BLOCK_M * CHUNKS; id += THREADS) {
+            const int row = id / CHUNKS, c = id % CHUNKS;
+            const int r = m0 + row;
+            const bool ok = row < rows_here && c * 8 < p.head_dim;
+            const int h = hk * p.group + r / sq;
+            const u16* src = ok ? gq + (i64)(r % sq) * p.q_ss + (i64)h * p.q_hs + c * 8 : gq;
+            cp_async16(base + (u32)swz(row, c) * 2u, src, ok);
+        }
+    }
+
+    // The K/V rows of a tile this thread loads: rows row0 + it*(THREADS/CHUNKS), one 16-byte
+    // chunk column each.
+    const u16* gk = reinterpret_cast<const u16*>(p.k) + (i64)hk * p.k_hs;
+    const u16* gv = reinterpret_cast<const u16*>(p.v) + (i64)hk * p.v_hs;
+    const int* table = reinterpret_cast<const int*>(p.block_table) + (i64)b * p.blocks_per_seq;
+    // A paged cache's block-table entries of this thread's rows of tile t (read only for used
+    // keys: entries past them are unchecked). With PREFETCH_TABLE they are read one tile ahead
+    // of the copies that use them, so their latency hides under a tile's compute.
+    auto lookup = [&](const int t, int (&blk)[LOAD_ITERS]) {
+        const int n0 = t * BLOCK_N, row0 = tid / CHUNKS;
+#pragma unroll
+        for (int it = 0; it < LOAD_ITERS; ++it) {
+            const int key = n0 + row0 + it * (THREADS / CHUNKS);
+            blk[it] = (p.block_size > 0 && key < sk) ? table[key / p.block_size] : 0;
+        }
+    };
+    // One K/V tile into stage `stage`: row t of the tile is key n0 + t, zero-filled at and past
+    // the used length (and in the columns past the head dims). A paged cache addresses each
+    // key through its block (`blk`, from `lookup`, clamped to the cache), a padded one steps
+    // by the batch.
+    auto load_kv = [&](const int t, const int stage, const int (&blk)[LOAD_ITERS]) {
+        const int n0 = t * BLOCK_N;
+        const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
+        const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
+        const int c = tid % CHUNKS, row0 = tid / CHUNKS;
+        const bool k_col = c * 8 < p.head_dim, v_col = c * 8 < p.head_dim_v;
+#pragma unroll
+        for (int it = 0; it < LOAD_ITERS; ++it) {
+            const int row = row0 + it * (THREADS / CHUNKS);
+            const int key = n0 + row;
+            const bool ok = key < sk;
+            i64 k_off = 0, v_off = 0;
+            if (ok) {
+                if (p.block_size > 0) {
+                    const int in_block = key % p.block_size;
+                    const int bb = min(max(blk[it], 0), p.num_blocks - 1);
+                    k_off = (i64)bb * p.k_bs + (i64)in_block * p.k_ss;
+                    v_off = (i64)bb * p.v_bs + (i64)in_block * p.v_ss;
+                } else {
+                    k_off = (i64)b * p.k_bs + (i64)key * p.k_ss;
+                    v_off = (i64)b * p.v_bs + (i64)key * p.v_ss;
+                }
+            }
+            const u32 dst = (u32)swz(row, c) * 2u;
+            cp_async16(k_base + dst, gk + (ok && k_col ? k_off + c * 8 : 0), ok && k_col);
+            cp_async16(v_base + dst, gv + (ok && v_col ? v_off + c * 8 : 0), ok && v_col);
+        }
+    };
+
+    float acc[MT][DT][4];
+    float row_m[MT][2], row_l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int d = 0; d < DT; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][d][e] = 0.0f;
+        row_m[mt][0] = row_m[mt][1] = NEG_INF;
+        row_l[mt][0] = row_l[mt][1] = 0.0f;
+    }
+
+    // ldmatrix addresses (sm80/flash_fwd.cu's scheme): the warp's keys start at row warp*WN of
+    // a tile, a multiple of 16, so the swizzle's low row bits stay those of the lane.
+    u32 q_addr[4], k_addr[4], v_addr[4];
+    {
+        const u32 sQa = smem_u32(sQ), sKa = smem_u32(sK), sVa = smem_u32(sV);
+        const int yq = (lane >> 4) ^ (lane & 7);
+        const int yk = ((lane >> 3) & 1) ^ (lane & 7);
+        const int yv = (lane >> 4) ^ (lane & 7);
+        const int q_row = lane & 15;
+        const int k_row = warp * WN + (lane & 7) + ((lane >> 4) << 3);
+        const int v_row = warp * WN + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            q_addr[j] = sQa + q_row * ROW_BYTES + (((2 * j) ^ yq) << 4);
+            k_addr[j] = sKa + k_row * ROW_BYTES + (((2 * j) ^ yk) << 4);
+            v_addr[j] = sVa + v_row * ROW_BYTES + (((2 * j) ^ yv) << 4);
+        }
+    }
+
+    // One tile in stage `stage`: this warp's WN keys.
+    auto tile = [&](const int t, const int stage) {
+        const u32 buf_bytes = (u32)(stage * BLOCK_N * ROW_BYTES);
+        const int n0 = t * BLOCK_N + warp * WN;
+        float s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.0f;
+#pragma unroll
+        for (int kg = 0; kg < KQ / 4; ++kg)
+#pragma unroll
+            for (int kj = 0; kj < 4; ++kj) {
+                u32 a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    ldsm_x4(q_addr[kj] + mt * 16 * ROW_BYTES + kg * 128, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+#pragma unroll
+                for (int np = 0; np < NT / 2; ++np) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(k_addr[kj] + buf_bytes + np * 16 * ROW_BYTES + kg * 128, b0, b1, b2, b3);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<ELEM_BF16>(s[mt][2 * np], a[mt], b0, b1);
+                        mma16816<ELEM_BF16>(s[mt][2 * np + 1], a[mt], b2, b3);
+                    }
+                }
+            }
+
+        // Scores and mask (the key tail, causal and window bounds are all in [lo, hi)).
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[mt][j][e];
+#if GENERAL_SCORES
+                    x = p.softcap_post != 0.0f ? tanh_f(x * p.pre) * p.softcap_post : x * p.pre;
+#endif
+                    const int col = n0 + j * 8 + 2 * tig + (e & 1);
+                    const int hh = e >> 1;
+                    s[mt][j][e] = MASK_SCORE(x, col, row_lo[mt][hh], row_hi[mt][hh]);
+                }
+
+        // Online softmax of the warp's rows (RowState::begin_block, threshold policy).
+        float corr[MT][2];
+        bool any_rescale = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                float bm = NEG_INF;
+#pragma unroll
+                for (int j = 0; j < NT; ++j) bm = fmaxf(bm, fmaxf(s[mt][j][2 * hh], s[mt][j][2 * hh + 1]));
+                bm = quad_max(bm);
+#if !GENERAL_SCORES
+                bm *= p.pre;
+#endif
+                const float m = row_m[mt][hh];
+                float c;
+                const bool move = rescale_vote(bm, m, p.tau, c);
+                row_m[mt][hh] = move ? bm : m;
+                row_l[mt][hh] *= c;
+                any_rescale |= move;
+                corr[mt][hh] = c;
+            }
+        if (warp_any(any_rescale)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int d = 0; d < DT; ++d) {
+                    acc[mt][d][0] *= corr[mt][0];
+                    acc[mt][d][1] *= corr[mt][0];
+                    acc[mt][d][2] *= corr[mt][1];
+                    acc[mt][d][3] *= corr[mt][1];
+                }
+        }
+
+        u32 pa[MT][KP][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float off0 = exp_offset(row_m[mt][0]);
+            const float off1 = exp_offset(row_m[mt][1]);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float off = e < 2 ? off0 : off1;
+#if GENERAL_SCORES
+                    s[mt][j][e] = ex2(s[mt][j][e] - off);
+#else
+                    s[mt][j][e] = ex2(fmaf(s[mt][j][e], p.pre, -off));
+#endif
+                }
+                row_l[mt][0] += s[mt][j][0] + s[mt][j][1];
+                row_l[mt][1] += s[mt][j][2] + s[mt][j][3];
+            }
+#pragma unroll
+            for (int kp = 0; kp < KP; ++kp) {
+                pa[mt][kp][0] = pack2<ELEM_BF16>(s[mt][2 * kp][0], s[mt][2 * kp][1]);
+                pa[mt][kp][1] = pack2<ELEM_BF16>(s[mt][2 * kp][2], s[mt][2 * kp][3]);
+                pa[mt][kp][2] = pack2<ELEM_BF16>(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
+                pa[mt][kp][3] = pack2<ELEM_BF16>(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
+            }
+        }
+
+        // O += P V over this warp's keys.
+#pragma unroll
+        for (int kp = 0; kp < KP; ++kp) {
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_trans(v_addr[dp & 3] + buf_bytes + kp * 16 * ROW_BYTES + (dp >> 2) * 128, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816<ELEM_BF16>(acc[mt][2 * dp], pa[mt][kp], b0, b1);
+                    mma16816<ELEM_BF16>(acc[mt][2 * dp + 1], pa[mt][kp], b2, b3);
+                }
+            }
+        }
+    };
+
+    // Pipeline: Q and the first STAGES-1 tiles in flight, then one new tile per tile consumed.
+    // Every step commits a group (possibly empty) so that the wait count stays uniform.
+    int blk[LOAD_ITERS];
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < n_tiles) {
+            lookup(t_begin + st, blk);
+            load_kv(t_begin + st, st, blk);
+        }
+        cp_async_commit();
+    }
+#if PREFETCH_TABLE
+    if (STAGES - 1 < n_tiles) lookup(t_begin + STAGES - 1, blk);
+#endif
+    for (int it = 0; it < n_tiles; ++it) {
+        cp_async_wait_pending<STAGES - 2>();
+        __syncthreads(); // tile `it` (and Q) visible; every warp is done with tile it-1's stage
+        const int ahead = it + STAGES - 1;
+        if (ahead < n_tiles) {
+#if !PREFETCH_TABLE
+            lookup(t_begin + ahead, blk);
+#endif
+            load_kv(t_begin + ahead, ahead % STAGES, blk);
+        }
+        cp_async_commit();
+#if PREFETCH_TABLE
+        if (ahead + 1 < n_tiles) lookup(t_begin + ahead + 1, blk);
+#endif
+        tile(t_begin + it, it % STAGES);
+    }
+
+    // Merge the warps' partial rows (softmax-core's merge), through shared memory.
+    cp_async_wait_all();
+    __syncthreads(); // every warp is done with sQ/sK/sV: they become the merge buffers
+    float* sM = reinterpret_cast<float*>(smem_raw);          // [WARPS][BLOCK_M] reference max
+    float* sL = sM + WARPS * BLOCK_M;                        // [WARPS][BLOCK_M] sum
+    float* sAcc = sL + WARPS * BLOCK_M;                      // [WARPS][BLOCK_M][HDP]
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = mt * 16 + g + 8 * hh;
+            const float l = quad_sum(row_l[mt][hh]);
+            if (tig == 0) {
+                sM[warp * BLOCK_M + row] = row_m[mt][hh];
+                sL[warp * BLOCK_M + row] = l;
+            }
+            float* dst = sAcc + (warp * BLOCK_M + row) * HDP + 2 * tig;
+#pragma unroll
+            for (int d = 0; d < DT; ++d) {
+                dst[d * 8] = acc[mt][d][2 * hh];
+                dst[d * 8 + 1] = acc[mt][d][2 * hh + 1];
+            }
+        }
+    __syncthreads();
+
+    const int row = tid / TPR, col0 = (tid % TPR) * CPT;
+    float m = NEG_INF, l = 0.0f;
+    float o[CPT];
+#pragma unroll
+    for (int c = 0; c < CPT; ++c) o[c] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        float fa, fb;
+        merge_state(m, l, sM[w * BLOCK_M + row], sL[w * BLOCK_M + row], fa, fb);
+        const float* src = sAcc + (w * BLOCK_M + row) * HDP + col0;
+#pragma unroll
+        for (int c = 0; c < CPT; ++c) o[c] = o[c] * fa + src[c] * fb;
+    }
+    if (row >= rows_here) return;
+    const int r = m0 + row;
+    const int i = r % sq, h = hk * p.group + r / sq;
+    if (p.num_splits == 1) {
+        float inv, lse;
+        finish_state(m, l, inv, lse);
+        u16* go = reinterpret_cast<u16*>(p.o) + b * p.o_bs + (i64)i * p.o_ss + (i64)h * p.o_hs;
+#pragma unroll
+        for (int c = 0; c < CPT; c += 8) {
+            if (col0 + c < p.head_dim_v) {
+                u32x4 v;
+                v.x = pack2<ELEM_BF16>(o[c] * inv, o[c + 1] * inv);
+                v.y = pack2<ELEM_BF16>(o[c + 2] * inv, o[c + 3] * inv);
+                v.z = pack2<ELEM_BF16>(o[c + 4] * inv, o[c + 5] * inv);
+                v.w = pack2<ELEM_BF16>(o[c + 6] * inv, o[c + 7] * inv);
+                *reinterpret_cast<u32x4*>(go + col0 + c) = v;
+            }
+        }
+        if (p.lse != 0 && col0 == 0) reinterpret_cast<float*>(p.lse)[b * p.lse_bs + h * p.lse_hs + i] = lse;
+    } else {
+        // Partial row `((split * batch + b) * heads_q + h) * seqlen_q + i` of the workspace.
+        const i64 prow = (((i64)split * p.batch + b) * p.heads_q + h) * sq + i;
+        float* part = reinterpret_cast<float*>(p.o_part) + prow * p.head_dim_v;
+#pragma unroll
+        for (int c = 0; c < CPT; c += 4) {
+            if (col0 + c < p.head_dim_v) {
+                *reinterpret_cast<f32x4*>(part + col0 + c) = f32x4{o[c], o[c + 1], o[c + 2], o[c + 3]};
+            }
+        }
+        if (col0 == 0) {
+            float* ml = reinterpret_cast<float*>(p.ml_part) + prow * 2;
+            ml[0] = m;
+            ml[1] = l;
+        }
+    }
+#undef LO_OF
+#undef HI_OF
+}

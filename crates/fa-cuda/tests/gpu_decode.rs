@@ -1,0 +1,713 @@
+//! GPU tests of the decode family (split-KV over a KV cache, the combine step, the append)
+//! against the f64 reference (`fa_reference::attention_f64`, which reads caches through
+//! `Problem::k_offset`/`v_offset`) on fresh random inputs rounded to bf16/fp16, with O and the
+//! LSE poisoned (NaN) before each launch. Bounds as for the forward: normwise
+//! ‖out − ref‖/‖ref‖ ≤ 1e-2, LSE within 1e-3; split results agree with the unsplit call within
+//! the same normwise bound. Ignored by default: they need a CUDA GPU
+//! (`cargo test -p fa-cuda --test gpu_decode -- --include-ignored`).
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use fa_cuda::{
+    CacheTables, CudaElement, CudaError, DType, Device, ForwardOptions, ForwardStats, RawTensor,
+};
+use fa_reference::{attention_f64, compare, poison, Element, Rng, Rounding};
+use half::{bf16, f16};
+use softmax_core::{Mask, Out, Problem, ProblemDesc, ProblemError, Qkv};
+use std::sync::{Arc, OnceLock};
+
+const REL_L2_BOUND: f64 = 1e-2;
+const LSE_BOUND: f64 = 1e-3;
+
+fn device() -> &'static Device {
+    static DEVICE: OnceLock<Device> = OnceLock::new();
+    DEVICE.get_or_init(|| match Device::open(0) {
+        Ok(d) => d,
+        Err(e) => panic!("these tests need a CUDA GPU: {e}"),
+    })
+}
+
+/// Where a case's keys live.
+#[derive(Clone, Debug)]
+enum Layout {
+    /// `[batch, capacity, heads_kv, head_dim]`.
+    Padded { capacity: usize },
+    /// `[num_blocks, block_size, heads_kv, head_dim]` through a shuffled block table.
+    Paged {
+        block_size: usize,
+        blocks_per_seq: usize,
+        num_blocks: usize,
+        table: Vec<i32>,
+    },
+}
+
+/// A random decode problem with its owned tensors (f32 storage, rounded to the test dtype).
+#[derive(Clone, Debug)]
+struct CacheCase {
+    batch: usize,
+    seqlen_q: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    mask: Mask,
+    softcap: Option<f32>,
+    seqused: Vec<u32>,
+    layout: Layout,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl CacheCase {
+    /// A case with random inputs; `seqused` gives the batch. A padded cache holds 8–12 keys
+    /// more than the longest sequence; a paged one gets `blocks_per_seq` = what the longest
+    /// sequence plus 8 keys needs, plus one, and a shuffled table
+    /// (every block used by at most one sequence, a few spare blocks).
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        rng: &mut Rng,
+        seqused: &[u32],
+        seqlen_q: usize,
+        heads_q: usize,
+        heads_kv: usize,
+        head_dim: usize,
+        block_size: Option<usize>,
+        rounding: Rounding,
+    ) -> CacheCase {
+        let batch = seqused.len();
+        // Room for a few more tokens (the append test grows the cache).
+        let longest = seqused.iter().copied().max().unwrap_or(0) as usize + 8;
+        let layout = match block_size {
+            None => Layout::Padded {
+                capacity: longest + rng.below(5),
+            },
+            Some(bs) => {
+                let blocks_per_seq = longest.div_ceil(bs) + 1;
+                let num_blocks = batch * blocks_per_seq + 3;
+                let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+                for i in (1..ids.len()).rev() {
+                    ids.swap(i, rng.below(i + 1));
+                }
+                Layout::Paged {
+                    block_size: bs,
+                    blocks_per_seq,
+                    num_blocks,
+                    table: ids[..batch * blocks_per_seq].to_vec(),
+                }
+            }
+        };
+        let mut case = CacheCase {
+            batch,
+            seqlen_q,
+            heads_q,
+            heads_kv,
+            head_dim,
+            mask: Mask::NONE,
+            softcap: None,
+            seqused: seqused.to_vec(),
+            layout,
+            q: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+        };
+        let lens = case.problem().min_buffer_lens();
+        let mut draw = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| rounding.apply(rng.normal() as f32))
+                .collect()
+        };
+        case.q = draw(lens.q);
+        case.k = draw(lens.k);
+        case.v = draw(lens.v);
+        case
+    }
+
+    fn desc(&self) -> ProblemDesc<'_> {
+        let capacity = match self.layout {
+            Layout::Padded { capacity } => capacity,
+            Layout::Paged { .. } => 0,
+        };
+        let mut desc = ProblemDesc::new(
+            self.batch,
+            self.seqlen_q,
+            capacity,
+            self.heads_q,
+            self.heads_kv,
+            self.head_dim,
+        )
+        .with_mask(self.mask);
+        desc.softcap = self.softcap;
+        match &self.layout {
+            Layout::Padded { .. } => desc.padded_cache(&self.seqused),
+            Layout::Paged {
+                block_size,
+                blocks_per_seq,
+                num_blocks,
+                table,
+            } => desc.paged_cache(
+                &self.seqused,
+                table,
+                *blocks_per_seq,
+                *block_size,
+                *num_blocks,
+            ),
+        }
+    }
+
+    fn problem(&self) -> Problem<'_> {
+        self.desc().validate(256).expect("valid case")
+    }
+
+    fn label(&self) -> String {
+        let layout = match &self.layout {
+            Layout::Padded { capacity } => format!("padded cap {capacity}"),
+            Layout::Paged { block_size, .. } => format!("paged bs {block_size}"),
+        };
+        format!(
+            "b{} sq{} h{}/{} d{} {layout} used {:?}{}{}",
+            self.batch,
+            self.seqlen_q,
+            self.heads_q,
+            self.heads_kv,
+            self.head_dim,
+            &self.seqused[..self.seqused.len().min(4)],
+            if self.mask.is_none() { "" } else { " masked" },
+            if self.softcap.is_some() {
+                " softcap"
+            } else {
+                ""
+            }
+        )
+    }
+}
+
+fn to_t<T: Element>(x: &[f32]) -> Vec<T> {
+    x.iter().map(|&v| T::from_f64(v as f64)).collect()
+}
+
+/// Runs `case` through `forward_host` with `splits` (poisoned outputs), checks it against the
+/// oracle and returns O (as f64) and the stats.
+fn run_as<T: CudaElement + Element>(
+    case: &CacheCase,
+    splits: Option<u32>,
+) -> (Vec<f64>, ForwardStats) {
+    let problem = case.problem();
+    let (q, k, v) = (to_t::<T>(&case.q), to_t::<T>(&case.k), to_t::<T>(&case.v));
+    let lens = problem.min_buffer_lens();
+    let mut out = vec![T::from_f64(0.0); lens.o];
+    poison(&mut out);
+    let mut lse = vec![0.0f32; problem.lse_len()];
+    poison(&mut lse);
+    let opts = ForwardOptions {
+        splits,
+        ..ForwardOptions::default()
+    };
+    let label = format!("{} splits {splits:?}", case.label());
+    let stats = device()
+        .forward_host(
+            &problem,
+            Qkv::new(&q[..], &k[..], &v[..]),
+            Out::with_lse(&mut out[..], &mut lse[..]),
+            &opts,
+        )
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+    let oracle = attention_f64(&problem, &case.q, &case.k, &case.v);
+    let report = compare(&problem, &out, Some(&lse), &oracle);
+    let plan = stats.decode;
+    println!(
+        "{label:<90} rel_l2 {:.2e} lse {:.2e} splits {:?} {}",
+        report.rel_l2,
+        report.lse_max_abs,
+        plan.map(|p| p.num_splits),
+        plan.map_or("no launch".to_string(), |p| p.variant.name())
+    );
+    assert!(
+        report.within(REL_L2_BOUND, LSE_BOUND),
+        "{label}: {report:?} exceeds rel_l2 {REL_L2_BOUND} / lse {LSE_BOUND}"
+    );
+    if let Some(s) = splits {
+        assert_eq!(plan.expect("a launch").num_splits, s, "{label}");
+    }
+    (out.iter().map(|x| x.to_f64()).collect(), stats)
+}
+
+/// Normwise difference of two outputs over the problem's O elements.
+fn rel_diff(problem: &Problem, a: &[f64], b: &[f64]) -> f64 {
+    let (mut d2, mut r2) = (0.0, 0.0);
+    for bi in 0..problem.batch() {
+        for h in 0..problem.heads_q() {
+            for i in 0..problem.max_seqlen_q() {
+                let o = problem.o_offset(bi, i, h);
+                for c in 0..problem.head_dim_v() {
+                    d2 += (a[o + c] - b[o + c]).powi(2);
+                    r2 += b[o + c].powi(2);
+                }
+            }
+        }
+    }
+    if r2 > 0.0 {
+        (d2 / r2).sqrt()
+    } else {
+        d2.sqrt()
+    }
+}
+
+/// The case with the plan's split count and with forced counts 1, 3 and 16: each against
+/// the oracle, and every split result against the unsplit one.
+fn check_splits<T: CudaElement + Element>(case: &CacheCase) {
+    let problem = case.problem();
+    let (unsplit, _) = run_as::<T>(case, Some(1));
+    for splits in [None, Some(3), Some(16)] {
+        let (out, _) = run_as::<T>(case, splits);
+        let d = rel_diff(&problem, &out, &unsplit);
+        assert!(
+            d <= REL_L2_BOUND,
+            "{} splits {splits:?}: {d:.2e} from the unsplit call",
+            case.label()
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn padded_cache_lengths_gqa_and_splits() {
+    let mut rng = Rng::fresh();
+    // GQA 1, 4 and 8, and MQA; lengths 0, 1, odd, a tile edge and longer.
+    for (heads_q, heads_kv) in [(4, 4), (8, 2), (16, 2), (8, 1)] {
+        for seqlen_q in [1, 2, 4] {
+            let used = [0u32, 1, 63, 64, 65, 517, 1000 + rng.below(300) as u32];
+            let case = CacheCase::new(
+                &mut rng,
+                &used,
+                seqlen_q,
+                heads_q,
+                heads_kv,
+                128,
+                None,
+                Rounding::Bf16,
+            );
+            check_splits::<bf16>(&case);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn paged_cache_block_sizes_and_splits() {
+    let mut rng = Rng::fresh();
+    for block_size in [1, 16, 64, 256, 7] {
+        for (heads_q, heads_kv, seqlen_q) in [(8, 1, 1), (16, 2, 3), (8, 8, 2)] {
+            let used = [1u32, 0, 300 + rng.below(200) as u32, 255, 257];
+            let case = CacheCase::new(
+                &mut rng,
+                &used,
+                seqlen_q,
+                heads_q,
+                heads_kv,
+                128,
+                Some(block_size),
+                Rounding::Bf16,
+            );
+            check_splits::<bf16>(&case);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn head_dims_fp16_masks_and_softcap() {
+    let mut rng = Rng::fresh();
+    for head_dim in [64, 96, 128, 256] {
+        for block_size in [None, Some(16)] {
+            let used = [700u32, 3, 129];
+            let mut case = CacheCase::new(
+                &mut rng,
+                &used,
+                4,
+                8,
+                2,
+                head_dim,
+                block_size,
+                Rounding::F16,
+            );
+            // Causal (bottom-right against each sequence's used length), then a window.
+            case.mask = Mask::CAUSAL;
+            check_splits::<f16>(&case);
+            case.mask = Mask {
+                left: Some(100),
+                right: Some(0),
+            };
+            check_splits::<f16>(&case);
+            case.mask = Mask::NONE;
+            case.softcap = Some(5.0);
+            check_splits::<f16>(&case);
+        }
+    }
+    // Causal with more queries than used keys: early rows see nothing (output 0, LSE -inf).
+    let mut case = CacheCase::new(&mut rng, &[2, 0, 5], 4, 8, 2, 128, Some(16), Rounding::Bf16);
+    case.mask = Mask::CAUSAL;
+    check_splits::<bf16>(&case);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn many_query_heads_use_several_m_blocks() {
+    let mut rng = Rng::fresh();
+    // MQA with 64 query heads and 3 queries: 192 rows per KV head, several m-blocks.
+    let case = CacheCase::new(&mut rng, &[333, 1], 3, 64, 1, 128, Some(16), Rounding::Bf16);
+    check_splits::<bf16>(&case);
+    let case = CacheCase::new(&mut rng, &[333, 70], 2, 32, 1, 64, None, Rounding::Bf16);
+    check_splits::<bf16>(&case);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn long_cache_with_the_planned_splits() {
+    let mut rng = Rng::fresh();
+    // Llama-3 70B's layer shape at a short 8k-ish cache: the plan splits (132 SMs, 8 CTAs).
+    let used = [8000 + rng.below(300) as u32];
+    let case = CacheCase::new(&mut rng, &used, 1, 64, 8, 128, Some(256), Rounding::Bf16);
+    let (_, stats) = run_as::<bf16>(&case, None);
+    let plan = stats.decode.expect("a decode launch");
+    assert!(plan.num_splits > 1, "{plan:?}");
+    check_splits::<bf16>(&case);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn repeated_runs_agree_bitwise() {
+    let mut rng = Rng::new(11);
+    let case = CacheCase::new(
+        &mut rng,
+        &[900, 17],
+        2,
+        16,
+        2,
+        128,
+        Some(16),
+        Rounding::Bf16,
+    );
+    let (a, _) = run_as::<bf16>(&case, Some(5));
+    let (b, _) = run_as::<bf16>(&case, Some(5));
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_input_is_rejected_and_outputs_untouched() {
+    let mut rng = Rng::new(12);
+    let case = CacheCase::new(&mut rng, &[40, 3], 1, 8, 2, 64, Some(16), Rounding::Bf16);
+    let problem = case.problem();
+    let (q, k, v) = (
+        to_t::<bf16>(&case.q),
+        to_t::<bf16>(&case.k),
+        to_t::<bf16>(&case.v),
+    );
+    let lens = problem.min_buffer_lens();
+    let mut out = vec![bf16::from_f32(7.0); lens.o];
+    let forced_zero = ForwardOptions {
+        splits: Some(0),
+        ..ForwardOptions::default()
+    };
+    let r = device().forward_host(
+        &problem,
+        Qkv::new(&q[..], &k[..], &v[..]),
+        Out::new(&mut out[..]),
+        &forced_zero,
+    );
+    assert!(matches!(
+        r,
+        Err(CudaError::Problem(ProblemError::Unsupported { .. }))
+    ));
+    let short = &k[..k.len() - 1];
+    let r = device().forward_host(
+        &problem,
+        Qkv::new(&q[..], short, &v[..]),
+        Out::new(&mut out[..]),
+        &ForwardOptions::default(),
+    );
+    assert!(matches!(
+        r,
+        Err(CudaError::Problem(ProblemError::BufferTooSmall { .. }))
+    ));
+    assert!(out.iter().all(|&x| x == bf16::from_f32(7.0)));
+    // f32 inputs are not this backend's.
+    assert!(fa_cuda::supports(&problem, DType::F32).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn time_forward_times_cache_problems() {
+    let mut rng = Rng::new(13);
+    let case = CacheCase::new(&mut rng, &[4096], 1, 64, 8, 128, Some(16), Rounding::Bf16);
+    let problem = case.problem();
+    let d = device();
+    let q = d.upload(&to_t::<bf16>(&case.q)).unwrap();
+    let k = d.upload(&to_t::<bf16>(&case.k)).unwrap();
+    let v = d.upload(&to_t::<bf16>(&case.v)).unwrap();
+    let mut o = d.alloc_zeroed::<bf16>(problem.min_buffer_lens().o).unwrap();
+    let times = d
+        .time_forward(
+            &problem,
+            Qkv::new(&q, &k, &v),
+            &mut o,
+            &ForwardOptions::default(),
+            2,
+            5,
+        )
+        .expect("timed");
+    assert_eq!(times.len(), 5);
+    assert!(times.iter().all(|&t| t > 0.0), "{times:?}");
+    println!("decode 4k paged bs16, 64/8 heads: {times:?} ms");
+}
+
+/// Caller memory: a cudarc allocation seen as a raw tensor of `T`.
+fn raw<T, R: DeviceRepr>(slice: &CudaSlice<R>, stream: &CudaStream) -> RawTensor<T> {
+    assert_eq!(core::mem::size_of::<T>(), core::mem::size_of::<R>());
+    let (ptr, _record) = slice.device_ptr(stream);
+    // SAFETY: a live allocation of the stream's context holding `len` values of `T`'s layout;
+    // the tests keep every slice until they have synchronised the stream.
+    unsafe { RawTensor::from_raw(ptr, slice.len()) }
+}
+
+fn bits(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect()
+}
+
+fn table_of(case: &CacheCase) -> Option<Vec<i32>> {
+    match &case.layout {
+        Layout::Paged { table, .. } => Some(table.clone()),
+        Layout::Padded { .. } => None,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn caller_stream_with_device_tables_and_workspace() {
+    let d = device();
+    let stream: Arc<CudaStream> = d.context().new_stream().expect("a stream");
+    let mut rng = Rng::fresh();
+    for block_size in [None, Some(16), Some(1)] {
+        let case = CacheCase::new(
+            &mut rng,
+            &[1000, 1, 0, 77],
+            2,
+            8,
+            2,
+            128,
+            block_size,
+            Rounding::Bf16,
+        );
+        let problem = case.problem();
+        let opts = ForwardOptions {
+            splits: Some(7),
+            ..ForwardOptions::default()
+        };
+        let bytes = d
+            .decode_workspace_bytes(&problem, DType::Bf16, &opts)
+            .expect("workspace size");
+        assert!(bytes > 0);
+        let up = |x: &[u16]| stream.clone_htod(x).expect("copy");
+        let (q, k, v) = (up(&bits(&case.q)), up(&bits(&case.k)), up(&bits(&case.v)));
+        let mut o_host = vec![bf16::ZERO; problem.min_buffer_lens().o];
+        poison(&mut o_host);
+        let o = up(&o_host.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        let mut lse_host = vec![0.0f32; problem.lse_len()];
+        poison(&mut lse_host);
+        let lse = stream.clone_htod(&lse_host).expect("copy");
+        let used: Vec<i32> = case.seqused.iter().map(|&x| x as i32).collect();
+        let used = stream.clone_htod(&used).expect("copy");
+        let table = table_of(&case).map(|t| stream.clone_htod(&t).expect("copy"));
+        let ws = stream
+            .alloc_zeros::<f32>(bytes.div_ceil(4))
+            .expect("workspace");
+        let tables = CacheTables {
+            seqused_k: raw(&used, &stream),
+            block_table: table.as_ref().map(|t| raw(t, &stream)),
+        };
+        let qkv = Qkv::<RawTensor<bf16>>::new(raw(&q, &stream), raw(&k, &stream), raw(&v, &stream));
+        let out = || Out::with_lse(raw(&o, &stream), raw(&lse, &stream));
+        // A workspace one float short is refused before anything is queued.
+        let short = raw::<f32, f32>(&ws, &stream);
+        // SAFETY: the same allocation, seen shorter.
+        let short = unsafe { RawTensor::<f32>::from_raw(short.ptr(), bytes / 4 - 1) };
+        let r =
+            d.forward_cache_on_stream(&problem, tables, Some(short), qkv, out(), &stream, &opts);
+        assert!(
+            matches!(r, Err(CudaError::WorkspaceTooSmall { .. })),
+            "{r:?}"
+        );
+        let r = d.forward_cache_on_stream(&problem, tables, None, qkv, out(), &stream, &opts);
+        assert!(
+            matches!(r, Err(CudaError::WorkspaceTooSmall { .. })),
+            "{r:?}"
+        );
+        let stats = d
+            .forward_cache_on_stream(
+                &problem,
+                tables,
+                Some(raw(&ws, &stream)),
+                qkv,
+                out(),
+                &stream,
+                &opts,
+            )
+            .expect("queued");
+        assert_eq!(stats.decode.expect("decode").num_splits, 7);
+        stream.synchronize().expect("synchronise");
+        let o_back: Vec<bf16> = stream
+            .clone_dtoh(&o)
+            .expect("copy back")
+            .into_iter()
+            .map(bf16::from_bits)
+            .collect();
+        let lse_back = stream.clone_dtoh(&lse).expect("copy back");
+        stream.synchronize().expect("synchronise");
+        let oracle = attention_f64(&problem, &case.q, &case.k, &case.v);
+        let report = compare(&problem, &o_back, Some(&lse_back), &oracle);
+        println!(
+            "caller stream {:<70} rel_l2 {:.2e} lse {:.2e}",
+            case.label(),
+            report.rel_l2,
+            report.lse_max_abs
+        );
+        assert!(report.within(REL_L2_BOUND, LSE_BOUND), "{report:?}");
+        // The same through forward_on_stream: host tables copied, workspace allocated there.
+        let mut o2_host = vec![bf16::ZERO; problem.min_buffer_lens().o];
+        poison(&mut o2_host);
+        let o2 = up(&o2_host.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        let out2 = Out::new(raw(&o2, &stream));
+        d.forward_on_stream(&problem, qkv, out2, &stream, &opts)
+            .expect("queued");
+        stream.synchronize().expect("synchronise");
+        let o2_back: Vec<bf16> = stream
+            .clone_dtoh(&o2)
+            .expect("copy back")
+            .into_iter()
+            .map(bf16::from_bits)
+            .collect();
+        stream.synchronize().expect("synchronise");
+        assert!(o2_back
+            .iter()
+            .zip(&o_back)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
+
+/// Appends `new` tokens to the host copy of a case's cache (what append_kv must do).
+fn append_host(case: &CacheCase, k_new: &[f32], v_new: &[f32], new: usize) -> CacheCase {
+    let mut grown = case.clone();
+    let problem = case.problem();
+    let row = case.heads_kv * case.head_dim;
+    for b in 0..case.batch {
+        for j in 0..new {
+            let t = case.seqused[b] as usize + j;
+            for h in 0..case.heads_kv {
+                // The position's offset as the grown problem addresses it.
+                let off_k = offset_of(&problem, b, t, h, false);
+                let off_v = offset_of(&problem, b, t, h, true);
+                let src = (b * new + j) * row + h * case.head_dim;
+                grown.k[off_k..off_k + case.head_dim]
+                    .copy_from_slice(&k_new[src..src + case.head_dim]);
+                grown.v[off_v..off_v + case.head_dim]
+                    .copy_from_slice(&v_new[src..src + case.head_dim]);
+            }
+        }
+        grown.seqused[b] += new as u32;
+    }
+    grown
+}
+
+/// Element offset of key `t` of sequence `b`, KV head `h`, in the case's cache (also past the
+/// used length, which `Problem::k_offset` is not asked for).
+fn offset_of(problem: &Problem, b: usize, t: usize, h: usize, v: bool) -> usize {
+    let s = problem.strides()[if v { 2 } else { 1 }];
+    match problem.kv_cache() {
+        softmax_core::KvCache::Paged {
+            block_table,
+            blocks_per_seq,
+            block_size,
+            ..
+        } => {
+            let blk = block_table[b * blocks_per_seq + t / block_size] as usize;
+            blk * s.batch + (t % block_size) * s.seq + h * s.head
+        }
+        _ => b * s.batch + t * s.seq + h * s.head,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn append_then_decode() {
+    let d = device();
+    let mut rng = Rng::fresh();
+    for block_size in [None, Some(16), Some(1), Some(5)] {
+        let new = 3;
+        let case = CacheCase::new(
+            &mut rng,
+            &[0, 13, 200],
+            new,
+            8,
+            2,
+            64,
+            block_size,
+            Rounding::Bf16,
+        );
+        let problem = case.problem();
+        let n_new = case.batch * new * case.heads_kv * case.head_dim;
+        let draw = |rng: &mut Rng| -> Vec<f32> {
+            (0..n_new)
+                .map(|_| Rounding::Bf16.apply(rng.normal() as f32))
+                .collect()
+        };
+        let (k_new, v_new) = (draw(&mut rng), draw(&mut rng));
+        let expected = append_host(&case, &k_new, &v_new, new);
+        let kn = d.upload(&to_t::<bf16>(&k_new)).unwrap();
+        let vn = d.upload(&to_t::<bf16>(&v_new)).unwrap();
+        let mut kc = d.upload(&to_t::<bf16>(&case.k)).unwrap();
+        let mut vc = d.upload(&to_t::<bf16>(&case.v)).unwrap();
+        d.append_kv(&problem, new, &kn, &vn, &mut kc, &mut vc)
+            .expect("appended");
+        let mut k_back = vec![bf16::ZERO; case.k.len()];
+        let mut v_back = vec![bf16::ZERO; case.v.len()];
+        d.download(&kc, &mut k_back).unwrap();
+        d.download(&vc, &mut v_back).unwrap();
+        // Exactly the host append: new rows in place, everything else untouched.
+        assert!(k_back
+            .iter()
+            .zip(&expected.k)
+            .all(|(a, &b)| a.to_f32() == b));
+        assert!(v_back
+            .iter()
+            .zip(&expected.v)
+            .all(|(a, &b)| a.to_f32() == b));
+        // Decode the new tokens (causal against the grown cache) from the appended cache.
+        let mut grown = expected.clone();
+        grown.mask = Mask::CAUSAL;
+        check_splits::<bf16>(&grown);
+        // A cache without room is refused and left as it was.
+        let too_many = match &case.layout {
+            Layout::Padded { capacity } => *capacity,
+            Layout::Paged {
+                block_size,
+                blocks_per_seq,
+                ..
+            } => block_size * blocks_per_seq,
+        };
+        let n_big = case.batch * too_many * case.heads_kv * case.head_dim;
+        let big = d.alloc_zeroed::<bf16>(n_big).unwrap();
+        let r = d.append_kv(&problem, too_many, &big, &big, &mut kc, &mut vc);
+        assert!(
+            matches!(
+                r,
+                Err(CudaError::Problem(ProblemError::CacheOverrun { .. }))
+            ),
+            "{r:?}"
+        );
+        let mut k_again = vec![bf16::ZERO; case.k.len()];
+        d.download(&kc, &mut k_again).unwrap();
+        assert!(k_again
+            .iter()
+            .zip(&k_back)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}

@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Decode peer on the GPU: PyTorch SDPA (flash, cuDNN, efficient and math backends) with a few
+query tokens per sequence against a KV cache, GQA through `enable_gqa=True` (K/V are not
+repeated), the same shapes `fa bench --decode` times (default: Llama-3 70B's layer, 64 query /
+8 KV heads, head dim 128, bf16, batch 1 and 16, caches 4k-128k).
+
+SDPA has no paged cache: its K/V are contiguous `[batch, heads_kv, cache, head_dim]`, so its
+figure for a paged shape is the padded one (the paged rows repeat it with `"paged_as": "padded"`).
+Several queries per sequence are causal bottom-right against the cache (decode with speculative
+tokens); SDPA's `is_causal` aligns top-left, so they go as an explicit boolean mask (which rules
+out the flash backend, as it does in PyTorch itself).
+
+Prints progress to stderr and one JSON document to stdout: the measured device-copy bandwidth
+(read + write, the ceiling the issue's "fraction of copy bandwidth" divides by) and one row per
+shape with each backend's median time (us), its K/V read bandwidth (GB/s), or its error, and
+the best backend. `--json FILE` also writes the document to FILE.
+
+Usage: python3 scripts/torch_sdpa_decode.py [--batches 1,16] [--caches 4096,16384,65536,131072]
+       [--heads-q 64] [--heads-kv 8] [--hdim 128] [--queries 1] [--page-sizes 16,256]
+       [--dtype bf16|fp16] [--iters 50] [--max-gib 40] [--json FILE]
+"""
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS = (
+    ("flash", SDPBackend.FLASH_ATTENTION),
+    ("cudnn", SDPBackend.CUDNN_ATTENTION),
+    ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ("math", SDPBackend.MATH),
+)
+
+
+def ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def median_seconds(fn, iters, warmup=5):
+    """Median of `iters` CUDA-event timings of fn (after `warmup` untimed calls)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2] / 1e3
+
+
+def copy_bandwidth(iters):
+    """Device-to-device copy of 2 GiB, bytes read + written per second (GB/s)."""
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = median_seconds(lambda: y.copy_(x), iters)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2 * 1024**3 / t / 1e9
+
+
+def bottom_right_mask(queries, cache, device):
+    """Query i (of `queries`) sees keys j <= i + cache - queries (True = attend)."""
+    i = torch.arange(queries, device=device)[:, None]
+    j = torch.arange(cache, device=device)[None, :]
+    return j <= i + (cache - queries)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=ints, default=[1, 16])
+    ap.add_argument("--caches", type=ints, default=[4096, 16384, 65536, 131072])
+    ap.add_argument("--heads-q", type=int, default=64)
+    ap.add_argument("--heads-kv", type=int, default=8)
+    ap.add_argument("--hdim", type=int, default=128)
+    ap.add_argument("--queries", type=int, default=1)
+    ap.add_argument("--page-sizes", type=ints, default=[16, 256])
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--max-gib", type=float, default=40.0, help="skip caches larger than this")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args()
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    copy_gbs = copy_bandwidth(20)
+    print(f"device copy: {copy_gbs:.0f} GB/s (read + write)", file=sys.stderr)
+    hq, hk, d, sq = args.heads_q, args.heads_kv, args.hdim, args.queries
+    rows = []
+    for batch in args.batches:
+        for cache in args.caches:
+            kv_bytes = 2 * batch * cache * hk * d * 2
+            if kv_bytes > args.max_gib * 1024**3:
+                print(f"skip batch {batch} cache {cache}: {kv_bytes / 1024**3:.0f} GiB", file=sys.stderr)
+                continue
+            q = torch.randn(batch, hq, sq, d, device="cuda", dtype=dtype)
+            k = torch.randn(batch, hk, cache, d, device="cuda", dtype=dtype)
+            v = torch.randn(batch, hk, cache, d, device="cuda", dtype=dtype)
+            mask = bottom_right_mask(sq, cache, "cuda") if sq > 1 else None
+            row = dict(
+                batch=batch, cache=cache, queries=sq, heads_q=hq, heads_kv=hk, hdim=d,
+                dtype=args.dtype, layout="padded", kv_gb=round(kv_bytes / 1e9, 4),
+                copy_gbs=round(copy_gbs, 0),
+            )
+            for name, backend in BACKENDS:
+                try:
+                    with sdpa_kernel([backend]):
+                        t = median_seconds(
+                            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                            args.iters,
+                        )
+                    row[name + "_us"] = round(t * 1e6, 1)
+                    row[name + "_gbs"] = round(kv_bytes / t / 1e9, 0)
+                except Exception as ex:  # a backend that refuses the shape says why
+                    row[name + "_us"] = None
+                    row[name + "_err"] = str(ex).splitlines()[0][:120] if str(ex) else type(ex).__name__
+            timed = [(row[n + "_us"], n) for n, _ in BACKENDS if row.get(n + "_us")]
+            best = min(timed, default=None)
+            row["best_backend"] = best[1] if best else None
+            row["best_us"] = best[0] if best else None
+            row["best_frac_of_copy"] = round(kv_bytes / (best[0] / 1e6) / 1e9 / copy_gbs, 3) if best else None
+            rows.append(row)
+            for page in args.page_sizes:
+                rows.append(dict(row, layout=f"paged{page}", page_size=page, paged_as="padded"))
+            print(
+                f"batch {batch} cache {cache}: "
+                + " ".join(f"{n} {row[n + '_us']}" for n, _ in BACKENDS)
+                + f" us; best {row['best_backend']} ({row['best_frac_of_copy']} of copy)",
+                file=sys.stderr,
+            )
+            del q, k, v, mask
+            torch.cuda.empty_cache()
+    doc = dict(
+        peer="torch_sdpa_decode",
+        torch=torch.__version__,
+        device=torch.cuda.get_device_name(),
+        copy_gbs=round(copy_gbs, 0),
+        rows=rows,
+    )
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
