@@ -49,7 +49,7 @@ impl BackendKind {
                 varlen: true,
                 gqa: true,
                 lse: true,
-                kv_cache: false,
+                kv_cache: true,
             },
         }
     }
