@@ -5,7 +5,7 @@
 
 pub use crate::cache::{CacheKey, DiskCache};
 use crate::error::CudaError;
-use crate::kernels::{KernelFamily, KernelVariant, Variant};
+use crate::kernels::{ForwardVariant, KernelFamily, KernelVariant, Variant};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::any::Any;
 use std::collections::HashMap;
@@ -436,7 +436,14 @@ pub fn precompile_into<V: KernelVariant + Clone>(
 /// [`precompile`] of every variant of every family that supports `arch` (what `fa warmup`
 /// runs).
 pub fn precompile_all(arch: &str) -> Result<PrecompileReport, CudaError> {
-    precompile(arch, &Variant::all())
+    let supported: Vec<ForwardVariant> = match capability_of(arch) {
+        Some((major, minor)) => ForwardVariant::all()
+            .into_iter()
+            .filter(|v| v.family().supports(major, minor))
+            .collect(),
+        None => ForwardVariant::all(),
+    };
+    precompile(arch, &supported)
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 
 use crate::compile::{compile_cached, nvrtc_available, KernelOrigin};
 use crate::error::CudaError;
-use crate::kernels::{arch_for, DeviceProps, KernelVariant, LaunchShape, Variant};
+use crate::kernels::{arch_for, DeviceProps, ForwardVariant, KernelVariant, LaunchShape};
 use crate::params::{prepare, ForwardOptions, KernelParams, Prepared};
 use crate::raw::{check_raw, CuSeqlens, Pointers, RawCall, RawOut, RawTensor};
 use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags, CUfunction_attribute};
@@ -138,7 +138,7 @@ pub struct Device {
     arch: String,
     name: String,
     props: DeviceProps,
-    functions: Mutex<HashMap<Variant, (CudaFunction, u32)>>,
+    functions: Mutex<HashMap<ForwardVariant, (CudaFunction, u32)>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -357,7 +357,10 @@ impl Device {
     /// The compiled and loaded function of a variant (compiled once per process, or loaded from
     /// the disk cache; loaded into this context once), where it came from, and its register
     /// count. The plan has already checked the variant's shared memory against the device.
-    fn function(&self, variant: &Variant) -> Result<(CudaFunction, KernelOrigin, u32), CudaError> {
+    fn function(
+        &self,
+        variant: &ForwardVariant,
+    ) -> Result<(CudaFunction, KernelOrigin, u32), CudaError> {
         let mut functions = self.functions.lock().map_err(|_| CudaError::Driver {
             what: "kernel table",
             error: "poisoned lock".into(),

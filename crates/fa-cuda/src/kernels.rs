@@ -5,11 +5,13 @@
 //!
 //! Layout of the sources (`src/kernels/`): `common/` holds the PTX helpers, the mask, the
 //! online-softmax steps and the row epilogue that every family shares; `sm80/` the
-//! `mma.sync` forward kernel ([`sm80`]); `sm90/` is where Hopper (`wgmma`) kernels will go.
+//! `mma.sync` forward kernel ([`sm80`]); `sm90/` the Hopper `wgmma` forward kernel ([`sm90`]).
+//! [`plan_forward`] picks the family ([`KernelFamilyChoice`]) and asks its plan.
 
 pub mod sm80;
+pub mod sm90;
 
-pub use sm80::{plan_forward, LaunchShape, Tiles, Variant};
+pub use sm80::{Tiles, Variant};
 
 pub use softmax_core::DType;
 
@@ -70,7 +72,7 @@ impl KernelFamily {
 
 /// Every kernel family of the crate.
 pub fn families() -> &'static [&'static KernelFamily] {
-    static FAMILIES: [&KernelFamily; 1] = [&sm80::FAMILY];
+    static FAMILIES: [&KernelFamily; 2] = [&sm80::FAMILY, &sm90::FAMILY];
     &FAMILIES
 }
 
@@ -84,6 +86,119 @@ pub trait KernelVariant {
     fn entry(&self) -> &'static str;
     /// A readable, unique name (for logs, errors and cache file names).
     fn name(&self) -> String;
+}
+
+/// A variant of any forward family: what a launch runs and the device's kernel table keys on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ForwardVariant {
+    /// The `mma.sync` family (sm_80 and newer).
+    Sm80(sm80::Variant),
+    /// The `wgmma` family (sm_90a).
+    Sm90(sm90::Variant),
+}
+
+impl ForwardVariant {
+    /// A readable, unique name, e.g. `fwd_sm90_bf16_d128_128x128_wg2`.
+    pub fn name(&self) -> String {
+        KernelVariant::name(self)
+    }
+
+    /// Dynamic shared memory per CTA in bytes.
+    pub fn smem_bytes(&self) -> u32 {
+        match self {
+            ForwardVariant::Sm80(v) => v.smem_bytes(),
+            ForwardVariant::Sm90(v) => v.smem_bytes(),
+        }
+    }
+
+    /// Whether the kernel carries mask code (the sm90 kernel always does, for partial tiles).
+    pub fn masked(&self) -> bool {
+        match self {
+            ForwardVariant::Sm80(v) => v.masked,
+            ForwardVariant::Sm90(_) => true,
+        }
+    }
+
+    /// Every variant of every forward family (what the CI compile check and `fa warmup`
+    /// build, each for the architectures its family supports).
+    pub fn all() -> Vec<ForwardVariant> {
+        let sm80 = sm80::Variant::all().into_iter().map(ForwardVariant::Sm80);
+        let sm90 = sm90::Variant::all().into_iter().map(ForwardVariant::Sm90);
+        sm80.chain(sm90).collect()
+    }
+}
+
+impl KernelVariant for ForwardVariant {
+    fn family(&self) -> &'static KernelFamily {
+        match self {
+            ForwardVariant::Sm80(v) => v.family(),
+            ForwardVariant::Sm90(v) => v.family(),
+        }
+    }
+    fn defines(&self) -> Vec<String> {
+        match self {
+            ForwardVariant::Sm80(v) => KernelVariant::defines(v),
+            ForwardVariant::Sm90(v) => v.defines(),
+        }
+    }
+    fn entry(&self) -> &'static str {
+        match self {
+            ForwardVariant::Sm80(v) => KernelVariant::entry(v),
+            ForwardVariant::Sm90(v) => v.entry(),
+        }
+    }
+    fn name(&self) -> String {
+        match self {
+            ForwardVariant::Sm80(v) => KernelVariant::name(v),
+            ForwardVariant::Sm90(v) => v.name(),
+        }
+    }
+}
+
+/// Grid, block and shared memory of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchShape {
+    /// The kernel variant (and with it the family).
+    pub variant: ForwardVariant,
+    /// Grid (query blocks, query heads, batch).
+    pub grid: (u32, u32, u32),
+    /// Threads per CTA.
+    pub block: u32,
+    /// Dynamic shared memory in bytes.
+    pub smem_bytes: u32,
+}
+
+/// Which forward family a call may use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum KernelFamilyChoice {
+    /// The measured-best family for the device and problem. Today that is the sm80 family
+    /// everywhere: the sm90 kernel is correct but not yet measured faster (docs/gpu-notes.md).
+    #[default]
+    Auto,
+    /// The `mma.sync` family, on any device (the fallback).
+    Sm80,
+    /// The `wgmma` family where its plan covers the problem on this device (sm_90), the sm80
+    /// family otherwise ([`ForwardStats::launch`](crate::ForwardStats) says which ran).
+    Sm90,
+}
+
+/// The launch choice of a forward call: the family `choice` allows for the device `props`
+/// describes, then that family's plan. `tiles` overrides the sm80 family's tiles (and with it
+/// forces that family). `Ok(None)` when there is nothing to compute.
+pub fn plan_forward(
+    problem: &softmax_core::Problem,
+    dtype: DType,
+    choice: KernelFamilyChoice,
+    tiles: Option<Tiles>,
+    props: &DeviceProps,
+) -> Result<Option<LaunchShape>, softmax_core::ProblemError> {
+    if choice == KernelFamilyChoice::Sm90 && tiles.is_none() {
+        if let Some(launch) = sm90::plan_forward(problem, dtype, props)? {
+            return Ok(Some(launch));
+        }
+    }
+    sm80::plan_forward(problem, dtype, tiles, props)
 }
 
 /// What the plan functions need to know about a device. [`crate::Device::open`] reads it from
@@ -187,5 +302,38 @@ mod tests {
         }
         assert!(sm80::FAMILY.supports(8, 0) && sm80::FAMILY.supports(9, 0));
         assert!(!sm80::FAMILY.supports(7, 5));
+        assert!(sm90::FAMILY.supports(9, 0) && !sm90::FAMILY.supports(8, 0));
+        assert!(!sm90::FAMILY.supports(10, 0));
+    }
+
+    #[test]
+    fn the_family_choice_reaches_the_plan() {
+        let problem = softmax_core::ProblemDesc::new(1, 300, 300, 2, 2, 128)
+            .validate(256)
+            .expect("valid");
+        let plan = |choice, props: &DeviceProps| {
+            plan_forward(&problem, DType::Bf16, choice, None, props)
+                .expect("plan")
+                .expect("launch")
+                .variant
+        };
+        let h200 = DeviceProps::h200();
+        assert!(matches!(
+            plan(KernelFamilyChoice::Auto, &h200),
+            ForwardVariant::Sm80(_)
+        ));
+        assert!(matches!(
+            plan(KernelFamilyChoice::Sm80, &h200),
+            ForwardVariant::Sm80(_)
+        ));
+        assert!(matches!(
+            plan(KernelFamilyChoice::Sm90, &h200),
+            ForwardVariant::Sm90(_)
+        ));
+        let a100 = DeviceProps::a100();
+        assert!(matches!(
+            plan(KernelFamilyChoice::Sm90, &a100),
+            ForwardVariant::Sm80(_)
+        ));
     }
 }

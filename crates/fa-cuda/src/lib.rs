@@ -100,7 +100,9 @@ pub use device::{
     driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, DeviceOut, ForwardStats,
 };
 pub use error::CudaError;
-pub use kernels::{arch_for, DeviceProps, LaunchShape, Tiles, Variant};
+pub use kernels::{
+    arch_for, DeviceProps, ForwardVariant, KernelFamilyChoice, LaunchShape, Tiles, Variant,
+};
 pub use params::{supports, ForwardOptions};
 pub use raw::{CuSeqlens, RawOut, RawTensor};
 pub use softmax_core::DType;

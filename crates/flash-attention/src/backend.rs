@@ -173,6 +173,8 @@ pub struct Options {
     pub rescale: RescalePolicy<f32>,
     /// CUDA tile sizes instead of the tuned choice (tuning experiments); ignored on the CPU.
     pub tiles: Option<fa_cuda::Tiles>,
+    /// CUDA kernel family (default: the measured-best); ignored on the CPU.
+    pub family: fa_cuda::KernelFamilyChoice,
 }
 
 /// What a forward call reported; fields a backend does not measure are `None`.
@@ -522,6 +524,7 @@ fn cuda_options(opts: &Options) -> fa_cuda::ForwardOptions {
     fa_cuda::ForwardOptions {
         rescale: opts.rescale,
         tiles: opts.tiles,
+        family: opts.family,
         ..fa_cuda::ForwardOptions::default()
     }
 }

@@ -1,0 +1,201 @@
+//! The sm_90a (Hopper, `wgmma`) forward family: its source, its variants and its plan.
+//!
+//! First version (issue 13, step 1): both matrix products on `wgmma` (S = QKᵀ with Q and K
+//! from 128-byte-swizzled shared memory, O += PV with P from registers and V through a
+//! transposed descriptor), one consumer warpgroup per 64 query rows, two per CTA; loads are
+//! still `cp.async` by every thread into double-buffered K/V tiles. Covers bf16/fp16, head dims
+//! up to 256 (padded to 64/128/256), every mask, GQA and varlen; softcap and non-positive
+//! scales go to the sm80 family (the plan returns `None`).
+
+use super::{
+    DType, DeviceProps, ForwardVariant, KernelFamily, KernelVariant, LaunchShape, SourceFile,
+    COMMON_HEADERS,
+};
+use softmax_core::{Problem, ProblemError};
+
+/// The headers of the sm90 family: the common ones and its `wgmma` wrappers.
+static HEADERS: [SourceFile; 5] = [
+    COMMON_HEADERS[0],
+    COMMON_HEADERS[1],
+    COMMON_HEADERS[2],
+    COMMON_HEADERS[3],
+    SourceFile {
+        name: "sm90/wgmma.cuh",
+        text: include_str!("sm90/wgmma.cuh"),
+    },
+];
+
+/// The Hopper forward kernel (sm_90a only: `wgmma` does not exist elsewhere).
+pub static FAMILY: KernelFamily = KernelFamily {
+    name: "flash_fwd_sm90",
+    main: SourceFile {
+        name: "sm90/flash_fwd.cu",
+        text: include_str!("sm90/flash_fwd.cu"),
+    },
+    headers: &HEADERS,
+    entries: &["flash_fwd_sm90"],
+    min_capability: (9, 0),
+    max_major: Some(9),
+};
+
+/// One compiled specialisation of the sm90 forward kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Variant {
+    /// Head dim the tiles are laid out for (64, 128, 256).
+    pub hdp: u32,
+    /// Keys per K/V tile (multiple of 64).
+    pub block_n: u32,
+    /// Consumer warpgroups per CTA (64 query rows each).
+    pub warpgroups: u32,
+    /// Element type.
+    pub dtype: DType,
+}
+
+impl KernelVariant for Variant {
+    fn family(&self) -> &'static KernelFamily {
+        &FAMILY
+    }
+    fn defines(&self) -> Vec<String> {
+        vec![
+            format!("-DHDP={}", self.hdp),
+            format!("-DBLOCK_N={}", self.block_n),
+            format!("-DWARPGROUPS={}", self.warpgroups),
+            format!("-DIS_BF16={}", u32::from(self.dtype == DType::Bf16)),
+        ]
+    }
+    fn entry(&self) -> &'static str {
+        FAMILY.entries[0]
+    }
+    fn name(&self) -> String {
+        format!(
+            "fwd_sm90_{}_d{}_{}x{}_wg{}",
+            self.dtype.name(),
+            self.hdp,
+            self.block_m(),
+            self.block_n,
+            self.warpgroups
+        )
+    }
+}
+
+impl Variant {
+    /// Query rows per CTA.
+    pub fn block_m(&self) -> u32 {
+        64 * self.warpgroups
+    }
+
+    /// Threads per CTA.
+    pub fn threads(&self) -> u32 {
+        128 * self.warpgroups
+    }
+
+    /// Dynamic shared memory per CTA in bytes: the Q tile, two K and two V tiles (16-bit), and
+    /// 1 KiB for aligning the tiles to the 1024-byte swizzle period by hand.
+    pub fn smem_bytes(&self) -> u32 {
+        (self.block_m() + 4 * self.block_n) * self.hdp * 2 + 1024
+    }
+
+    /// Every variant the plan can select (what the CI compile check builds for sm_90a).
+    pub fn all() -> Vec<Variant> {
+        let mut all = Vec::new();
+        for dtype in [DType::Bf16, DType::F16] {
+            for hdp in [64, 128, 256] {
+                all.push(tile_config(hdp, dtype));
+            }
+        }
+        all
+    }
+}
+
+/// Tiles per padded head dim: two consumer warpgroups (128 query rows); 128-key tiles up to
+/// hdim 128, 64 at 256 (the O accumulator takes 128 registers a thread there). Not tuned yet.
+fn tile_config(hdp: u32, dtype: DType) -> Variant {
+    Variant {
+        hdp,
+        block_n: if hdp == 256 { 64 } else { 128 },
+        warpgroups: 2,
+        dtype,
+    }
+}
+
+/// The launch choice of the sm90 family: `Ok(None)` when the device is not sm_90 or the
+/// problem needs what the family does not cover (softcap, a non-positive scale) — the caller
+/// then plans with the sm80 family — and also when there is nothing to compute (the sm80
+/// plan says so again). An error when the tiles need more shared memory than the device has.
+pub fn plan_forward(
+    problem: &Problem,
+    dtype: DType,
+    props: &DeviceProps,
+) -> Result<Option<LaunchShape>, ProblemError> {
+    if (props.major, props.minor) != (9, 0) {
+        return Ok(None);
+    }
+    if problem.softcap().is_some() || problem.softmax_scale() <= 0.0 {
+        return Ok(None);
+    }
+    let dim = problem.head_dim().max(problem.head_dim_v()) as u32;
+    let hdp = match dim {
+        0..=64 => 64,
+        65..=128 => 128,
+        _ => 256,
+    };
+    let variant = tile_config(hdp, dtype);
+    let m_blocks = (problem.max_seqlen_q() as u32).div_ceil(variant.block_m());
+    if m_blocks == 0 {
+        return Ok(None);
+    }
+    if variant.smem_bytes() > props.smem_optin_bytes {
+        return Err(ProblemError::Unsupported {
+            what: "the kernel's shared memory exceeds this device's limit",
+        });
+    }
+    Ok(Some(LaunchShape {
+        variant: ForwardVariant::Sm90(variant),
+        grid: (m_blocks, problem.heads_q() as u32, problem.batch() as u32),
+        block: variant.threads(),
+        smem_bytes: variant.smem_bytes(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use softmax_core::ProblemDesc;
+
+    #[test]
+    fn plans_only_on_hopper_and_only_what_it_covers() {
+        let problem = ProblemDesc::new(2, 1000, 1000, 4, 2, 128)
+            .causal()
+            .validate(256)
+            .expect("valid");
+        let h200 = DeviceProps::h200();
+        let launch = plan_forward(&problem, DType::Bf16, &h200)
+            .expect("plan")
+            .expect("launch");
+        assert_eq!(launch.grid, (8, 4, 2));
+        assert_eq!(launch.block, 256);
+        assert!(matches!(launch.variant, ForwardVariant::Sm90(v) if v.hdp == 128));
+        assert!(plan_forward(&problem, DType::Bf16, &DeviceProps::a100())
+            .expect("plan")
+            .is_none());
+        let softcap = ProblemDesc::new(1, 64, 64, 1, 1, 128)
+            .softcap(5.0)
+            .validate(256)
+            .expect("valid");
+        assert!(plan_forward(&softcap, DType::Bf16, &h200)
+            .expect("plan")
+            .is_none());
+    }
+
+    #[test]
+    fn every_variant_fits_the_h200_and_has_a_distinct_name() {
+        let all = Variant::all();
+        for v in &all {
+            assert!(v.smem_bytes() <= DeviceProps::h200().smem_optin_bytes);
+        }
+        let mut names: Vec<String> = all.iter().map(KernelVariant::name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
+    }
+}
