@@ -20,10 +20,12 @@ ap.add_argument("--arch", default="sm_90a")
 ap.add_argument("--main", default="sm90/flash_fwd.cu")
 ap.add_argument("--nvdisasm", default="nvdisasm")
 ap.add_argument("--expect", action="append", default=None)
+ap.add_argument("--kernels-dir", default=None, help="the kernels/ tree to read (default: this crate's)")
 ap.add_argument("--sass-out", default=None, help="write the SASS listing here")
 ap.add_argument("-D", dest="defines", action="append", default=[])
 args = ap.parse_args()
 expect = args.expect or ["HGMMA"]
+kernels = args.kernels_dir or kernels
 
 lib = None
 for d in os.environ.get("LD_LIBRARY_PATH", "").split(":"):

@@ -98,7 +98,7 @@ pub enum ForwardVariant {
 }
 
 impl ForwardVariant {
-    /// A readable, unique name, e.g. `fwd_sm90_bf16_d128_128x128_wg2`.
+    /// A readable, unique name, e.g. `fwd_sm90_bf16_d128_128x128_ws`.
     pub fn name(&self) -> String {
         KernelVariant::name(self)
     }
@@ -185,16 +185,18 @@ pub enum KernelFamilyChoice {
 
 /// The launch choice of a forward call: the family `choice` allows for the device `props`
 /// describes, then that family's plan. `tiles` overrides the sm80 family's tiles (and with it
-/// forces that family). `Ok(None)` when there is nothing to compute.
+/// forces that family); `pipeline` the sm90 family's load pipeline. `Ok(None)` when there is
+/// nothing to compute.
 pub fn plan_forward(
     problem: &softmax_core::Problem,
     dtype: DType,
     choice: KernelFamilyChoice,
     tiles: Option<Tiles>,
+    pipeline: Option<sm90::Pipeline>,
     props: &DeviceProps,
 ) -> Result<Option<LaunchShape>, softmax_core::ProblemError> {
     if choice == KernelFamilyChoice::Sm90 && tiles.is_none() {
-        if let Some(launch) = sm90::plan_forward(problem, dtype, props)? {
+        if let Some(launch) = sm90::plan_forward(problem, dtype, pipeline, props)? {
             return Ok(Some(launch));
         }
     }
@@ -312,7 +314,7 @@ mod tests {
             .validate(256)
             .expect("valid");
         let plan = |choice, props: &DeviceProps| {
-            plan_forward(&problem, DType::Bf16, choice, None, props)
+            plan_forward(&problem, DType::Bf16, choice, None, None, props)
                 .expect("plan")
                 .expect("launch")
                 .variant

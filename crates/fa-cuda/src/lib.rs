@@ -94,12 +94,14 @@ mod error;
 pub mod kernels;
 mod params;
 mod raw;
+mod tma;
 
 pub use compile::{precompile, KernelOrigin, PrecompileReport};
 pub use device::{
     driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, DeviceOut, ForwardStats,
 };
 pub use error::CudaError;
+pub use kernels::sm90::Pipeline as Sm90Pipeline;
 pub use kernels::{
     arch_for, DeviceProps, ForwardVariant, KernelFamilyChoice, LaunchShape, Tiles, Variant,
 };

@@ -1,6 +1,7 @@
 //! Host-side preparation of a forward call, without touching the GPU: validation through
 //! `softmax-core`, this backend's own limits, the launch choice and the kernel parameters.
 
+use crate::kernels::sm90::Pipeline as Sm90Pipeline;
 use crate::kernels::{plan_forward, DeviceProps, KernelFamilyChoice, LaunchShape, Tiles};
 use softmax_core::{BufferLens, DType, Problem, ProblemError, RescalePolicy};
 
@@ -18,6 +19,8 @@ pub struct ForwardOptions {
     pub tiles: Option<Tiles>,
     /// Which kernel family may run the call (default: the measured-best one).
     pub family: KernelFamilyChoice,
+    /// Override the sm90 family's load pipeline (tests and tuning; `None`: the plan's choice).
+    pub sm90_pipeline: Option<Sm90Pipeline>,
 }
 
 /// The kernel's parameter block; the `.cu` source's `struct Params` has the same layout.
@@ -129,7 +132,14 @@ pub(crate) fn prepare<'a>(
             s.head as i64,
         ]
     };
-    let launch = plan_forward(&problem, dtype, opts.family, opts.tiles, props)?;
+    let launch = plan_forward(
+        &problem,
+        dtype,
+        opts.family,
+        opts.tiles,
+        opts.sm90_pipeline,
+        props,
+    )?;
     let (lse_bs, lse_hs) = if varlen {
         (0, problem.total_q() as i64)
     } else {

@@ -2,13 +2,14 @@
 //! rounded to bf16/fp16, outputs and LSE poisoned (NaN) before each launch. Bounds: normwise
 //! ‖out − ref‖/‖ref‖ ≤ 1e-2 and LSE within 1e-3 (absolute), the DESIGN's contract for 16-bit
 //! inputs with f32 accumulation. Every check runs with the sm80 family forced and, on Hopper,
-//! with the sm90 family chosen. Ignored by default: they need a CUDA GPU
+//! with the sm90 family chosen in each of its load pipelines (cp.async; TMA + warp
+//! specialization). Ignored by default: they need a CUDA GPU
 //! (`cargo test -p fa-cuda -- --include-ignored`, or `../shared/bin/gpu-pack` and the device).
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use fa_cuda::{
     CuSeqlens, CudaElement, CudaError, DType, Device, ForwardOptions, ForwardVariant,
-    KernelFamilyChoice, RawTensor,
+    KernelFamilyChoice, RawTensor, Sm90Pipeline,
 };
 use fa_reference::{attention_f64, compare, poison, Case, Rng, Rounding};
 use half::{bf16, f16};
@@ -31,12 +32,17 @@ fn device() -> &'static Device {
     })
 }
 
-/// The kernel families the device runs: the sm80 family always, the sm90 family on Hopper.
-fn families() -> Vec<KernelFamilyChoice> {
+/// The kernel choices every check runs: the sm80 family forced, and on Hopper the sm90
+/// family with each of its load pipelines.
+fn families() -> Vec<(KernelFamilyChoice, Option<Sm90Pipeline>)> {
     let props = device().props();
-    let mut all = vec![KernelFamilyChoice::Sm80];
+    let mut all = vec![(KernelFamilyChoice::Sm80, None)];
     if (props.major, props.minor) == (9, 0) {
-        all.push(KernelFamilyChoice::Sm90);
+        all.push((KernelFamilyChoice::Sm90, Some(Sm90Pipeline::CpAsync)));
+        all.push((
+            KernelFamilyChoice::Sm90,
+            Some(Sm90Pipeline::WarpSpecialized),
+        ));
     }
     all
 }
@@ -57,12 +63,16 @@ fn check_as<T: CudaElement + fa_reference::Element>(
     let lens = problem.min_buffer_lens();
     let oracle = attention_f64(&problem, &case.q, &case.k, &case.v);
     let mut worst = 0.0f64;
-    for family in families() {
+    for (family, pipeline) in families() {
         let mut out = vec![T::from_f64(0.0); lens.o];
         poison(&mut out);
         let mut lse = vec![0.0f32; problem.lse_len()];
         poison(&mut lse);
-        let opts = ForwardOptions { family, ..*opts };
+        let opts = ForwardOptions {
+            family,
+            sm90_pipeline: pipeline,
+            ..*opts
+        };
         let stats = device()
             .forward_host(
                 &problem,
@@ -70,7 +80,7 @@ fn check_as<T: CudaElement + fa_reference::Element>(
                 Out::with_lse(&mut out, &mut lse),
                 &opts,
             )
-            .unwrap_or_else(|e| panic!("{label} ({family:?}): {e}"));
+            .unwrap_or_else(|e| panic!("{label} ({family:?} {pipeline:?}): {e}"));
         let report = compare(&problem, &out, Some(&lse), &oracle);
         println!(
             "{label:<48} rel_l2 {:.2e} max_abs {:.2e} lse {:.2e} ({} elements, {})",
@@ -83,18 +93,27 @@ fn check_as<T: CudaElement + fa_reference::Element>(
                 .map_or("no launch".to_string(), |l| l.variant.name())
         );
         if family == KernelFamilyChoice::Sm90 && opts.tiles.is_none() {
-            let covered =
-                fa_cuda::kernels::sm90::plan_forward(&problem, T::DTYPE, device().props())
-                    .expect("plan")
-                    .is_some();
-            let ran_sm90 = stats
-                .launch
-                .is_some_and(|l| matches!(l.variant, ForwardVariant::Sm90(_)));
-            assert_eq!(covered, ran_sm90, "{label}: the sm90 family was chosen");
+            let planned = fa_cuda::kernels::sm90::plan_forward(
+                &problem,
+                T::DTYPE,
+                pipeline,
+                device().props(),
+            )
+            .expect("plan")
+            .map(|l| l.variant);
+            let ran = stats.launch.map(|l| l.variant);
+            if planned.is_some() {
+                assert_eq!(planned, ran, "{label}: the sm90 family was chosen");
+            } else {
+                assert!(
+                    !matches!(ran, Some(ForwardVariant::Sm90(_))),
+                    "{label}: the sm90 plan declined"
+                );
+            }
         }
         assert!(
             report.within(REL_L2_BOUND, LSE_BOUND),
-            "{label} ({family:?}): {report:?} exceeds rel_l2 {REL_L2_BOUND} / lse {LSE_BOUND}"
+            "{label} ({family:?} {pipeline:?}): {report:?} exceeds rel_l2 {REL_L2_BOUND} / lse {LSE_BOUND}"
         );
         worst = worst.max(report.rel_l2);
     }
@@ -186,6 +205,7 @@ fn runs_unmasked(case: &Case) -> bool {
         &problem,
         DType::Bf16,
         KernelFamilyChoice::Sm80,
+        None,
         None,
         &fa_cuda::DeviceProps::h200(),
     )
@@ -408,9 +428,10 @@ fn repeated_runs_agree_bitwise() {
     let problem = case.desc().validate(256).expect("valid");
     let to_bf = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
     let (q, k, v) = (to_bf(&case.q), to_bf(&case.k), to_bf(&case.v));
-    for family in families() {
+    for (family, pipeline) in families() {
         let opts = ForwardOptions {
             family,
+            sm90_pipeline: pipeline,
             ..ForwardOptions::default()
         };
         let mut first = vec![bf16::ZERO; q.len()];
@@ -428,7 +449,7 @@ fn repeated_runs_agree_bitwise() {
                     .iter()
                     .zip(&again)
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{family:?}"
+                "{family:?} {pipeline:?}"
             );
         }
     }

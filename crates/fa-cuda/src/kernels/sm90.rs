@@ -1,11 +1,12 @@
 //! The sm_90a (Hopper, `wgmma`) forward family: its source, its variants and its plan.
 //!
-//! First version (issue 13, step 1): both matrix products on `wgmma` (S = QKᵀ with Q and K
-//! from 128-byte-swizzled shared memory, O += PV with P from registers and V through a
-//! transposed descriptor), one consumer warpgroup per 64 query rows, two per CTA; loads are
-//! still `cp.async` by every thread into double-buffered K/V tiles. Covers bf16/fp16, head dims
-//! up to 256 (padded to 64/128/256), every mask, GQA and varlen; softcap and non-positive
-//! scales go to the sm80 family (the plan returns `None`).
+//! Both matrix products on `wgmma` (S = QKᵀ with Q and K from 128-byte-swizzled shared
+//! memory, O += PV with P from registers and V through a transposed descriptor), one consumer
+//! warpgroup per 64 query rows, two per CTA, in two pipelines ([`Pipeline`]): `cp.async` loads
+//! by every thread (step 1 of issue 13), or warp specialization with a TMA producer warpgroup
+//! and mbarriers (steps 2–3; dense problems only). Covers bf16/fp16, head dims up to 256
+//! (padded to 64/128/256), every mask, GQA and varlen; softcap and non-positive scales go to
+//! the sm80 family (the plan returns `None`).
 
 use super::{
     DType, DeviceProps, ForwardVariant, KernelFamily, KernelVariant, LaunchShape, SourceFile,
@@ -38,15 +39,26 @@ pub static FAMILY: KernelFamily = KernelFamily {
     max_major: Some(9),
 };
 
-/// One compiled specialisation of the sm90 forward kernel.
+/// How the sm90 kernel moves K/V tiles into shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Pipeline {
+    /// Every thread loads with `cp.async`; one CTA barrier per tile. Any problem (varlen too).
+    CpAsync,
+    /// A producer warpgroup issues TMA loads (tensor maps encoded per launch), completing on
+    /// mbarriers; two consumer warpgroups run independently. Dense problems only.
+    WarpSpecialized,
+}
+
+/// One compiled specialisation of the sm90 forward kernel (two consumer warpgroups, 128 query
+/// rows per CTA).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Variant {
     /// Head dim the tiles are laid out for (64, 128, 256).
     pub hdp: u32,
     /// Keys per K/V tile (multiple of 64).
     pub block_n: u32,
-    /// Consumer warpgroups per CTA (64 query rows each).
-    pub warpgroups: u32,
+    /// The load pipeline.
+    pub pipeline: Pipeline,
     /// Element type.
     pub dtype: DType,
 }
@@ -59,8 +71,8 @@ impl KernelVariant for Variant {
         vec![
             format!("-DHDP={}", self.hdp),
             format!("-DBLOCK_N={}", self.block_n),
-            format!("-DWARPGROUPS={}", self.warpgroups),
             format!("-DIS_BF16={}", u32::from(self.dtype == DType::Bf16)),
+            format!("-DWS={}", u32::from(self.ws())),
         ]
     }
     fn entry(&self) -> &'static str {
@@ -68,31 +80,41 @@ impl KernelVariant for Variant {
     }
     fn name(&self) -> String {
         format!(
-            "fwd_sm90_{}_d{}_{}x{}_wg{}",
+            "fwd_sm90_{}_d{}_{}x{}{}",
             self.dtype.name(),
             self.hdp,
             self.block_m(),
             self.block_n,
-            self.warpgroups
+            if self.ws() { "_ws" } else { "_cpasync" }
         )
     }
 }
 
 impl Variant {
+    /// Whether the variant is warp-specialized (TMA producer; tensor-map kernel parameters).
+    pub fn ws(&self) -> bool {
+        self.pipeline == Pipeline::WarpSpecialized
+    }
+
     /// Query rows per CTA.
     pub fn block_m(&self) -> u32 {
-        64 * self.warpgroups
+        128
     }
 
-    /// Threads per CTA.
+    /// Threads per CTA: two consumer warpgroups, and the producer's.
     pub fn threads(&self) -> u32 {
-        128 * self.warpgroups
+        if self.ws() {
+            384
+        } else {
+            256
+        }
     }
 
-    /// Dynamic shared memory per CTA in bytes: the Q tile, two K and two V tiles (16-bit), and
-    /// 1 KiB for aligning the tiles to the 1024-byte swizzle period by hand.
+    /// Dynamic shared memory per CTA in bytes: the Q tile, two K and two V tiles (16-bit),
+    /// the mbarriers (64 bytes), and 1 KiB for aligning the tiles to the 1024-byte swizzle
+    /// period by hand.
     pub fn smem_bytes(&self) -> u32 {
-        (self.block_m() + 4 * self.block_n) * self.hdp * 2 + 1024
+        (self.block_m() + 4 * self.block_n) * self.hdp * 2 + 64 + 1024
     }
 
     /// Every variant the plan can select (what the CI compile check builds for sm_90a).
@@ -100,20 +122,22 @@ impl Variant {
         let mut all = Vec::new();
         for dtype in [DType::Bf16, DType::F16] {
             for hdp in [64, 128, 256] {
-                all.push(tile_config(hdp, dtype));
+                for pipeline in [Pipeline::CpAsync, Pipeline::WarpSpecialized] {
+                    all.push(tile_config(hdp, dtype, pipeline));
+                }
             }
         }
         all
     }
 }
 
-/// Tiles per padded head dim: two consumer warpgroups (128 query rows); 128-key tiles up to
+/// Tiles per padded head dim: 128 query rows (two consumer warpgroups); 128-key tiles up to
 /// hdim 128, 64 at 256 (the O accumulator takes 128 registers a thread there). Not tuned yet.
-fn tile_config(hdp: u32, dtype: DType) -> Variant {
+fn tile_config(hdp: u32, dtype: DType, pipeline: Pipeline) -> Variant {
     Variant {
         hdp,
         block_n: if hdp == 256 { 64 } else { 128 },
-        warpgroups: 2,
+        pipeline,
         dtype,
     }
 }
@@ -121,10 +145,13 @@ fn tile_config(hdp: u32, dtype: DType) -> Variant {
 /// The launch choice of the sm90 family: `Ok(None)` when the device is not sm_90 or the
 /// problem needs what the family does not cover (softcap, a non-positive scale) — the caller
 /// then plans with the sm80 family — and also when there is nothing to compute (the sm80
-/// plan says so again). An error when the tiles need more shared memory than the device has.
+/// plan says so again). `pipeline` overrides the choice of [`Pipeline`] (tests, tuning);
+/// varlen problems always take `CpAsync`. An error when the tiles need more shared memory
+/// than the device has.
 pub fn plan_forward(
     problem: &Problem,
     dtype: DType,
+    pipeline: Option<Pipeline>,
     props: &DeviceProps,
 ) -> Result<Option<LaunchShape>, ProblemError> {
     if (props.major, props.minor) != (9, 0) {
@@ -139,7 +166,12 @@ pub fn plan_forward(
         65..=128 => 128,
         _ => 256,
     };
-    let variant = tile_config(hdp, dtype);
+    let pipeline = if problem.is_varlen() {
+        Pipeline::CpAsync
+    } else {
+        pipeline.unwrap_or(Pipeline::WarpSpecialized)
+    };
+    let variant = tile_config(hdp, dtype, pipeline);
     let m_blocks = (problem.max_seqlen_q() as u32).div_ceil(variant.block_m());
     if m_blocks == 0 {
         return Ok(None);
@@ -169,20 +201,35 @@ mod tests {
             .validate(256)
             .expect("valid");
         let h200 = DeviceProps::h200();
-        let launch = plan_forward(&problem, DType::Bf16, &h200)
+        let launch = plan_forward(&problem, DType::Bf16, None, &h200)
             .expect("plan")
             .expect("launch");
         assert_eq!(launch.grid, (8, 4, 2));
-        assert_eq!(launch.block, 256);
-        assert!(matches!(launch.variant, ForwardVariant::Sm90(v) if v.hdp == 128));
-        assert!(plan_forward(&problem, DType::Bf16, &DeviceProps::a100())
+        assert_eq!(launch.block, 384);
+        assert!(matches!(launch.variant, ForwardVariant::Sm90(v) if v.hdp == 128 && v.ws()));
+        let cp = plan_forward(&problem, DType::Bf16, Some(Pipeline::CpAsync), &h200)
             .expect("plan")
-            .is_none());
+            .expect("launch");
+        assert_eq!(cp.block, 256);
+        assert!(
+            plan_forward(&problem, DType::Bf16, None, &DeviceProps::a100())
+                .expect("plan")
+                .is_none()
+        );
+        // Varlen: TMA bounds are per tensor, so the cp.async pipeline.
+        let (cu_q, cu_k) = ([0u32, 100, 300], [0u32, 50, 400]);
+        let varlen = ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 128)
+            .validate(256)
+            .expect("valid");
+        let launch = plan_forward(&varlen, DType::Bf16, Some(Pipeline::WarpSpecialized), &h200)
+            .expect("plan")
+            .expect("launch");
+        assert!(matches!(launch.variant, ForwardVariant::Sm90(v) if !v.ws()));
         let softcap = ProblemDesc::new(1, 64, 64, 1, 1, 128)
             .softcap(5.0)
             .validate(256)
             .expect("valid");
-        assert!(plan_forward(&softcap, DType::Bf16, &h200)
+        assert!(plan_forward(&softcap, DType::Bf16, None, &h200)
             .expect("plan")
             .is_none());
     }
