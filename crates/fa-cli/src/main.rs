@@ -64,6 +64,30 @@ struct ComputeArgs {
     /// Hopper; the sm80 family where it does not cover the problem).
     #[arg(long, value_enum, default_value_t = FamilyArg::Auto)]
     family: FamilyArg,
+    /// CUDA sm90 load pipeline (tuning; default: the plan's choice).
+    #[arg(long, value_enum)]
+    sm90_pipeline: Option<PipelineArg>,
+}
+
+/// `--sm90-pipeline`: the sm90 family's load pipeline.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum PipelineArg {
+    /// cp.async loads by every thread.
+    Cpasync,
+    /// A TMA producer warpgroup, independent consumers.
+    Ws,
+    /// As ws, with each consumer's softmax overlapping its previous PV.
+    Wso,
+}
+
+impl From<PipelineArg> for flash_attention::Sm90Pipeline {
+    fn from(p: PipelineArg) -> Self {
+        match p {
+            PipelineArg::Cpasync => flash_attention::Sm90Pipeline::CpAsync,
+            PipelineArg::Ws => flash_attention::Sm90Pipeline::WarpSpecialized,
+            PipelineArg::Wso => flash_attention::Sm90Pipeline::WarpSpecializedOverlap,
+        }
+    }
 }
 
 /// `--family`: the CUDA kernel family.
@@ -93,6 +117,7 @@ impl ComputeArgs {
             threads: self.threads,
             exp2: self.exp2.into(),
             family: self.family.into(),
+            sm90_pipeline: self.sm90_pipeline.map(Into::into),
             ..Options::default()
         }
     }
@@ -332,6 +357,7 @@ fn main() -> ExitCode {
                 threads: None,
                 exp2: Exp2Arg::Exact,
                 family: FamilyArg::Auto,
+                sm90_pipeline: None,
             },
         }),
         Some(Command::Run(a)) => cmd_run(a),

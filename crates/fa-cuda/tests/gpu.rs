@@ -43,6 +43,10 @@ fn families() -> Vec<(KernelFamilyChoice, Option<Sm90Pipeline>)> {
             KernelFamilyChoice::Sm90,
             Some(Sm90Pipeline::WarpSpecialized),
         ));
+        all.push((
+            KernelFamilyChoice::Sm90,
+            Some(Sm90Pipeline::WarpSpecializedOverlap),
+        ));
     }
     all
 }

@@ -21,6 +21,9 @@
 //   BLOCK_N     keys per K/V tile (multiple of 64)
 //   IS_BF16     1: bf16, 0: fp16
 //   WS          0 or 1 (above)
+//   OVERLAP     1 (WS only): intra-warpgroup overlap — tile i's QK^T and softmax run while
+//               tile i-1's PV is in flight (FlashAttention-3's two-stage consumer); K and V
+//               stages are freed separately
 //
 // Numerics are the sm80 family's, from common/*.cuh (softmax-core's rules): scores in the scaled
 // log2 domain (scale > 0 folded into the exponent's FMA; the plan sends softcap and scale <= 0
@@ -34,8 +37,11 @@
 // ((c ^ (r & 7)) * 16). Tile bases are 1024-byte aligned, so the hardware's address-bit
 // swizzle (bits 4-6 ^= bits 7-9) sees the same pattern.
 
-#if !defined(HDP) || !defined(BLOCK_N) || !defined(IS_BF16) || !defined(WS)
-#error "sm90/flash_fwd.cu needs HDP, BLOCK_N, IS_BF16, WS"
+#if !defined(HDP) || !defined(BLOCK_N) || !defined(IS_BF16) || !defined(WS) || !defined(OVERLAP)
+#error "sm90/flash_fwd.cu needs HDP, BLOCK_N, IS_BF16, WS, OVERLAP"
+#endif
+#if OVERLAP && !WS
+#error "OVERLAP needs WS"
 #endif
 
 #include "common/epilogue.cuh"
@@ -113,13 +119,13 @@ struct RowsState {
     int row_lo[2], row_hi[2];
 };
 
-// One K/V tile for one consumer warpgroup: S = Q K^T, mask (MASKED), online softmax, P, then
-// `before_pv()` (WS: wait for V) and O += P V. `q_base`: this warpgroup's Q rows.
-template <bool MASKED, typename BeforePv>
-static __device__ __forceinline__ void consume_tile(RowsState& st, const u32 q_base, const u32 k_base, const u32 v_base,
-                                                    const int n0, const int tig, const float pre, const float tau,
-                                                    BeforePv before_pv) {
-    float s[BLOCK_N / 2];
+// The tile body in pieces, so that a pipeline can overlap one tile's softmax with the matrix
+// products of its neighbours. Accumulator registers that a wgmma reads or writes stay pinned
+// (wgmma_pin) from before the issue to after the wait: the compiler sees the asm statements
+// as synchronous and would otherwise reuse or move them while the tensor cores work.
+
+// Issues S = Q K^T (64 x BLOCK_N per warpgroup) as one wgmma group; no wait.
+static __device__ __forceinline__ void qk_issue(float* s, const u32 q_base, const u32 k_base) {
 #pragma unroll
     for (int e = 0; e < BLOCK_N / 2; ++e) wgmma_pin(s[e]);
     wgmma_fence();
@@ -130,10 +136,51 @@ static __device__ __forceinline__ void consume_tile(RowsState& st, const u32 q_b
         wgmma_ss<BLOCK_N, ELEM_BF16>(s, da, db, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int e = 0; e < BLOCK_N / 2; ++e) wgmma_pin(s[e]);
+}
 
+// Issues O += P V (64 x HDP per warpgroup) as one wgmma group; no wait. PIN: pin the operands
+// first; not while another wgmma group is in flight (a pin may become a register move, which
+// ptxas counts as defining a wgmma input inside an open stage and serialises: C7513).
+template <bool PIN = true>
+static __device__ __forceinline__ void pv_issue(float* acc, u32 (*pa)[4], const u32 v_base) {
+    if constexpr (PIN) {
+#pragma unroll
+        for (int e = 0; e < HDP / 2; ++e) wgmma_pin(acc[e]);
+#pragma unroll
+        for (int kp = 0; kp < KP; ++kp)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) wgmma_pin(pa[kp][e]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kp = 0; kp < KP; ++kp) {
+        const u64 db = sw128_desc(v_base + kp * 16 * 128, BLOCK_N * 128, 1024);
+        wgmma_rs<HDP, ELEM_BF16>(acc, pa[kp], db, 1);
+    }
+    wgmma_commit();
+}
+
+// After a wait: keeps the accumulator (and the P operand it read) alive up to here; before a
+// stage: makes every write to them happen before it.
+static __device__ __forceinline__ void pv_done(float* acc, u32 (*pa)[4]) {
+#pragma unroll
+    for (int e = 0; e < HDP / 2; ++e) wgmma_pin(acc[e]);
+#pragma unroll
+    for (int kp = 0; kp < KP; ++kp)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) wgmma_pin(pa[kp][e]);
+}
+
+// The softmax of a finished S tile, in place: mask (MASKED), the online-softmax step
+// (RowState::begin_block with the threshold policy: row_m, row_l), then P = exp2(x - offset)
+// over S. Returns whether any row of the warp moved its reference; `corr` holds the factors
+// the accumulator must take (after any PV still reading it is done). P reaches the wgmma A
+// registers only in pack_p: with OVERLAP that happens after the in-flight PV is waited for,
+// because ptxas serialises every wgmma of the kernel when an RS-wgmma's A registers are
+// written while a wgmma group is open (C7513).
+template <bool MASKED>
+static __device__ __forceinline__ bool softmax_tile(RowsState& st, float* s, float* corr, const int n0, const int tig,
+                                                    const float pre, const float tau) {
     if constexpr (MASKED) {
 #pragma unroll
         for (int j = 0; j < NT; ++j)
@@ -144,9 +191,6 @@ static __device__ __forceinline__ void consume_tile(RowsState& st, const u32 q_b
                 s[4 * j + e] = MASK_SCORE(s[4 * j + e], col, st.row_lo[hh], st.row_hi[hh]);
             }
     }
-
-    // Online softmax (RowState::begin_block with the threshold policy).
-    float corr[2];
     bool any_rescale = false;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -169,7 +213,35 @@ static __device__ __forceinline__ void consume_tile(RowsState& st, const u32 q_b
         any_rescale |= move;
         corr[hh] = c;
     }
-    if (warp_any(any_rescale)) {
+    const float off0 = exp_offset(st.row_m[0]);
+    const float off1 = exp_offset(st.row_m[1]);
+    float sum0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sum1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * j + e] = ex2(fmaf(s[4 * j + e], pre, -(e < 2 ? off0 : off1)));
+        sum0[j & 3] += s[4 * j] + s[4 * j + 1];
+        sum1[j & 3] += s[4 * j + 2] + s[4 * j + 3];
+    }
+    st.row_l[0] += (sum0[0] + sum0[1]) + (sum0[2] + sum0[3]);
+    st.row_l[1] += (sum1[0] + sum1[1]) + (sum1[2] + sum1[3]);
+    return warp_any(any_rescale);
+}
+
+// P (in S's registers) as the A operand of O += P V.
+static __device__ __forceinline__ void pack_p(const float* s, u32 (*pa)[4]) {
+#pragma unroll
+    for (int kp = 0; kp < KP; ++kp) {
+        pa[kp][0] = pack2<ELEM_BF16>(s[8 * kp + 0], s[8 * kp + 1]);
+        pa[kp][1] = pack2<ELEM_BF16>(s[8 * kp + 2], s[8 * kp + 3]);
+        pa[kp][2] = pack2<ELEM_BF16>(s[8 * kp + 4], s[8 * kp + 5]);
+        pa[kp][3] = pack2<ELEM_BF16>(s[8 * kp + 6], s[8 * kp + 7]);
+    }
+}
+
+// The accumulator takes the rows' correction factors (a warp-uniform skip when none moved).
+static __device__ __forceinline__ void rescale_acc(RowsState& st, const bool any, const float* corr) {
+    if (any) {
 #pragma unroll
         for (int d = 0; d < DT; ++d) {
             st.acc[4 * d + 0] *= corr[0];
@@ -178,51 +250,28 @@ static __device__ __forceinline__ void consume_tile(RowsState& st, const u32 q_b
             st.acc[4 * d + 3] *= corr[1];
         }
     }
+}
 
-    // P = exp2(x - offset) as the A operand of O += P V.
-    u32 pa[KP][4];
-    {
-        const float off0 = exp_offset(st.row_m[0]);
-        const float off1 = exp_offset(st.row_m[1]);
-        float sum0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sum1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                s[4 * j + e] = ex2(fmaf(s[4 * j + e], pre, -(e < 2 ? off0 : off1)));
-            sum0[j & 3] += s[4 * j] + s[4 * j + 1];
-            sum1[j & 3] += s[4 * j + 2] + s[4 * j + 3];
-        }
-        st.row_l[0] += (sum0[0] + sum0[1]) + (sum0[2] + sum0[3]);
-        st.row_l[1] += (sum1[0] + sum1[1]) + (sum1[2] + sum1[3]);
-#pragma unroll
-        for (int kp = 0; kp < KP; ++kp) {
-            pa[kp][0] = pack2<ELEM_BF16>(s[8 * kp + 0], s[8 * kp + 1]);
-            pa[kp][1] = pack2<ELEM_BF16>(s[8 * kp + 2], s[8 * kp + 3]);
-            pa[kp][2] = pack2<ELEM_BF16>(s[8 * kp + 4], s[8 * kp + 5]);
-            pa[kp][3] = pack2<ELEM_BF16>(s[8 * kp + 6], s[8 * kp + 7]);
-        }
-    }
-
-    before_pv();
-
-    // O += P V (64 x HDP per warpgroup).
-#pragma unroll
-    for (int e = 0; e < HDP / 2; ++e) wgmma_pin(st.acc[e]);
-#pragma unroll
-    for (int kp = 0; kp < KP; ++kp)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) wgmma_pin(pa[kp][e]);
-    wgmma_fence();
-#pragma unroll
-    for (int kp = 0; kp < KP; ++kp) {
-        const u64 db = sw128_desc(v_base + kp * 16 * 128, BLOCK_N * 128, 1024);
-        wgmma_rs<HDP, ELEM_BF16>(st.acc, pa[kp], db, 1);
-    }
-    wgmma_commit();
+// One K/V tile for one consumer warpgroup, in order: S = Q K^T, softmax, rescale,
+// `before_pv()` (WS: wait for V), O += P V.
+template <bool MASKED, typename BeforePv>
+static __device__ __forceinline__ void consume_tile(RowsState& st, const u32 q_base, const u32 k_base, const u32 v_base,
+                                                    const int n0, const int tig, const float pre, const float tau,
+                                                    BeforePv before_pv) {
+    float s[BLOCK_N / 2];
+    qk_issue(s, q_base, k_base);
     wgmma_wait<0>();
 #pragma unroll
-    for (int e = 0; e < HDP / 2; ++e) wgmma_pin(st.acc[e]);
+    for (int e = 0; e < BLOCK_N / 2; ++e) wgmma_pin(s[e]);
+    u32 pa[KP][4];
+    float corr[2];
+    const bool any = softmax_tile<MASKED>(st, s, corr, n0, tig, pre, tau);
+    pack_p(s, pa);
+    rescale_acc(st, any, corr);
+    before_pv();
+    pv_issue(st.acc, pa, v_base);
+    wgmma_wait<0>();
+    pv_done(st.acc, pa);
 }
 
 // The finished rows (RowState::finish: 1/l and LSE; a row that saw no key gives 0 and -inf)
@@ -333,7 +382,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90(KERNEL_A
 
     int q_start = 0, k_start = 0, sq = p.seqlen_q, sk = p.seqlen_k;
 #if WS
-    (void)k_start; // dense only: TMA coordinates are (token, head, batch)
+    (void)q_start; // dense only: TMA coordinates are (token, head, batch)
+    (void)k_start;
 #else
     if (p.cu_q != 0) {
         const u32* cq = reinterpret_cast<const u32*>(p.cu_q);
@@ -394,16 +444,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90(KERNEL_A
     };
 
 #if WS
-    // Barriers after the tiles: Q full, K full x2, V full x2, K/V empty x2.
+    // Barriers after the tiles: Q full, K full x2, V full x2, K empty x2, V empty x2 (K and V
+    // stages are freed separately: with OVERLAP a K tile is done long before its V tile).
     const u32 bars = sV + 2 * KV_BYTES;
-    const u32 bar_q = bars, bar_k = bars + 8, bar_v = bars + 24, bar_empty = bars + 40;
+    const u32 bar_q = bars, bar_k = bars + 8, bar_v = bars + 24, bar_k_empty = bars + 40, bar_v_empty = bars + 56;
     if (tid == 0) {
         mbar_init(bar_q, 1);
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
             mbar_init(bar_k + 8 * s, 1);
             mbar_init(bar_v + 8 * s, 1);
-            mbar_init(bar_empty + 8 * s, CONSUMERS * 128);
+            mbar_init(bar_k_empty + 8 * s, CONSUMERS * 128);
+            mbar_init(bar_v_empty + 8 * s, CONSUMERS * 128);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -417,10 +469,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90(KERNEL_A
             tma_tile<BLOCK_M>(sQ, tm_q, bar_q, m0, h, b);
             for (int i = 0; i < n_tiles; ++i) {
                 const int stage = i & 1;
-                if (i >= 2) mbar_wait(bar_empty + 8 * stage, ((i >> 1) - 1) & 1);
+                const u32 parity = ((i >> 1) - 1) & 1;
                 const int n0 = tile_at(i) * BLOCK_N;
+                if (i >= 2) mbar_wait(bar_k_empty + 8 * stage, parity);
                 mbar_expect_tx(bar_k + 8 * stage, KV_BYTES);
                 tma_tile<BLOCK_N>(sK + stage * KV_BYTES, tm_k, bar_k + 8 * stage, n0, hk, b);
+                if (i >= 2) mbar_wait(bar_v_empty + 8 * stage, parity);
                 mbar_expect_tx(bar_v + 8 * stage, KV_BYTES);
                 tma_tile<BLOCK_N>(sV + stage * KV_BYTES, tm_v, bar_v + 8 * stage, n0, hk, b);
             }
@@ -433,6 +487,61 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90(KERNEL_A
         init_rows(st, row0);
         const u32 q_base = sQ + cw * 64 * 128;
         if (n_tiles > 0) mbar_wait(bar_q, 0);
+#if OVERLAP
+        // Intra-warpgroup overlap (FlashAttention-3's two-stage consumer): tile i's QK^T and
+        // tile i-1's PV are in flight together, and tile i's softmax runs while PV works; the
+        // accumulator takes tile i's correction only after that PV is done.
+        float s[BLOCK_N / 2];
+        u32 pa[KP][4];
+        float corr[2];
+        if (n_tiles > 0) {
+            mbar_wait(bar_k, 0);
+            qk_issue(s, q_base, sK);
+            wgmma_wait<0>();
+#pragma unroll
+            for (int e = 0; e < BLOCK_N / 2; ++e) wgmma_pin(s[e]);
+            mbar_arrive(bar_k_empty);
+            // The accumulator is zero: tile 0's correction changes nothing.
+            if (n_full > 0)
+                softmax_tile<false>(st, s, corr, tile_at(0) * BLOCK_N, tig, p.pre, p.tau);
+            else
+                softmax_tile<true>(st, s, corr, tile_at(0) * BLOCK_N, tig, p.pre, p.tau);
+            pack_p(s, pa);
+        }
+        auto run = [&](const int i, auto masked_tag) {
+            constexpr bool masked = decltype(masked_tag)::value;
+            const int stage = i & 1, prev = stage ^ 1;
+            const u32 parity = (i >> 1) & 1, prev_parity = ((i - 1) >> 1) & 1;
+            // The last iteration's rescale and P copy are done before this stage starts:
+            // otherwise ptxas may sink them between the wgmmas and serialise them (C7513).
+            pv_done(st.acc, pa);
+            mbar_wait(bar_k + 8 * stage, parity);
+            qk_issue(s, q_base, sK + stage * KV_BYTES);
+            mbar_wait(bar_v + 8 * prev, prev_parity);
+            pv_issue<false>(st.acc, pa, sV + prev * KV_BYTES);
+            wgmma_wait<1>(); // S of tile i (committed first) is done; PV of tile i-1 may run on
+#pragma unroll
+            for (int e = 0; e < BLOCK_N / 2; ++e) wgmma_pin(s[e]);
+            mbar_arrive(bar_k_empty + 8 * stage);
+            float corr_next[2];
+            const bool any = softmax_tile<masked>(st, s, corr_next, tile_at(i) * BLOCK_N, tig, p.pre, p.tau);
+            wgmma_wait<0>();
+            pv_done(st.acc, pa);
+            mbar_arrive(bar_v_empty + 8 * prev);
+            rescale_acc(st, any, corr_next);
+            pack_p(s, pa); // tile i's P, now that tile i-1's PV no longer reads these registers
+        };
+        for (int i = 1; i < n_full; ++i) run(i, FullTile{});
+        for (int i = max(n_full, 1); i < n_tiles; ++i) run(i, MaskedTile{});
+        if (n_tiles > 0) {
+            const int last_stage = (n_tiles - 1) & 1;
+            mbar_wait(bar_v + 8 * last_stage, ((n_tiles - 1) >> 1) & 1);
+            pv_issue(st.acc, pa, sV + last_stage * KV_BYTES);
+            wgmma_wait<0>();
+            pv_done(st.acc, pa);
+            mbar_arrive(bar_v_empty + 8 * last_stage);
+        }
+#else
         auto run = [&](const int i, auto masked_tag) {
             constexpr bool masked = decltype(masked_tag)::value;
             const int stage = i & 1;
@@ -440,10 +549,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90(KERNEL_A
             mbar_wait(bar_k + 8 * stage, parity);
             consume_tile<masked>(st, q_base, sK + stage * KV_BYTES, sV + stage * KV_BYTES, tile_at(i) * BLOCK_N, tig, p.pre,
                                  p.tau, [&]() { mbar_wait(bar_v + 8 * stage, parity); });
-            mbar_arrive(bar_empty + 8 * stage);
+            mbar_arrive(bar_k_empty + 8 * stage);
+            mbar_arrive(bar_v_empty + 8 * stage);
         };
         for (int i = 0; i < n_full; ++i) run(i, FullTile{});
         for (int i = n_full; i < n_tiles; ++i) run(i, MaskedTile{});
+#endif
         // This warpgroup's Q rows become its output staging rows: every warp of it must be
         // done reading them (wgmma) before any writes.
         named_barrier(1 + cw, 128);
