@@ -4,9 +4,10 @@
 //! memory, O += PV with P from registers and V through a transposed descriptor), one consumer
 //! warpgroup per 64 query rows, two per CTA, in two pipelines ([`Pipeline`]): `cp.async` loads
 //! by every thread (step 1 of issue 13), or warp specialization with a TMA producer warpgroup
-//! and mbarriers (steps 2–3; dense problems only). Covers bf16/fp16, head dims up to 256
-//! (padded to 64/128/256), every mask, GQA and varlen; softcap and non-positive scales go to
-//! the sm80 family (the plan returns `None`).
+//! and mbarriers (steps 2–3; dense problems only), optionally with each consumer's softmax
+//! overlapping its previous PV. Covers bf16/fp16, head dims up to 256 (padded to 64/128/256),
+//! every mask, GQA and varlen (up to hdim 128); softcap and non-positive scales go to the
+//! sm80 family (the plan returns `None`).
 
 use super::{
     DType, DeviceProps, ForwardVariant, KernelFamily, KernelVariant, LaunchShape, SourceFile,
@@ -139,7 +140,7 @@ impl Variant {
                     Pipeline::WarpSpecializedOverlap,
                 ] {
                     let v = tile_config(hdp, dtype, pipeline);
-                    if v.pipeline == pipeline {
+                    if v.pipeline == pipeline && covered(&v) {
                         all.push(v);
                     }
                 }
@@ -151,6 +152,13 @@ impl Variant {
 
 /// Tiles per padded head dim: 128 query rows (two consumer warpgroups); 128-key tiles up to
 /// hdim 128, 64 at 256 (the O accumulator takes 128 registers a thread there). Not tuned yet.
+/// Whether the family runs a variant: the cp.async pipeline at hdim 256 (256 threads, no
+/// `setmaxnreg`) spills 12 bytes since the tile body was split for the overlapped pipeline, so
+/// varlen hdim-256 problems go to the sm80 family.
+fn covered(v: &Variant) -> bool {
+    !(v.hdp == 256 && v.pipeline == Pipeline::CpAsync)
+}
+
 /// The overlapped pipeline holds two tiles' worth of S/P registers: at hdim 256 it spills
 /// (8 bytes), so it falls back to the plain warp-specialized one there.
 fn tile_config(hdp: u32, dtype: DType, pipeline: Pipeline) -> Variant {
@@ -196,6 +204,9 @@ pub fn plan_forward(
         pipeline.unwrap_or(Pipeline::WarpSpecialized)
     };
     let variant = tile_config(hdp, dtype, pipeline);
+    if !covered(&variant) {
+        return Ok(None);
+    }
     let m_blocks = (problem.max_seqlen_q() as u32).div_ceil(variant.block_m());
     if m_blocks == 0 {
         return Ok(None);
@@ -249,6 +260,13 @@ mod tests {
             .expect("plan")
             .expect("launch");
         assert!(matches!(launch.variant, ForwardVariant::Sm90(v) if !v.ws()));
+        // ... except at hdim 256, where that pipeline spills: sm80.
+        let varlen_256 = ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 256)
+            .validate(256)
+            .expect("valid");
+        assert!(plan_forward(&varlen_256, DType::Bf16, None, &h200)
+            .expect("plan")
+            .is_none());
         let softcap = ProblemDesc::new(1, 64, 64, 1, 1, 128)
             .softcap(5.0)
             .validate(256)
