@@ -160,7 +160,10 @@ fn demo_on(req: &DemoRequest, backend: Backend) -> Result<(String, bool), CliErr
     let _ = writeln!(s, "fa demo: exact attention over one long sequence");
     let _ = writeln!(s, "  backend    {}", backend.describe());
     if let Some(origin) = stats.kernel_source {
-        let _ = writeln!(s, "  kernel     {}", describe_origin(origin));
+        let variant = stats
+            .launch
+            .map_or(String::new(), |l| format!("{}, ", l.variant.name()));
+        let _ = writeln!(s, "  kernel     {variant}{}", describe_origin(origin));
     }
     let _ = writeln!(
         s,

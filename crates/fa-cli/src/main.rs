@@ -60,6 +60,55 @@ struct ComputeArgs {
     /// exp2 of the CPU kernel: exact (library) or cubic (FlashAttention-4 polynomial).
     #[arg(long, value_enum, default_value_t = Exp2Arg::Exact)]
     exp2: Exp2Arg,
+    /// CUDA kernel family: auto (the measured-best), sm80 (mma.sync, any GPU) or sm90 (wgmma,
+    /// Hopper; the sm80 family where it does not cover the problem).
+    #[arg(long, value_enum, default_value_t = FamilyArg::Auto)]
+    family: FamilyArg,
+    /// CUDA sm90 load pipeline (tuning; default: the plan's choice).
+    #[arg(long, value_enum)]
+    sm90_pipeline: Option<PipelineArg>,
+}
+
+/// `--sm90-pipeline`: the sm90 family's load pipeline.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum PipelineArg {
+    /// cp.async loads by every thread.
+    Cpasync,
+    /// A TMA producer warpgroup, independent consumers.
+    Ws,
+    /// As ws, with each consumer's softmax overlapping its previous PV.
+    Wso,
+}
+
+impl From<PipelineArg> for flash_attention::Sm90Pipeline {
+    fn from(p: PipelineArg) -> Self {
+        match p {
+            PipelineArg::Cpasync => flash_attention::Sm90Pipeline::CpAsync,
+            PipelineArg::Ws => flash_attention::Sm90Pipeline::WarpSpecialized,
+            PipelineArg::Wso => flash_attention::Sm90Pipeline::WarpSpecializedOverlap,
+        }
+    }
+}
+
+/// `--family`: the CUDA kernel family.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum FamilyArg {
+    /// The measured-best family.
+    Auto,
+    /// The mma.sync family.
+    Sm80,
+    /// The wgmma family (Hopper).
+    Sm90,
+}
+
+impl From<FamilyArg> for flash_attention::KernelFamilyChoice {
+    fn from(f: FamilyArg) -> Self {
+        match f {
+            FamilyArg::Auto => flash_attention::KernelFamilyChoice::Auto,
+            FamilyArg::Sm80 => flash_attention::KernelFamilyChoice::Sm80,
+            FamilyArg::Sm90 => flash_attention::KernelFamilyChoice::Sm90,
+        }
+    }
 }
 
 impl ComputeArgs {
@@ -67,6 +116,8 @@ impl ComputeArgs {
         Options {
             threads: self.threads,
             exp2: self.exp2.into(),
+            family: self.family.into(),
+            sm90_pipeline: self.sm90_pipeline.map(Into::into),
             ..Options::default()
         }
     }
@@ -305,6 +356,8 @@ fn main() -> ExitCode {
                 backend: BackendArg::Auto,
                 threads: None,
                 exp2: Exp2Arg::Exact,
+                family: FamilyArg::Auto,
+                sm90_pipeline: None,
             },
         }),
         Some(Command::Run(a)) => cmd_run(a),

@@ -6,8 +6,9 @@
 //! ```
 //! It always compiles (the disk cache is not used), so the report is ptxas' own.
 
-use fa_cuda::compile::compile_variant;
-use fa_cuda::Variant;
+use fa_cuda::compile::{capability_of, compile_variant};
+use fa_cuda::kernels::KernelVariant;
+use fa_cuda::ForwardVariant;
 
 fn main() {
     let mut arch = "sm_90a".to_string();
@@ -26,9 +27,10 @@ fn main() {
         }
     }
     let mut failed = false;
-    for variant in Variant::all()
+    let (major, minor) = capability_of(&arch).unwrap_or((0, 0));
+    for variant in ForwardVariant::all()
         .into_iter()
-        .filter(|v| v.name().contains(&only))
+        .filter(|v| v.name().contains(&only) && v.family().supports(major, minor))
     {
         match compile_variant(&variant, &arch) {
             Ok(c) => {

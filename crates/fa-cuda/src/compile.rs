@@ -5,7 +5,7 @@
 
 pub use crate::cache::{CacheKey, DiskCache};
 use crate::error::CudaError;
-use crate::kernels::{KernelFamily, KernelVariant, Variant};
+use crate::kernels::{ForwardVariant, KernelFamily, KernelVariant, Variant};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::any::Any;
 use std::collections::HashMap;
@@ -438,7 +438,14 @@ pub fn precompile_into<V: KernelVariant + Clone>(
 pub fn precompile_all(arch: &str) -> Result<PrecompileReport, CudaError> {
     use crate::kernels::decode::{AppendVariant, CombineVariant, DecodeVariant};
     use crate::kernels::DType;
-    let mut report = precompile(arch, &Variant::all())?;
+    let supported: Vec<ForwardVariant> = match capability_of(arch) {
+        Some((major, minor)) => ForwardVariant::all()
+            .into_iter()
+            .filter(|v| v.family().supports(major, minor))
+            .collect(),
+        None => ForwardVariant::all(),
+    };
+    let mut report = precompile(arch, &supported)?;
     let combine = [DType::Bf16, DType::F16].map(|dtype| CombineVariant { dtype });
     for more in [
         precompile(arch, &DecodeVariant::all())?,

@@ -2,9 +2,10 @@
 
 use crate::compile::{compile_cached, nvrtc_available, KernelOrigin};
 use crate::error::CudaError;
-use crate::kernels::{arch_for, DeviceProps, KernelVariant, LaunchShape, Variant};
+use crate::kernels::{arch_for, DeviceProps, ForwardVariant, KernelVariant, LaunchShape};
 use crate::params::{prepare, ForwardOptions, KernelParams, Prepared};
 use crate::raw::{check_raw, CuSeqlens, Pointers, RawCall, RawOut, RawTensor};
+use crate::tma::{tile_map, TensorMap, TileSource};
 use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
@@ -144,7 +145,7 @@ pub struct Device {
     arch: String,
     name: String,
     props: DeviceProps,
-    functions: Mutex<HashMap<Variant, (CudaFunction, u32)>>,
+    functions: Mutex<HashMap<ForwardVariant, (CudaFunction, u32)>>,
     /// Kernels of the other families, by (family, variant name).
     named_functions: Mutex<NamedFunctions>,
 }
@@ -370,7 +371,10 @@ impl Device {
     /// The compiled and loaded function of a variant (compiled once per process, or loaded from
     /// the disk cache; loaded into this context once), where it came from, and its register
     /// count. The plan has already checked the variant's shared memory against the device.
-    fn function(&self, variant: &Variant) -> Result<(CudaFunction, KernelOrigin, u32), CudaError> {
+    fn function(
+        &self,
+        variant: &ForwardVariant,
+    ) -> Result<(CudaFunction, KernelOrigin, u32), CudaError> {
         let mut functions = self.functions.lock().map_err(|_| CudaError::Driver {
             what: "kernel table",
             error: "poisoned lock".into(),
@@ -632,6 +636,11 @@ impl Device {
             block_dim: (shape.block, 1, 1),
             shared_mem_bytes: shape.smem_bytes,
         };
+        // The warp-specialized sm90 kernel reads Q, K, V through TMA tensor maps.
+        let maps = match shape.variant {
+            ForwardVariant::Sm90(v) if v.ws() => Some(sm90_tensor_maps(prepared, &params, v)?),
+            _ => None,
+        };
         let mut all = Vec::with_capacity(repeat);
         let mut events = Vec::new();
         for _ in 0..repeat {
@@ -651,7 +660,12 @@ impl Device {
             };
             let mut builder = stream.launch_builder(&func);
             builder.arg(&params);
-            // SAFETY: `params` matches the kernel's `Params` layout; every pointer in it was
+            if let Some([q, k, v]) = &maps {
+                builder.arg(q).arg(k).arg(v);
+            }
+            // SAFETY: `params` matches the kernel's `Params` layout (and the tensor maps its
+            // `TensorMap` parameters: they encode the same checked addresses with the
+            // problem's extents and strides, and TMA reads nothing outside them); every pointer in it was
             // checked by `check_raw` (non-null, aligned, long enough for the problem's extents,
             // which bound the kernel's reads and writes) and is device memory of this context
             // that stays valid until `stream` passes the kernel: caller memory by
@@ -719,6 +733,50 @@ impl Device {
         }
         Ok(stats)
     }
+}
+
+/// The Q, K and V tensor maps of a dense problem for the warp-specialized sm90 kernel (tiles
+/// of 128 query rows and `block_n` keys), from the checked call's pointers and strides.
+fn sm90_tensor_maps(
+    prepared: &Prepared,
+    params: &KernelParams,
+    variant: crate::kernels::sm90::Variant,
+) -> Result<[TensorMap; 3], CudaError> {
+    let problem = &prepared.problem;
+    let source = |address, head_dim, tokens, heads, strides| TileSource {
+        address,
+        head_dim,
+        tokens,
+        heads,
+        batch: problem.batch(),
+        strides,
+    };
+    let q = source(
+        params.q,
+        problem.head_dim(),
+        problem.total_q(),
+        problem.heads_q(),
+        params.q_strides,
+    );
+    let k = source(
+        params.k,
+        problem.head_dim(),
+        problem.total_k(),
+        problem.heads_kv(),
+        params.k_strides,
+    );
+    let v = source(
+        params.v,
+        problem.head_dim_v(),
+        problem.total_k(),
+        problem.heads_kv(),
+        params.v_strides,
+    );
+    Ok([
+        tile_map(&q, variant.dtype, variant.block_m())?,
+        tile_map(&k, variant.dtype, variant.block_n)?,
+        tile_map(&v, variant.dtype, variant.block_n)?,
+    ])
 }
 
 /// An owned buffer seen as a raw tensor for one call on `stream`, with cudarc's guard (which

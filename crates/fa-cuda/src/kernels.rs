@@ -5,13 +5,15 @@
 //!
 //! Layout of the sources (`src/kernels/`): `common/` holds the PTX helpers, the mask, the
 //! online-softmax steps and the row epilogue that every family shares; `sm80/` the
-//! `mma.sync` forward kernel ([`sm80`]); `decode/` the split-KV decode, combine and append
-//! kernels ([`decode`]); `sm90/` is where Hopper (`wgmma`) kernels will go.
+//! `mma.sync` forward kernel ([`sm80`]); `sm90/` the Hopper `wgmma` forward kernel ([`sm90`]);
+//! `decode/` the split-KV decode, combine and append kernels ([`decode`]).
+//! [`plan_forward`] picks the forward family ([`KernelFamilyChoice`]) and asks its plan.
 
 pub mod decode;
 pub mod sm80;
+pub mod sm90;
 
-pub use sm80::{plan_forward, LaunchShape, Tiles, Variant};
+pub use sm80::{Tiles, Variant};
 
 pub use softmax_core::DType;
 
@@ -72,8 +74,9 @@ impl KernelFamily {
 
 /// Every kernel family of the crate.
 pub fn families() -> &'static [&'static KernelFamily] {
-    static FAMILIES: [&KernelFamily; 4] = [
+    static FAMILIES: [&KernelFamily; 5] = [
         &sm80::FAMILY,
+        &sm90::FAMILY,
         &decode::FAMILY,
         &decode::COMBINE_FAMILY,
         &decode::APPEND_FAMILY,
@@ -91,6 +94,130 @@ pub trait KernelVariant {
     fn entry(&self) -> &'static str;
     /// A readable, unique name (for logs, errors and cache file names).
     fn name(&self) -> String;
+}
+
+/// A variant of any forward family: what a launch runs and the device's kernel table keys on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ForwardVariant {
+    /// The `mma.sync` family (sm_80 and newer).
+    Sm80(sm80::Variant),
+    /// The `wgmma` family (sm_90a).
+    Sm90(sm90::Variant),
+}
+
+impl ForwardVariant {
+    /// A readable, unique name, e.g. `fwd_sm90_bf16_d128_128x128_ws`.
+    pub fn name(&self) -> String {
+        KernelVariant::name(self)
+    }
+
+    /// Dynamic shared memory per CTA in bytes.
+    pub fn smem_bytes(&self) -> u32 {
+        match self {
+            ForwardVariant::Sm80(v) => v.smem_bytes(),
+            ForwardVariant::Sm90(v) => v.smem_bytes(),
+        }
+    }
+
+    /// Whether the kernel carries mask code (the sm90 kernel always does, for partial tiles).
+    pub fn masked(&self) -> bool {
+        match self {
+            ForwardVariant::Sm80(v) => v.masked,
+            ForwardVariant::Sm90(_) => true,
+        }
+    }
+
+    /// Every variant of every forward family (what the CI compile check and `fa warmup`
+    /// build, each for the architectures its family supports).
+    pub fn all() -> Vec<ForwardVariant> {
+        let sm80 = sm80::Variant::all().into_iter().map(ForwardVariant::Sm80);
+        let sm90 = sm90::Variant::all().into_iter().map(ForwardVariant::Sm90);
+        sm80.chain(sm90).collect()
+    }
+}
+
+impl KernelVariant for ForwardVariant {
+    fn family(&self) -> &'static KernelFamily {
+        match self {
+            ForwardVariant::Sm80(v) => v.family(),
+            ForwardVariant::Sm90(v) => v.family(),
+        }
+    }
+    fn defines(&self) -> Vec<String> {
+        match self {
+            ForwardVariant::Sm80(v) => KernelVariant::defines(v),
+            ForwardVariant::Sm90(v) => v.defines(),
+        }
+    }
+    fn entry(&self) -> &'static str {
+        match self {
+            ForwardVariant::Sm80(v) => KernelVariant::entry(v),
+            ForwardVariant::Sm90(v) => v.entry(),
+        }
+    }
+    fn name(&self) -> String {
+        match self {
+            ForwardVariant::Sm80(v) => KernelVariant::name(v),
+            ForwardVariant::Sm90(v) => v.name(),
+        }
+    }
+}
+
+/// Grid, block and shared memory of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchShape {
+    /// The kernel variant (and with it the family).
+    pub variant: ForwardVariant,
+    /// Grid (query blocks, query heads, batch).
+    pub grid: (u32, u32, u32),
+    /// Threads per CTA.
+    pub block: u32,
+    /// Dynamic shared memory in bytes.
+    pub smem_bytes: u32,
+}
+
+/// Which forward family a call may use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum KernelFamilyChoice {
+    /// The measured-best family for the device and problem: on sm_90 the sm90 family's
+    /// warp-specialized kernel for dense problems it covers (1.26–2.15× the sm80 family in the
+    /// same device call, every head dim and mask at 2k and 8k: docs/gpu-notes.md run 42);
+    /// the sm80 family otherwise (varlen, softcap, scale ≤ 0, other GPUs).
+    #[default]
+    Auto,
+    /// The `mma.sync` family, on any device (the fallback).
+    Sm80,
+    /// The `wgmma` family where its plan covers the problem on this device (sm_90), the sm80
+    /// family otherwise ([`ForwardStats::launch`](crate::ForwardStats) says which ran).
+    Sm90,
+}
+
+/// The launch choice of a forward call: the family `choice` allows for the device `props`
+/// describes, then that family's plan. `tiles` overrides the sm80 family's tiles (and with it
+/// forces that family); `pipeline` the sm90 family's load pipeline. `Ok(None)` when there is
+/// nothing to compute.
+pub fn plan_forward(
+    problem: &softmax_core::Problem,
+    dtype: DType,
+    choice: KernelFamilyChoice,
+    tiles: Option<Tiles>,
+    pipeline: Option<sm90::Pipeline>,
+    props: &DeviceProps,
+) -> Result<Option<LaunchShape>, softmax_core::ProblemError> {
+    // Auto: only what was measured faster (the warp-specialized pipeline, dense problems);
+    // the cp.async pipeline that varlen takes has not been timed against sm80 yet.
+    let try_sm90 = match choice {
+        KernelFamilyChoice::Sm90 => true,
+        KernelFamilyChoice::Auto => !problem.is_varlen(),
+        KernelFamilyChoice::Sm80 => false,
+    };
+    if try_sm90 && tiles.is_none() {
+        if let Some(launch) = sm90::plan_forward(problem, dtype, pipeline, props)? {
+            return Ok(Some(launch));
+        }
+    }
+    sm80::plan_forward(problem, dtype, tiles, props)
 }
 
 /// What the plan functions need to know about a device. [`crate::Device::open`] reads it from
@@ -194,5 +321,59 @@ mod tests {
         }
         assert!(sm80::FAMILY.supports(8, 0) && sm80::FAMILY.supports(9, 0));
         assert!(!sm80::FAMILY.supports(7, 5));
+        assert!(sm90::FAMILY.supports(9, 0) && !sm90::FAMILY.supports(8, 0));
+        assert!(!sm90::FAMILY.supports(10, 0));
+    }
+
+    #[test]
+    fn the_family_choice_reaches_the_plan() {
+        let problem = softmax_core::ProblemDesc::new(1, 300, 300, 2, 2, 128)
+            .validate(256)
+            .expect("valid");
+        let plan = |choice, props: &DeviceProps| {
+            plan_forward(&problem, DType::Bf16, choice, None, None, props)
+                .expect("plan")
+                .expect("launch")
+                .variant
+        };
+        let h200 = DeviceProps::h200();
+        assert!(matches!(
+            plan(KernelFamilyChoice::Auto, &h200),
+            ForwardVariant::Sm90(v) if v.ws()
+        ));
+        assert!(matches!(
+            plan(KernelFamilyChoice::Sm80, &h200),
+            ForwardVariant::Sm80(_)
+        ));
+        assert!(matches!(
+            plan(KernelFamilyChoice::Sm90, &h200),
+            ForwardVariant::Sm90(_)
+        ));
+        let a100 = DeviceProps::a100();
+        assert!(matches!(
+            plan(KernelFamilyChoice::Sm90, &a100),
+            ForwardVariant::Sm80(_)
+        ));
+        assert!(matches!(
+            plan(KernelFamilyChoice::Auto, &a100),
+            ForwardVariant::Sm80(_)
+        ));
+        // Auto keeps varlen on sm80 (the sm90 cp.async pipeline is not measured faster yet).
+        let (cu_q, cu_k) = ([0u32, 100, 300], [0u32, 50, 400]);
+        let varlen = softmax_core::ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 128)
+            .validate(256)
+            .expect("valid");
+        let auto = plan_forward(
+            &varlen,
+            DType::Bf16,
+            KernelFamilyChoice::Auto,
+            None,
+            None,
+            &h200,
+        );
+        assert!(matches!(
+            auto.expect("plan").expect("launch").variant,
+            ForwardVariant::Sm80(_)
+        ));
     }
 }

@@ -1,6 +1,8 @@
 //! CUDA kernels of exact attention, compiled at run time by NVRTC through `cudarc`.
 //!
-//! The forward kernel is FlashAttention-2's design written from scratch for sm_80 and newer
+//! Two forward kernel families: on Hopper (sm_90a) a `wgmma` kernel with TMA loads from a
+//! producer warpgroup ([`kernels::sm90`], chosen by default there for dense problems), and
+//! everywhere else (and as the fallback) FlashAttention-2's design written from scratch for sm_80 and newer
 //! (`mma.sync.m16n8k16` with f32 accumulation, `ldmatrix`, `cp.async` loads overlapping the
 //! matrix products, swizzled shared memory, P kept in registers, output normalised once):
 //! bf16 and fp16, head dims that are multiples of 8 up to 256 (64/128/256 are the tuned
@@ -64,9 +66,12 @@
 //! untouched).
 //!
 //! # Performance (H200, bf16, 16k tokens, same-call PyTorch SDPA peers; docs/benchmarks.md)
-//! At seqlen 8k: hdim 128 1.09× PyTorch's FlashAttention-2 (non-causal) and 1.02× (causal),
-//! hdim 64 1.11× / 0.95×, hdim 256 1.06× / 0.99×; cuDNN's Hopper kernels stay 1.4–2.2× ahead
-//! (the `wgmma` kernel is a separate issue). Problems without a mask whose key tiles are all
+//! The sm90 family (the default on Hopper) at seqlen 8k (docs/gpu-notes.md run 43): hdim 128
+//! 627 TFLOP/s non-causal and 591 causal (1.03× / 1.10× cuDNN, 1.82× / 1.88× PyTorch's
+//! FlashAttention-2), hdim 256 698 / 623 (1.04× / 1.06× cuDNN), hdim 64 412 / 391 (0.90× /
+//! 0.90×; 450 / 404 with the opt-in overlapped pipeline). The sm80 family, at 8k: hdim
+//! 128 1.09× FlashAttention-2 (non-causal) and 1.02× (causal), hdim 64 1.11× / 0.95×, hdim
+//! 256 1.06× / 0.99×. [`ForwardOptions::family`] forces either family. Problems without a mask whose key tiles are all
 //! full run a variant with no mask code; the 8-warp causal kernels run full tiles through a
 //! copy of the tile body without it. Tile sizes come from measurements
 //! (docs/gpu-notes.md); [`ForwardOptions::tiles`] overrides them, for tuning experiments only.
@@ -110,6 +115,7 @@ mod error;
 pub mod kernels;
 mod params;
 mod raw;
+mod tma;
 
 pub use compile::{precompile, KernelOrigin, PrecompileReport};
 pub use device::{
@@ -117,7 +123,10 @@ pub use device::{
 };
 pub use error::CudaError;
 pub use kernels::decode::{num_splits_heuristic, DecodePlan};
-pub use kernels::{arch_for, DeviceProps, LaunchShape, Tiles, Variant};
+pub use kernels::sm90::Pipeline as Sm90Pipeline;
+pub use kernels::{
+    arch_for, DeviceProps, ForwardVariant, KernelFamilyChoice, LaunchShape, Tiles, Variant,
+};
 pub use params::{supports, ForwardOptions};
 pub use raw::{CacheTables, CuSeqlens, RawOut, RawTensor};
 pub use softmax_core::DType;

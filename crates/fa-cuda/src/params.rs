@@ -1,7 +1,8 @@
 //! Host-side preparation of a forward call, without touching the GPU: validation through
 //! `softmax-core`, this backend's own limits, the launch choice and the kernel parameters.
 
-use crate::kernels::{plan_forward, DeviceProps, LaunchShape, Tiles};
+use crate::kernels::sm90::Pipeline as Sm90Pipeline;
+use crate::kernels::{plan_forward, DeviceProps, KernelFamilyChoice, LaunchShape, Tiles};
 use softmax_core::{BufferLens, DType, Problem, ProblemError, RescalePolicy};
 
 /// Options of a forward call beyond the problem description. The default: threshold rescale
@@ -14,10 +15,15 @@ pub struct ForwardOptions {
     /// Time the kernel with CUDA events and report it in [`crate::ForwardStats::kernel_ms`].
     pub time_kernel: bool,
     /// Override the launch choice's tile sizes (tuning experiments; `None`: the tuned choice).
+    /// Applies to the sm80 family, and forces it.
     pub tiles: Option<Tiles>,
     /// KV-cache (decode) problems: force this many key splits (`None`: the plan's choice from
     /// the problem and the SM count; `Some(0)` is an error).
     pub splits: Option<u32>,
+    /// Which kernel family may run the call (default: the measured-best one).
+    pub family: KernelFamilyChoice,
+    /// Override the sm90 family's load pipeline (tests and tuning; `None`: the plan's choice).
+    pub sm90_pipeline: Option<Sm90Pipeline>,
 }
 
 /// The kernel's parameter block; the `.cu` source's `struct Params` has the same layout.
@@ -132,7 +138,14 @@ pub(crate) fn prepare<'a>(
             s.head as i64,
         ]
     };
-    let launch = plan_forward(&problem, dtype, opts.tiles, props)?;
+    let launch = plan_forward(
+        &problem,
+        dtype,
+        opts.family,
+        opts.tiles,
+        opts.sm90_pipeline,
+        props,
+    )?;
     let (lse_bs, lse_hs) = if varlen {
         (0, problem.total_q() as i64)
     } else {
@@ -209,7 +222,7 @@ mod tests {
         let p = prepared(&desc, DType::Bf16);
         let launch = p.launch.expect("work to do");
         assert_eq!(launch.grid, (1, 8, 2));
-        assert_eq!(launch.variant.hdp, 128);
+        assert!(launch.variant.name().contains("_d128_"));
         assert_eq!(p.params.group, 4);
         assert_eq!(p.params.q_strides, [100 * 8 * 128, 8 * 128, 128]);
         assert_eq!(p.params.k_strides, [300 * 2 * 128, 2 * 128, 128]);
@@ -228,7 +241,7 @@ mod tests {
         let p = prepared(&desc, DType::F16);
         let launch = p.launch.expect("work");
         assert_eq!(launch.grid, (1, 4, 3));
-        assert_eq!(launch.variant.hdp, 128);
+        assert!(launch.variant.name().contains("_d128_"));
         assert_eq!(p.params.q_strides[0], 0);
         assert_eq!((p.params.lse_bs, p.params.lse_hs), (0, 40));
         assert_eq!((p.params.win_left, p.params.win_right), (3, 2));
@@ -302,14 +315,14 @@ mod tests {
         let desc = ProblemDesc::new(1, 0, 0, 4, 4, 128).with_sequences(sizes);
         let p = prepared(&desc, DType::Bf16);
         let launch = p.launch.expect("work");
-        assert!(launch.variant.masked);
+        assert!(launch.variant.masked());
         assert_eq!(launch.grid.2, 2);
         assert_eq!((p.params.seqlen_q, p.params.seqlen_k), (300, 512));
         assert_eq!((p.params.lse_bs, p.params.lse_hs), (0, 300));
         // The same sizes with host prefix sums whose key tiles are all full: no mask code.
         let (cu_q, cu_k) = ([0u32, 200, 300], [0u32, 256, 512]);
         let host = prepared(&ProblemDesc::varlen(&cu_q, &cu_k, 4, 4, 128), DType::Bf16);
-        assert!(!host.launch.expect("work").variant.masked);
+        assert!(!host.launch.expect("work").variant.masked());
     }
 
     #[test]

@@ -1,11 +1,16 @@
 //! GPU tests against the f64 reference (`fa_reference::attention_f64`) on fresh random inputs
 //! rounded to bf16/fp16, outputs and LSE poisoned (NaN) before each launch. Bounds: normwise
 //! ‖out − ref‖/‖ref‖ ≤ 1e-2 and LSE within 1e-3 (absolute), the DESIGN's contract for 16-bit
-//! inputs with f32 accumulation. Ignored by default: they need a CUDA GPU
+//! inputs with f32 accumulation. Every check runs with the sm80 family forced and, on Hopper,
+//! with the sm90 family chosen in each of its load pipelines (cp.async; TMA + warp
+//! specialization). Ignored by default: they need a CUDA GPU
 //! (`cargo test -p fa-cuda -- --include-ignored`, or `../shared/bin/gpu-pack` and the device).
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
-use fa_cuda::{CuSeqlens, CudaElement, CudaError, DType, Device, ForwardOptions, RawTensor};
+use fa_cuda::{
+    CuSeqlens, CudaElement, CudaError, DType, Device, ForwardOptions, ForwardVariant,
+    KernelFamilyChoice, RawTensor, Sm90Pipeline,
+};
 use fa_reference::{attention_f64, compare, poison, Case, Rng, Rounding};
 use half::{bf16, f16};
 use softmax_core::{Mask, Out, ProblemError, Qkv, RescalePolicy, Sequences, Tensor};
@@ -27,7 +32,29 @@ fn device() -> &'static Device {
     })
 }
 
-/// Runs `case` (already rounded to `T`) on the GPU and checks it against the oracle.
+/// The kernel choices every check runs: the sm80 family forced, and on Hopper the sm90
+/// family with each of its load pipelines.
+fn families() -> Vec<(KernelFamilyChoice, Option<Sm90Pipeline>)> {
+    let props = device().props();
+    let mut all = vec![(KernelFamilyChoice::Sm80, None)];
+    if (props.major, props.minor) == (9, 0) {
+        all.push((KernelFamilyChoice::Sm90, Some(Sm90Pipeline::CpAsync)));
+        all.push((
+            KernelFamilyChoice::Sm90,
+            Some(Sm90Pipeline::WarpSpecialized),
+        ));
+        all.push((
+            KernelFamilyChoice::Sm90,
+            Some(Sm90Pipeline::WarpSpecializedOverlap),
+        ));
+    }
+    all
+}
+
+/// Runs `case` (already rounded to `T`) on the GPU with every family of [`families`] (the
+/// `family` of `opts` is replaced) and checks each against the oracle; returns the largest
+/// relative error. With the sm90 family chosen, a problem its plan covers must run on it (no
+/// silent fallback to sm80).
 fn check_as<T: CudaElement + fa_reference::Element>(
     label: &str,
     case: &Case,
@@ -38,35 +65,63 @@ fn check_as<T: CudaElement + fa_reference::Element>(
     let to_t = |x: &[f32]| x.iter().map(|&v| T::from_f64(v as f64)).collect::<Vec<T>>();
     let (q, k, v) = (to_t(&case.q), to_t(&case.k), to_t(&case.v));
     let lens = problem.min_buffer_lens();
-    let mut out = vec![T::from_f64(0.0); lens.o];
-    poison(&mut out);
-    let mut lse = vec![0.0f32; problem.lse_len()];
-    poison(&mut lse);
-    let stats = device()
-        .forward_host(
-            &problem,
-            qkv(&q, &k, &v),
-            Out::with_lse(&mut out, &mut lse),
-            opts,
-        )
-        .unwrap_or_else(|e| panic!("{label}: {e}"));
     let oracle = attention_f64(&problem, &case.q, &case.k, &case.v);
-    let report = compare(&problem, &out, Some(&lse), &oracle);
-    println!(
-        "{label:<48} rel_l2 {:.2e} max_abs {:.2e} lse {:.2e} ({} elements, {})",
-        report.rel_l2,
-        report.max_abs,
-        report.lse_max_abs,
-        report.elements,
-        stats
-            .launch
-            .map_or("no launch".to_string(), |l| l.variant.name())
-    );
-    assert!(
-        report.within(REL_L2_BOUND, LSE_BOUND),
-        "{label}: {report:?} exceeds rel_l2 {REL_L2_BOUND} / lse {LSE_BOUND}"
-    );
-    report.rel_l2
+    let mut worst = 0.0f64;
+    for (family, pipeline) in families() {
+        let mut out = vec![T::from_f64(0.0); lens.o];
+        poison(&mut out);
+        let mut lse = vec![0.0f32; problem.lse_len()];
+        poison(&mut lse);
+        let opts = ForwardOptions {
+            family,
+            sm90_pipeline: pipeline,
+            ..*opts
+        };
+        let stats = device()
+            .forward_host(
+                &problem,
+                qkv(&q, &k, &v),
+                Out::with_lse(&mut out, &mut lse),
+                &opts,
+            )
+            .unwrap_or_else(|e| panic!("{label} ({family:?} {pipeline:?}): {e}"));
+        let report = compare(&problem, &out, Some(&lse), &oracle);
+        println!(
+            "{label:<48} rel_l2 {:.2e} max_abs {:.2e} lse {:.2e} ({} elements, {})",
+            report.rel_l2,
+            report.max_abs,
+            report.lse_max_abs,
+            report.elements,
+            stats
+                .launch
+                .map_or("no launch".to_string(), |l| l.variant.name())
+        );
+        if family == KernelFamilyChoice::Sm90 && opts.tiles.is_none() {
+            let planned = fa_cuda::kernels::sm90::plan_forward(
+                &problem,
+                T::DTYPE,
+                pipeline,
+                device().props(),
+            )
+            .expect("plan")
+            .map(|l| l.variant);
+            let ran = stats.launch.map(|l| l.variant);
+            if planned.is_some() {
+                assert_eq!(planned, ran, "{label}: the sm90 family was chosen");
+            } else {
+                assert!(
+                    !matches!(ran, Some(ForwardVariant::Sm90(_))),
+                    "{label}: the sm90 plan declined"
+                );
+            }
+        }
+        assert!(
+            report.within(REL_L2_BOUND, LSE_BOUND),
+            "{label} ({family:?} {pipeline:?}): {report:?} exceeds rel_l2 {REL_L2_BOUND} / lse {LSE_BOUND}"
+        );
+        worst = worst.max(report.rel_l2);
+    }
+    worst
 }
 
 fn check(label: &str, case: Case) -> f64 {
@@ -150,10 +205,17 @@ fn seqlens_and_head_dims() {
 fn runs_unmasked(case: &Case) -> bool {
     let desc = case.desc();
     let problem = desc.validate(256).expect("valid case");
-    fa_cuda::kernels::plan_forward(&problem, DType::Bf16, None, &fa_cuda::DeviceProps::h200())
-        .ok()
-        .flatten()
-        .is_some_and(|l| !l.variant.masked)
+    fa_cuda::kernels::plan_forward(
+        &problem,
+        DType::Bf16,
+        KernelFamilyChoice::Sm80,
+        None,
+        None,
+        &fa_cuda::DeviceProps::h200(),
+    )
+    .ok()
+    .flatten()
+    .is_some_and(|l| !l.variant.masked())
 }
 
 #[test]
@@ -370,30 +432,30 @@ fn repeated_runs_agree_bitwise() {
     let problem = case.desc().validate(256).expect("valid");
     let to_bf = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
     let (q, k, v) = (to_bf(&case.q), to_bf(&case.k), to_bf(&case.v));
-    let mut first = vec![bf16::ZERO; q.len()];
-    device()
-        .forward_host(
-            &problem,
-            qkv(&q, &k, &v),
-            Out::new(&mut first),
-            &ForwardOptions::default(),
-        )
-        .expect("runs");
-    for _ in 0..3 {
-        let mut again = vec![bf16::ZERO; q.len()];
-        poison(&mut again);
+    for (family, pipeline) in families() {
+        let opts = ForwardOptions {
+            family,
+            sm90_pipeline: pipeline,
+            ..ForwardOptions::default()
+        };
+        let mut first = vec![bf16::ZERO; q.len()];
         device()
-            .forward_host(
-                &problem,
-                qkv(&q, &k, &v),
-                Out::new(&mut again),
-                &ForwardOptions::default(),
-            )
+            .forward_host(&problem, qkv(&q, &k, &v), Out::new(&mut first), &opts)
             .expect("runs");
-        assert!(first
-            .iter()
-            .zip(&again)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        for _ in 0..3 {
+            let mut again = vec![bf16::ZERO; q.len()];
+            poison(&mut again);
+            device()
+                .forward_host(&problem, qkv(&q, &k, &v), Out::new(&mut again), &opts)
+                .expect("runs");
+            assert!(
+                first
+                    .iter()
+                    .zip(&again)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{family:?} {pipeline:?}"
+            );
+        }
     }
 }
 

@@ -1,13 +1,15 @@
-//! CI compile check: every kernel variant compiles with NVRTC for sm_80 and sm_90a, with no
-//! register spill and no stack frame. Needs libnvrtc, not a GPU, so the check is `#[ignore]`d
+//! CI compile check: every kernel variant compiles with NVRTC for each of sm_80 and sm_90a
+//! that its family runs on (the sm90 `wgmma` family for sm_90a only), with no register spill
+//! and no stack frame. Needs libnvrtc, not a GPU, so the check is `#[ignore]`d
 //! with that reason (a test that cannot run must not count as passed) and fails when run
 //! without libnvrtc; `.ci/run` sources `.ci/install-nvrtc.sh` and runs it with
 //! `--include-ignored`. Locally: `source .ci/install-nvrtc.sh && cargo test -p fa-cuda --test
 //! nvrtc_compile -- --include-ignored`. `ci_has_libnvrtc` (not ignored) fails when `CI` is set
 //! and libnvrtc cannot be loaded.
 
-use fa_cuda::compile::{compile_variant_with, nvrtc_available, Compiled};
-use fa_cuda::Variant;
+use fa_cuda::compile::{capability_of, compile_variant_with, nvrtc_available, Compiled};
+use fa_cuda::kernels::KernelVariant;
+use fa_cuda::ForwardVariant;
 use std::sync::Mutex;
 
 const ARCHS: [&str; 2] = ["sm_80", "sm_90a"];
@@ -30,12 +32,21 @@ fn every_variant_compiles_without_spills() {
     );
     // FA_NVRTC_ONLY=<substring> narrows the check to matching variants while developing.
     let only = std::env::var("FA_NVRTC_ONLY").unwrap_or_default();
-    let jobs: Vec<(Variant, &str)> = Variant::all()
+    let jobs: Vec<(ForwardVariant, &str)> = ForwardVariant::all()
         .into_iter()
         .filter(|v| v.name().contains(&only))
-        .flat_map(|v| ARCHS.iter().map(move |a| (v, *a)))
+        .flat_map(|v| {
+            ARCHS.iter().filter_map(move |a| {
+                let (major, minor) = capability_of(a).expect("an NVRTC arch");
+                v.family().supports(major, minor).then_some((v, *a))
+            })
+        })
         .collect();
-    let results: Mutex<Vec<Result<Compiled, String>>> = Mutex::new(Vec::new());
+    // Both families are checked: the sm90 one for sm_90a.
+    assert!(jobs
+        .iter()
+        .any(|(v, a)| matches!(v, ForwardVariant::Sm90(_)) && *a == "sm_90a"));
+    let results: Mutex<Vec<Result<Compiled<ForwardVariant>, String>>> = Mutex::new(Vec::new());
     let next = Mutex::new(0usize);
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())

@@ -173,6 +173,10 @@ pub struct Options {
     pub rescale: RescalePolicy<f32>,
     /// CUDA tile sizes instead of the tuned choice (tuning experiments); ignored on the CPU.
     pub tiles: Option<fa_cuda::Tiles>,
+    /// CUDA kernel family (default: the measured-best); ignored on the CPU.
+    pub family: fa_cuda::KernelFamilyChoice,
+    /// CUDA sm90 load pipeline instead of the plan's choice (tuning); ignored on the CPU.
+    pub sm90_pipeline: Option<fa_cuda::Sm90Pipeline>,
 }
 
 /// What a forward call reported; fields a backend does not measure are `None`.
@@ -522,6 +526,8 @@ fn cuda_options(opts: &Options) -> fa_cuda::ForwardOptions {
     fa_cuda::ForwardOptions {
         rescale: opts.rescale,
         tiles: opts.tiles,
+        family: opts.family,
+        sm90_pipeline: opts.sm90_pipeline,
         ..fa_cuda::ForwardOptions::default()
     }
 }

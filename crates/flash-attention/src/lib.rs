@@ -47,7 +47,7 @@ pub use backend::{
     warmup, Backend, BackendChoice, BackendKind, Capabilities, DTypes, Error, Exp2, ForwardStats,
     Options, OutputDTypes,
 };
-pub use fa_cuda::{KernelOrigin, PrecompileReport, Tiles};
+pub use fa_cuda::{KernelFamilyChoice, KernelOrigin, PrecompileReport, Sm90Pipeline, Tiles};
 pub use softmax_core::{DType, Out, Problem, ProblemDesc, ProblemError, Qkv, RescalePolicy};
 pub use tensor::{TensorMut, TensorRef};
 

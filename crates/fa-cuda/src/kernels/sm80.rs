@@ -1,7 +1,10 @@
 //! The sm_80 (`mma.sync`) forward family: its source, its variants and its plan (the launch
 //! choice for a problem on a device).
 
-use super::{DType, DeviceProps, KernelFamily, KernelVariant, SourceFile, COMMON_HEADERS};
+use super::{
+    DType, DeviceProps, ForwardVariant, KernelFamily, KernelVariant, LaunchShape, SourceFile,
+    COMMON_HEADERS,
+};
 use softmax_core::{Problem, ProblemError};
 
 /// The FlashAttention-2 style forward kernel (sm_80 and newer; it also runs on Hopper, until an
@@ -198,19 +201,6 @@ impl Tiles {
     }
 }
 
-/// Grid, block and shared memory of one launch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LaunchShape {
-    /// The kernel variant.
-    pub variant: Variant,
-    /// Grid (query blocks, query heads, batch).
-    pub grid: (u32, u32, u32),
-    /// Threads per CTA.
-    pub block: u32,
-    /// Dynamic shared memory in bytes.
-    pub smem_bytes: u32,
-}
-
 /// The launch choice of the sm_80 forward family on a device: variant (head-dim padding, tiles,
 /// warps) and grid over (query block, head, batch). `Ok(None)` when the problem has nothing to
 /// compute (checked first); an error when the chosen (or overriding) tiles need more shared memory than the
@@ -260,7 +250,7 @@ pub fn plan_forward(
     let grid = (m_blocks, problem.heads_q() as u32, problem.batch() as u32);
     let variant = sm_count_hook(variant, grid, props);
     Ok(Some(LaunchShape {
-        variant,
+        variant: ForwardVariant::Sm80(variant),
         grid,
         block: variant.threads(),
         smem_bytes: variant.smem_bytes(),
@@ -286,7 +276,7 @@ mod tests {
             .expect("a plan")
             .expect("a launch")
             .variant
-            .masked
+            .masked()
     }
 
     #[test]
