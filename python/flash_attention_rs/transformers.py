@@ -9,8 +9,11 @@ returns ``(attn_output, None)`` with ``attn_output`` BSHD ``(batch, seqlen_q, he
 
 Handled: GQA/MQA (fewer key/value heads), causal prefill, decode against a KV cache (causal
 is bottom-right aligned: the new queries sit at the end of the keys), sliding windows, softcap.
-Refused with ``ValueError``: masks other than "no mask" or the plain causal / sliding-window
-pattern (padding masks, custom masks), and dropout while training.
+Packed sequences given as ``cu_seq_lens_q``/``cu_seq_lens_k`` (what transformers passes
+FlashAttention-style backends) run as one varlen call. Refused with ``ValueError``: masks
+other than "no mask" or the plain causal / sliding-window pattern (padding masks, custom
+masks), rows of packed sequences told only by restarting ``position_ids``, and dropout while
+training.
 """
 
 from __future__ import annotations
@@ -110,6 +113,31 @@ def attention_forward(
         window = (sliding_window - 1, -1 if causal else sliding_window - 1)
     else:
         window = (-1, -1)
+    torch = sys.modules.get("torch")
+    is_torch = torch is not None and isinstance(query, torch.Tensor)
+    common = dict(causal=causal, window=window, softcap=softcap or None, scale=scaling)
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        # Packed sequences (what transformers hands FlashAttention-style backends): one row of
+        # (1, heads, total_tokens, head_dim) with prefix sums.
+        if cu_q is None or cu_k is None or query.shape[0] != 1:
+            raise ValueError("packed sequences need cu_seq_lens_q, cu_seq_lens_k and batch 1")
+        q, k, v = (x[0].swapaxes(0, 1) for x in (query, key, value))
+        out = _empty(query, (q.shape[0], q.shape[1], value.shape[-1]), is_torch)
+        attention(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=_maybe_int(kwargs.get("max_length_q")),
+            max_seqlen_k=_maybe_int(kwargs.get("max_length_k")),
+            out=out,
+            **common,
+        )
+        return out[None], None
+
     if attention_mask is not None and not _mask_matches(
         attention_mask, seqlen_q, seqlen_k, causal, window
     ):
@@ -118,22 +146,35 @@ def attention_forward(
             "mask has padding or a custom pattern (use batches without padding, or another "
             "attn_implementation)"
         )
+    if _restarts(kwargs.get("position_ids"), seqlen_q):
+        raise ValueError(
+            "flash_rs: position_ids restart inside a row (packed sequences); pass "
+            "cu_seq_lens_q/cu_seq_lens_k, or unpack the batch"
+        )
     q, k, v = (x.swapaxes(1, 2) for x in (query, key, value))
     batch, _, heads_q, _ = q.shape
-    out_shape = (batch, seqlen_q, heads_q, value.shape[-1])
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(query, torch.Tensor):
-        out = torch.empty(out_shape, dtype=query.dtype, device=query.device)
-    else:
-        out = np.empty(out_shape, dtype=query.dtype)
-    attention(
-        q,
-        k,
-        v,
-        causal=causal,
-        window=window,
-        softcap=softcap or None,
-        scale=scaling,
-        out=out,
-    )
+    out = _empty(query, (batch, seqlen_q, heads_q, value.shape[-1]), is_torch)
+    attention(q, k, v, out=out, **common)
     return out, None
+
+
+def _empty(like, shape, is_torch):
+    """A dense output of ``shape`` in ``like``'s framework, dtype and device."""
+    if is_torch:
+        return sys.modules["torch"].empty(shape, dtype=like.dtype, device=like.device)
+    return np.empty(shape, dtype=like.dtype)
+
+
+def _maybe_int(x):
+    return None if x is None else int(x)
+
+
+def _restarts(position_ids, seqlen_q):
+    """Whether ``position_ids`` (batch, seqlen) go anywhere but up by one: several sequences
+    packed into one row, which a causal mask over the row would let see each other."""
+    # Only plain (batch, seqlen) positions: multimodal rotary positions (3, batch, seqlen)
+    # legitimately repeat.
+    if position_ids is None or seqlen_q <= 1 or tuple(position_ids.shape[1:]) != (seqlen_q,):
+        return False
+    steps = position_ids[..., 1:] - position_ids[..., :-1]
+    return bool((steps != 1).any())

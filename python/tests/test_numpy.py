@@ -2,6 +2,8 @@
 scale, LSE, strided (BHSD, sliced) views, varlen, caller outputs; and bad inputs, which must
 raise the right exception with the library's message and leave outputs untouched."""
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -44,7 +46,7 @@ SHAPES = [
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_matches_f64_reference(dtype, shape, causal):
     b, sq, sk, hq, hk, d = shape
-    rng = np.random.default_rng(hash((dtype.name, shape, causal)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((dtype.name, shape, causal)).encode()))
     q, k, v = randn(rng, (b, sq, hq, d), dtype), randn(rng, (b, sk, hk, d), dtype), randn(rng, (b, sk, hk, d), dtype)
     out = np.full((b, sq, hq, d), np.nan, dtype=dtype)  # poisoned: every element must be written
     got, lse = fa.attention(q, k, v, causal=causal, return_lse=True, out=out)
