@@ -22,11 +22,16 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     ldd --version | head -n 1
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python3 - <<'PY'
-import sys, numpy, torch
+import sys, numpy
 import flash_attention_rs as fa
-print("python", sys.version.split()[0], "numpy", numpy.__version__, "torch", torch.__version__,
-      "cuda", torch.cuda.is_available())
+print("python", sys.version.split()[0], "numpy", numpy.__version__)
 print("flash_attention_rs", fa.version(), "from", fa.__file__)
+try:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+          torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+except ImportError as e:
+    print("torch: not importable:", e)
 try:
     import transformers
     print("transformers", transformers.__version__)
