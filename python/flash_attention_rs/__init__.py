@@ -192,6 +192,14 @@ def attention(
             "q, k and v are in different places: " + ", ".join(_where(d) for d in devices)
         )
     device = devices[0]
+    if _is_torch(q):
+        torch = _torch_module()
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            # The output would silently cut the autograd graph.
+            raise ValueError(
+                "flash_attention_rs has no backward yet: inputs require grad; call it under "
+                "torch.no_grad() / torch.inference_mode(), or pass detached tensors"
+            )
     if backend == "cpu" and device is not None:
         raise ValueError(f"backend='cpu' needs tensors in host memory; these are on cuda:{device}")
     if backend == "cuda" and device is None:

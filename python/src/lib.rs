@@ -109,7 +109,8 @@ fn check_tensor(arg: &TensorArg, name: &str, varlen: bool) -> PyResult<Checked> 
             shape_text(&strides)
         )));
     }
-    if strides[rank - 1] > 1 {
+    // Stride 0 (a broadcast head_dim) would make the library read past the array.
+    if shape[rank - 1] > 1 && strides[rank - 1] != 1 {
         return Err(value_error(format!(
             "{name} has strides {}: the last dimension (head_dim) must be contiguous (stride 1)",
             shape_text(&strides)

@@ -180,6 +180,9 @@ def test_non_contiguous_last_dim():
     q = randn(rng, (1, 5, 4, 32), np.float32)[..., ::2]
     _, k, v = qkv32()
     raises(ValueError, r"last dimension \(head_dim\) must be contiguous", lambda: fa.attention(q, k, v))
+    # A broadcast head_dim (stride 0) would let the library read past the array.
+    flat = np.broadcast_to(randn(rng, (1, 5, 4, 1), np.float32), (1, 5, 4, 16))
+    raises(ValueError, r"last dimension \(head_dim\) must be contiguous", lambda: fa.attention(flat, k, v))
     raises(ValueError, r"negative strides", lambda: fa.attention(q[:, ::-1, :, :].copy()[:, ::-1], k, v))
 
 

@@ -131,6 +131,11 @@ def test_errors(device):
         fa.attention(q.double(), q.double(), q.double())
     with pytest.raises(TypeError, match="all NumPy arrays or all torch"):
         fa.attention(q, q.cpu().float().numpy(), q)
+    leaf = q.detach().requires_grad_(True)
+    with pytest.raises(ValueError, match="no backward yet"):
+        fa.attention(leaf, q, q)
+    with torch.no_grad():
+        fa.attention(leaf, q, q)  # fine without autograd
     if device == "cuda":
         with pytest.raises(ValueError, match="bf16 or f16"):
             fa.attention(q.float(), q.float(), q.float())
