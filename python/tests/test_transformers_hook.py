@@ -3,7 +3,6 @@ module object, on NumPy arrays (no torch needed) and, where torch is installed, 
 tensors: BHSD in, BSHD out, GQA, causal prefill, decode against a cache, sliding windows,
 and refusals of what it cannot do."""
 
-import sys
 import types
 
 import numpy as np
