@@ -1,4 +1,4 @@
-"""A transformers attention backend: ``register()`` then ``attn_implementation="flash_rs"``.
+"""A transformers attention backend: ``register()`` then ``attn_implementation="fa_rs"``.
 
 ``register()`` adds :func:`attention_forward` to transformers' ``AttentionInterface`` (and
 FlashAttention-2's mask function to ``AttentionMaskInterface`` under the same name, so that
@@ -26,12 +26,23 @@ from . import attention
 
 __all__ = ["register", "attention_forward", "NAME"]
 
-#: The ``attn_implementation`` name that :func:`register` uses by default.
-NAME = "flash_rs"
+#: The ``attn_implementation`` name that :func:`register` uses by default. Not "flash_rs":
+#: transformers (5.x) takes every implementation name containing "flash" for FlashAttention
+#: itself (it tries to import flash_attn kernels for it and changes masking and generation).
+NAME = "fa_rs"
 
 
 def register(name=NAME):
-    """Registers :func:`attention_forward` with transformers as ``name``; returns ``name``."""
+    """Registers :func:`attention_forward` with transformers as ``name``; returns ``name``.
+
+    A name containing "flash" is refused (``ValueError``): transformers would treat it as its
+    own FlashAttention integration and fail to load kernels for it.
+    """
+    if "flash" in name:
+        raise ValueError(
+            f"attn_implementation name {name!r}: transformers treats names containing 'flash' "
+            f"as FlashAttention itself; use another, e.g. {NAME!r}"
+        )
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, attention_forward)
@@ -102,7 +113,7 @@ def attention_forward(
     ``(attn_output, None)``, ``attn_output`` contiguous ``(batch, seqlen_q, heads_q, head_dim)``.
     """
     if dropout and getattr(module, "training", False):
-        raise ValueError("flash_rs does not implement attention dropout (dropout > 0 while training)")
+        raise ValueError("fa_rs (flash_attention_rs) does not implement attention dropout (dropout > 0 while training)")
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
@@ -142,13 +153,13 @@ def attention_forward(
         attention_mask, seqlen_q, seqlen_k, causal, window
     ):
         raise ValueError(
-            "flash_rs handles causal, sliding-window and full attention only: this attention "
+            "fa_rs (flash_attention_rs) handles causal, sliding-window and full attention only: this attention "
             "mask has padding or a custom pattern (use batches without padding, or another "
             "attn_implementation)"
         )
     if _restarts(kwargs.get("position_ids"), seqlen_q):
         raise ValueError(
-            "flash_rs: position_ids restart inside a row (packed sequences); pass "
+            "fa_rs (flash_attention_rs): position_ids restart inside a row (packed sequences); pass "
             "cu_seq_lens_q/cu_seq_lens_k, or unpack the batch"
         )
     q, k, v = (x.swapaxes(1, 2) for x in (query, key, value))

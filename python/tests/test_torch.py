@@ -129,7 +129,7 @@ def test_errors(device):
         fa.attention(q[..., ::2], q[..., ::2], q[..., ::2])
     with pytest.raises(ValueError, match="dtype float64"):
         fa.attention(q.double(), q.double(), q.double())
-    with pytest.raises(TypeError, match="all NumPy arrays or all torch"):
+    with pytest.raises(TypeError, match="must all be NumPy arrays or all torch tensors"):
         fa.attention(q, q.cpu().float().numpy(), q)
     leaf = q.detach().requires_grad_(True)
     with pytest.raises(ValueError, match="no backward yet"):

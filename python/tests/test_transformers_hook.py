@@ -152,7 +152,9 @@ def test_register_needs_transformers():
         with pytest.raises(ImportError):
             hook.register()
         pytest.skip("transformers is not installed: register() is tested where it is (test_transformers_model.py)")
-    assert hook.register() == "flash_rs"
+    assert hook.register() == "fa_rs"
     from transformers import AttentionInterface
 
-    assert AttentionInterface()["flash_rs"] is hook.attention_forward
+    assert AttentionInterface()["fa_rs"] is hook.attention_forward
+    with pytest.raises(ValueError, match="containing 'flash'"):
+        hook.register("flash_rs")

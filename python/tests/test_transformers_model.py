@@ -1,6 +1,6 @@
 """A real transformers model through the hook: a tiny Llama-architecture model built from a
 config with a fixed seed (random weights, nothing downloaded), run with
-attn_implementation="flash_rs" and with transformers' own "sdpa"/"eager" paths: prefill
+attn_implementation="fa_rs" and with transformers' own "sdpa"/"eager" paths: prefill
 logits and a greedy generation with its KV cache must agree. On the CPU in float32 and, where
 a GPU is, on CUDA in bfloat16. Skips loudly without torch or transformers."""
 
@@ -41,8 +41,16 @@ def relative(a, b):
 
 
 @pytest.mark.parametrize("device,dtype", DEVICES, ids=[d for d, _ in DEVICES])
-def test_llama_prefill_and_greedy_decode_agree(device, dtype):
+def test_llama_prefill_and_greedy_decode_agree(device, dtype, monkeypatch):
     name = hook.register()
+    calls = []  # (seqlen_q, seqlen_k) of each call the model makes through the hook
+    inner = hook.attention
+
+    def counting(q, k, v, **kw):
+        calls.append((q.shape[1], k.shape[1]))
+        return inner(q, k, v, **kw)
+
+    monkeypatch.setattr(hook, "attention", counting)
     ours = tiny_llama(name, device, dtype)
     peer_impl = "eager" if device == "cpu" else "sdpa"
     peer = tiny_llama(peer_impl, device, dtype)
@@ -54,14 +62,18 @@ def test_llama_prefill_and_greedy_decode_agree(device, dtype):
         b = peer(input_ids).logits
     err = relative(a, b)
     bound = 1e-5 if dtype == torch.float32 else 2e-2
-    print(f"\n{device} {dtype}: prefill logits, flash_rs vs {peer_impl}: normwise {err:.2e}")
+    print(f"\n{device} {dtype}: prefill logits, fa_rs vs {peer_impl}: normwise {err:.2e}")
     assert err <= bound
+    assert calls == [(37, 37)] * 2, f"the hook ran {calls} (expected once per layer)"
+    calls.clear()
     with torch.no_grad():
         go = ours.generate(input_ids, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
         gp = peer.generate(input_ids, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    # Prefill, then one query against the growing KV cache per new token, in both layers.
+    assert calls[:2] == [(37, 37)] * 2 and calls[2:] == [(1, 37 + i) for i in range(1, 12) for _ in range(2)], calls
     new_ours = go.sequences[0, input_ids.shape[1]:].tolist()
     new_peer = gp.sequences[0, input_ids.shape[1]:].tolist()
-    print(f"greedy tokens flash_rs: {new_ours}\ngreedy tokens {peer_impl}:   {new_peer}")
+    print(f"greedy tokens fa_rs:    {new_ours}\ngreedy tokens {peer_impl}:   {new_peer}")
     # Decode steps (one query against the KV cache) agree while the sequences agree.
     same = 0
     while same < len(new_ours) and new_ours[same] == new_peer[same]:
