@@ -4,7 +4,7 @@
 # has torch, numpy, ml_dtypes, pytest, transformers) and runs python/tests: the torch CUDA
 # tests (bf16/f16, BSHD and BHSD strides, GQA, decode, varlen with host and device prefix sums,
 # causal, a side stream as PyTorch's current stream, errors, a timing line), the transformers
-# model test (tiny Llama, flash_rs vs sdpa, prefill + greedy decode, CPU f32 and CUDA bf16),
+# model test (tiny Llama, fa_rs vs sdpa, prefill + greedy decode, CPU f32 and CUDA bf16),
 # and the NumPy / torch CPU tests. Logs under $OUT: env.txt, pytest.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
