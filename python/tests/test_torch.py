@@ -45,6 +45,16 @@ def sdpa_f64(q, k, v, causal=False, window=(-1, -1), scale=None):
     return out.transpose(1, 2)
 
 
+def lse_f64(q, k, causal=False, window=(-1, -1), scale=None):
+    """BSHD q, k -> float64 log-sum-exp (batch, heads_q, seqlen_q) of the masked scores."""
+    qh, kh = (x.transpose(1, 2).to(torch.float64) for x in (q, k))
+    kh = kh.repeat_interleave(q.shape[2] // k.shape[2], dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = qh @ kh.transpose(-1, -2) * scale
+    mask = torch.from_numpy(visible(q.shape[1], k.shape[1], causal, window)).to(q.device)
+    return torch.logsumexp(s.masked_fill(~mask, float("-inf")), dim=-1)
+
+
 def normwise(got, ref):
     got = got.to(torch.float64)
     return (torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref)).item()
@@ -90,6 +100,9 @@ def test_matches_sdpa_f64(device, shape, layout, causal):
             torch.cuda.synchronize()
         ref = sdpa_f64(q, k, v, causal=causal)
         check(got, ref, device, dtype, f"{dtype} {layout}")
+        # LSE in f32 from the same rounded inputs: only accumulation error remains.
+        lse_err = (lse.double() - lse_f64(q, k, causal=causal)).abs().max().item()
+        assert lse_err <= 1e-3, f"LSE max abs error {lse_err:.2e} ({dtype} {layout})"
         # Freshly allocated output: q's framework, device and (for BHSD) layout.
         got = fa.attention(q, k, v, causal=causal)
         assert got.device == q.device and got.dtype == dtype and got.stride() == torch.empty_like(q).stride()
