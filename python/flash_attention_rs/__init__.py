@@ -1,0 +1,286 @@
+"""Exact FlashAttention from Rust, for NumPy arrays and PyTorch tensors.
+
+``attention(q, k, v)`` computes ``softmax(q @ k^T * scale) @ v`` per head, exactly (no
+approximation beyond floating point), on the CPU (the SIMD kernel, with the GIL released) or on
+a CUDA GPU (the tensors' own device memory, queued on PyTorch's current stream, no host round
+trip). The work is done by the Rust library through its C ABI; this module only gathers each
+tensor's address, shape, strides, dtype and device, allocates the output with the caller's
+framework, and returns it.
+
+Layout: BSHD ``(batch, seqlen, heads, head_dim)``. A BHSD tensor is passed as its BSHD view,
+``x.transpose(1, 2)`` (torch) or ``x.swapaxes(1, 2)`` (NumPy): strides travel, nothing is
+copied. Only the last dimension must be contiguous. GQA/MQA follow from the head counts.
+Variable-length batches: packed ``(total_tokens, heads, head_dim)`` tensors with
+``cu_seqlens_q``/``cu_seqlens_k`` prefix sums.
+
+Errors carry the library's message: ``ValueError`` for shapes, dtypes, strides and options it
+refuses, ``RuntimeError`` where CUDA is not usable or a device call fails, ``TypeError`` for
+objects that are neither NumPy arrays nor torch tensors.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+import threading
+
+import numpy as np
+
+from . import _native
+
+__all__ = ["attention", "version", "cuda_device"]
+
+#: NumPy dtype names the library takes (``bfloat16`` is ml_dtypes' NumPy dtype).
+_NUMPY_DTYPES = ("float32", "float16", "bfloat16")
+
+_devices = {}
+_devices_lock = threading.Lock()
+
+
+def version():
+    """The Rust library's version string."""
+    return _native.version()
+
+
+def cuda_device(ordinal=0):
+    """The library's handle on CUDA device ``ordinal`` (its primary context, which PyTorch
+    uses), opened once per process. ``RuntimeError`` with the library's message where CUDA is
+    not usable (no driver, no NVRTC, no such device)."""
+    with _devices_lock:
+        device = _devices.get(ordinal)
+        if device is None:
+            device = _native.CudaDevice(ordinal)
+            _devices[ordinal] = device
+        return device
+
+
+def _torch_module():
+    # Never imported here: a torch tensor can only exist once its caller imported torch.
+    return sys.modules.get("torch")
+
+
+def _is_torch(x):
+    torch = _torch_module()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _torch_dtype_name(dtype):
+    name = str(dtype)  # "torch.bfloat16"
+    return name[len("torch.") :] if name.startswith("torch.") else name
+
+
+def _describe(x, name):
+    """``((address, shape, element strides, dtype name), device)`` of an array or tensor;
+    device is ``None`` for host memory, else the CUDA ordinal."""
+    if _is_torch(x):
+        if x.device.type == "cuda":
+            device = x.device.index if x.device.index is not None else 0
+        elif x.device.type == "cpu":
+            device = None
+        else:
+            raise ValueError(f"{name} is on device {x.device}: only cpu and cuda are supported")
+        return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), _torch_dtype_name(x.dtype)), device
+    if isinstance(x, np.ndarray):
+        itemsize = x.dtype.itemsize
+        strides = []
+        for s in x.strides:
+            if s % itemsize:
+                raise ValueError(
+                    f"{name} has byte strides {x.strides}: not multiples of its element size {itemsize}"
+                )
+            strides.append(s // itemsize)
+        address = x.__array_interface__["data"][0]
+        return (address, tuple(x.shape), tuple(strides), x.dtype.name), None
+    raise TypeError(f"{name} must be a NumPy array or a torch.Tensor, not {type(x).__name__}")
+
+
+def _where(device):
+    return "host memory" if device is None else f"cuda:{device}"
+
+
+def _empty(like, shape, dtype=None):
+    """An uninitialised array of ``shape`` in ``like``'s framework and device (``like``'s
+    dtype unless given); when ``shape`` is ``like``'s, ``like``'s memory layout too."""
+    if _is_torch(like):
+        torch = _torch_module()
+        dtype = like.dtype if dtype is None else dtype
+        if tuple(like.shape) == tuple(shape) and dtype == like.dtype:
+            return torch.empty_like(like)
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    dtype = like.dtype if dtype is None else dtype
+    if like.shape == tuple(shape) and dtype == like.dtype:
+        return np.empty_like(like)
+    return np.empty(shape, dtype=dtype)
+
+
+def _host_prefix_sums(cu, name):
+    """Host prefix sums as a list of Python ints (``TypeError`` for non-integers)."""
+    if _is_torch(cu):
+        if cu.device.type != "cpu":
+            raise ValueError(f"{name} is on {cu.device} but the tensors are in host memory")
+        cu = cu.tolist()
+    elif isinstance(cu, np.ndarray):
+        cu = cu.tolist()
+    if not hasattr(cu, "__iter__"):
+        raise TypeError(f"{name} must be a 1-D sequence of integers")
+    return [operator.index(x) for x in cu]
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window=(-1, -1),
+    softcap=None,
+    scale=None,
+    return_lse=False,
+    backend="auto",
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    out=None,
+):
+    """Exact attention ``softmax(q k^T * scale) v``; returns ``out`` (and the log-sum-exp).
+
+    Args:
+        q: ``(batch, seqlen_q, heads_q, head_dim)``, or ``(total_q, heads_q, head_dim)`` with
+            ``cu_seqlens_q``. NumPy array or torch tensor, float32, bfloat16 or float16 (on
+            CUDA: bfloat16 or float16). Any strides with a contiguous last dimension.
+        k: ``(batch, seqlen_k, heads_kv, head_dim)`` (or packed); ``heads_q`` a multiple of
+            ``heads_kv`` (GQA/MQA).
+        v: like ``k``, with its own ``head_dim_v``.
+        causal: mask keys after the diagonal, bottom-right aligned (query ``i`` sees keys
+            ``j <= i + seqlen_k - seqlen_q``), as FlashAttention >= 2.1 and KV-cache decode.
+        window: ``(left, right)`` local window, negative = unbounded.
+        softcap: ``cap * tanh(s / cap)`` on the scaled scores (None or 0: off).
+        scale: the softmax scale (None: ``1/sqrt(head_dim)``).
+        return_lse: also return the natural-log log-sum-exp, float32
+            ``(batch, heads_q, seqlen_q)`` (varlen: ``(heads_q, total_q)``).
+        backend: ``"auto"`` (where the tensors are), ``"cpu"`` or ``"cuda"``.
+        cu_seqlens_q, cu_seqlens_k: int prefix sums of ``batch + 1`` entries from 0 to the
+            packed token counts. Host sequences (list, NumPy, CPU tensor) are checked by the
+            library; an int32 CUDA tensor stays on the device (no host read), which the
+            library must then trust: it needs ``max_seqlen_q``/``max_seqlen_k``.
+        max_seqlen_q, max_seqlen_k: longest sequences; needed with device prefix sums only.
+        out: where to write (shape of ``q`` with ``head_dim_v``; same framework and device;
+            on the CPU its dtype may also be float32). Allocated when None.
+
+    Returns:
+        ``out``, or ``(out, lse)`` with ``return_lse``. On CUDA the work is queued on
+        ``torch.cuda.current_stream()`` and the call returns without waiting, like any
+        PyTorch operation.
+    """
+    if backend not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"backend is {backend!r}: expected 'auto', 'cpu' or 'cuda'")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
+    varlen = cu_seqlens_q is not None
+
+    descs = []
+    devices = []
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        desc, device = _describe(x, name)
+        descs.append(desc)
+        devices.append(device)
+    if len({_is_torch(x) for x in (q, k, v)}) > 1:
+        raise TypeError("q, k and v must all be NumPy arrays or all torch tensors")
+    if len(set(devices)) > 1:
+        raise ValueError(
+            "q, k and v are in different places: " + ", ".join(_where(d) for d in devices)
+        )
+    device = devices[0]
+    if _is_torch(q):
+        torch = _torch_module()
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            # The output would silently cut the autograd graph.
+            raise ValueError(
+                "flash_attention_rs has no backward yet: inputs require grad; call it under "
+                "torch.no_grad() / torch.inference_mode(), or pass detached tensors"
+            )
+    if backend == "cpu" and device is not None:
+        raise ValueError(f"backend='cpu' needs tensors in host memory; these are on cuda:{device}")
+    if backend == "cuda" and device is None:
+        # Where CUDA is not usable at all, say so with the library's words (RuntimeError).
+        cuda_device(0)
+        raise ValueError("backend='cuda' needs CUDA tensors; these are in host memory")
+
+    if out is None:
+        o_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+        out = _empty(q, o_shape)
+    else:
+        if _is_torch(out) != _is_torch(q):
+            raise TypeError("out must be of the same framework as q (NumPy array or torch tensor)")
+        if isinstance(out, np.ndarray) and not out.flags.writeable:
+            raise ValueError("out is a read-only array")
+    o_desc, o_device = _describe(out, "out")
+    if o_device != device:
+        raise ValueError(f"out is in {_where(o_device)} but the inputs are in {_where(device)}")
+
+    lse = None
+    lse_desc = None
+    if return_lse:
+        heads_q = q.shape[-2]
+        if varlen:
+            lse_shape = (heads_q, q.shape[0])
+        else:
+            lse_shape = (q.shape[0], heads_q, q.shape[1]) if len(q.shape) == 4 else ()
+        if lse_shape:
+            if _is_torch(q):
+                lse = _empty(q, lse_shape, _torch_module().float32)
+            else:
+                lse = np.empty(lse_shape, dtype=np.float32)
+            lse_desc, _ = _describe(lse, "lse")
+
+    kwargs = dict(
+        causal=bool(causal),
+        window=(operator.index(window[0]), operator.index(window[1])),
+        softcap=None if softcap is None else float(softcap),
+        scale=None if scale is None else float(scale),
+    )
+    keep_alive = []
+    if varlen:
+        cu_on_device = _is_torch(cu_seqlens_q) and cu_seqlens_q.device.type == "cuda"
+        if cu_on_device and device is not None:
+            torch = _torch_module()
+            if not (_is_torch(cu_seqlens_k) and cu_seqlens_k.device == cu_seqlens_q.device):
+                raise ValueError("cu_seqlens_q and cu_seqlens_k must both be on the same CUDA device")
+            if cu_seqlens_q.device.index != device:
+                raise ValueError(
+                    f"cu_seqlens are on {cu_seqlens_q.device} but the tensors are on cuda:{device}"
+                )
+            if max_seqlen_q is None or max_seqlen_k is None:
+                raise ValueError(
+                    "cu_seqlens on the GPU need max_seqlen_q and max_seqlen_k "
+                    "(finding them would read the prefix sums back to the host)"
+                )
+            if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape:
+                raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D of the same length")
+            # int32 and dense, on the current stream; the temporaries live until this call
+            # returns, and PyTorch's allocator orders their reuse after the queued kernel.
+            cu_q = cu_seqlens_q.to(torch.int32).contiguous()
+            cu_k = cu_seqlens_k.to(torch.int32).contiguous()
+            keep_alive += [cu_q, cu_k]
+            kwargs["device_cu_seqlens"] = (
+                cu_q.data_ptr(),
+                cu_k.data_ptr(),
+                cu_q.numel() - 1,
+                operator.index(max_seqlen_q),
+                operator.index(max_seqlen_k),
+            )
+        else:
+            kwargs["cu_seqlens"] = (
+                _host_prefix_sums(cu_seqlens_q, "cu_seqlens_q"),
+                _host_prefix_sums(cu_seqlens_k, "cu_seqlens_k"),
+            )
+
+    if device is None:
+        _native.forward(*descs, o_desc, lse_desc, **kwargs)
+    else:
+        torch = _torch_module()
+        stream = torch.cuda.current_stream(device).cuda_stream
+        _native.forward(*descs, o_desc, lse_desc, device=cuda_device(device), stream=stream, **kwargs)
+    del keep_alive
+    return (out, lse) if return_lse else out

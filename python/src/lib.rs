@@ -1,0 +1,452 @@
+//! The native half of the Python package `flash_attention_rs` (module
+//! `flash_attention_rs._native`): one call, [`forward`], that takes what the Python shim
+//! gathered from NumPy arrays or PyTorch tensors (address, shape, element strides, dtype name)
+//! and runs the library through its C ABI (`fa-capi`): `fa_forward_cpu` on host memory with the
+//! GIL released, `fa_forward_cuda` on the tensors' device memory, queued on the caller's stream.
+//!
+//! The C ABI is the one mapping from foreign memory to a validated problem (its `describe`
+//! → `ProblemDesc::validate`, span, alignment and overlap checks, device handles); this crate
+//! adds only what a C caller states and a Python caller does not: that the four tensors'
+//! shapes agree with each other, that the last dimension is contiguous, and that the prefix
+//! sums end where the packed tensors do. Library errors keep their message and become
+//! `ValueError` (invalid or unsupported input) or `RuntimeError` (no device, a CUDA fault).
+
+use fa_capi::{
+    fa_cuda_device_create, fa_cuda_device_destroy, fa_forward_cpu, fa_forward_cuda,
+    fa_last_error_message, FaCudaDevice, FaOptions, FaProblem, FaTensor, FA_DTYPE_BF16,
+    FA_DTYPE_F16, FA_DTYPE_F32, FA_ERR_INVALID_ARGUMENT, FA_ERR_UNSUPPORTED, FA_ERR_VERSION, FA_OK,
+    FA_SEQLENS_FIXED, FA_SEQLENS_VARLEN_DEVICE, FA_SEQLENS_VARLEN_HOST,
+};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use std::ffi::{c_void, CStr};
+
+/// A tensor as the shim describes it: data address, shape, strides in elements, dtype name.
+type TensorArg = (u64, Vec<i64>, Vec<i64>, String);
+
+/// Device prefix sums: addresses of `cu_seqlens_q` and `cu_seqlens_k` (int32, `batch + 1`
+/// entries each), `batch`, `max_seqlen_q`, `max_seqlen_k`.
+type DeviceSeqlensArg = (u64, u64, i64, i64, i64);
+
+fn value_error(message: impl Into<String>) -> PyErr {
+    PyValueError::new_err(message.into())
+}
+
+/// The library's code and message after a failed C call, as a Python exception.
+fn library_error(code: i32, message: String) -> PyErr {
+    match code {
+        FA_ERR_INVALID_ARGUMENT | FA_ERR_UNSUPPORTED | FA_ERR_VERSION => {
+            PyValueError::new_err(message)
+        }
+        _ => PyRuntimeError::new_err(message),
+    }
+}
+
+/// Runs one C entry point and, on failure, reads its thread-local message on the same thread.
+fn call_c(entry: impl FnOnce() -> i32) -> Result<(), (i32, String)> {
+    let code = entry();
+    if code == FA_OK {
+        return Ok(());
+    }
+    // SAFETY: the library returns a NUL-terminated string, never null, valid until the next
+    // call into it on this thread; it is copied out at once.
+    let message = unsafe { CStr::from_ptr(fa_last_error_message()) }
+        .to_string_lossy()
+        .into_owned();
+    Err((code, message))
+}
+
+fn dtype_code(dtype: &str, name: &str) -> PyResult<u32> {
+    match dtype {
+        "float32" => Ok(FA_DTYPE_F32),
+        "bfloat16" => Ok(FA_DTYPE_BF16),
+        "float16" => Ok(FA_DTYPE_F16),
+        other => Err(value_error(format!(
+            "{name} has dtype {other}: flash_attention_rs takes float32, bfloat16 or float16"
+        ))),
+    }
+}
+
+/// A checked tensor argument: its dims as `[batch, seqlen, heads, dim]` (varlen: batch 1,
+/// seqlen = total tokens) and its C descriptor.
+struct Checked {
+    dims: [i64; 4],
+    tensor: FaTensor,
+}
+
+fn shape_text(shape: &[i64]) -> String {
+    let parts: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    format!("({})", parts.join(", "))
+}
+
+/// Checks rank, sizes, strides and dtype of one tensor and builds its descriptor.
+fn check_tensor(arg: &TensorArg, name: &str, varlen: bool) -> PyResult<Checked> {
+    let (addr, shape, strides, dtype) = arg;
+    let (rank, layout) = if varlen {
+        (3, "(total_tokens, heads, head_dim)")
+    } else {
+        (4, "(batch, seqlen, heads, head_dim)")
+    };
+    if shape.len() != rank || strides.len() != rank {
+        return Err(value_error(format!(
+            "{name} has shape {}: expected {rank} dimensions {layout}",
+            shape_text(shape)
+        )));
+    }
+    if let Some(d) = shape.iter().find(|&&d| d < 0) {
+        return Err(value_error(format!("{name} has a negative size {d}")));
+    }
+    // A dimension of size 1 (or 0) is never stepped over: any stride there means nothing
+    // (NumPy and PyTorch leave arbitrary, even negative, values in them).
+    let strides: Vec<i64> = shape
+        .iter()
+        .zip(strides)
+        .map(|(&n, &s)| if n <= 1 { 0 } else { s })
+        .collect();
+    if strides.iter().any(|&s| s < 0) {
+        return Err(value_error(format!(
+            "{name} has negative strides {}: reversed views are not supported",
+            shape_text(&strides)
+        )));
+    }
+    // Stride 0 (a broadcast head_dim) would make the library read past the array.
+    if shape[rank - 1] > 1 && strides[rank - 1] != 1 {
+        return Err(value_error(format!(
+            "{name} has strides {}: the last dimension (head_dim) must be contiguous (stride 1)",
+            shape_text(&strides)
+        )));
+    }
+    let dims = if varlen {
+        [1, shape[0], shape[1], shape[2]]
+    } else {
+        [shape[0], shape[1], shape[2], shape[3]]
+    };
+    let (stride_batch, stride_seq, stride_head) = if varlen {
+        (0, strides[0], strides[1])
+    } else {
+        (strides[0], strides[1], strides[2])
+    };
+    Ok(Checked {
+        dims,
+        tensor: FaTensor {
+            data: *addr as usize as *mut c_void,
+            dtype: dtype_code(dtype, name)?,
+            stride_batch,
+            stride_seq,
+            stride_head,
+        },
+    })
+}
+
+/// The shapes of Q, K, V and O must describe one problem (the C ABI takes each size once).
+fn check_shapes(q: &[i64; 4], k: &[i64; 4], v: &[i64; 4], o: &[i64; 4]) -> PyResult<()> {
+    let text = |d: &[i64; 4]| shape_text(d);
+    if k[..3] != v[..3] {
+        return Err(value_error(format!(
+            "k {} and v {} differ in batch, seqlen or heads",
+            text(k),
+            text(v)
+        )));
+    }
+    if q[0] != k[0] {
+        return Err(value_error(format!(
+            "q has batch {} but k has batch {}",
+            q[0], k[0]
+        )));
+    }
+    if q[3] != k[3] {
+        return Err(value_error(format!(
+            "q has head_dim {} but k has head_dim {}",
+            q[3], k[3]
+        )));
+    }
+    let expected = [q[0], q[1], q[2], v[3]];
+    if *o != expected {
+        return Err(value_error(format!(
+            "out has dims {} (as batch, seqlen, heads, head_dim) but q and v need {}",
+            text(o),
+            text(&expected)
+        )));
+    }
+    Ok(())
+}
+
+/// Host prefix sums as int32, with the packed tensors' token count as their last entry.
+fn host_prefix_sums(values: &[i64], total: i64, name: &str, tensor: &str) -> PyResult<Vec<i32>> {
+    let out = values
+        .iter()
+        .map(|&x| i32::try_from(x))
+        .collect::<Result<Vec<i32>, _>>()
+        .map_err(|_| value_error(format!("{name} has a value outside int32")))?;
+    match out.last() {
+        None => Err(value_error(format!(
+            "{name} is empty: it needs batch + 1 entries"
+        ))),
+        Some(&last) if i64::from(last) != total => Err(value_error(format!(
+            "{name} ends at {last} but {tensor} holds {total} tokens"
+        ))),
+        Some(_) => Ok(out),
+    }
+}
+
+/// A CUDA device handle of the C ABI: the primary context of one ordinal (PyTorch's).
+struct DeviceHandle(*mut FaCudaDevice);
+
+// SAFETY: the handle owns a `fa_cuda::Device` (asserted Send + Sync below) and nothing else;
+// the pointer is only passed back to the library that made it.
+unsafe impl Send for DeviceHandle {}
+// SAFETY: as above; the library takes the handle as `*const` and synchronises inside.
+unsafe impl Sync for DeviceHandle {}
+
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<fa_cuda::Device>();
+};
+
+impl Drop for DeviceHandle {
+    fn drop(&mut self) {
+        // SAFETY: a live handle from fa_cuda_device_create, destroyed once, here.
+        unsafe { fa_cuda_device_destroy(self.0) };
+    }
+}
+
+/// The library's handle on CUDA device `ordinal` in its primary context (the one PyTorch
+/// uses). Opening it fails with `RuntimeError` (the library's message) where CUDA is not
+/// usable: no driver, no NVRTC, no such device.
+#[pyclass(frozen, module = "flash_attention_rs._native")]
+struct CudaDevice {
+    handle: DeviceHandle,
+    ordinal: i32,
+}
+
+#[pymethods]
+impl CudaDevice {
+    #[new]
+    fn new(py: Python<'_>, ordinal: i32) -> PyResult<CudaDevice> {
+        let handle = py
+            .detach(|| {
+                let mut raw: *mut FaCudaDevice = core::ptr::null_mut();
+                // SAFETY: `raw` is a writable out-parameter.
+                call_c(|| unsafe { fa_cuda_device_create(ordinal, &mut raw) })
+                    .map(|()| DeviceHandle(raw))
+            })
+            .map_err(|(code, message)| library_error(code, message))?;
+        Ok(CudaDevice { handle, ordinal })
+    }
+
+    /// The CUDA ordinal this handle was opened on.
+    #[getter]
+    fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    fn __repr__(&self) -> String {
+        format!("CudaDevice({})", self.ordinal)
+    }
+}
+
+/// Everything one C call takes, plain data only, so that it can run with the GIL released.
+struct Call {
+    problem: FaProblem,
+    tensors: [FaTensor; 4],
+    lse: *mut f32,
+    /// Host prefix sums `problem.cu_seqlens_*` point into (kept alive by the call).
+    _host_seqlens: Option<(Vec<i32>, Vec<i32>)>,
+}
+
+// SAFETY: the addresses in `Call` point to memory the Python caller keeps alive (the arguments
+// of `attention`, referenced for the whole call) or to the vectors `Call` owns; nothing is
+// shared with another thread while the call runs.
+unsafe impl Send for Call {}
+
+impl Call {
+    fn run_cpu(&self) -> i32 {
+        let options = FaOptions::default();
+        let [q, k, v, o] = &self.tensors;
+        // SAFETY: every address comes from a live NumPy array or CPU tensor whose shape and
+        // strides the descriptors state (checked against each other above), so the memory
+        // covers what the problem reaches; the library checks null, alignment, overflow and
+        // overlap itself.
+        unsafe { fa_forward_cpu(&self.problem, q, k, v, o, self.lse, &options) }
+    }
+
+    fn run_cuda(&self, device: &CudaDevice, stream: u64) -> i32 {
+        let options = FaOptions::default();
+        let [q, k, v, o] = &self.tensors;
+        // SAFETY: as in run_cpu, for device memory of the handle's device (the shim passes only
+        // tensors on that device); PyTorch keeps the stream alive and orders later uses and
+        // frees of these tensors after its work, as for its own kernels.
+        unsafe {
+            fa_forward_cuda(
+                device.handle.0,
+                &self.problem,
+                q,
+                k,
+                v,
+                o,
+                self.lse,
+                stream as usize as *mut c_void,
+                &options,
+            )
+        }
+    }
+}
+
+/// Exact attention forward: `o = softmax(q·kᵀ·scale)·v` (and the log-sum-exp into `lse`).
+///
+/// Tensors are `(address, shape, element strides, dtype)`: BSHD `(batch, seqlen, heads,
+/// head_dim)`, or `(total_tokens, heads, head_dim)` with prefix sums (varlen). `lse` is a
+/// float32 tensor of shape `(batch, heads_q, seqlen_q)` (varlen: `(heads_q, total_q)`).
+/// Without `device` it runs on the CPU with the GIL released; with one, it is queued on
+/// `stream` (a `cudaStream_t` of that device, 0: the legacy default stream) and returns
+/// without waiting. Host prefix sums go in `cu_seqlens`, device ones in `device_cu_seqlens`.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, o, lse=None, *, causal=false, window=(-1, -1), softcap=None,
+    scale=None, cu_seqlens=None, device_cu_seqlens=None, device=None, stream=0))]
+#[allow(clippy::too_many_arguments)]
+fn forward(
+    py: Python<'_>,
+    q: TensorArg,
+    k: TensorArg,
+    v: TensorArg,
+    o: TensorArg,
+    lse: Option<TensorArg>,
+    causal: bool,
+    window: (i64, i64),
+    softcap: Option<f32>,
+    scale: Option<f32>,
+    cu_seqlens: Option<(Vec<i64>, Vec<i64>)>,
+    device_cu_seqlens: Option<DeviceSeqlensArg>,
+    device: Option<PyRef<'_, CudaDevice>>,
+    stream: u64,
+) -> PyResult<()> {
+    if cu_seqlens.is_some() && device_cu_seqlens.is_some() {
+        return Err(value_error(
+            "give prefix sums on the host or on the device, not both",
+        ));
+    }
+    let varlen = cu_seqlens.is_some() || device_cu_seqlens.is_some();
+    let [cq, ck, cv, co] = [(&q, "q"), (&k, "k"), (&v, "v"), (&o, "out")]
+        .map(|(t, name)| check_tensor(t, name, varlen));
+    let (cq, ck, cv, co) = (cq?, ck?, cv?, co?);
+    check_shapes(&cq.dims, &ck.dims, &cv.dims, &co.dims)?;
+    let [batch, seqlen_q, heads_q, head_dim] = cq.dims;
+    let (seqlen_k, heads_kv, head_dim_v) = (ck.dims[1], ck.dims[2], cv.dims[3]);
+    // The C ABI reads 0 as "not set"; an explicit 0 would silently become the default.
+    if scale == Some(0.0) {
+        return Err(value_error(
+            "scale=0.0 is not supported (every key would weigh the same); pass None for 1/sqrt(head_dim)",
+        ));
+    }
+    let softcap = match softcap {
+        Some(c) if c != 0.0 => c,
+        _ => 0.0,
+    };
+    let mut problem = FaProblem {
+        batch,
+        seqlen_q,
+        seqlen_k,
+        heads_q,
+        heads_kv,
+        head_dim,
+        head_dim_v,
+        seqlens: FA_SEQLENS_FIXED,
+        causal: u32::from(causal),
+        cu_seqlens_q: core::ptr::null(),
+        cu_seqlens_k: core::ptr::null(),
+        total_q: 0,
+        total_k: 0,
+        max_seqlen_q: 0,
+        max_seqlen_k: 0,
+        window_left: window.0,
+        window_right: window.1,
+        softmax_scale: scale.unwrap_or(0.0),
+        softcap,
+    };
+    let host_seqlens = match cu_seqlens {
+        Some((cu_q, cu_k)) => {
+            if cu_q.len() != cu_k.len() {
+                return Err(value_error(format!(
+                    "cu_seqlens_q has {} entries but cu_seqlens_k has {}",
+                    cu_q.len(),
+                    cu_k.len()
+                )));
+            }
+            let cu_q = host_prefix_sums(&cu_q, seqlen_q, "cu_seqlens_q", "q")?;
+            let cu_k = host_prefix_sums(&cu_k, seqlen_k, "cu_seqlens_k", "k")?;
+            problem.seqlens = FA_SEQLENS_VARLEN_HOST;
+            problem.batch = cu_q.len() as i64 - 1;
+            problem.cu_seqlens_q = cu_q.as_ptr();
+            problem.cu_seqlens_k = cu_k.as_ptr();
+            Some((cu_q, cu_k))
+        }
+        None => None,
+    };
+    if let Some((addr_q, addr_k, batch, max_q, max_k)) = device_cu_seqlens {
+        problem.seqlens = FA_SEQLENS_VARLEN_DEVICE;
+        problem.batch = batch;
+        problem.cu_seqlens_q = addr_q as usize as *const i32;
+        problem.cu_seqlens_k = addr_k as usize as *const i32;
+        problem.total_q = seqlen_q;
+        problem.total_k = seqlen_k;
+        problem.max_seqlen_q = max_q;
+        problem.max_seqlen_k = max_k;
+    }
+    let lse = match &lse {
+        None => core::ptr::null_mut(),
+        Some((addr, shape, strides, dtype)) => {
+            let expected = if varlen {
+                vec![heads_q, seqlen_q]
+            } else {
+                vec![problem.batch, heads_q, seqlen_q]
+            };
+            if *shape != expected || dtype != "float32" {
+                return Err(value_error(format!(
+                    "lse must be float32 of shape {}, got {dtype} {}",
+                    shape_text(&expected),
+                    shape_text(shape)
+                )));
+            }
+            let mut dense = 1;
+            for (&n, &s) in shape.iter().zip(strides).rev() {
+                if n > 1 && s != dense {
+                    return Err(value_error("lse must be a contiguous array"));
+                }
+                dense *= n;
+            }
+            *addr as usize as *mut f32
+        }
+    };
+    let call = Call {
+        problem,
+        tensors: [cq.tensor, ck.tensor, cv.tensor, co.tensor],
+        lse,
+        _host_seqlens: host_seqlens,
+    };
+    let result = match device {
+        None => py.detach(move || call_c(|| call.run_cpu())),
+        Some(device) => {
+            let device: &CudaDevice = &device;
+            py.detach(move || call_c(|| call.run_cuda(device, stream)))
+        }
+    };
+    result.map_err(|(code, message)| library_error(code, message))
+}
+
+/// The library's version (`MAJOR.MINOR.PATCH`).
+#[pyfunction]
+fn version() -> String {
+    // SAFETY: a static NUL-terminated string.
+    unsafe { CStr::from_ptr(fa_capi::fa_version()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The module `flash_attention_rs._native`.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(forward, m)?)?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_class::<CudaDevice>()?;
+    Ok(())
+}
