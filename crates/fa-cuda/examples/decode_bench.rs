@@ -16,6 +16,7 @@
 //! The caches are filled with random bf16 values (a 32 MiB random chunk copied over them on
 //! the device); paged block tables are random permutations of the blocks.
 
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use fa_cuda::{CacheTables, DType, Device, ForwardOptions, RawTensor};
 use half::bf16;
@@ -122,8 +123,10 @@ fn main() {
         let mut times = Vec::new();
         for _ in 0..10 {
             let (s, e) = (
-                ctx.new_event(None).expect("event"),
-                ctx.new_event(None).expect("event"),
+                ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .expect("event"),
+                ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .expect("event"),
             );
             s.record(&stream).expect("record");
             stream.memcpy_dtod(&k, &mut v).expect("copy");
