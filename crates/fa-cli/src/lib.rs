@@ -23,8 +23,10 @@
 //! # Ok::<(), fa_cli::CliError>(())
 //! ```
 
+pub mod alloc_count;
 pub mod backend;
 pub mod bench;
+pub mod bench_backward;
 pub mod demo;
 pub mod error;
 pub mod exp2_error;

@@ -16,6 +16,10 @@ use softmax_core::DType;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// Counts heap bytes, so that `fa bench --backward` reports what calls allocate.
+#[global_allocator]
+static ALLOCATOR: fa_cli::alloc_count::Counting = fa_cli::alloc_count::Counting;
+
 #[derive(Parser)]
 #[command(
     name = "fa",
@@ -179,6 +183,10 @@ struct BenchArgs {
     /// Print one JSON object per shape instead of the table.
     #[arg(long)]
     json: bool,
+    /// Time the backward pass (and forward + backward) instead of the forward, with the bytes
+    /// the first backward call allocates (CPU only).
+    #[arg(long, conflicts_with_all = ["peers", "tiles"])]
+    backward: bool,
     /// Seed of the N(0,1) inputs.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -478,6 +486,9 @@ fn bench_shapes(a: &BenchArgs) -> Vec<BenchShape> {
 }
 
 fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
+    if a.backward {
+        return cmd_bench_backward(a);
+    }
     let shapes = bench_shapes(a);
     let backend = match a.dtype {
         Some(d) => Backend::open_for(a.compute.backend.into(), flash_attention::DTypes::same(d))?,
@@ -601,6 +612,55 @@ fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
     if failed > 0 {
         return Err(CliError::Backend(format!(
             "{failed} of {total} measurements failed (see above)"
+        )));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `fa bench --backward`: the shapes of [`bench_shapes`], timed through the library's
+/// backward (forward + backward per iteration).
+fn cmd_bench_backward(a: &BenchArgs) -> Result<ExitCode, CliError> {
+    use fa_cli::bench_backward::{backward_table_header, backward_table_row, bench_backward_shape};
+    let shapes = bench_shapes(a);
+    let backend = match a.dtype {
+        Some(d) => Backend::open_for(a.compute.backend.into(), flash_attention::DTypes::same(d))?,
+        None => Backend::open(a.compute.backend.into())?,
+    };
+    let dtype = a.dtype.unwrap_or_else(|| backend.default_dtype());
+    let iters = a.iters.unwrap_or(5).max(1);
+    let warmup = a.warmup.unwrap_or(1);
+    let opts = a.compute.options();
+    if !a.json {
+        outln!(
+            "fa bench --backward: {}, {} timed forward + backward iterations after {} warm-up (median); FLOPs: backward 2.5 x forward",
+            backend.describe(),
+            iters,
+            warmup.max(1)
+        );
+        outln!("{}", backward_table_header());
+    }
+    let mut failed = 0usize;
+    for shape in &shapes {
+        match bench_backward_shape(&backend, shape, dtype, &opts, warmup, iters, a.seed) {
+            Ok(r) if a.json => {
+                let line = serde_json::to_string(&r).map_err(|e| CliError::Usage(e.to_string()))?;
+                outln!("{line}");
+            }
+            Ok(r) => outln!("{}", backward_table_row(&r)),
+            Err(e) if shapes.len() > 1 => {
+                eprintln!(
+                    "error: b{} h{} n{} d{} causal={}: {e}",
+                    shape.batch, shape.heads, shape.seqlen_q, shape.head_dim, shape.causal
+                );
+                failed += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if failed > 0 {
+        return Err(CliError::Backend(format!(
+            "{failed} of {} measurements failed (see above)",
+            shapes.len()
         )));
     }
     Ok(ExitCode::SUCCESS)
