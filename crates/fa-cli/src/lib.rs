@@ -37,7 +37,9 @@ pub mod peers;
 pub mod plan;
 pub mod rows;
 pub mod run;
+pub mod run_backward;
 pub mod tensor;
 pub mod verify;
+pub mod verify_backward;
 
 pub use error::CliError;

@@ -110,8 +110,36 @@ struct RunArgs {
     /// After the run, check this many sampled rows against the f64 reference.
     #[arg(long, default_value_t = 0)]
     check_rows: usize,
+    /// ∂L/∂O for the backward pass (the output's shape and dtype): with --dq, --dk and --dv,
+    /// the gradients are computed after the forward (CPU).
+    #[arg(long, requires_all = ["dq", "dk", "dv"])]
+    dout: Option<PathBuf>,
+    /// Where dQ goes (Q's shape).
+    #[arg(long, requires = "dout")]
+    dq: Option<PathBuf>,
+    /// Where dK goes (K's shape).
+    #[arg(long, requires = "dout")]
+    dk: Option<PathBuf>,
+    /// Where dV goes (V's shape).
+    #[arg(long, requires = "dout")]
+    dv: Option<PathBuf>,
+    /// Gradient dtype: the input dtype (default) or f32.
+    #[arg(long, value_parser = parse_dtype, requires = "dout")]
+    grad_dtype: Option<DType>,
     #[command(flatten)]
     compute: ComputeArgs,
+}
+
+/// The backward files of `fa run`, when --dout was given (clap makes --dq/--dk/--dv required
+/// with it).
+fn run_backward_files(a: &RunArgs) -> Option<fa_cli::run_backward::BackwardFiles> {
+    Some(fa_cli::run_backward::BackwardFiles {
+        d_o: a.dout.clone()?,
+        dq: a.dq.clone()?,
+        dk: a.dk.clone()?,
+        dv: a.dv.clone()?,
+        grad_dtype: a.grad_dtype,
+    })
 }
 
 #[derive(Args)]
@@ -129,6 +157,10 @@ struct VerifyArgs {
     /// Write 16-bit results as f32 instead of the input dtype.
     #[arg(long)]
     out_f32: bool,
+    /// Skip the backward rows (by default every case is also checked through the backward:
+    /// dQ, dK, dV against the f64 reference backward).
+    #[arg(long)]
+    no_backward: bool,
     #[command(flatten)]
     compute: ComputeArgs,
 }
@@ -337,6 +369,7 @@ fn main() -> ExitCode {
 }
 
 fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
+    let backward = run_backward_files(&a);
     let req = RunRequest {
         q: a.q,
         k: a.k,
@@ -350,8 +383,17 @@ fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
         backend: a.compute.backend.into(),
         options: a.compute.options(),
         check_rows: a.check_rows,
+        backward,
     };
     let summary = run(&req)?;
+    if let (Some(s), Some(b)) = (summary.backward_seconds, &req.backward) {
+        eprintln!(
+            "fa run: backward in {s:.3} s -> {}, {}, {}",
+            b.dq.display(),
+            b.dk.display(),
+            b.dv.display()
+        );
+    }
     eprintln!(
         "fa run: {} on {} in {:.3} s -> {}",
         summary.shape,
@@ -415,10 +457,21 @@ fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
         // Drawn lazily, the same cases for every dtype: memory does not grow with --random.
         for case in verify::case_stream(seed, a.random) {
             let row = verify::verify_case(&backend, &case, dtype, a.out_f32, &a.compute.options());
-            outln!("{}", verify::table_row(&row));
-            total += 1;
-            failed += row.failed() as usize;
-            skipped += matches!(row.outcome, verify::Outcome::Unsupported(_)) as usize;
+            let backward = (!a.no_backward).then(|| {
+                fa_cli::verify_backward::verify_backward_case(
+                    &backend,
+                    &case,
+                    dtype,
+                    a.out_f32,
+                    &a.compute.options(),
+                )
+            });
+            for row in std::iter::once(row).chain(backward) {
+                outln!("{}", verify::table_row(&row));
+                total += 1;
+                failed += row.failed() as usize;
+                skipped += matches!(row.outcome, verify::Outcome::Unsupported(_)) as usize;
+            }
         }
     }
     outln!(
