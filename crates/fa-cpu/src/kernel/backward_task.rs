@@ -341,7 +341,7 @@ struct Geom {
 /// A's features are present; `MR` and `NR` are A's `PV_CHANNELS` and `ROW_VECTORS`; `s` was
 /// sized by [`BwdScratch::try_ensure`] for this problem and A.
 #[inline(always)]
-unsafe fn run_task<
+pub(crate) unsafe fn run_task<
     A: Arch,
     const NR: usize,
     const MR: usize,

@@ -165,3 +165,102 @@ fn tiles_are_whole_blocks_of_every_architecture() {
         );
     }
 }
+
+/// The whole backward with other register blockings (AVX-512's `MR = 8, NR = 3`, and a narrow
+/// `MR = 2, NR = 1`) on the scalar architecture: the per-element sums run in the same order
+/// whatever the blocking (the tile edge and roundings are the same here), so the gradients must
+/// be bitwise those of the scalar path. This covers the blocking logic of the AVX-512 path
+/// (live-vector tails of 3-vector panels) on machines without AVX-512.
+#[test]
+fn other_blockings_give_bitwise_the_scalar_gradients() {
+    use super::backward_task::{backward_tasks, run_task, BwdCtx, BwdLens, BwdScratch};
+    use super::SharedOut;
+    use crate::arch::scalar::Scalar;
+    use crate::{backward, forward, BackwardInputs, BackwardOptions, ForwardOptions};
+    use fa_reference::Case;
+    use softmax_core::{Grads, Out, Qkv};
+
+    let mut rng = Rng::new(0xb10c);
+    let cases = [
+        Case::dense(&mut rng, 1, 70, 131, 4, 2, 40).causal(),
+        Case::dense(&mut rng, 2, 65, 64, 2, 1, 72).with_softcap(4.0),
+        Case::dense(&mut rng, 1, 129, 129, 3, 3, 20).causal(),
+    ];
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    for case in &cases {
+        let p = case.desc().validate(256).expect("valid");
+        let lens = p.min_buffer_lens();
+        let (q, k, v) = (&case.q[..], &case.k[..], &case.v[..]);
+        let d_o = draw(&mut rng, lens.o);
+        let mut o = vec![0.0f32; lens.o];
+        let mut lse = vec![0.0f32; p.lse_len()];
+        forward(
+            &p,
+            Qkv::new(q, k, v),
+            Out::with_lse(&mut o[..], &mut lse[..]),
+            &ForwardOptions::default(),
+        )
+        .expect("forward");
+        let nan = f32::NAN;
+        let mut want = Grads::new(vec![nan; lens.q], vec![nan; lens.k], vec![nan; lens.v]);
+        let opts = BackwardOptions {
+            threads: Some(1),
+            simd: SimdLevel::Scalar,
+        };
+        let inputs = BackwardInputs {
+            o: &o,
+            d_o: &d_o,
+            lse: &lse,
+        };
+        backward(
+            &p,
+            Qkv::new(q, k, v),
+            inputs,
+            Grads::new(&mut want.dq[..], &mut want.dk[..], &mut want.dv[..]),
+            &opts,
+        )
+        .expect("backward");
+
+        /// Runs every task with blocking `MR × NR` on the scalar architecture.
+        fn with_blocking<const NR: usize, const MR: usize>(
+            p: &softmax_core::Problem,
+            (q, k, v): (&[f32], &[f32], &[f32]),
+            inputs: BackwardInputs<'_, f32>,
+            grads: &mut Grads<Vec<f32>>,
+        ) {
+            let ctx = BwdCtx {
+                problem: p,
+                q,
+                k,
+                v,
+                o: inputs.o,
+                d_o: inputs.d_o,
+                lse: inputs.lse,
+                dq: SharedOut::new(&mut grads.dq),
+                dk: SharedOut::new(&mut grads.dk),
+                dv: SharedOut::new(&mut grads.dv),
+            };
+            let mut s = BwdScratch::default();
+            s.try_ensure(&BwdLens::new(p, SimdLevel::Scalar))
+                .expect("scratch");
+            for task in &backward_tasks(p) {
+                // SAFETY: the scalar architecture needs no CPU feature; the scratch is sized
+                // for the problem with the scalar tile, which these blockings share (64).
+                unsafe { run_task::<Scalar, NR, MR, f32, f32, f32>(&ctx, task, &mut s) };
+            }
+        }
+        assert_eq!(bwd_tile(8, 8), bwd_tile(4, 8));
+        assert_eq!(bwd_tile(2, 8), bwd_tile(4, 8));
+        let mut got = Grads::new(vec![nan; lens.q], vec![nan; lens.k], vec![nan; lens.v]);
+        with_blocking::<3, 8>(&p, (q, k, v), inputs, &mut got);
+        assert_eq!(bits(&got.dq), bits(&want.dq), "8x3 dQ");
+        assert_eq!(bits(&got.dk), bits(&want.dk), "8x3 dK");
+        assert_eq!(bits(&got.dv), bits(&want.dv), "8x3 dV");
+        let mut got = Grads::new(vec![nan; lens.q], vec![nan; lens.k], vec![nan; lens.v]);
+        with_blocking::<1, 2>(&p, (q, k, v), inputs, &mut got);
+        assert_eq!(bits(&got.dq), bits(&want.dq), "2x1 dQ");
+        assert_eq!(bits(&got.dk), bits(&want.dk), "2x1 dK");
+        assert_eq!(bits(&got.dv), bits(&want.dv), "2x1 dV");
+        assert!(got.dq.iter().all(|x| x.is_finite()), "every dQ written");
+    }
+}
