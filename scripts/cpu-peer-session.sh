@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # On the GPU machine (see stage-cpu-peer-gpu-host.sh): fa-cpu's tests, then fa-cpu against
 # PyTorch's CPU SDPA on two pinned cores, both timed in the same run by cpu_peer.py.
+# BACKWARD=1: the backward pass instead (issue 17's grid: D 64,128; results in
+# $OUT/peer-backward-<dtype>.md/.json); TESTS=0 skips the test binaries.
 set -u
 out="${OUT:-/tmp/cpu-peer-out}"; mkdir -p "$out"
 cd "$(dirname "$0")"
 lscpu | grep -E "Model name|^CPU\(s\)|Thread|L1d|L2|L3"
 grep -o -w -E "avx512f|amx_bf16" /proc/cpuinfo | sort | uniq -c
 echo "code revision: $(cat REVISION)"
-for t in tests/*; do echo "== $t"; "$t" 2>&1 | grep -E "test result|FAILED|panicked"; done
+if [ "${TESTS:-1}" = 1 ]; then
+    for t in tests/*; do echo "== $t"; "$t" 2>&1 | grep -E "test result|FAILED|panicked"; done
+fi
 # Two CPUs on distinct cores: the first two, unless running them together halves their FMA rate
 # (then they are one core's hyperthreads, and CPU 8 replaces CPU 1).
 one=$(taskset -c 0 ./fma_peak | tail -1 | awk '{print $1}')
@@ -18,6 +22,13 @@ if awk -v a="$pair" -v b="$one" 'BEGIN {exit !(a < 1.6 * b)}'; then cpus=0,8; fi
 cpus="${CPUS:-$cpus}"; echo "pinned to CPUs $cpus"
 python3 -c 'import torch; print("torch", torch.__version__, torch.backends.cpu.get_cpu_capability())'
 dtypes="${DTYPES:-f32}"
+if [ "${BACKWARD:-0}" = 1 ]; then
+    PYTHONUNBUFFERED=1 taskset -c "$cpus" python3 cpu_peer.py --ours fa --fa ./fa --threads 2 \
+        --backward --head-dims "${HEAD_DIMS:-64,128}" \
+        --rounds "${ROUNDS:-5}" --iters "${ITERS:-3}" --dtypes "$dtypes" \
+        --json-out "$out/peer-backward-${dtypes//,/-}.json" 2>&1 | tee "$out/peer-backward-${dtypes//,/-}.md"
+    exit 0
+fi
 PYTHONUNBUFFERED=1 taskset -c "$cpus" python3 cpu_peer.py --ours fa --fa ./fa --threads 2 \
     --rounds "${ROUNDS:-5}" --iters "${ITERS:-5}" --dtypes "$dtypes" \
     --json-out "$out/peer-${dtypes//,/-}.json" 2>&1 | tee "$out/peer-${dtypes//,/-}.md"

@@ -311,6 +311,22 @@ pub fn check_outputs_are_not_inputs(
     Ok(())
 }
 
+/// Refuses two outputs that are the same file (the gradients of `fa run` would overwrite one
+/// another, or the output).
+pub fn check_distinct_outputs(outputs: &[(&str, &Path)]) -> Result<(), CliError> {
+    for (i, (a_flag, a)) in outputs.iter().enumerate() {
+        for (b_flag, b) in &outputs[i + 1..] {
+            if a == b || same_file(a, b) {
+                return Err(CliError::Usage(format!(
+                    "{a_flag} and {b_flag} name the same file {}: give each output its own path",
+                    a.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Writes every `(path, bytes)` atomically, all or nothing as far as the file system allows:
 /// each destination's directory must exist; each file is written to a temporary file beside it
 /// and synced, and only when all are written are they renamed over the destinations. On a

@@ -23,8 +23,10 @@
 //! # Ok::<(), fa_cli::CliError>(())
 //! ```
 
+pub mod alloc_count;
 pub mod backend;
 pub mod bench;
+pub mod bench_backward;
 pub mod demo;
 pub mod error;
 pub mod exp2_error;
@@ -35,7 +37,9 @@ pub mod peers;
 pub mod plan;
 pub mod rows;
 pub mod run;
+pub mod run_backward;
 pub mod tensor;
 pub mod verify;
+pub mod verify_backward;
 
 pub use error::CliError;

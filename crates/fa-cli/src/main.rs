@@ -16,6 +16,10 @@ use softmax_core::DType;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// Counts heap bytes, so that `fa bench --backward` reports what calls allocate.
+#[global_allocator]
+static ALLOCATOR: fa_cli::alloc_count::Counting = fa_cli::alloc_count::Counting;
+
 #[derive(Parser)]
 #[command(
     name = "fa",
@@ -157,8 +161,36 @@ struct RunArgs {
     /// After the run, check this many sampled rows against the f64 reference.
     #[arg(long, default_value_t = 0)]
     check_rows: usize,
+    /// ∂L/∂O for the backward pass (the output's shape and dtype): with --dq, --dk and --dv,
+    /// the gradients are computed after the forward (CPU).
+    #[arg(long, requires_all = ["dq", "dk", "dv"])]
+    dout: Option<PathBuf>,
+    /// Where dQ goes (Q's shape).
+    #[arg(long, requires = "dout")]
+    dq: Option<PathBuf>,
+    /// Where dK goes (K's shape).
+    #[arg(long, requires = "dout")]
+    dk: Option<PathBuf>,
+    /// Where dV goes (V's shape).
+    #[arg(long, requires = "dout")]
+    dv: Option<PathBuf>,
+    /// Gradient dtype: the input dtype (default) or f32.
+    #[arg(long, value_parser = parse_dtype, requires = "dout")]
+    grad_dtype: Option<DType>,
     #[command(flatten)]
     compute: ComputeArgs,
+}
+
+/// The backward files of `fa run`, when --dout was given (clap makes --dq/--dk/--dv required
+/// with it).
+fn run_backward_files(a: &RunArgs) -> Option<fa_cli::run_backward::BackwardFiles> {
+    Some(fa_cli::run_backward::BackwardFiles {
+        d_o: a.dout.clone()?,
+        dq: a.dq.clone()?,
+        dk: a.dk.clone()?,
+        dv: a.dv.clone()?,
+        grad_dtype: a.grad_dtype,
+    })
 }
 
 #[derive(Args)]
@@ -176,6 +208,10 @@ struct VerifyArgs {
     /// Write 16-bit results as f32 instead of the input dtype.
     #[arg(long)]
     out_f32: bool,
+    /// Skip the backward rows (by default every case is also checked through the backward:
+    /// dQ, dK, dV against the f64 reference backward).
+    #[arg(long)]
+    no_backward: bool,
     #[command(flatten)]
     compute: ComputeArgs,
 }
@@ -230,6 +266,10 @@ struct BenchArgs {
     /// Print one JSON object per shape instead of the table.
     #[arg(long)]
     json: bool,
+    /// Time the backward pass (and forward + backward) instead of the forward, with the bytes
+    /// the first backward call allocates (CPU only).
+    #[arg(long, conflicts_with_all = ["peers", "tiles"])]
+    backward: bool,
     /// Seed of the N(0,1) inputs.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -382,6 +422,7 @@ fn main() -> ExitCode {
 }
 
 fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
+    let backward = run_backward_files(&a);
     let req = RunRequest {
         q: a.q,
         k: a.k,
@@ -395,8 +436,17 @@ fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
         backend: a.compute.backend.into(),
         options: a.compute.options(),
         check_rows: a.check_rows,
+        backward,
     };
     let summary = run(&req)?;
+    if let (Some(s), Some(b)) = (summary.backward_seconds, &req.backward) {
+        eprintln!(
+            "fa run: backward in {s:.3} s -> {}, {}, {}",
+            b.dq.display(),
+            b.dk.display(),
+            b.dv.display()
+        );
+    }
     eprintln!(
         "fa run: {} on {} in {:.3} s -> {}",
         summary.shape,
@@ -460,10 +510,21 @@ fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
         // Drawn lazily, the same cases for every dtype: memory does not grow with --random.
         for case in verify::case_stream(seed, a.random) {
             let row = verify::verify_case(&backend, &case, dtype, a.out_f32, &a.compute.options());
-            outln!("{}", verify::table_row(&row));
-            total += 1;
-            failed += row.failed() as usize;
-            skipped += matches!(row.outcome, verify::Outcome::Unsupported(_)) as usize;
+            let backward = (!a.no_backward).then(|| {
+                fa_cli::verify_backward::verify_backward_case(
+                    &backend,
+                    &case,
+                    dtype,
+                    a.out_f32,
+                    &a.compute.options(),
+                )
+            });
+            for row in std::iter::once(row).chain(backward) {
+                outln!("{}", verify::table_row(&row));
+                total += 1;
+                failed += row.failed() as usize;
+                skipped += matches!(row.outcome, verify::Outcome::Unsupported(_)) as usize;
+            }
         }
     }
     outln!(
@@ -531,6 +592,9 @@ fn bench_shapes(a: &BenchArgs) -> Vec<BenchShape> {
 }
 
 fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
+    if a.backward {
+        return cmd_bench_backward(a);
+    }
     let shapes = bench_shapes(a);
     let backend = match a.dtype {
         Some(d) => Backend::open_for(a.compute.backend.into(), flash_attention::DTypes::same(d))?,
@@ -654,6 +718,55 @@ fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
     if failed > 0 {
         return Err(CliError::Backend(format!(
             "{failed} of {total} measurements failed (see above)"
+        )));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `fa bench --backward`: the shapes of [`bench_shapes`], timed through the library's
+/// backward (forward + backward per iteration).
+fn cmd_bench_backward(a: &BenchArgs) -> Result<ExitCode, CliError> {
+    use fa_cli::bench_backward::{backward_table_header, backward_table_row, bench_backward_shape};
+    let shapes = bench_shapes(a);
+    let backend = match a.dtype {
+        Some(d) => Backend::open_for(a.compute.backend.into(), flash_attention::DTypes::same(d))?,
+        None => Backend::open(a.compute.backend.into())?,
+    };
+    let dtype = a.dtype.unwrap_or_else(|| backend.default_dtype());
+    let iters = a.iters.unwrap_or(5).max(1);
+    let warmup = a.warmup.unwrap_or(1);
+    let opts = a.compute.options();
+    if !a.json {
+        outln!(
+            "fa bench --backward: {}, {} timed forward + backward iterations after {} warm-up (median); FLOPs: backward 2.5 x forward",
+            backend.describe(),
+            iters,
+            warmup.max(1)
+        );
+        outln!("{}", backward_table_header());
+    }
+    let mut failed = 0usize;
+    for shape in &shapes {
+        match bench_backward_shape(&backend, shape, dtype, &opts, warmup, iters, a.seed) {
+            Ok(r) if a.json => {
+                let line = serde_json::to_string(&r).map_err(|e| CliError::Usage(e.to_string()))?;
+                outln!("{line}");
+            }
+            Ok(r) => outln!("{}", backward_table_row(&r)),
+            Err(e) if shapes.len() > 1 => {
+                eprintln!(
+                    "error: b{} h{} n{} d{} causal={}: {e}",
+                    shape.batch, shape.heads, shape.seqlen_q, shape.head_dim, shape.causal
+                );
+                failed += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if failed > 0 {
+        return Err(CliError::Backend(format!(
+            "{failed} of {} measurements failed (see above)",
+            shapes.len()
         )));
     }
     Ok(ExitCode::SUCCESS)

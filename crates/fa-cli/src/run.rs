@@ -38,6 +38,8 @@ pub struct RunRequest {
     pub options: Options,
     /// Rows to check against the f64 reference after the run (0: none).
     pub check_rows: usize,
+    /// The backward's files, when gradients are asked for.
+    pub backward: Option<crate::run_backward::BackwardFiles>,
 }
 
 /// What `fa run` did.
@@ -51,6 +53,8 @@ pub struct RunSummary {
     pub seconds: f64,
     /// The check of sampled rows, when asked.
     pub check: Option<RowCheck>,
+    /// Seconds of the backward call, when gradients were asked for.
+    pub backward_seconds: Option<f64>,
 }
 
 /// The check of sampled rows against the f64 reference.
@@ -130,7 +134,7 @@ pub fn problem_from_shapes(
 pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
     // Before anything is read or written: no output may be an input, and -o and --lse are
     // one file only where one .safetensors file holds both.
-    let inputs = [
+    let mut inputs = vec![
         ("--q", req.q.as_path()),
         ("--k", req.k.as_path()),
         ("--v", req.v.as_path()),
@@ -138,6 +142,11 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
     let mut outputs = vec![("-o", req.output.as_path())];
     if let Some(lse) = &req.lse {
         outputs.push(("--lse", lse.as_path()));
+    }
+    if let Some(b) = &req.backward {
+        inputs.extend(b.inputs());
+        outputs.extend(b.outputs());
+        crate::files::check_distinct_outputs(&outputs)?;
     }
     check_outputs_are_not_inputs(&inputs, &outputs)?;
     let lse_in_output = match &req.lse {
@@ -202,6 +211,19 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
     });
 
     let out_format = FileFormat::from_extension(&req.output).unwrap_or(format);
+    let backward = match &req.backward {
+        Some(b) => Some(crate::run_backward::backward_files(
+            b,
+            &backend,
+            &problem,
+            (&q, &k, &v),
+            &out,
+            &lse,
+            &req.options,
+            format,
+        )?),
+        None => None,
+    };
     let lse_shape = if q.shape.len() == 4 {
         vec![b, hq, sq]
     } else {
@@ -241,6 +263,11 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
             encode_tensors(&req.output, out_format, &[("out", &out)])?,
         )],
     };
+    let mut files = files;
+    let backward_seconds = backward.map(|(grads, seconds)| {
+        files.extend(grads);
+        seconds
+    });
     write_files(&files)?;
     Ok(RunSummary {
         backend: backend.describe(),
@@ -253,6 +280,7 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
         ),
         seconds,
         check,
+        backward_seconds,
     })
 }
 

@@ -4,10 +4,10 @@
 use crate::arch::SimdLevel;
 use crate::dispatch::{dispatch, Isa};
 use crate::kernel::backward_task::{
-    backward_tasks, BackwardTask, BwdCtx, BwdScratch, BwdStats, BWD_KEYS, BWD_ROWS,
+    backward_tasks, BackwardTask, BwdCtx, BwdLens, BwdScratch, BwdStats,
 };
 use crate::kernel::SharedOut;
-use crate::{supports, Element};
+use crate::{supports, Element, MAX_THREADS};
 use softmax_core::{BufferLens, Grads, Problem, ProblemError, Qkv, Tensor};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -33,10 +33,12 @@ pub type HostGrads<'a, G> = Grads<&'a mut [G]>;
 pub struct BackwardOptions {
     /// Threads in all, the calling thread included: `Some(n)` runs on the caller and a pool
     /// of `n − 1` threads (`Some(1)` starts none); `None`: the caller and rayon's global
-    /// pool. The gradients are bitwise identical whatever the count. `Some(0)` is an error.
+    /// pool. The gradients are bitwise identical whatever the count. `Some(0)` is an error,
+    /// and so is more than [`MAX_THREADS`].
     pub threads: Option<usize>,
     /// The instruction set the tasks are compiled for (default [`SimdLevel::Auto`]); asking
-    /// for one the CPU lacks is an error. The gradients do not depend on it.
+    /// for one the CPU lacks is an error. The gradients depend on it only by rounding (tile
+    /// sizes and fused multiply-adds differ), within the error bounds of the tests.
     pub simd: SimdLevel,
 }
 
@@ -52,18 +54,48 @@ impl Default for BackwardOptions {
 /// What a backward call did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BackwardStats {
-    /// (query tile, key tile) pairs computed, over the dK/dV and the dQ tasks (tiles of 64
-    /// queries × 64 keys).
+    /// (query tile, key tile) pairs computed, per query head (the tile edge is the
+    /// architecture's: 64, or 72 on AVX2).
     pub tiles_computed: u64,
     /// (query tile, key tile) pairs skipped because the mask hides them entirely.
     pub tiles_skipped: u64,
 }
 
-/// Bytes of scratch one worker of the backward needs for these head dims: independent of
-/// the sequence lengths and the batch.
-pub fn backward_scratch_bytes_per_thread(head_dim: usize, head_dim_v: usize) -> usize {
-    let tile = BWD_ROWS.max(BWD_KEYS);
-    4 * (3 * tile * (head_dim + head_dim_v) + 2 * tile + 2 * BWD_ROWS * BWD_KEYS)
+/// Reusable scratch and thread pool for [`backward_with_workspace`]: per-worker buffers
+/// (linear in the longest query sequence, see [`backward_scratch_bytes_per_thread`]) and, when
+/// [`BackwardOptions::threads`] is `Some(n)`, a pool of `n − 1` threads (the caller is the n-th
+/// worker), both kept across calls.
+#[derive(Debug, Default)]
+pub struct BackwardWorkspace {
+    slots: Vec<Mutex<BwdScratch>>,
+    /// The thread count the pool was built for, and the pool (`None` for one thread).
+    pool: Option<(usize, Option<rayon::ThreadPool>)>,
+}
+
+impl BackwardWorkspace {
+    /// An empty workspace; buffers grow on the first call that needs them.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Bytes of scratch currently held (all workers).
+    pub fn scratch_bytes(&mut self) -> usize {
+        self.slots
+            .iter_mut()
+            .map(|s| match s.get_mut() {
+                Ok(s) => s.bytes(),
+                Err(poisoned) => poisoned.into_inner().bytes(),
+            })
+            .sum()
+    }
+}
+
+/// Bytes of scratch one worker of the backward needs for `problem` at a SIMD level (the
+/// scratch-size companion of [`BackwardWorkspace`]): the rows of Q and dO of one GQA group
+/// (row-major and transposed), its dQ accumulator in f32 and a few tiles, so linear in the
+/// longest query sequence and independent of the batch; the total is this times the workers.
+pub fn backward_scratch_bytes_per_thread(problem: &Problem, level: SimdLevel) -> usize {
+    BwdLens::new(problem, level).bytes()
 }
 
 /// Checks that a buffer of `len` elements holds `needed`.
@@ -82,30 +114,60 @@ fn check_len(tensor: Tensor, len: usize, needed: usize) -> Result<(), ProblemErr
 /// Q, K and V, given `∂L/∂O`, the forward's O and its LSE.
 ///
 /// The probabilities are recomputed tile by tile from Q, K and the LSE (no N×N storage;
-/// scratch per worker: [`backward_scratch_bytes_per_thread`]); `D = rowsum(dO ∘ O)`,
-/// `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)` (times `1 − tanh²` under a softcap),
-/// `dQ = dS·K·scale`, `dK = dSᵀ·Q·scale`, masks and scores as the forward (`softmax-core`'s
-/// `Mask` and `ScoreTransform`). dK and dV are summed over the query heads of a GQA group.
-/// Inputs f32/bf16/f16 (`T` for Q/K/V, `O` for O and dO), f32 arithmetic, gradients written
-/// as `G` (the input dtype or f32). Gradients are written for every element of Q, K and V
-/// (0 for rows that see no key and keys no row sees); padding between elements is not
-/// touched.
+/// scratch per worker: [`backward_scratch_bytes_per_thread`], linear in the sequence);
+/// `D = rowsum(dO ∘ O)`, `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)` (times `1 − tanh²`
+/// under a softcap), `dQ = dS·K·scale`, `dK = dSᵀ·Q·scale`, masks and scores as the forward
+/// (`softmax-core`'s `Mask` and `ScoreTransform`), every product on the SIMD micro-kernels of
+/// the chosen level. dK and dV are summed over the query heads of a GQA group. Inputs
+/// f32/bf16/f16 (`T` for Q/K/V, `O` for O and dO), f32 arithmetic, gradients written as `G`
+/// (the input dtype or f32). Gradients are written for every element of Q, K and V (0 for
+/// rows that see no key and keys no row sees); padding between elements is not touched.
 ///
-/// Work: tasks over (sequence, KV head, 64-key block) write dK/dV, tasks over (sequence,
-/// query head, 64-query block) write dQ; every element has one writer and its sum runs in an
-/// order fixed by the problem, so results are **bitwise identical for any thread count**
-/// (no atomics).
+/// Work: one task per (sequence, KV head) writes dK/dV of its keys and dQ of its group's
+/// rows; every element has one writer and its sums run in an order fixed by the problem and
+/// the SIMD level, so results are **bitwise identical for any thread count** (no atomics).
+/// Parallelism is therefore `batch × heads_kv` tasks.
+///
+/// Uses a thread-local [`BackwardWorkspace`] (scratch and pool kept across calls on this
+/// thread); [`backward_with_workspace`] takes the caller's.
 ///
 /// `problem` was validated by the caller. Errors, checked before anything is written (the
 /// gradients are then untouched): what [`crate::supports`] refuses; a buffer too short for
 /// the problem (`BufferTooSmall` names Q/K/V for both an input and its gradient, O for both O
-/// and dO, Lse for the LSE); `threads == Some(0)`; a SIMD level this CPU lacks.
+/// and dO, Lse for the LSE); `threads == Some(0)` or above [`MAX_THREADS`]; a SIMD level this
+/// CPU lacks; scratch that cannot be allocated (`OutOfMemory`).
 pub fn backward<T: Element, O: Element, G: Element>(
     problem: &Problem,
     qkv: Qkv<&[T]>,
     inputs: BackwardInputs<'_, O>,
     grads: HostGrads<'_, G>,
     opts: &BackwardOptions,
+) -> Result<BackwardStats, ProblemError> {
+    thread_local! {
+        static CACHED: std::cell::RefCell<BackwardWorkspace> =
+            std::cell::RefCell::new(BackwardWorkspace::new());
+    }
+    CACHED.with(|cached| match cached.try_borrow_mut() {
+        Ok(mut ws) => backward_with_workspace(problem, qkv, inputs, grads, opts, &mut ws),
+        Err(_) => backward_with_workspace(
+            problem,
+            qkv,
+            inputs,
+            grads,
+            opts,
+            &mut BackwardWorkspace::new(),
+        ),
+    })
+}
+
+/// [`backward`] with caller-owned scratch and pool (reused across calls).
+pub fn backward_with_workspace<T: Element, O: Element, G: Element>(
+    problem: &Problem,
+    qkv: Qkv<&[T]>,
+    inputs: BackwardInputs<'_, O>,
+    grads: HostGrads<'_, G>,
+    opts: &BackwardOptions,
+    ws: &mut BackwardWorkspace,
 ) -> Result<BackwardStats, ProblemError> {
     supports(problem)?;
     problem.check_buffers(BufferLens {
@@ -125,21 +187,55 @@ pub fn backward<T: Element, O: Element, G: Element>(
             what: "the requested SIMD level is not available on this CPU",
         });
     };
-    let pool = match opts.threads {
+    let threads = match opts.threads {
         Some(0) => return Err(ProblemError::ZeroDim { what: "threads" }),
-        Some(n) if n > 1 => Some(
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(n - 1)
-                .build()
-                .map_err(|_| ProblemError::Unsupported {
-                    what: "could not start the worker threads",
-                })?,
-        ),
-        _ => None,
+        Some(n) if n > MAX_THREADS => {
+            return Err(ProblemError::TooManyThreads {
+                threads: n,
+                max: MAX_THREADS,
+            })
+        }
+        other => other,
     };
-    let workers = opts
-        .threads
-        .unwrap_or_else(|| rayon::current_num_threads().max(1));
+    if let Some(n) = threads {
+        if ws.pool.as_ref().is_none_or(|(m, _)| *m != n) {
+            let pool = match n {
+                1 => None,
+                _ => Some(
+                    rayon::ThreadPoolBuilder::new()
+                        .num_threads(n - 1)
+                        .build()
+                        .map_err(|_| ProblemError::Unsupported {
+                            what: "could not start the worker threads",
+                        })?,
+                ),
+            };
+            ws.pool = Some((n, pool));
+        }
+    }
+    let task_list = backward_tasks(problem);
+    // More workers than tasks would only hold scratch.
+    let workers = threads
+        .unwrap_or_else(|| rayon::current_num_threads().max(1))
+        .min(task_list.len().max(1));
+    let scratch_lens = BwdLens::new(problem, isa.level());
+    let oom = || ProblemError::OutOfMemory {
+        what: "backward scratch",
+        bytes: scratch_lens.bytes(),
+    };
+    ws.slots
+        .try_reserve(workers.saturating_sub(ws.slots.len()))
+        .map_err(|_| oom())?;
+    while ws.slots.len() < workers {
+        ws.slots.push(Mutex::new(BwdScratch::default()));
+    }
+    for slot in &mut ws.slots[..workers] {
+        let scratch = match slot.get_mut() {
+            Ok(s) => s,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        scratch.try_ensure(&scratch_lens).map_err(|_| oom())?;
+    }
 
     let Grads { dq, dk, dv } = grads;
     let ctx = BwdCtx {
@@ -154,13 +250,16 @@ pub fn backward<T: Element, O: Element, G: Element>(
         dk: SharedOut::new(dk),
         dv: SharedOut::new(dv),
     };
-    let task_list = backward_tasks(problem);
+    let slots = &ws.slots;
     let next = AtomicUsize::new(0);
     let totals = Mutex::new(BwdStats::default());
     // Each worker takes the next task from one shared counter; which worker runs a task never
     // changes its arithmetic (each task owns the elements it writes and starts its sums at 0).
-    let work = || {
-        let mut scratch = BwdScratch::default();
+    let work = |slot: usize| {
+        let mut guard = match slots[slot].lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
         let mut mine = BwdStats::default();
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
@@ -170,7 +269,7 @@ pub fn backward<T: Element, O: Element, G: Element>(
                 BackwardTask {
                     ctx: &ctx,
                     task,
-                    scratch: &mut scratch,
+                    scratch: &mut guard,
                 },
             ));
         }
@@ -180,10 +279,14 @@ pub fn backward<T: Element, O: Element, G: Element>(
         };
         *t = t.add(mine);
     };
-    match (&pool, opts.threads) {
-        (Some(pool), _) => pool.in_place_scope(|s| run_workers(s, workers, &work)),
-        (None, Some(_)) => work(),
-        (None, None) => rayon::in_place_scope(|s| run_workers(s, workers, &work)),
+    // The calling thread is worker 0 (as in the forward).
+    match (
+        threads,
+        ws.pool.as_ref().and_then(|(_, pool)| pool.as_ref()),
+    ) {
+        (Some(_), Some(pool)) => pool.in_place_scope(|s| run_workers(s, workers, &work)),
+        (Some(_), None) => work(0),
+        (None, _) => rayon::in_place_scope(|s| run_workers(s, workers, &work)),
     }
     let stats = match totals.into_inner() {
         Ok(s) => s,
@@ -195,10 +298,10 @@ pub fn backward<T: Element, O: Element, G: Element>(
     })
 }
 
-/// Runs `work` on the calling thread and `workers − 1` times as jobs of the scope's pool.
-fn run_workers<'s, F: Fn() + Sync>(scope: &rayon::Scope<'s>, workers: usize, work: &'s F) {
-    for _ in 1..workers {
-        scope.spawn(move |_| work());
+/// Runs `work(0)` on the calling thread and `work(1..workers)` as jobs of the scope's pool.
+fn run_workers<'s, F: Fn(usize) + Sync>(scope: &rayon::Scope<'s>, workers: usize, work: &'s F) {
+    for slot in 1..workers {
+        scope.spawn(move |_| work(slot));
     }
-    work();
+    work(0);
 }

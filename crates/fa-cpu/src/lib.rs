@@ -54,8 +54,8 @@ mod kernel;
 
 pub use arch::SimdLevel;
 pub use backward::{
-    backward, backward_scratch_bytes_per_thread, BackwardInputs, BackwardOptions, BackwardStats,
-    HostGrads,
+    backward, backward_scratch_bytes_per_thread, backward_with_workspace, BackwardInputs,
+    BackwardOptions, BackwardStats, BackwardWorkspace, HostGrads,
 };
 pub use element::Element;
 pub use forward::{

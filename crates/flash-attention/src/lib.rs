@@ -40,6 +40,7 @@
 //! ```
 
 pub mod backend;
+pub mod backward;
 pub mod shapes;
 pub mod tensor;
 
@@ -47,8 +48,9 @@ pub use backend::{
     warmup, Backend, BackendChoice, BackendKind, Capabilities, DTypes, Error, Exp2, ForwardStats,
     Options, OutputDTypes,
 };
+pub use backward::{BackwardInputs, BackwardStats};
 pub use fa_cuda::{KernelFamilyChoice, KernelOrigin, PrecompileReport, Sm90Pipeline, Tiles};
-pub use softmax_core::{DType, Out, Problem, ProblemDesc, ProblemError, Qkv, RescalePolicy};
+pub use softmax_core::{DType, Grads, Out, Problem, ProblemDesc, ProblemError, Qkv, RescalePolicy};
 pub use tensor::{TensorMut, TensorRef};
 
 #[cfg(test)]

@@ -60,6 +60,27 @@ impl BenchShape {
         )
     }
 
+    /// FLOPs of one backward pass ([`softmax_core::flops::backward`]: 2.5 × the forward's).
+    pub fn backward_flops(&self) -> f64 {
+        softmax_core::flops::backward(
+            self.batch,
+            self.heads,
+            self.seqlen_q,
+            self.seqlen_k,
+            self.head_dim,
+            self.causal,
+        )
+    }
+
+    /// Bytes a backward call reads and writes: [`BenchShape::io_bytes`] (Q, K, V, O, LSE)
+    /// plus dO and the gradients dQ, dK, dV, all in `dtype`.
+    pub fn backward_io_bytes(&self, dtype: DType) -> u64 {
+        let (b, d) = (self.batch as u64, self.head_dim as u64);
+        let q_like = 2 * b * self.seqlen_q as u64 * self.heads as u64 * d;
+        let k_v = 2 * b * self.seqlen_k as u64 * self.heads_kv as u64 * d;
+        self.io_bytes(dtype) + (q_like + k_v) * dtype.size() as u64
+    }
+
     /// Bytes of Q, K, V and O in `dtype` plus the f32 LSE.
     pub fn io_bytes(&self, dtype: DType) -> u64 {
         let (b, d) = (self.batch as u64, self.head_dim as u64);

@@ -29,6 +29,27 @@ pub fn forward(
     }
 }
 
+/// Floating-point operations of one attention backward pass: `2.5 ×` [`forward`], the usual
+/// convention (FlashAttention's benchmarks): five matrix products of `2·Nq·Nk·D` each per head
+/// (`S = QKᵀ` recomputed, `dP = dO·Vᵀ`, `dV = Pᵀ·dO`, `dQ = dS·K`, `dK = dSᵀ·Q`) against the
+/// forward's two, with the same causal halving. Element-wise work (exponentials, `dS`) is not
+/// counted, as in the forward.
+///
+/// ```
+/// use softmax_core::flops;
+/// assert_eq!(flops::backward(1, 8, 1024, 1024, 128, true), 2.5 * flops::forward(1, 8, 1024, 1024, 128, true));
+/// ```
+pub fn backward(
+    batch: usize,
+    heads_q: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    head_dim: usize,
+    causal: bool,
+) -> f64 {
+    2.5 * forward(batch, heads_q, seqlen_q, seqlen_k, head_dim, causal)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -49,5 +70,15 @@ mod tests {
             2.0 * 2.0 * 3.0 * 5.0 * 5.0 * 11.0
         );
         assert_eq!(forward(0, 3, 5, 5, 11, true), 0.0);
+    }
+
+    #[test]
+    fn backward_is_five_products() {
+        let one_product = 2.0 * 2.0 * 3.0 * 5.0 * 7.0 * 11.0;
+        assert_eq!(backward(2, 3, 5, 7, 11, false), 5.0 * one_product);
+        assert_eq!(
+            backward(2, 3, 5, 5, 11, true),
+            2.5 * 2.0 * 2.0 * 3.0 * 25.0 * 11.0
+        );
     }
 }

@@ -1,101 +1,84 @@
 //! The tasks of the backward pass ([`BackwardTask`], run through [`crate::dispatch`]), with
-//! recomputation: no N×N matrix is ever stored, each task rebuilds the probabilities of its
-//! tiles from Q, K and the saved LSE (`P = exp2(x − lse·log2 e)`, `x` the log2-domain score of
-//! `softmax-core`'s [`ScoreTransform`] factors).
+//! recomputation: no N×N matrix is ever stored, each tile's probabilities are rebuilt from Q,
+//! K and the saved LSE (`P = exp2(x − lse·log2 e)`, `x` the log2-domain score of
+//! `softmax-core`'s [`ScoreTransform`](softmax_core::ScoreTransform) factors).
 //!
-//! Two kinds of task, so that every gradient element has exactly one writer and the sums run
-//! in an order fixed by the problem alone (never by the thread count or the schedule):
-//! - [`BwdTask::KeyBlock`] (sequence, KV head, block of keys): dK and dV of its keys, summed
-//!   over every query head of the GQA group and every query tile the mask lets see them, in
-//!   ascending (head, query) order;
-//! - [`BwdTask::QueryBlock`] (sequence, query head, block of queries): dQ of its rows, summed
-//!   over the key tiles the mask leaves in ascending key order.
+//! # One task per (sequence, KV head)
+//! A task owns every gradient element of its sequence and KV head: dK and dV of its keys
+//! (summed over the query heads of the GQA group) and dQ of the group's query rows. So each
+//! element has one writer and its sums run in an order fixed by the problem and the
+//! architecture alone: **bitwise identical results for any thread count**, no atomics, and
+//! only the five products of the textbook backward (no recomputed `S`/`dP` for a separate dQ
+//! pass). The price is memory linear in the sequence: the task keeps its rows of Q and dO
+//! (twice: row-major and transposed) and a dQ accumulator in f32 for the whole sequence.
 //!
-//! A query block recomputes `S` and `dP` that a key block also computes (7 tile products in
-//! all instead of 5): the price of a dQ without atomics, without per-task N-sized partial
-//! buffers, and with bitwise identical results for any thread count.
+//! # The loop
+//! The rows of every query head of the group are packed once per task. Then, per block of
+//! `tile` keys (K and V packed, dK/dV accumulators zeroed), per query head, per block of
+//! `tile` rows the mask leaves visible:
+//! 1. `S = Q·Kᵀ` and `dP = dO·Vᵀ` (fresh tiles),
+//! 2. `P = exp2(x(S) − lse·log2 e)`, `dS = P ∘ (dP − D) · scale·t'` (`t' = 1 − tanh²` under a
+//!    softcap, else 1), hidden pairs 0 (`softmax-core`'s `Mask::key_range`),
+//! 3. `dV += Pᵀ·dO`, `dK += dSᵀ·Q`, `dQ += dS·K`.
 //!
-//! Per row `i`: `D_i = dO_i·O_i`; per visible key `j`: `dP = dO_i·V_j`,
-//! `dS = P·(dP − D_i)·t'·scale` (`t' = 1 − tanh²` under a softcap, else 1), then
-//! `dV_j += P·dO_i`, `dK_j += dS·Q_i`, `dQ_i += dS·K_j`. Arithmetic is f32 in plain loops
-//! (compiled inside the architecture's trampoline, so element-wise loops may vectorise;
-//! dot products stay sequential, so the bits do not depend on the architecture).
+//! Every product is the one register-blocked shape of [`super::backward_gemm::gemm`]:
+//! `C[m][n] += Σ_k B[k][m]·X[k][n]`, with the contraction index as the row index of both
+//! operands. That fixes the layouts: `Qᵀ`/`dOᵀ` (per block `[c][row]`) and `Kᵀ`/`Vᵀ`
+//! (`[c][key]`) for `S` and `dP`; `P`, `dS` (`[row][key]`) with row-major dO and Q for dV and
+//! dK; `dSᵀ` (`[key][row]`, one tile transpose) with row-major K for dQ.
 
+use super::backward_gemm::{gemm, Operands};
+use super::pack::{transpose_region, widen};
 use super::scratch::SharedOut;
-use crate::arch::Arch;
-use crate::dispatch::SimdTask;
+use crate::arch::{exp2_exact, tanh, Arch, SimdLevel};
+use crate::dispatch::{with_arch, ArchFn, Entry, SimdTask};
 use crate::element::Element;
 use softmax_core::{Problem, TileKind, LOG2_E};
 
-/// Keys per key block and per key tile of a query block.
-pub(crate) const BWD_KEYS: usize = 64;
-/// Query rows per query tile of a key block and per query block.
-pub(crate) const BWD_ROWS: usize = 64;
-
-/// One unit of parallel work of the backward pass.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum BwdTask {
-    /// dK and dV of keys `j0..j0+len` of sequence `batch`, KV head `head_kv`.
-    KeyBlock {
-        /// Sequence.
-        batch: usize,
-        /// KV head.
-        head_kv: usize,
-        /// First key (within the sequence).
-        j0: usize,
-        /// Keys.
-        len: usize,
-    },
-    /// dQ of queries `i0..i0+len` of sequence `batch`, query head `head`.
-    QueryBlock {
-        /// Sequence.
-        batch: usize,
-        /// Query head.
-        head: usize,
-        /// First query (within the sequence).
-        i0: usize,
-        /// Queries.
-        len: usize,
-    },
+/// The tile edge for micro-kernels of `mr` broadcasts and `w` lanes: the smallest multiple of
+/// both that is at least 64 (so no product needs a row or column tail: AVX-512 64, AVX2 72,
+/// scalar 64).
+pub(crate) const fn bwd_tile(mr: usize, w: usize) -> usize {
+    let lcm = lcm_unit(mr, w);
+    64usize.div_ceil(lcm) * lcm
 }
 
-/// The tasks of a problem: every key block, then every query block, in an order that depends
-/// only on the problem.
+/// `n` rounded up to a multiple of `m`.
+const fn round_up(n: usize, m: usize) -> usize {
+    n.div_ceil(m) * m
+}
+
+/// One unit of parallel work of the backward pass: every gradient of sequence `batch` and KV
+/// head `head_kv` (dK, dV of its keys; dQ of the query heads of its group).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BwdTask {
+    /// Sequence.
+    pub batch: usize,
+    /// KV head.
+    pub head_kv: usize,
+}
+
+/// The tasks of a problem, the longest sequences first (better balance; the order never
+/// changes a result, since each task owns what it writes).
 pub(crate) fn backward_tasks(p: &Problem) -> Vec<BwdTask> {
-    let mut out = Vec::new();
+    let mut out = Vec::with_capacity(p.batch() * p.heads_kv());
     for batch in 0..p.batch() {
-        let seq = p.seq(batch);
         for head_kv in 0..p.heads_kv() {
-            for j0 in (0..seq.seqlen_k).step_by(BWD_KEYS) {
-                out.push(BwdTask::KeyBlock {
-                    batch,
-                    head_kv,
-                    j0,
-                    len: BWD_KEYS.min(seq.seqlen_k - j0),
-                });
-            }
+            out.push(BwdTask { batch, head_kv });
         }
     }
-    for batch in 0..p.batch() {
-        let seq = p.seq(batch);
-        for head in 0..p.heads_q() {
-            for i0 in (0..seq.seqlen_q).step_by(BWD_ROWS) {
-                out.push(BwdTask::QueryBlock {
-                    batch,
-                    head,
-                    i0,
-                    len: BWD_ROWS.min(seq.seqlen_q - i0),
-                });
-            }
-        }
-    }
+    let work = |t: &BwdTask| {
+        let s = p.seq(t.batch);
+        s.seqlen_q.saturating_mul(s.seqlen_k)
+    };
+    out.sort_by_key(|t| std::cmp::Reverse(work(t)));
     out
 }
 
 /// What one backward task counted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct BwdStats {
-    /// (query tile, key tile) pairs computed.
+    /// (query tile, key tile) pairs computed (per query head).
     pub computed: u64,
     /// (query tile, key tile) pairs skipped because the mask hides them.
     pub skipped: u64,
@@ -135,72 +118,166 @@ pub(crate) struct BwdCtx<'a, T, O, G> {
     pub dv: SharedOut<G>,
 }
 
-/// A worker's tile buffers (f32), sized by the head dims and the tile sizes only.
-#[derive(Debug, Default)]
-pub(crate) struct BwdScratch {
-    /// Rows of Q (or of K in a query block's key tile): `BWD_ROWS × d`.
-    a: Vec<f32>,
-    /// Rows of dO (or of V in a query block's key tile): `BWD_ROWS × d_v`.
-    b: Vec<f32>,
-    /// A key block's K (or a query block's Q): `BWD_KEYS × d`.
-    own_a: Vec<f32>,
-    /// A key block's V (or a query block's dO): `BWD_KEYS × d_v`.
-    own_b: Vec<f32>,
-    /// dK (or dQ) accumulator: `BWD_KEYS × d`.
-    acc_a: Vec<f32>,
-    /// dV accumulator: `BWD_KEYS × d_v`.
-    acc_b: Vec<f32>,
-    /// Per row: `lse·log2 e` and `D`.
-    lse2: Vec<f32>,
-    /// Per row: `D = dO·O`.
-    delta: Vec<f32>,
-    /// The probabilities of a tile, `rows × keys` (0 where hidden).
-    p: Vec<f32>,
-    /// `dS` of a tile (scale and softcap slope folded in), `rows × keys`.
-    ds: Vec<f32>,
+/// The sizes a worker's scratch depends on: the architecture's tile and lanes, the problem's
+/// head dims, group size and longest query sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BwdLens {
+    /// Tile edge ([`bwd_tile`]).
+    pub tile: usize,
+    /// Lanes per vector.
+    pub lanes: usize,
+    /// Query heads per KV head.
+    pub group: usize,
+    /// Longest `seqlen_q` of the batch.
+    pub max_seqlen_q: usize,
+    /// Head dim of Q and K.
+    pub head_dim: usize,
+    /// Head dim of V.
+    pub head_dim_v: usize,
 }
 
-impl BwdScratch {
-    /// Sizes every buffer for head dims `d` and `d_v`.
-    fn ensure(&mut self, d: usize, d_v: usize) {
-        let tile = BWD_ROWS.max(BWD_KEYS);
-        let sizes = [
-            (&mut self.a, tile * d),
-            (&mut self.b, tile * d_v),
-            (&mut self.own_a, tile * d),
-            (&mut self.own_b, tile * d_v),
-            (&mut self.acc_a, tile * d),
-            (&mut self.acc_b, tile * d_v),
-            (&mut self.lse2, tile),
-            (&mut self.delta, tile),
-            (&mut self.p, BWD_ROWS * BWD_KEYS),
-            (&mut self.ds, BWD_ROWS * BWD_KEYS),
-        ];
-        for (buf, n) in sizes {
-            if buf.len() < n {
-                buf.resize(n, 0.0);
+impl BwdLens {
+    /// The sizes for `problem` on the architecture of `level`.
+    pub fn new(problem: &Problem, level: SimdLevel) -> BwdLens {
+        /// Reads an architecture's tile and lanes.
+        struct Geometry;
+        impl ArchFn for Geometry {
+            type Output = (usize, usize);
+            fn call<A: Entry>(self) -> (usize, usize) {
+                (bwd_tile(A::PV_CHANNELS, A::W), A::W)
             }
+        }
+        let (tile, lanes) = with_arch(level, Geometry);
+        BwdLens {
+            tile,
+            lanes,
+            group: problem.group_size(),
+            max_seqlen_q: (0..problem.batch())
+                .map(|b| problem.seq(b).seqlen_q)
+                .max()
+                .unwrap_or(0),
+            head_dim: problem.head_dim(),
+            head_dim_v: problem.head_dim_v(),
         }
     }
 
-    /// Bytes held.
-    #[cfg(test)]
-    pub fn bytes(&self) -> usize {
-        4 * [
-            &self.a,
-            &self.b,
-            &self.own_a,
-            &self.own_b,
-            &self.acc_a,
-            &self.acc_b,
-            &self.lse2,
-            &self.delta,
-            &self.p,
-            &self.ds,
+    /// Elements of each scratch buffer, in [`BwdScratch::buffers`]' order (saturating: an
+    /// absurd size fails to allocate instead of wrapping).
+    fn elems(&self) -> [usize; 17] {
+        let t = self.tile;
+        let (d, dv) = (self.head_dim, self.head_dim_v);
+        let (d_pad, dv_pad) = (round_up(d, self.lanes), round_up(dv, self.lanes));
+        let rows = self
+            .group
+            .saturating_mul(round_up(self.max_seqlen_q, t).max(t));
+        [
+            rows.saturating_mul(d),      // qt
+            rows.saturating_mul(dv),     // dot
+            rows.saturating_mul(d_pad),  // qr
+            rows.saturating_mul(dv_pad), // dor
+            rows.saturating_mul(d_pad),  // dq
+            rows,                        // lse2
+            rows,                        // delta
+            d * t,                       // kt
+            dv * t,                      // vt
+            t * d_pad,                   // kr
+            t * dv_pad,                  // vr
+            t * d_pad,                   // dk
+            t * dv_pad,                  // dv
+            t * t,                       // p
+            t * t,                       // dp
+            t * t,                       // ds
+            t * t,                       // dst
         ]
-        .iter()
-        .map(|v| v.len())
-        .sum::<usize>()
+    }
+
+    /// Bytes of one worker's scratch.
+    pub fn bytes(&self) -> usize {
+        self.elems()
+            .iter()
+            .fold(0usize, |a, &n| a.saturating_add(n))
+            .saturating_mul(4)
+    }
+}
+
+/// A worker's buffers (f32), sized by [`BwdLens`]: reserved once per call (typed error when
+/// that fails) and reused across tasks and calls.
+#[derive(Debug, Default)]
+pub(crate) struct BwdScratch {
+    /// Per query head and row block: `Qᵀ` `[c][row]` (`d × tile`).
+    qt: Vec<f32>,
+    /// Per query head and row block: `dOᵀ` (`d_v × tile`).
+    dot: Vec<f32>,
+    /// Per query head: Q rows, `d` padded to whole vectors (zeros).
+    qr: Vec<f32>,
+    /// Per query head: dO rows, `d_v` padded.
+    dor: Vec<f32>,
+    /// Per query head: the dQ accumulator (rows of `d` padded).
+    dq: Vec<f32>,
+    /// Per query head and row: `lse·log2 e` (`+∞` for a row that sees no key, so `P = 0`).
+    lse2: Vec<f32>,
+    /// Per query head and row: `D = dO·O`.
+    delta: Vec<f32>,
+    /// `Kᵀ` of the key block (`d × tile`).
+    kt: Vec<f32>,
+    /// `Vᵀ` of the key block (`d_v × tile`).
+    vt: Vec<f32>,
+    /// K rows of the key block (`tile × d` padded).
+    kr: Vec<f32>,
+    /// V rows of the key block (`tile × d_v` padded).
+    vr: Vec<f32>,
+    /// dK accumulator of the key block.
+    dk: Vec<f32>,
+    /// dV accumulator of the key block.
+    dv: Vec<f32>,
+    /// `S`, then `P` (`[row][key]`).
+    p: Vec<f32>,
+    /// `dP` (`[row][key]`).
+    dp: Vec<f32>,
+    /// `dS` (`[row][key]`).
+    ds: Vec<f32>,
+    /// `dSᵀ` (`[key][row]`).
+    dst: Vec<f32>,
+}
+
+impl BwdScratch {
+    /// The buffers, in [`BwdLens::elems`]' order.
+    fn buffers(&mut self) -> [&mut Vec<f32>; 17] {
+        [
+            &mut self.qt,
+            &mut self.dot,
+            &mut self.qr,
+            &mut self.dor,
+            &mut self.dq,
+            &mut self.lse2,
+            &mut self.delta,
+            &mut self.kt,
+            &mut self.vt,
+            &mut self.kr,
+            &mut self.vr,
+            &mut self.dk,
+            &mut self.dv,
+            &mut self.p,
+            &mut self.dp,
+            &mut self.ds,
+            &mut self.dst,
+        ]
+    }
+
+    /// Grows every buffer to `lens` (zeros), failing instead of aborting when memory runs out.
+    pub fn try_ensure(&mut self, lens: &BwdLens) -> Result<(), std::collections::TryReserveError> {
+        for (buf, n) in self.buffers().into_iter().zip(lens.elems()) {
+            if buf.len() < n {
+                buf.try_reserve_exact(n - buf.len())?;
+                buf.resize(n, 0.0);
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes held.
+    pub fn bytes(&mut self) -> usize {
+        4 * self.buffers().iter().map(|v| v.len()).sum::<usize>()
     }
 }
 
@@ -210,7 +287,7 @@ pub(crate) struct BackwardTask<'t, 'a, T, O, G> {
     pub ctx: &'t BwdCtx<'a, T, O, G>,
     /// The work.
     pub task: &'t BwdTask,
-    /// The worker's scratch.
+    /// The worker's scratch, already sized by [`BwdScratch::try_ensure`] for the call.
     pub scratch: &'t mut BwdScratch,
 }
 
@@ -219,40 +296,13 @@ impl<T: Element, O: Element, G: Element> SimdTask for BackwardTask<'_, '_, T, O,
 
     #[inline(always)]
     unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) -> BwdStats {
-        // The body is plain f32 code: nothing of A's is called, it is only compiled with A's
-        // features (the trampoline), so no safety condition is used here.
-        run_task(self.ctx, self.task, self.scratch)
+        // SAFETY: A's features are present and PV/NR are A's sizes (the trait's contract).
+        unsafe { run_task::<A, NR, PV, T, O, G>(self.ctx, self.task, self.scratch) }
     }
 }
 
-/// Widens `n` elements starting at `src[at]` into `dst[..n]`.
-#[inline(always)]
-fn widen_row<E: Element>(dst: &mut [f32], src: &[E], at: usize, n: usize) {
-    for (d, s) in dst[..n].iter_mut().zip(&src[at..at + n]) {
-        *d = s.to_f32();
-    }
-}
-
-/// `Σ a[c]·b[c]`, in order.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut s = 0.0f32;
-    for (x, y) in a.iter().zip(b) {
-        s += x * y;
-    }
-    s
-}
-
-/// `y += alpha·x`.
-#[inline(always)]
-fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += alpha * x;
-    }
-}
-
-/// The score factors: `x = dot·pre` (log2 domain), or with a softcap `x = tanh(dot·pre)·post`;
-/// `slope` is `scale·t'` (what turns `∂L/∂s` into `∂L/∂(q·k)`).
+/// The score factors: `x = s·pre` (log2 domain), or with a softcap `x = tanh(s·pre)·post`;
+/// `scale` turns `∂L/∂x`-side slopes into `∂L/∂(q·k)`.
 #[derive(Clone, Copy)]
 struct Scores {
     pre: f32,
@@ -269,276 +319,440 @@ impl Scores {
             scale: problem.softmax_scale(),
         }
     }
-
-    /// `(x, scale·t'(s))` of one raw dot product.
-    #[inline(always)]
-    fn of(&self, dot: f32) -> (f32, f32) {
-        match self.post {
-            None => (dot * self.pre, self.scale),
-            Some(post) => {
-                let th = (dot * self.pre).tanh();
-                (th * post, self.scale * (1.0 - th * th))
-            }
-        }
-    }
 }
 
-/// Fills `p` and `ds` (`rows × BWD_KEYS`, row-major) for query rows `i0..i0+rows` of head
-/// `head` against keys `j0..j0+keys`: `q` holds the rows' Q, `d_o` their dO, `k`/`v` the keys'
-/// K and V (all widened), `lse2`/`delta` the rows' `lse·log2 e` and `D`. Hidden pairs and rows
-/// whose LSE is −∞ get 0 in both.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn tile_p_ds(
-    problem: &Problem,
-    batch: usize,
-    scores: Scores,
-    (i0, rows): (usize, usize),
-    (j0, keys): (usize, usize),
-    (q, d_o, k, v): (&[f32], &[f32], &[f32], &[f32]),
-    (lse2, delta): (&[f32], &[f32]),
-    (p, ds): (&mut [f32], &mut [f32]),
-) {
-    let (d, d_v) = (problem.head_dim(), problem.head_dim_v());
-    let seq = problem.seq(batch);
-    let mask = problem.mask();
-    for r in 0..rows {
-        let prow = &mut p[r * BWD_KEYS..r * BWD_KEYS + keys];
-        let dsrow = &mut ds[r * BWD_KEYS..r * BWD_KEYS + keys];
-        prow.iter_mut().for_each(|x| *x = 0.0);
-        dsrow.iter_mut().for_each(|x| *x = 0.0);
-        if lse2[r] == f32::NEG_INFINITY {
-            continue; // the row sees no key: P = 0
-        }
-        let range = mask.key_range(i0 + r, seq.seqlen_q, seq.seqlen_k);
-        let lo = range.start.max(j0) - j0;
-        let hi = range.end.min(j0 + keys).max(j0) - j0;
-        let qr = &q[r * d..(r + 1) * d];
-        let dor = &d_o[r * d_v..(r + 1) * d_v];
-        for jj in lo..hi {
-            let (x, slope) = scores.of(dot(qr, &k[jj * d..(jj + 1) * d]));
-            let pj = (x - lse2[r]).exp2();
-            let dp = dot(dor, &v[jj * d_v..(jj + 1) * d_v]);
-            prow[jj] = pj;
-            dsrow[jj] = pj * (dp - delta[r]) * slope;
-        }
-    }
-}
-
-/// Loads query rows `i0..i0+rows` of head `head`: Q into `q`, dO into `d_o`, `lse·log2 e` into
-/// `lse2` and `D = dO·O` into `delta`.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn load_rows<T: Element, O: Element, G: Element>(
-    ctx: &BwdCtx<'_, T, O, G>,
-    batch: usize,
-    head: usize,
-    (i0, rows): (usize, usize),
-    q: &mut [f32],
-    d_o: &mut [f32],
-    lse2: &mut [f32],
-    delta: &mut [f32],
-) {
-    let p = ctx.problem;
-    let (d, d_v) = (p.head_dim(), p.head_dim_v());
-    for r in 0..rows {
-        let i = i0 + r;
-        widen_row(&mut q[r * d..], ctx.q, p.q_offset(batch, i, head), d);
-        let oo = p.o_offset(batch, i, head);
-        widen_row(&mut d_o[r * d_v..], ctx.d_o, oo, d_v);
-        let mut dd = 0.0f32;
-        for c in 0..d_v {
-            dd += d_o[r * d_v + c] * ctx.o[oo + c].to_f32();
-        }
-        delta[r] = dd;
-        let lse = ctx.lse[p.lse_offset(batch, head, i)];
-        lse2[r] = if lse == f32::NEG_INFINITY {
-            lse
-        } else {
-            lse * LOG2_E as f32
-        };
-    }
+/// Per-call geometry of a task, in floats.
+#[derive(Clone, Copy)]
+struct Geom {
+    tile: usize,
+    d: usize,
+    dv: usize,
+    d_pad: usize,
+    dv_pad: usize,
+    /// Rows per query head in the row buffers (`seqlen_q` rounded up to whole tiles).
+    nq_pad: usize,
+    /// Row blocks per query head.
+    nqb: usize,
 }
 
 /// Runs one task.
+///
+/// # Safety
+/// A's features are present; `MR` and `NR` are A's `PV_CHANNELS` and `ROW_VECTORS`; `s` was
+/// sized by [`BwdScratch::try_ensure`] for this problem and A.
 #[inline(always)]
-fn run_task<T: Element, O: Element, G: Element>(
+pub(crate) unsafe fn run_task<
+    A: Arch,
+    const NR: usize,
+    const MR: usize,
+    T: Element,
+    O: Element,
+    G: Element,
+>(
     ctx: &BwdCtx<'_, T, O, G>,
     task: &BwdTask,
     s: &mut BwdScratch,
 ) -> BwdStats {
     let p = ctx.problem;
-    let (d, d_v) = (p.head_dim(), p.head_dim_v());
-    s.ensure(d, d_v);
+    let w = A::W;
+    let tile = bwd_tile(MR, w);
+    let (d, dv) = (p.head_dim(), p.head_dim_v());
+    let seq = p.seq(task.batch);
+    let (nq, nk) = (seq.seqlen_q, seq.seqlen_k);
+    let nqb = nq.div_ceil(tile);
+    let g = Geom {
+        tile,
+        d,
+        dv,
+        d_pad: round_up(d, w),
+        dv_pad: round_up(dv, w),
+        nq_pad: nqb * tile,
+        nqb,
+    };
+    let group = p.group_size();
     let scores = Scores::new(p);
     let mask = p.mask();
     let mut stats = BwdStats::default();
-    match *task {
-        BwdTask::KeyBlock {
-            batch,
-            head_kv,
-            j0,
-            len: keys,
-        } => {
-            let seq = p.seq(batch);
-            for jj in 0..keys {
-                widen_row(
-                    &mut s.own_a[jj * d..],
-                    ctx.k,
-                    p.k_offset(batch, j0 + jj, head_kv),
-                    d,
-                );
-                widen_row(
-                    &mut s.own_b[jj * d_v..],
-                    ctx.v,
-                    p.v_offset(batch, j0 + jj, head_kv),
-                    d_v,
-                );
-            }
-            s.acc_a[..keys * d].iter_mut().for_each(|x| *x = 0.0);
-            s.acc_b[..keys * d_v].iter_mut().for_each(|x| *x = 0.0);
-            let group = p.group_size();
-            for head in head_kv * group..(head_kv + 1) * group {
-                for i0 in (0..seq.seqlen_q).step_by(BWD_ROWS) {
-                    let rows = BWD_ROWS.min(seq.seqlen_q - i0);
-                    let kind = mask.classify_tile(
-                        i0..i0 + rows,
-                        j0..j0 + keys,
-                        seq.seqlen_q,
-                        seq.seqlen_k,
-                    );
+
+    // SAFETY: every pointer below indexes a scratch buffer within the sizes of
+    // `BwdLens::elems` for this problem (`try_ensure` ran), per the layouts documented on the
+    // buffers; A's features are present.
+    unsafe {
+        for hl in 0..group {
+            pack_rows::<A, T, O, G>(ctx, task, task.head_kv * group + hl, hl, &g, s);
+        }
+        s.dq[..group * g.nq_pad * g.d_pad].fill(0.0);
+
+        for j0 in (0..nk).step_by(tile) {
+            let keys = tile.min(nk - j0);
+            pack_keys::<A, T, O, G>(ctx, task, j0, keys, &g, s);
+            s.dk[..tile * g.d_pad].fill(0.0);
+            s.dv[..tile * g.dv_pad].fill(0.0);
+            for hl in 0..group {
+                for ib in 0..nqb {
+                    let i0 = ib * tile;
+                    let rows = tile.min(nq - i0);
+                    let kind = mask.classify_tile(i0..i0 + rows, j0..j0 + keys, nq, nk);
                     if kind == TileKind::Empty {
                         stats.skipped += 1;
                         continue;
                     }
                     stats.computed += 1;
-                    load_rows(
-                        ctx,
-                        batch,
-                        head,
-                        (i0, rows),
-                        &mut s.a,
-                        &mut s.b,
-                        &mut s.lse2,
-                        &mut s.delta,
-                    );
-                    tile_p_ds(
-                        p,
-                        batch,
+                    // Each row's visible keys within the block (empty: the row sees none).
+                    let range = |r: usize| {
+                        let kr = mask.key_range(i0 + r, nq, nk);
+                        let lo = kr.start.clamp(j0, j0 + keys) - j0;
+                        let hi = kr.end.clamp(j0, j0 + keys) - j0;
+                        (lo, hi.max(lo))
+                    };
+                    tile_step::<A, NR, MR>(
+                        s,
+                        &g,
                         scores,
-                        (i0, rows),
-                        (j0, keys),
-                        (&s.a, &s.b, &s.own_a, &s.own_b),
-                        (&s.lse2, &s.delta),
-                        (&mut s.p, &mut s.ds),
+                        (hl, ib, rows),
+                        keys,
+                        (kind == TileKind::Partial).then_some(&range),
                     );
-                    for r in 0..rows {
-                        let qr = &s.a[r * d..(r + 1) * d];
-                        let dor = &s.b[r * d_v..(r + 1) * d_v];
-                        for jj in 0..keys {
-                            let pj = s.p[r * BWD_KEYS + jj];
-                            if pj != 0.0 {
-                                axpy(&mut s.acc_b[jj * d_v..(jj + 1) * d_v], pj, dor);
-                            }
-                            let dsj = s.ds[r * BWD_KEYS + jj];
-                            if dsj != 0.0 {
-                                axpy(&mut s.acc_a[jj * d..(jj + 1) * d], dsj, qr);
-                            }
-                        }
-                    }
                 }
             }
             for jj in 0..keys {
-                let ko = p.k_offset(batch, j0 + jj, head_kv);
-                for c in 0..d {
-                    ctx.dk.write(ko + c, G::from_f32(s.acc_a[jj * d + c]));
-                }
-                let vo = p.v_offset(batch, j0 + jj, head_kv);
-                for c in 0..d_v {
-                    ctx.dv.write(vo + c, G::from_f32(s.acc_b[jj * d_v + c]));
-                }
+                let ko = p.k_offset(task.batch, j0 + jj, task.head_kv);
+                let row = &s.dk[jj * g.d_pad..jj * g.d_pad + d];
+                ctx.dk.write_row(ko, row.iter().map(|&x| G::from_f32(x)));
+                let vo = p.v_offset(task.batch, j0 + jj, task.head_kv);
+                let row = &s.dv[jj * g.dv_pad..jj * g.dv_pad + dv];
+                ctx.dv.write_row(vo, row.iter().map(|&x| G::from_f32(x)));
             }
         }
-        BwdTask::QueryBlock {
-            batch,
-            head,
-            i0,
-            len: rows,
-        } => {
-            let seq = p.seq(batch);
-            let head_kv = p.kv_head(head);
-            load_rows(
-                ctx,
-                batch,
-                head,
-                (i0, rows),
-                &mut s.own_a,
-                &mut s.own_b,
-                &mut s.lse2,
-                &mut s.delta,
-            );
-            s.acc_a[..rows * d].iter_mut().for_each(|x| *x = 0.0);
-            let tiles = mask.key_tile_range(i0..i0 + rows, BWD_KEYS, seq.seqlen_q, seq.seqlen_k);
-            stats.skipped += (seq.seqlen_k.div_ceil(BWD_KEYS) - tiles.len()) as u64;
-            for t in tiles {
-                let j0 = t * BWD_KEYS;
-                let keys = BWD_KEYS.min(seq.seqlen_k - j0);
-                stats.computed += 1;
-                for jj in 0..keys {
-                    widen_row(
-                        &mut s.a[jj * d..],
-                        ctx.k,
-                        p.k_offset(batch, j0 + jj, head_kv),
-                        d,
-                    );
-                    widen_row(
-                        &mut s.b[jj * d_v..],
-                        ctx.v,
-                        p.v_offset(batch, j0 + jj, head_kv),
-                        d_v,
-                    );
-                }
-                tile_p_ds(
-                    p,
-                    batch,
-                    scores,
-                    (i0, rows),
-                    (j0, keys),
-                    (&s.own_a, &s.own_b, &s.a, &s.b),
-                    (&s.lse2, &s.delta),
-                    (&mut s.p, &mut s.ds),
-                );
-                for r in 0..rows {
-                    let acc = &mut s.acc_a[r * d..(r + 1) * d];
-                    for jj in 0..keys {
-                        let dsj = s.ds[r * BWD_KEYS + jj];
-                        if dsj != 0.0 {
-                            axpy(acc, dsj, &s.a[jj * d..(jj + 1) * d]);
-                        }
-                    }
-                }
-            }
-            for r in 0..rows {
-                let qo = p.q_offset(batch, i0 + r, head);
-                for c in 0..d {
-                    ctx.dq.write(qo + c, G::from_f32(s.acc_a[r * d + c]));
-                }
+
+        for hl in 0..group {
+            let head = task.head_kv * group + hl;
+            for i in 0..nq {
+                let qo = p.q_offset(task.batch, i, head);
+                let at = (hl * g.nq_pad + i) * g.d_pad;
+                let row = &s.dq[at..at + d];
+                ctx.dq.write_row(qo, row.iter().map(|&x| G::from_f32(x)));
             }
         }
     }
     stats
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Packs query head `head` (the `hl`-th of the group): Q and dO rows (widened, padded with
+/// zeros to whole vectors and whole tiles), their per-block transposes, `lse·log2 e` and
+/// `D = dO·O` per row (pad rows: `+∞` and 0, so their `P` is 0).
+///
+/// # Safety
+/// A's features are present; `s` sized for the call.
+#[inline(always)]
+unsafe fn pack_rows<A: Arch, T: Element, O: Element, G: Element>(
+    ctx: &BwdCtx<'_, T, O, G>,
+    task: &BwdTask,
+    head: usize,
+    hl: usize,
+    g: &Geom,
+    s: &mut BwdScratch,
+) {
+    let p = ctx.problem;
+    let nq = p.seq(task.batch).seqlen_q;
+    let base = hl * g.nq_pad;
+    for i in 0..g.nq_pad {
+        let qrow = &mut s.qr[(base + i) * g.d_pad..(base + i + 1) * g.d_pad];
+        let orow = &mut s.dor[(base + i) * g.dv_pad..(base + i + 1) * g.dv_pad];
+        if i >= nq {
+            qrow.fill(0.0);
+            orow.fill(0.0);
+            s.lse2[base + i] = f32::INFINITY;
+            s.delta[base + i] = 0.0;
+            continue;
+        }
+        // SAFETY: A available (caller); offsets validated against the buffers.
+        unsafe {
+            widen::<A, T>(ctx.q, p.q_offset(task.batch, i, head), g.d, qrow);
+            let oo = p.o_offset(task.batch, i, head);
+            widen::<A, O>(ctx.d_o, oo, g.dv, orow);
+            qrow[g.d..].fill(0.0);
+            orow[g.dv..].fill(0.0);
+            let mut dd = 0.0f32;
+            for (x, o) in orow[..g.dv].iter().zip(&ctx.o[oo..oo + g.dv]) {
+                dd += x * o.to_f32();
+            }
+            s.delta[base + i] = dd;
+        }
+        let lse = ctx.lse[p.lse_offset(task.batch, head, i)];
+        s.lse2[base + i] = if lse == f32::NEG_INFINITY {
+            f32::INFINITY
+        } else {
+            lse * LOG2_E as f32
+        };
+    }
+    for ib in 0..g.nqb {
+        let r0 = base + ib * g.tile;
+        let blk = (hl * g.nqb + ib) * g.tile;
+        // SAFETY: a tile of rows of the padded row buffers into its `[c][row]` block.
+        unsafe {
+            transpose_region::<A>(
+                s.qr.as_ptr().add(r0 * g.d_pad),
+                g.d_pad,
+                g.tile,
+                g.d,
+                s.qt.as_mut_ptr().add(blk * g.d),
+                g.tile,
+            );
+            transpose_region::<A>(
+                s.dor.as_ptr().add(r0 * g.dv_pad),
+                g.dv_pad,
+                g.tile,
+                g.dv,
+                s.dot.as_mut_ptr().add(blk * g.dv),
+                g.tile,
+            );
+        }
+    }
+}
 
-    #[test]
-    fn scratch_is_what_the_public_estimate_says() {
-        for (d, d_v) in [(1, 1), (64, 64), (72, 40), (256, 256)] {
-            let mut s = BwdScratch::default();
-            s.ensure(d, d_v);
-            assert_eq!(s.bytes(), crate::backward_scratch_bytes_per_thread(d, d_v));
+/// Packs keys `j0..j0+keys`: K and V rows (widened, padded with zero rows and columns) and
+/// their transposes.
+///
+/// # Safety
+/// A's features are present; `s` sized for the call.
+#[inline(always)]
+unsafe fn pack_keys<A: Arch, T: Element, O: Element, G: Element>(
+    ctx: &BwdCtx<'_, T, O, G>,
+    task: &BwdTask,
+    j0: usize,
+    keys: usize,
+    g: &Geom,
+    s: &mut BwdScratch,
+) {
+    let p = ctx.problem;
+    for jj in 0..g.tile {
+        let krow = &mut s.kr[jj * g.d_pad..(jj + 1) * g.d_pad];
+        let vrow = &mut s.vr[jj * g.dv_pad..(jj + 1) * g.dv_pad];
+        if jj >= keys {
+            krow.fill(0.0);
+            vrow.fill(0.0);
+            continue;
+        }
+        // SAFETY: A available (caller); offsets validated against the buffers.
+        unsafe {
+            widen::<A, T>(
+                ctx.k,
+                p.k_offset(task.batch, j0 + jj, task.head_kv),
+                g.d,
+                krow,
+            );
+            widen::<A, T>(
+                ctx.v,
+                p.v_offset(task.batch, j0 + jj, task.head_kv),
+                g.dv,
+                vrow,
+            );
+        }
+        krow[g.d..].fill(0.0);
+        vrow[g.dv..].fill(0.0);
+    }
+    // SAFETY: the whole padded tile of rows into `[c][key]`.
+    unsafe {
+        transpose_region::<A>(
+            s.kr.as_ptr(),
+            g.d_pad,
+            g.tile,
+            g.d,
+            s.kt.as_mut_ptr(),
+            g.tile,
+        );
+        transpose_region::<A>(
+            s.vr.as_ptr(),
+            g.dv_pad,
+            g.tile,
+            g.dv,
+            s.vt.as_mut_ptr(),
+            g.tile,
+        );
+    }
+}
+
+/// One (query block, key block) tile of query head `hl`: the five products and the
+/// element-wise step between them. `range(r)` gives row `r`'s visible keys within the block
+/// for a partly hidden tile (`None`: the tile is fully visible).
+///
+/// # Safety
+/// A's features are present; `MR`/`NR` are A's; `s` sized for the call and packed for this
+/// head, row block and key block.
+#[inline(always)]
+unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
+    s: &mut BwdScratch,
+    g: &Geom,
+    scores: Scores,
+    (hl, ib, rows): (usize, usize, usize),
+    keys: usize,
+    range: Option<&dyn Fn(usize) -> (usize, usize)>,
+) {
+    let t = g.tile;
+    // Rows and key columns rounded up to whole micro-kernel blocks and vectors (≤ tile).
+    let rc = round_up(rows, lcm_unit(MR, A::W)).min(t);
+    let kc = round_up(keys, lcm_unit(MR, A::W)).min(t);
+    let blk = (hl * g.nqb + ib) * t;
+    let row0 = hl * g.nq_pad + ib * t;
+    // SAFETY: every block below lies inside its buffer (sizes: `BwdLens::elems`; rc, kc ≤ tile).
+    unsafe {
+        let qt = s.qt.as_ptr().add(blk * g.d);
+        let dot = s.dot.as_ptr().add(blk * g.dv);
+        // S = Q·Kᵀ, dP = dO·Vᵀ.
+        gemm::<A, MR, NR>(
+            Operands {
+                b: qt,
+                b_stride: t,
+                x: s.kt.as_ptr(),
+                x_stride: t,
+            },
+            g.d,
+            rc,
+            kc,
+            s.p.as_mut_ptr(),
+            t,
+            false,
+        );
+        gemm::<A, MR, NR>(
+            Operands {
+                b: dot,
+                b_stride: t,
+                x: s.vt.as_ptr(),
+                x_stride: t,
+            },
+            g.dv,
+            rc,
+            kc,
+            s.dp.as_mut_ptr(),
+            t,
+            false,
+        );
+        probabilities::<A>(s, t, (rows, rc), (keys, kc), row0, scores, range);
+        // dV += Pᵀ·dO, dK += dSᵀ·Q (sums over this block's rows, in order).
+        gemm::<A, MR, NR>(
+            Operands {
+                b: s.p.as_ptr(),
+                b_stride: t,
+                x: s.dor.as_ptr().add(row0 * g.dv_pad),
+                x_stride: g.dv_pad,
+            },
+            rows,
+            kc,
+            g.dv_pad,
+            s.dv.as_mut_ptr(),
+            g.dv_pad,
+            true,
+        );
+        gemm::<A, MR, NR>(
+            Operands {
+                b: s.ds.as_ptr(),
+                b_stride: t,
+                x: s.qr.as_ptr().add(row0 * g.d_pad),
+                x_stride: g.d_pad,
+            },
+            rows,
+            kc,
+            g.d_pad,
+            s.dk.as_mut_ptr(),
+            g.d_pad,
+            true,
+        );
+        // dQ += dS·K, through dSᵀ (the contraction runs over keys).
+        transpose_region::<A>(s.ds.as_ptr(), t, rc, keys, s.dst.as_mut_ptr(), t);
+        gemm::<A, MR, NR>(
+            Operands {
+                b: s.dst.as_ptr(),
+                b_stride: t,
+                x: s.kr.as_ptr(),
+                x_stride: g.d_pad,
+            },
+            keys,
+            rc,
+            g.d_pad,
+            s.dq.as_mut_ptr().add(row0 * g.d_pad),
+            g.d_pad,
+            true,
+        );
+    }
+}
+
+/// The least common multiple of `mr` and `w`: rows and key columns are rounded up to it.
+const fn lcm_unit(mr: usize, w: usize) -> usize {
+    let (mut a, mut b) = (mr, w);
+    while b != 0 {
+        let t = a % b;
+        a = b;
+        b = t;
+    }
+    mr / a * w
+}
+
+/// The element-wise step of a tile, in place: `p` holds `S` and becomes `P`, `ds` gets
+/// `dS = P·(dP − D)·scale·t'`, for rows `< rows` and key columns `< kc`; rows `rows..rc` are
+/// zeroed; hidden pairs (outside `range(r)`, or past `keys`) get 0 in both.
+///
+/// # Safety
+/// A's features are present; `s` sized for the call; `rc`, `kc` ≤ `t`, multiples of W.
+#[inline(always)]
+unsafe fn probabilities<A: Arch>(
+    s: &mut BwdScratch,
+    t: usize,
+    (rows, rc): (usize, usize),
+    (keys, kc): (usize, usize),
+    row0: usize,
+    scores: Scores,
+    range: Option<&dyn Fn(usize) -> (usize, usize)>,
+) {
+    let w = A::W;
+    for r in 0..rc {
+        let prow = &mut s.p[r * t..r * t + kc];
+        let dsrow = &mut s.ds[r * t..r * t + kc];
+        if r >= rows {
+            prow.fill(0.0);
+            dsrow.fill(0.0);
+            continue;
+        }
+        let dprow = &s.dp[r * t..r * t + kc];
+        let lse2 = s.lse2[row0 + r];
+        let delta = s.delta[row0 + r];
+        // SAFETY: c + W ≤ kc (a multiple of W) in every row slice; A available.
+        unsafe {
+            let (lse2v, deltav) = (A::splat(lse2), A::splat(delta));
+            let (pre, scale) = (A::splat(scores.pre), A::splat(scores.scale));
+            let mut c = 0;
+            while c < kc {
+                let sv = A::mul(A::load(prow.as_ptr().add(c)), pre);
+                let (x, slope) = match scores.post {
+                    None => (sv, scale),
+                    Some(post) => {
+                        let th = tanh::<A>(sv);
+                        let one = A::splat(1.0);
+                        (
+                            A::mul(th, A::splat(post)),
+                            A::mul(scale, A::sub(one, A::mul(th, th))),
+                        )
+                    }
+                };
+                let pv = exp2_exact::<A>(A::sub(x, lse2v));
+                let dsv = A::mul(
+                    A::mul(pv, A::sub(A::load(dprow.as_ptr().add(c)), deltav)),
+                    slope,
+                );
+                A::store(prow.as_mut_ptr().add(c), pv);
+                A::store(dsrow.as_mut_ptr().add(c), dsv);
+                c += w;
+            }
+        }
+        let (lo, hi) = match range {
+            Some(f) => f(r),
+            None => (0, keys),
+        };
+        if lo > 0 || hi < kc {
+            prow[..lo].fill(0.0);
+            dsrow[..lo].fill(0.0);
+            prow[hi..].fill(0.0);
+            dsrow[hi..].fill(0.0);
         }
     }
 }

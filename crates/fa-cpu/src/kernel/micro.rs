@@ -86,7 +86,7 @@ pub(crate) use on_live_vectors;
 /// # Safety
 /// `x` readable for `NR·W` floats, `b` for `MR`; S available.
 #[inline(always)]
-unsafe fn rank1_update<S: Simd, const MR: usize, const NR: usize>(
+pub(crate) unsafe fn rank1_update<S: Simd, const MR: usize, const NR: usize>(
     acc: &mut [[S::V; NR]; MR],
     x: *const f32,
     b: *const f32,
@@ -111,7 +111,7 @@ unsafe fn rank1_update<S: Simd, const MR: usize, const NR: usize>(
 /// # Safety
 /// `dst` writable for `MR` rows of stride `stride` and `NR·W` columns; S available.
 #[inline(always)]
-unsafe fn store_block<S: Simd, const MR: usize, const NR: usize>(
+pub(crate) unsafe fn store_block<S: Simd, const MR: usize, const NR: usize>(
     acc: &[[S::V; NR]; MR],
     dst: *mut f32,
     stride: usize,

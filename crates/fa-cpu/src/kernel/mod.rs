@@ -33,6 +33,7 @@
 //! - [`backward_task`]: the tasks of the backward pass (dK/dV per key block, dQ per query
 //!   block), with probabilities recomputed from the saved LSE.
 
+pub(crate) mod backward_gemm;
 pub(crate) mod backward_task;
 pub(crate) mod forward_task;
 pub(crate) mod mask;
@@ -42,6 +43,8 @@ pub(crate) mod scratch;
 pub(crate) mod softmax;
 pub(crate) mod tiling;
 
+#[cfg(test)]
+mod backward_twin_tests;
 #[cfg(test)]
 mod twin_tests;
 

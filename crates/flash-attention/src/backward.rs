@@ -1,0 +1,326 @@
+//! The backward pass over dtype-erased host tensors: [`Backend::backward`] and
+//! [`Backend::time_backward`] (CPU; CUDA has no backward yet and says so with a typed error).
+
+use crate::backend::{Backend, BackendKind, DTypes, Error, Options};
+use crate::tensor::{TensorMut, TensorRef};
+use softmax_core::{DType, Grads, Problem, ProblemError, Qkv};
+
+/// What the backward reads besides Q, K and V: the forward's O and LSE and `∂L/∂O`.
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardInputs<'a> {
+    /// The forward's output (the problem's O layout).
+    pub o: TensorRef<'a>,
+    /// `∂L/∂O`, in O's layout and dtype.
+    pub d_o: TensorRef<'a>,
+    /// The forward's natural-log LSE, as the forward writes it.
+    pub lse: &'a [f32],
+}
+
+/// What a backward call reported.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BackwardStats {
+    /// CPU: (query tile, key tile) pairs computed, per query head.
+    pub tiles_computed: u64,
+    /// CPU: (query tile, key tile) pairs the mask skipped.
+    pub tiles_skipped: u64,
+}
+
+/// The CPU rejects this combination of dtypes for the backward.
+const CPU_BACKWARD_DTYPES: ProblemError = ProblemError::Unsupported {
+    what: "the CPU backward takes Q/K/V in f32, bf16 or f16, O and dO in that dtype or f32, \
+           and gradients in that dtype or f32",
+};
+
+/// CUDA has no backward kernel.
+const CUDA_BACKWARD: ProblemError = ProblemError::Unsupported {
+    what: "the CUDA backend has no backward pass yet (use the CPU backend)",
+};
+
+impl Backend {
+    /// Gradients of a loss with respect to Q, K and V, given `∂L/∂O` and the forward's O and
+    /// LSE: exact, recomputing the probabilities (no N×N storage), deterministic (bitwise
+    /// identical for any thread count). Q, K and V share a dtype `T` (f32, bf16, f16); O and
+    /// dO share one (`T` or f32); the three gradients share one (`T` or f32), laid out as Q,
+    /// K and V. Everything is checked before anything is written. CPU only: CUDA answers
+    /// `Unsupported`.
+    pub fn backward(
+        &self,
+        problem: &Problem,
+        qkv: Qkv<TensorRef<'_>>,
+        inputs: BackwardInputs<'_>,
+        grads: Grads<TensorMut<'_>>,
+        opts: &Options,
+    ) -> Result<BackwardStats, Error> {
+        self.check_backward(problem, &qkv, &inputs, &grads)?;
+        cpu_backward(problem, qkv, inputs, grads, opts)
+    }
+
+    /// Seconds per call of `iters` timed backward calls after `warmup` untimed ones (wall
+    /// clock; the gradients are written by every call). CPU only, as [`Backend::backward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn time_backward(
+        &self,
+        problem: &Problem,
+        qkv: Qkv<TensorRef<'_>>,
+        inputs: BackwardInputs<'_>,
+        mut grads: Grads<TensorMut<'_>>,
+        opts: &Options,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<Vec<f64>, Error> {
+        self.check_backward(problem, &qkv, &inputs, &grads)?;
+        let calls = warmup.checked_add(iters).ok_or(ProblemError::Overflow)?;
+        let mut times = Vec::new();
+        times
+            .try_reserve_exact(iters)
+            .map_err(|_| ProblemError::OutOfMemory {
+                what: "the timing list",
+                bytes: iters.saturating_mul(std::mem::size_of::<f64>()),
+            })?;
+        for i in 0..calls {
+            let call = Grads::new(
+                grads.dq.reborrow(),
+                grads.dk.reborrow(),
+                grads.dv.reborrow(),
+            );
+            let start = std::time::Instant::now();
+            cpu_backward(problem, qkv, inputs, call, opts)?;
+            if i >= warmup {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+        Ok(times)
+    }
+
+    /// The checks of a backward call that come before any work: the backend, the dtypes
+    /// (the forward's rules for Q/K/V and O, plus dO and the gradients).
+    fn check_backward(
+        &self,
+        problem: &Problem,
+        qkv: &Qkv<TensorRef<'_>>,
+        inputs: &BackwardInputs<'_>,
+        grads: &Grads<TensorMut<'_>>,
+    ) -> Result<(), Error> {
+        if self.kind() == BackendKind::Cuda {
+            return Err(CUDA_BACKWARD.into());
+        }
+        let input = qkv.q.dtype();
+        let (out, grad) = (inputs.o.dtype(), grads.dq.dtype());
+        let same_inputs = qkv.k.dtype() == input && qkv.v.dtype() == input;
+        let ok_out = inputs.d_o.dtype() == out && (out == input || out == DType::F32);
+        let ok_grads = grads.dk.dtype() == grad
+            && grads.dv.dtype() == grad
+            && (grad == input || grad == DType::F32);
+        if !(same_inputs && ok_out && ok_grads) {
+            return Err(CPU_BACKWARD_DTYPES.into());
+        }
+        self.check(problem, DTypes { input, output: out })?;
+        Ok(())
+    }
+}
+
+/// The fa-cpu call for the tensors' dtypes (checked by [`Backend::check_backward`]).
+fn cpu_backward(
+    problem: &Problem,
+    qkv: Qkv<TensorRef<'_>>,
+    inputs: BackwardInputs<'_>,
+    grads: Grads<TensorMut<'_>>,
+    opts: &Options,
+) -> Result<BackwardStats, Error> {
+    let bopts = fa_cpu::BackwardOptions {
+        threads: opts.threads,
+        ..Default::default()
+    };
+    let lse = inputs.lse;
+    let Grads { dq, dk, dv } = grads;
+    use TensorMut as M;
+    use TensorRef as R;
+    /// Calls fa-cpu once the inputs are typed, for each gradient dtype.
+    macro_rules! with_grads {
+        ($q:expr, $k:expr, $v:expr, $o:expr, $d_o:expr, $g:ident) => {{
+            let bin = fa_cpu::BackwardInputs {
+                o: $o,
+                d_o: $d_o,
+                lse,
+            };
+            match (dq, dk, dv) {
+                (M::F32(dq), M::F32(dk), M::F32(dv)) => fa_cpu::backward(
+                    problem,
+                    Qkv::new($q, $k, $v),
+                    bin,
+                    Grads::new(dq, dk, dv),
+                    &bopts,
+                )?,
+                // For f32 inputs this is the arm above.
+                #[allow(unreachable_patterns)]
+                (M::$g(dq), M::$g(dk), M::$g(dv)) => fa_cpu::backward(
+                    problem,
+                    Qkv::new($q, $k, $v),
+                    bin,
+                    Grads::new(dq, dk, dv),
+                    &bopts,
+                )?,
+                _ => return Err(CPU_BACKWARD_DTYPES.into()),
+            }
+        }};
+    }
+    let stats = match (qkv.q, qkv.k, qkv.v, inputs.o, inputs.d_o) {
+        (R::F32(q), R::F32(k), R::F32(v), R::F32(o), R::F32(d_o)) => {
+            with_grads!(q, k, v, o, d_o, F32)
+        }
+        (R::Bf16(q), R::Bf16(k), R::Bf16(v), R::Bf16(o), R::Bf16(d_o)) => {
+            with_grads!(q, k, v, o, d_o, Bf16)
+        }
+        (R::Bf16(q), R::Bf16(k), R::Bf16(v), R::F32(o), R::F32(d_o)) => {
+            with_grads!(q, k, v, o, d_o, Bf16)
+        }
+        (R::F16(q), R::F16(k), R::F16(v), R::F16(o), R::F16(d_o)) => {
+            with_grads!(q, k, v, o, d_o, F16)
+        }
+        (R::F16(q), R::F16(k), R::F16(v), R::F32(o), R::F32(d_o)) => {
+            with_grads!(q, k, v, o, d_o, F16)
+        }
+        _ => return Err(CPU_BACKWARD_DTYPES.into()),
+    };
+    Ok(BackwardStats {
+        tiles_computed: stats.tiles_computed,
+        tiles_skipped: stats.tiles_skipped,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::BackendChoice;
+    use softmax_core::{Out, ProblemDesc};
+
+    fn draw(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| (i as f32 * 0.731 + seed as f32 * 1.37).sin() * 1.3)
+            .collect()
+    }
+
+    #[test]
+    fn cpu_backward_matches_fa_cpu_bitwise_and_checks_before_writing() {
+        let p = ProblemDesc::new(1, 37, 41, 4, 2, 24)
+            .causal()
+            .validate(256)
+            .expect("valid");
+        let lens = p.min_buffer_lens();
+        let (q, k, v) = (draw(lens.q, 1), draw(lens.k, 2), draw(lens.v, 3));
+        let d_o = draw(lens.o, 4);
+        let mut o = vec![0.0f32; lens.o];
+        let mut lse = vec![0.0f32; p.lse_len()];
+        fa_cpu::forward(
+            &p,
+            Qkv::new(&q[..], &k[..], &v[..]),
+            Out::with_lse(&mut o[..], &mut lse[..]),
+            &fa_cpu::ForwardOptions::default(),
+        )
+        .expect("forward");
+        let nan = f32::NAN;
+        let mut direct = Grads::new(vec![nan; lens.q], vec![nan; lens.k], vec![nan; lens.v]);
+        fa_cpu::backward(
+            &p,
+            Qkv::new(&q[..], &k[..], &v[..]),
+            fa_cpu::BackwardInputs {
+                o: &o,
+                d_o: &d_o,
+                lse: &lse,
+            },
+            Grads::new(&mut direct.dq[..], &mut direct.dk[..], &mut direct.dv[..]),
+            &fa_cpu::BackwardOptions::default(),
+        )
+        .expect("backward");
+        let b = Backend::open(BackendChoice::Cpu).expect("cpu");
+        let qkv = Qkv::new(
+            TensorRef::from(&q),
+            TensorRef::from(&k),
+            TensorRef::from(&v),
+        );
+        let inputs = BackwardInputs {
+            o: TensorRef::from(&o),
+            d_o: TensorRef::from(&d_o),
+            lse: &lse,
+        };
+        let mut g = Grads::new(vec![nan; lens.q], vec![nan; lens.k], vec![nan; lens.v]);
+        let stats = b
+            .backward(
+                &p,
+                qkv,
+                inputs,
+                Grads::new(
+                    TensorMut::from(&mut g.dq),
+                    TensorMut::from(&mut g.dk),
+                    TensorMut::from(&mut g.dv),
+                ),
+                &Options::default(),
+            )
+            .expect("backward");
+        assert!(stats.tiles_computed > 0);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&g.dq), bits(&direct.dq));
+        assert_eq!(bits(&g.dk), bits(&direct.dk));
+        assert_eq!(bits(&g.dv), bits(&direct.dv));
+        let times = b
+            .time_backward(
+                &p,
+                qkv,
+                inputs,
+                Grads::new(
+                    TensorMut::from(&mut g.dq),
+                    TensorMut::from(&mut g.dk),
+                    TensorMut::from(&mut g.dv),
+                ),
+                &Options::default(),
+                1,
+                2,
+            )
+            .expect("timed");
+        assert_eq!(times.len(), 2);
+        assert_eq!(bits(&g.dq), bits(&direct.dq));
+
+        // Mixed gradient dtypes: a typed error, nothing written.
+        let mut h = vec![half::bf16::from_f32(7.0); lens.k];
+        let mut poisoned = Grads::new(vec![7.0f32; lens.q], Vec::new(), vec![7.0f32; lens.v]);
+        let e = b
+            .backward(
+                &p,
+                qkv,
+                inputs,
+                Grads::new(
+                    TensorMut::from(&mut poisoned.dq),
+                    TensorMut::from(&mut h),
+                    TensorMut::from(&mut poisoned.dv),
+                ),
+                &Options::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Problem(ProblemError::Unsupported { .. })),
+            "{e:?}"
+        );
+        assert!(poisoned.dq.iter().chain(&poisoned.dv).all(|&x| x == 7.0));
+        assert!(h.iter().all(|x| x.to_f32() == 7.0));
+        // A short dQ: BufferTooSmall, nothing written.
+        let e = b
+            .backward(
+                &p,
+                qkv,
+                inputs,
+                Grads::new(
+                    TensorMut::from(&mut poisoned.dq[..lens.q - 1]),
+                    TensorMut::from(&mut g.dk),
+                    TensorMut::from(&mut poisoned.dv),
+                ),
+                &Options::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Problem(ProblemError::BufferTooSmall { .. })),
+            "{e:?}"
+        );
+        assert!(poisoned.dq.iter().chain(&poisoned.dv).all(|&x| x == 7.0));
+    }
+}
