@@ -30,10 +30,13 @@
 //! - [`softmax`]: the online-softmax step of a panel, the vector exponentials over slices;
 //! - [`forward_task`]: one task of the forward pass, the [`crate::dispatch::SimdTask`] that
 //!   strings the steps above together;
+//! - [`decode_task`]: split-KV decode over the forward's tasks: the split plan, one split
+//!   through the forward's tile loop into partial rows, the combine (`merge_into`, fixed order);
 //! - [`backward_task`]: the tasks of the backward pass (dK/dV per key block, dQ per query
 //!   block), with probabilities recomputed from the saved LSE.
 
 pub(crate) mod backward_task;
+pub(crate) mod decode_task;
 pub(crate) mod forward_task;
 pub(crate) mod mask;
 pub(crate) mod micro;

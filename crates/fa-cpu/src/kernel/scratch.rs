@@ -97,6 +97,9 @@ pub(crate) struct Scratch {
     pub states: Vec<RowState<f32>>,
     /// Each row panel's kind against the current key tile.
     pub kinds: Vec<TileKind>,
+    /// K and V row offsets of the current and the next key tile (paged caches make them
+    /// irregular).
+    pub kv_offsets: Vec<usize>,
 }
 
 /// f32 elements a task's scratch needs (the companion of [`crate::Workspace`]).
@@ -122,6 +125,8 @@ pub(crate) fn scratch_elems(
         }
         + rows * 3
         + 6 * ALIGN_SLACK
+        // The K/V row offsets (usize: two f32s each on 64-bit targets).
+        + 8 * keys
 }
 
 /// The lengths [`Scratch`]'s buffers grow to for the tasks of one call: what `run_task` asks of
@@ -166,6 +171,7 @@ impl Scratch {
         grow(&mut self.corr, br)?;
         grow(&mut self.states, br)?;
         grow(&mut self.kinds, br / panel)?;
+        grow(&mut self.kv_offsets, 4 * bc)?;
         if lens.hook {
             grow(&mut self.probs, panel * bc)?;
         }
@@ -183,6 +189,7 @@ impl Scratch {
             + self.probs.capacity()
             + self.corr.capacity())
             + self.states.capacity() * std::mem::size_of::<RowState<f32>>()
+            + self.kv_offsets.capacity() * std::mem::size_of::<usize>()
     }
 }
 
