@@ -60,6 +60,10 @@ struct ComputeArgs {
     /// exp2 of the CPU kernel: exact (library) or cubic (FlashAttention-4 polynomial).
     #[arg(long, value_enum, default_value_t = Exp2Arg::Exact)]
     exp2: Exp2Arg,
+    /// Split-KV: key splits per task, merged by LSE (default: the backend's choice; KV-cache
+    /// problems split, others do not). Results agree with the unsplit call to rounding.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    splits: Option<u64>,
 }
 
 impl ComputeArgs {
@@ -67,6 +71,9 @@ impl ComputeArgs {
         Options {
             threads: self.threads,
             exp2: self.exp2.into(),
+            kv_splits: self
+                .splits
+                .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
             ..Options::default()
         }
     }
@@ -106,6 +113,15 @@ struct RunArgs {
     /// After the run, check this many sampled rows against the f64 reference.
     #[arg(long, default_value_t = 0)]
     check_rows: usize,
+    /// Decode over a KV cache: keys used per sequence (int32 .npy, [batch]). K/V are then a
+    /// padded cache [batch, capacity, heads_kv, head_dim], or a paged one with --block-table;
+    /// causal and window masks align bottom-right against each sequence's length.
+    #[arg(long)]
+    seqused_k: Option<PathBuf>,
+    /// Paged KV cache: the block table (int32 .npy, [batch, max_blocks_per_seq]); K/V then
+    /// hold [num_blocks, block_size, heads_kv, head_dim]. Needs --seqused-k.
+    #[arg(long, requires = "seqused_k")]
+    block_table: Option<PathBuf>,
     #[command(flatten)]
     compute: ComputeArgs,
 }
@@ -305,6 +321,7 @@ fn main() -> ExitCode {
                 backend: BackendArg::Auto,
                 threads: None,
                 exp2: Exp2Arg::Exact,
+                splits: None,
             },
         }),
         Some(Command::Run(a)) => cmd_run(a),
@@ -342,6 +359,8 @@ fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
         backend: a.compute.backend.into(),
         options: a.compute.options(),
         check_rows: a.check_rows,
+        seqused_k: a.seqused_k,
+        block_table: a.block_table,
     };
     let summary = run(&req)?;
     eprintln!(
