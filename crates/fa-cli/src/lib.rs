@@ -25,6 +25,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod decode_bench;
 pub mod demo;
 pub mod error;
 pub mod exp2_error;

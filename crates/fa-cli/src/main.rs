@@ -198,6 +198,22 @@ struct BenchArgs {
     /// Seed of the N(0,1) inputs.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Decode over a KV cache instead of the forward sweep: time, GB/s of K/V read and the
+    /// fraction of the copy bandwidth measured in the same run (CPU). Sweeps --batch
+    /// (default 4), --cache-len, --heads (default 32), --head-dim (default 128), --page-size;
+    /// --heads-kv sets the GQA group (default heads/4).
+    #[arg(long, conflicts_with_all = ["paper", "peers", "tiles", "seqlen", "seqlen_k", "causal", "no_causal"])]
+    decode: bool,
+    /// Decode: keys in each sequence's cache (comma-separated list sweeps; default 8192).
+    #[arg(long, value_delimiter = ',', requires = "decode")]
+    cache_len: Vec<usize>,
+    /// Decode: keys per block of a paged cache, 0 for a padded cache (comma-separated list
+    /// sweeps; default 0,16).
+    #[arg(long, value_delimiter = ',', requires = "decode")]
+    page_size: Vec<usize>,
+    /// Decode: new queries per sequence (speculative decoding verifies several).
+    #[arg(long, default_value_t = 1, requires = "decode")]
+    queries: usize,
     #[command(flatten)]
     compute: ComputeArgs,
 }
@@ -496,7 +512,71 @@ fn bench_shapes(a: &BenchArgs) -> Vec<BenchShape> {
         .collect()
 }
 
+/// `fa bench --decode`: the grid of decode shapes, one row (or JSON line) each.
+fn cmd_bench_decode(a: &BenchArgs) -> Result<ExitCode, CliError> {
+    use fa_cli::decode_bench::{bench_decode, table_header, table_row, DecodeShape};
+    let backend = match a.dtype {
+        Some(d) => Backend::open_for(a.compute.backend.into(), flash_attention::DTypes::same(d))?,
+        None => Backend::open(a.compute.backend.into())?,
+    };
+    let dtype = a.dtype.unwrap_or_else(|| backend.default_dtype());
+    let cuda = backend.kind() == BackendKind::Cuda;
+    let iters = a.iters.unwrap_or(if cuda { 30 } else { 7 }).max(1);
+    let warmup = a.warmup.unwrap_or(if cuda { 5 } else { 1 });
+    let or = |v: &Vec<usize>, d: &[usize]| if v.is_empty() { d.to_vec() } else { v.clone() };
+    if !a.json {
+        outln!(
+            "fa bench --decode: {}, {} rounds of (copy, decode) after {} warm-up (medians)",
+            backend.describe(),
+            iters,
+            warmup
+        );
+        outln!("{}", table_header());
+    }
+    let mut failed = 0usize;
+    for &head_dim in &or(&a.head_dim, &[128]) {
+        for &heads in &or(&a.heads, &[32]) {
+            for &batch in &or(&a.batch, &[4]) {
+                for &cache_len in &or(&a.cache_len, &[8192]) {
+                    for &page_size in &or(&a.page_size, &[0, 16]) {
+                        let shape = DecodeShape {
+                            batch,
+                            queries: a.queries,
+                            cache_len,
+                            heads,
+                            heads_kv: a.heads_kv.unwrap_or((heads / 4).max(1)),
+                            head_dim,
+                            page_size,
+                        };
+                        let opts = a.compute.options();
+                        match bench_decode(&backend, &shape, dtype, &opts, warmup, iters, a.seed) {
+                            Ok(r) if a.json => outln!(
+                                "{}",
+                                serde_json::to_string(&r)
+                                    .map_err(|e| CliError::Usage(e.to_string()))?
+                            ),
+                            Ok(r) => outln!("{}", table_row(&r)),
+                            Err(e) => {
+                                eprintln!("error: {shape:?}: {e}");
+                                failed += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(if failed > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
 fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
+    if a.decode {
+        return cmd_bench_decode(a);
+    }
     let shapes = bench_shapes(a);
     let backend = match a.dtype {
         Some(d) => Backend::open_for(a.compute.backend.into(), flash_attention::DTypes::same(d))?,

@@ -989,3 +989,51 @@ fn run_decode_bad_tables_are_clear_errors() {
     assert!(!o.status.success() && err.contains("seqused-k"), "{err}");
     assert!(!out.exists(), "no output on error");
 }
+
+#[test]
+fn bench_decode_json_lines_have_the_documented_keys() {
+    let o = fa(&[
+        "bench",
+        "--decode",
+        "--backend",
+        "cpu",
+        "--batch",
+        "1",
+        "--cache-len",
+        "300",
+        "--heads",
+        "4",
+        "--heads-kv",
+        "1",
+        "--head-dim",
+        "32",
+        "--page-size",
+        "0,7",
+        "--iters",
+        "2",
+        "--json",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for (line, page) in lines.iter().zip([0, 7]) {
+        for key in [
+            "time_ms_median",
+            "kv_gbps",
+            "copy_gbps",
+            "fraction_of_copy",
+            "kv_splits",
+        ] {
+            assert!(line.get(key).is_some(), "{key} missing: {line}");
+        }
+        assert_eq!(line["page_size"], page);
+        assert!(line["kv_gbps"].as_f64().unwrap() > 0.0);
+    }
+    // --decode does not mix with the forward sweep's flags.
+    let o = fa(&["bench", "--decode", "--paper"]);
+    assert!(!o.status.success());
+}
