@@ -153,6 +153,20 @@ pub(crate) fn plan(
             .ok_or(ProblemError::Overflow)?;
         plan.max_splits = plan.max_splits.max(splits);
     }
+    // Work order (never the arithmetic): a sequence's KV heads over the same key range one
+    // after another, so that the workers walk each stretch of the cache together. A head's
+    // rows are a head stride apart (4 KiB at 8 KV heads × 128 × f32), one page per key;
+    // heads in turn reuse those pages' TLB entries and DRAM rows instead of each head
+    // sweeping the whole cache on its own.
+    plan.splits.sort_by_key(|s| {
+        (
+            s.task.batch,
+            s.keys.start,
+            s.task.head_kv,
+            s.task.head0,
+            s.task.i0,
+        )
+    });
     Ok(plan)
 }
 
