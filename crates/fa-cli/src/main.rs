@@ -447,6 +447,16 @@ fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
             failed += row.failed() as usize;
             skipped += matches!(row.outcome, verify::Outcome::Unsupported(_)) as usize;
         }
+        // Decode over padded and paged KV caches (split-KV), same seed.
+        let mut rng = fa_reference::Rng::new(seed ^ 0xdec0de);
+        for case in verify::decode_cases(&mut rng) {
+            let row =
+                verify::verify_decode_case(&backend, &case, dtype, a.out_f32, &a.compute.options());
+            outln!("{}", verify::table_row(&row));
+            total += 1;
+            failed += row.failed() as usize;
+            skipped += matches!(row.outcome, verify::Outcome::Unsupported(_)) as usize;
+        }
     }
     outln!(
         "{} passed, {failed} failed, {skipped} skipped (unsupported by the backend) of {total} cases",
