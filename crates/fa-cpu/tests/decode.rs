@@ -560,3 +560,65 @@ fn bad_appends_are_typed_errors_and_leave_the_cache_untouched() {
         "{err:?}"
     );
 }
+
+mod proptests {
+    use super::*;
+    use proptest::prelude::{any, prop_assert, proptest, ProptestConfig};
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Random caches (padded or paged with any block size 1..=300), lengths 0..700,
+        /// 1–4 queries, GQA 1..=8, masks, softcap, split counts, every SIMD level, f32 and
+        /// bf16: within the bounds of the f64 oracle.
+        #[test]
+        fn random_decode_matches_the_oracle(
+            seed in any::<u64>(),
+            lens in proptest::collection::vec(0u32..700, 1..4),
+            sq in 1usize..5,
+            heads_kv in 1usize..3,
+            group in 1usize..9,
+            head_dim in 1usize..140,
+            block_size in 0usize..300,
+            mask_kind in 0u8..4,
+            softcap in proptest::option::of(1.0f32..50.0),
+            splits in proptest::option::of(1usize..20),
+            bf in any::<bool>(),
+        ) {
+            let mut rng = Rng::new(seed);
+            let layout = if block_size == 0 {
+                CacheLayout::Padded {
+                    capacity: lens.iter().copied().max().unwrap_or(0) as usize + 1,
+                }
+            } else {
+                DecodeCase::paged_layout(&lens, block_size)
+            };
+            let rounding = if bf { Rounding::Bf16 } else { Rounding::F32 };
+            let case = DecodeCase::new(
+                &mut rng, &lens, sq, group * heads_kv, heads_kv, head_dim, layout, rounding,
+            );
+            let case = case.with_mask(match mask_kind {
+                0 => Mask::NONE,
+                1 => Mask::CAUSAL,
+                2 => Mask { left: Some(37), right: Some(0) },
+                _ => Mask { left: Some(3), right: Some(1) },
+            });
+            let case = match softcap {
+                Some(c) => case.with_softcap(c),
+                None => case,
+            };
+            for level in levels() {
+                let o = opts(level, splits);
+                let rep = if bf {
+                    check::<half::bf16, f32>(&case, &o)
+                } else {
+                    check::<f32, f32>(&case, &o)
+                };
+                prop_assert!(
+                    rep.within(F32_BOUND, LSE_BOUND),
+                    "{level:?} {layout:?} sq {sq} group {group} d {head_dim} splits {splits:?}: {rep:?}"
+                );
+            }
+        }
+    }
+}
