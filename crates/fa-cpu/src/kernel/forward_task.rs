@@ -6,6 +6,7 @@
 use super::mask::{mask_panel, MAX_PANEL};
 use super::micro::{on_live_vectors, pv_micro, qk_micro};
 use super::pack::{pack_group, prefetch_row, transpose_region, widen, ROW_PREFETCH_AHEAD};
+use super::rows::{row_pv, row_scores};
 use super::scratch::{ensure, ensure_aligned, Scratch, SharedOut};
 use super::softmax::{softcap_slice, softmax_panel};
 use super::tiling::{Task, Tiling};
@@ -125,6 +126,13 @@ struct Dims {
     bc: usize,
     /// Rows per panel (`W·NR`).
     panel: usize,
+    /// Whether the task holds at most one row vector of rows (decode): then Q, K, V and O stay
+    /// row-major and the row micro-kernels ([`super::rows`]) run instead of the panel ones.
+    few: bool,
+    /// `d` padded to whole vectors (row-major Q and K rows).
+    d_w: usize,
+    /// `dv` padded to whole vectors (row-major V rows and O accumulators).
+    dv_w: usize,
     /// The sequence's query and key lengths.
     sq: usize,
     /// See `sq`.
@@ -256,10 +264,21 @@ pub(crate) unsafe fn run_task<
         br: tiling.padded_rows(rows),
         bc: tiling.keys_for(d, dv, !p.mask().is_none()),
         panel,
+        few: rows <= S::W,
+        d_w: d.div_ceil(S::W) * S::W,
+        dv_w: dv.div_ceil(S::W) * S::W,
         sq: seq.seqlen_q,
         sk: seq.seqlen_k,
     };
-    let Dims { br, bc, sk, .. } = dims;
+    let Dims {
+        br,
+        bc,
+        sk,
+        few,
+        d_w,
+        dv_w,
+        ..
+    } = dims;
     let mut stats = TaskStats::default();
 
     let Scratch {
@@ -275,11 +294,12 @@ pub(crate) unsafe fn run_task<
         kinds,
         kv_offsets,
     } = scratch;
-    let qt = ensure_aligned(qt, d * br);
-    let ot = ensure_aligned(ot, dv_pad * br);
+    // The row-major layouts of the few-rows path fit the same buffers (see `Scratch`).
+    let qt = ensure_aligned(qt, (d * br).max(S::W * d_w));
+    let ot = ensure_aligned(ot, (dv_pad * br).max(S::W * dv_w));
     let st = ensure_aligned(st, bc * panel);
-    let kt = ensure_aligned(kt, bc * d);
-    let vt = ensure_aligned(vt, bc * dims.v_stride);
+    let kt = ensure_aligned(kt, bc * d_w);
+    let vt = ensure_aligned(vt, bc * dims.v_stride.max(dv_w));
     let row = ensure_aligned(row, panel * d.max(dv));
     let corr = ensure(corr, br, 1.0);
     let states = ensure(states, br, RowState::new());
@@ -291,8 +311,20 @@ pub(crate) unsafe fn run_task<
 
     let transform = p.score_transform::<f32>();
     let (pre, post) = (transform.pre_factor(), transform.softcap_post_factor());
-    // SAFETY: S available (caller); `qt` and `row` sized above.
-    unsafe { pack_q::<S, T, O>(ctx, task, &dims, pre, qt, row) };
+    if few {
+        // Row-major Q rows, pre-multiplied like Qᵀ, zero-padded to `d_w`.
+        for r in 0..rows {
+            let (head, i) = task.row(r);
+            let dst = &mut qt[r * d_w..(r + 1) * d_w];
+            // SAFETY: S available (caller); the offset is inside the checked buffer.
+            unsafe { widen::<S, T>(ctx.q, p.q_offset(task.batch, i, head), d, dst) };
+            dst[d..].fill(0.0);
+            dst.iter_mut().for_each(|x| *x *= pre);
+        }
+    } else {
+        // SAFETY: S available (caller); `qt` and `row` sized above.
+        unsafe { pack_q::<S, T, O>(ctx, task, &dims, pre, qt, row) };
+    }
 
     let kv = KvRows::new(p, task.batch, task.head_kv);
     let mask = p.mask();
@@ -319,9 +351,26 @@ pub(crate) unsafe fn run_task<
             &mut k_offs[..nk + next_rows],
             &mut v_offs[..nk + next_rows],
         );
-        // SAFETY: S available (caller); `kt`, `vt` and `row` sized above for `bc` keys; the
-        // offsets are those of keys j0..j0 + nk.
-        unsafe { pack_kv_tile::<S, T, O, QMR>(ctx, &dims, k_offs, v_offs, nk, kt, vt, row) };
+        if few {
+            // Row-major K and V rows, zero-padded to whole vectors.
+            for j in 0..nk {
+                let (kr, vr) = (
+                    &mut kt[j * d_w..(j + 1) * d_w],
+                    &mut vt[j * dv_w..(j + 1) * dv_w],
+                );
+                // SAFETY: S available (caller); the offsets are rows of the checked buffers.
+                unsafe {
+                    widen::<S, T>(ctx.k, k_offs[j], d, kr);
+                    widen::<S, T>(ctx.v, v_offs[j], dv, vr);
+                }
+                kr[d..].fill(0.0);
+                vr[dv..].fill(0.0);
+            }
+        } else {
+            // SAFETY: S available (caller); `kt`, `vt` and `row` sized above for `bc` keys;
+            // the offsets are those of keys j0..j0 + nk.
+            unsafe { pack_kv_tile::<S, T, O, QMR>(ctx, &dims, k_offs, v_offs, nk, kt, vt, row) };
+        }
         let kinds = ensure(kinds, br / panel, TileKind::Full);
         classify_panels(kinds, &mask, task, &dims, kind, j0..j0 + nk);
 
@@ -339,7 +388,11 @@ pub(crate) unsafe fn run_task<
             v_offs: &v_offs[nk..nk + next_rows],
             rows: next_rows,
             total: 2 * next_rows,
-            calls: live_panels * (dv_pad / VMR),
+            calls: if few {
+                live_panels * rows
+            } else {
+                live_panels * (dv_pad / VMR)
+            },
             done: 0,
             call: 0,
         };
@@ -354,9 +407,20 @@ pub(crate) unsafe fn run_task<
             // the other vectors are set to 0, what padding rows' zero queries gave before, so
             // the softmax and the hook see the same values.
             let live = (rows - rv0).min(panel).div_ceil(S::W);
-            // SAFETY: S available (caller); rv0 is a panel of `br`; the buffers sized above.
-            unsafe {
-                panel_scores::<S, QMR, NR>(&dims, qt, kt, st, rv0, nk, live, post);
+            if few {
+                // SAFETY: S available (caller); qt holds `rows` rows of d_w, kt nk rows of
+                // d_w, st nk rows of `panel`.
+                unsafe { row_scores::<S>(qt, kt, d_w, rows, nk, st, panel) };
+                if let Some(post) = post {
+                    // SAFETY: nk·panel is a multiple of W; st holds bc·panel.
+                    unsafe { softcap_slice::<S>(st.as_mut_ptr(), nk * panel, post) };
+                }
+            } else {
+                // SAFETY: S available (caller); rv0 is a panel of `br`; the buffers sized
+                // above.
+                unsafe {
+                    panel_scores::<S, QMR, NR>(&dims, qt, kt, st, rv0, nk, live, post);
+                }
             }
             if kind == TileKind::Partial {
                 // SAFETY: as above.
@@ -381,6 +445,16 @@ pub(crate) unsafe fn run_task<
             if let Some(hook) = ctx.hook {
                 // SAFETY: S available (caller); `st` holds nk rows of `panel` floats.
                 unsafe { run_hook::<S>(hook, probs, st, panel, nk) };
+            }
+            if few {
+                for r in 0..rows {
+                    let o = &mut ot[r * dv_w..(r + 1) * dv_w];
+                    // SAFETY: S available (caller); vt holds nk rows of dv_w, st nk rows of
+                    // `panel > r`, o dv_w floats.
+                    unsafe { row_pv::<S>(st, panel, r, vt, dv_w, nk, corr[r], o) };
+                    prefetch.after_call::<S, T, O>(ctx, &dims);
+                }
+                continue;
             }
             // SAFETY: S available (caller); the buffers sized above.
             unsafe {
@@ -766,7 +840,6 @@ unsafe fn write_back<S: Simd, T, O: Element>(
     let p = ctx.problem;
     let Dims {
         dv,
-        dv_pad,
         rows,
         br,
         panel,
@@ -774,10 +847,8 @@ unsafe fn write_back<S: Simd, T, O: Element>(
     } = *dims;
     for p0 in (0..br).step_by(panel) {
         let valid = rows.saturating_sub(p0).min(panel);
-        let src = &ot[p0 * dv_pad..(p0 + panel) * dv_pad];
-        // SAFETY: `src` holds dv_pad ≥ dv rows of `panel` floats, `row` panel rows of dv; S
-        // available (caller).
-        unsafe { transpose_region::<S>(src.as_ptr(), panel, dv, panel, row.as_mut_ptr(), dv) };
+        // SAFETY: S available (caller); `ot` and `row` sized by run_task.
+        let (src_rows, stride) = unsafe { row_major::<S>(dims, ot, row, p0) };
         for l in 0..valid {
             let r = p0 + l;
             let (head, i) = task.row(r);
@@ -791,7 +862,7 @@ unsafe fn write_back<S: Simd, T, O: Element>(
             }
             // A row that saw no key gets 0, whatever V holds.
             let seen = result.inv_sum != 0.0;
-            let values = row[l * dv..(l + 1) * dv]
+            let values = src_rows[l * stride..l * stride + dv]
                 .iter()
                 .map(|&acc| O::from_f32(if seen { acc * result.inv_sum } else { 0.0 }));
             ctx.out.write_row(oo, values);
@@ -821,7 +892,6 @@ unsafe fn write_partial<S: Simd>(
 ) {
     let Dims {
         dv,
-        dv_pad,
         rows,
         br,
         panel,
@@ -829,14 +899,41 @@ unsafe fn write_partial<S: Simd>(
     } = *dims;
     for p0 in (0..br).step_by(panel) {
         let valid = rows.saturating_sub(p0).min(panel);
-        let src = &ot[p0 * dv_pad..(p0 + panel) * dv_pad];
-        // SAFETY: `src` holds dv_pad ≥ dv rows of `panel` floats, `row` panel rows of dv; S
-        // available (caller).
-        unsafe { transpose_region::<S>(src.as_ptr(), panel, dv, panel, row.as_mut_ptr(), dv) };
+        // SAFETY: S available (caller); `ot` and `row` sized by run_task.
+        let (src_rows, stride) = unsafe { row_major::<S>(dims, ot, row, p0) };
         for l in 0..valid {
             let r = first_row + p0 + l;
-            acc.write_row(r * dv, row[l * dv..(l + 1) * dv].iter().copied());
+            acc.write_row(
+                r * dv,
+                src_rows[l * stride..l * stride + dv].iter().copied(),
+            );
             out_states.write(r, states[p0 + l]);
         }
     }
+}
+
+/// The accumulator rows of the panel at row `p0`, row-major, and their stride: the
+/// few-rows path keeps them so in `ot` (stride `dv_w`); otherwise the panel of `Oᵀ` is
+/// transposed into `row` (stride `dv`).
+///
+/// # Safety
+/// S available; `ot` holds `dv_pad·br` floats (few rows: `rows·dv_w`), `row` `panel·dv`.
+#[inline(always)]
+unsafe fn row_major<'b, S: Simd>(
+    dims: &Dims,
+    ot: &'b [f32],
+    row: &'b mut [f32],
+    p0: usize,
+) -> (&'b [f32], usize) {
+    if dims.few {
+        return (&ot[..dims.rows * dims.dv_w], dims.dv_w);
+    }
+    let Dims {
+        dv, dv_pad, panel, ..
+    } = *dims;
+    let src = &ot[p0 * dv_pad..(p0 + panel) * dv_pad];
+    // SAFETY: `src` holds dv_pad ≥ dv rows of `panel` floats, `row` panel rows of dv; S
+    // available (caller).
+    unsafe { transpose_region::<S>(src.as_ptr(), panel, dv, panel, row.as_mut_ptr(), dv) };
+    (&row[..panel * dv], dv)
 }

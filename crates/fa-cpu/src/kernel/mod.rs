@@ -26,6 +26,8 @@
 //! - [`scratch`]: per-thread buffers ([`Scratch`]) and the shared output ([`SharedOut`]);
 //! - [`pack`]: widening to f32, transposes, packing K groups, prefetching rows;
 //! - [`micro`]: the register-blocked `QKᵀ` and `PV` micro-kernels;
+//! - [`rows`]: row-major micro-kernels (vectorised over the head dim) for tasks of at most
+//!   one row vector, i.e. decode;
 //! - [`mask`]: hiding the keys a row does not see within a tile;
 //! - [`softmax`]: the online-softmax step of a panel, the vector exponentials over slices;
 //! - [`forward_task`]: one task of the forward pass, the [`crate::dispatch::SimdTask`] that
@@ -41,6 +43,7 @@ pub(crate) mod forward_task;
 pub(crate) mod mask;
 pub(crate) mod micro;
 pub(crate) mod pack;
+pub(crate) mod rows;
 pub(crate) mod scratch;
 pub(crate) mod softmax;
 pub(crate) mod tiling;

@@ -127,6 +127,8 @@ pub(crate) fn scratch_elems(
         + 6 * ALIGN_SLACK
         // The K/V row offsets (usize: two f32s each on 64-bit targets).
         + 8 * keys
+        // Padding of the few-rows path's row-major layouts to whole vectors.
+        + 2 * (keys + tiling.lanes) * tiling.lanes
 }
 
 /// The lengths [`Scratch`]'s buffers grow to for the tasks of one call: what `run_task` asks of
@@ -162,11 +164,18 @@ impl Scratch {
         let dv_pad = dv.div_ceil(tiling.pv_channels) * tiling.pv_channels;
         let br = tiling.padded_rows(lens.max_rows);
         let bc = tiling.keys_for(d, dv, lens.masked);
-        grow(&mut self.qt, d * br + ALIGN_SLACK)?;
-        grow(&mut self.ot, dv_pad * br + ALIGN_SLACK)?;
+        // The few-rows (decode) path keeps W rows of Q and O row-major, padded to whole
+        // vectors, and K/V tiles row-major (`run_task` asks for the larger of both layouts).
+        let w = tiling.lanes;
+        let (d_w, dv_w) = (d.div_ceil(w) * w, dv.div_ceil(w) * w);
+        grow(&mut self.qt, (d * br).max(w * d_w) + ALIGN_SLACK)?;
+        grow(&mut self.ot, (dv_pad * br).max(w * dv_w) + ALIGN_SLACK)?;
         grow(&mut self.st, bc * panel + ALIGN_SLACK)?;
-        grow(&mut self.kt, bc * d + ALIGN_SLACK)?;
-        grow(&mut self.vt, bc * Tiling::v_stride(dv_pad) + ALIGN_SLACK)?;
+        grow(&mut self.kt, bc * d_w + ALIGN_SLACK)?;
+        grow(
+            &mut self.vt,
+            bc * Tiling::v_stride(dv_pad).max(dv_w) + ALIGN_SLACK,
+        )?;
         grow(&mut self.row, panel * d.max(dv) + ALIGN_SLACK)?;
         grow(&mut self.corr, br)?;
         grow(&mut self.states, br)?;
