@@ -164,6 +164,19 @@ fn safetensors_len(
     Ok(8u64.saturating_add(n).saturating_add(end))
 }
 
+/// Reads an integer `.npy` file (`--seqused-k`, `--block-table`: int32, or int64 whose values
+/// fit): its shape and values.
+pub fn read_index_file(path: &Path) -> Result<(Vec<usize>, Vec<i32>), CliError> {
+    let io = |source| CliError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let size = std::fs::metadata(path).map_err(io)?.len();
+    crate::memory::ensure_fits(&format!("reading {}", path.display()), Some(size as u128))?;
+    let bytes = std::fs::read(path).map_err(io)?;
+    npy::read_npy_i32(&bytes).map_err(|e| bad_file(path, e))
+}
+
 /// Reads the tensor `name` from `path` (`.npy`, or `.safetensors` by content), and the format.
 pub fn read_tensor(path: &Path, name: &str) -> Result<(HostTensor, FileFormat), CliError> {
     let bytes = read_checked(path)?;

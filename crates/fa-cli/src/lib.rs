@@ -27,6 +27,7 @@ pub mod alloc_count;
 pub mod backend;
 pub mod bench;
 pub mod bench_backward;
+pub mod decode_bench;
 pub mod demo;
 pub mod error;
 pub mod exp2_error;

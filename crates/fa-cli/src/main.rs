@@ -64,6 +64,10 @@ struct ComputeArgs {
     /// exp2 of the CPU kernel: exact (library) or cubic (FlashAttention-4 polynomial).
     #[arg(long, value_enum, default_value_t = Exp2Arg::Exact)]
     exp2: Exp2Arg,
+    /// Split-KV: key splits per task, merged by LSE (default: the backend's choice; KV-cache
+    /// problems split, others do not). Results agree with the unsplit call to rounding.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    splits: Option<u64>,
     /// CUDA kernel family: auto (the measured-best), sm80 (mma.sync, any GPU) or sm90 (wgmma,
     /// Hopper; the sm80 family where it does not cover the problem).
     #[arg(long, value_enum, default_value_t = FamilyArg::Auto)]
@@ -122,6 +126,9 @@ impl ComputeArgs {
             exp2: self.exp2.into(),
             family: self.family.into(),
             sm90_pipeline: self.sm90_pipeline.map(Into::into),
+            kv_splits: self
+                .splits
+                .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
             ..Options::default()
         }
     }
@@ -162,8 +169,8 @@ struct RunArgs {
     #[arg(long, default_value_t = 0)]
     check_rows: usize,
     /// ∂L/∂O for the backward pass (the output's shape and dtype): with --dq, --dk and --dv,
-    /// the gradients are computed after the forward (CPU).
-    #[arg(long, requires_all = ["dq", "dk", "dv"])]
+    /// the gradients are computed after the forward (CPU; not over a KV cache).
+    #[arg(long, requires_all = ["dq", "dk", "dv"], conflicts_with = "seqused_k")]
     dout: Option<PathBuf>,
     /// Where dQ goes (Q's shape).
     #[arg(long, requires = "dout")]
@@ -177,6 +184,15 @@ struct RunArgs {
     /// Gradient dtype: the input dtype (default) or f32.
     #[arg(long, value_parser = parse_dtype, requires = "dout")]
     grad_dtype: Option<DType>,
+    /// Decode over a KV cache: keys used per sequence (int32 .npy, [batch]). K/V are then a
+    /// padded cache [batch, capacity, heads_kv, head_dim], or a paged one with --block-table;
+    /// causal and window masks align bottom-right against each sequence's length.
+    #[arg(long)]
+    seqused_k: Option<PathBuf>,
+    /// Paged KV cache: the block table (int32 .npy, [batch, max_blocks_per_seq]); K/V then
+    /// hold [num_blocks, block_size, heads_kv, head_dim]. Needs --seqused-k.
+    #[arg(long, requires = "seqused_k")]
+    block_table: Option<PathBuf>,
     #[command(flatten)]
     compute: ComputeArgs,
 }
@@ -268,11 +284,27 @@ struct BenchArgs {
     json: bool,
     /// Time the backward pass (and forward + backward) instead of the forward, with the bytes
     /// the first backward call allocates (CPU only).
-    #[arg(long, conflicts_with_all = ["peers", "tiles"])]
+    #[arg(long, conflicts_with_all = ["peers", "tiles", "decode"])]
     backward: bool,
     /// Seed of the N(0,1) inputs.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Decode over a KV cache instead of the forward sweep: time, GB/s of K/V read and the
+    /// fraction of the copy bandwidth measured in the same run (CPU). Sweeps --batch
+    /// (default 4), --cache-len, --heads (default 32), --head-dim (default 128), --page-size;
+    /// --heads-kv sets the GQA group (default heads/4).
+    #[arg(long, conflicts_with_all = ["paper", "peers", "tiles", "seqlen", "seqlen_k", "causal", "no_causal"])]
+    decode: bool,
+    /// Decode: keys in each sequence's cache (comma-separated list sweeps; default 8192).
+    #[arg(long, value_delimiter = ',', requires = "decode")]
+    cache_len: Vec<usize>,
+    /// Decode: keys per block of a paged cache, 0 for a padded cache (comma-separated list
+    /// sweeps; default 0,16).
+    #[arg(long, value_delimiter = ',', requires = "decode")]
+    page_size: Vec<usize>,
+    /// Decode: new queries per sequence (speculative decoding verifies several).
+    #[arg(long, default_value_t = 1, requires = "decode")]
+    queries: usize,
     #[command(flatten)]
     compute: ComputeArgs,
 }
@@ -398,6 +430,7 @@ fn main() -> ExitCode {
                 exp2: Exp2Arg::Exact,
                 family: FamilyArg::Auto,
                 sm90_pipeline: None,
+                splits: None,
             },
         }),
         Some(Command::Run(a)) => cmd_run(a),
@@ -437,6 +470,8 @@ fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
         options: a.compute.options(),
         check_rows: a.check_rows,
         backward,
+        seqused_k: a.seqused_k,
+        block_table: a.block_table,
     };
     let summary = run(&req)?;
     if let (Some(s), Some(b)) = (summary.backward_seconds, &req.backward) {
@@ -526,6 +561,16 @@ fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
                 skipped += matches!(row.outcome, verify::Outcome::Unsupported(_)) as usize;
             }
         }
+        // Decode over padded and paged KV caches (split-KV), same seed.
+        let mut rng = fa_reference::Rng::new(seed ^ 0xdec0de);
+        for case in verify::decode_cases(&mut rng) {
+            let row =
+                verify::verify_decode_case(&backend, &case, dtype, a.out_f32, &a.compute.options());
+            outln!("{}", verify::table_row(&row));
+            total += 1;
+            failed += row.failed() as usize;
+            skipped += matches!(row.outcome, verify::Outcome::Unsupported(_)) as usize;
+        }
     }
     outln!(
         "{} passed, {failed} failed, {skipped} skipped (unsupported by the backend) of {total} cases",
@@ -591,9 +636,73 @@ fn bench_shapes(a: &BenchArgs) -> Vec<BenchShape> {
         .collect()
 }
 
+/// `fa bench --decode`: the grid of decode shapes, one row (or JSON line) each.
+fn cmd_bench_decode(a: &BenchArgs) -> Result<ExitCode, CliError> {
+    use fa_cli::decode_bench::{bench_decode, table_header, table_row, DecodeShape};
+    let backend = match a.dtype {
+        Some(d) => Backend::open_for(a.compute.backend.into(), flash_attention::DTypes::same(d))?,
+        None => Backend::open(a.compute.backend.into())?,
+    };
+    let dtype = a.dtype.unwrap_or_else(|| backend.default_dtype());
+    let cuda = backend.kind() == BackendKind::Cuda;
+    let iters = a.iters.unwrap_or(if cuda { 30 } else { 7 }).max(1);
+    let warmup = a.warmup.unwrap_or(if cuda { 5 } else { 1 });
+    let or = |v: &Vec<usize>, d: &[usize]| if v.is_empty() { d.to_vec() } else { v.clone() };
+    if !a.json {
+        outln!(
+            "fa bench --decode: {}, {} rounds of (copy, decode) after {} warm-up (medians)",
+            backend.describe(),
+            iters,
+            warmup
+        );
+        outln!("{}", table_header());
+    }
+    let mut failed = 0usize;
+    for &head_dim in &or(&a.head_dim, &[128]) {
+        for &heads in &or(&a.heads, &[32]) {
+            for &batch in &or(&a.batch, &[4]) {
+                for &cache_len in &or(&a.cache_len, &[8192]) {
+                    for &page_size in &or(&a.page_size, &[0, 16]) {
+                        let shape = DecodeShape {
+                            batch,
+                            queries: a.queries,
+                            cache_len,
+                            heads,
+                            heads_kv: a.heads_kv.unwrap_or((heads / 4).max(1)),
+                            head_dim,
+                            page_size,
+                        };
+                        let opts = a.compute.options();
+                        match bench_decode(&backend, &shape, dtype, &opts, warmup, iters, a.seed) {
+                            Ok(r) if a.json => outln!(
+                                "{}",
+                                serde_json::to_string(&r)
+                                    .map_err(|e| CliError::Usage(e.to_string()))?
+                            ),
+                            Ok(r) => outln!("{}", table_row(&r)),
+                            Err(e) => {
+                                eprintln!("error: {shape:?}: {e}");
+                                failed += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(if failed > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
 fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
     if a.backward {
         return cmd_bench_backward(a);
+    }
+    if a.decode {
+        return cmd_bench_decode(a);
     }
     let shapes = bench_shapes(a);
     let backend = match a.dtype {

@@ -283,9 +283,9 @@ pub fn header_len(prefix: &[u8]) -> Result<usize, NpyError> {
         .ok_or(NpyError::Truncated { what: "header" })
 }
 
-/// Parses the header at the start of `bytes` (which must hold at least the whole header; the
-/// data may be absent), so that a file's size can be checked before its data is read.
-pub fn read_header(bytes: &[u8]) -> Result<NpyHeader, NpyError> {
+/// The raw fields of the header at the start of `bytes`: where the data starts, the descr
+/// string and the shape (C order checked).
+fn header_fields(bytes: &[u8]) -> Result<(usize, String, Vec<usize>), NpyError> {
     let data_start = header_len(bytes)?;
     let header_start = if bytes.get(6) == Some(&1) { 10 } else { 12 };
     let header = bytes
@@ -313,6 +313,62 @@ pub fn read_header(bytes: &[u8]) -> Result<NpyHeader, NpyError> {
         Some(Value::Tuple(dims)) => dims.clone(),
         _ => return Err(NpyError::BadHeader("missing or bad 'shape'".into())),
     };
+    Ok((data_start, descr, shape))
+}
+
+/// Parses an integer `.npy` file (the `--seqused-k` lengths, a `--block-table`): int32
+/// (`<i4`, `>i4`), or int64 (`<i8`, `>i8`, NumPy's default integer) when every value fits
+/// in int32. Returns the shape and the values.
+pub fn read_npy_i32(bytes: &[u8]) -> Result<(Vec<usize>, Vec<i32>), NpyError> {
+    let (data_start, descr, shape) = header_fields(bytes)?;
+    let code = descr.trim_start_matches(['<', '|', '=']);
+    let (big, code) = match code.strip_prefix('>') {
+        Some(rest) => (true, rest),
+        None => (false, code),
+    };
+    let width = match code {
+        "i4" => 4,
+        "i8" => 8,
+        _ => {
+            return Err(NpyError::UnsupportedDtype(format!(
+                "{descr} (an index file holds int32, <i4, or int64, <i8)"
+            )))
+        }
+    };
+    let elements = shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| NpyError::BadHeader("shape overflows".into()))?;
+    let data = &bytes[data_start.min(bytes.len())..];
+    let expected = elements
+        .checked_mul(width)
+        .ok_or_else(|| NpyError::BadHeader("shape overflows".into()))?;
+    if data.len() != expected {
+        return Err(NpyError::DataLength {
+            expected,
+            found: data.len(),
+        });
+    }
+    let values = data
+        .chunks_exact(width)
+        .map(|c| {
+            let v = match (width, big) {
+                (4, false) => i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+                (4, true) => i32::from_be_bytes([c[0], c[1], c[2], c[3]]) as i64,
+                (_, false) => i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]),
+                (_, true) => i64::from_be_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]),
+            };
+            i32::try_from(v)
+                .map_err(|_| NpyError::BadHeader(format!("value {v} does not fit in int32")))
+        })
+        .collect::<Result<Vec<i32>, _>>()?;
+    Ok((shape, values))
+}
+
+/// Parses the header at the start of `bytes` (which must hold at least the whole header; the
+/// data may be absent), so that a file's size can be checked before its data is read.
+pub fn read_header(bytes: &[u8]) -> Result<NpyHeader, NpyError> {
+    let (data_start, descr, shape) = header_fields(bytes)?;
     let (dtype, order) = parse_descr(&descr)?;
     let elements = shape
         .iter()
@@ -328,6 +384,30 @@ pub fn read_header(bytes: &[u8]) -> Result<NpyHeader, NpyError> {
         shape,
         big_endian: order == Order::Big,
     })
+}
+
+/// The bytes of an int32 `.npy` file (`<i4`) of `shape` holding `values`.
+pub fn write_npy_i32(shape: &[usize], values: &[i32]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let shape = match dims.len() {
+        1 => format!("({},)", dims[0]),
+        _ => format!("({})", dims.join(", ")),
+    };
+    let mut header = format!("{{'descr': '<i4', 'fortran_order': False, 'shape': {shape}, }}");
+    // Magic (6) + version (2) + length (2) + header + newline, padded to 64 bytes.
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = Vec::with_capacity(10 + header.len() + 4 * values.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&[1, 0]);
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
 }
 
 /// Parses a whole `.npy` file.
@@ -435,6 +515,35 @@ mod tests {
             assert_eq!(t.shape, vec![2]);
             assert_eq!(t.data, Data::F32(vec![1.0, -2.0]));
         }
+    }
+
+    #[test]
+    fn int32_index_files_round_trip_and_int64_narrows() {
+        let bytes = write_npy_i32(&[2, 3], &[0, -1, 7, 2_000_000_000, 5, 6]);
+        assert_eq!(
+            read_npy_i32(&bytes).unwrap(),
+            (vec![2, 3], vec![0, -1, 7, 2_000_000_000, 5, 6])
+        );
+        let one = write_npy_i32(&[3], &[4, 5, 6]);
+        assert_eq!(read_npy_i32(&one).unwrap(), (vec![3], vec![4, 5, 6]));
+        // An int64 file narrows when its values fit, and is refused when one does not.
+        let mut wide = one.clone();
+        let at = wide.windows(3).position(|w| w == b"<i4").unwrap();
+        wide[at + 2] = b'8';
+        wide.truncate(wide.len() - 12);
+        for v in [4i64, 5, 1 << 40] {
+            wide.extend_from_slice(&v.to_le_bytes());
+        }
+        assert!(matches!(read_npy_i32(&wide), Err(NpyError::BadHeader(_))));
+        // A float file is not an index file.
+        let f = write_npy(&HostTensor {
+            shape: vec![1],
+            data: Data::F32(vec![1.0]),
+        });
+        assert!(matches!(
+            read_npy_i32(&f),
+            Err(NpyError::UnsupportedDtype(_))
+        ));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 
 use crate::tensor::Data;
 use fa_reference::{attention_f64, Element};
-use softmax_core::{Problem, ProblemDesc, Strides, Tensor};
+use softmax_core::{KvCache, Problem, ProblemDesc, Strides, Tensor};
 
 /// One sampled row of the output.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,13 +41,40 @@ fn row_typed<E: Element>(p: &Problem, q: &[E], k: &[E], v: &[E], r: RowIndex) ->
     let [qs, ks, vs, _] = p.strides();
     let hk = p.kv_head(r.head);
     let qo = p.q_offset(r.batch, r.query, r.head);
-    let ko = p.k_offset(r.batch, keys.start, hk);
-    let vo = p.v_offset(r.batch, keys.start, hk);
     // One query, one head, the visible keys: strides of the full tensors, no mask left.
     let one = |s: Strides| Strides {
         batch: 0,
         seq: s.seq,
         head: s.head,
+    };
+    // A paged cache's keys are not evenly spaced: gather the visible ones first.
+    let (kg, vg);
+    let (k, v, ko, vo, ks, vs) = if matches!(p.kv_cache(), KvCache::Paged { .. }) {
+        let (d, dv) = (p.head_dim(), p.head_dim_v());
+        kg = keys
+            .clone()
+            .flat_map(|j| {
+                let o = p.k_offset(r.batch, j, hk);
+                k[o..o + d].iter().copied()
+            })
+            .collect::<Vec<E>>();
+        vg = keys
+            .clone()
+            .flat_map(|j| {
+                let o = p.v_offset(r.batch, j, hk);
+                v[o..o + dv].iter().copied()
+            })
+            .collect::<Vec<E>>();
+        let packed = |n: usize| Strides {
+            batch: 0,
+            seq: n,
+            head: n,
+        };
+        (&kg[..], &vg[..], 0, 0, packed(d), packed(dv))
+    } else {
+        let ko = p.k_offset(r.batch, keys.start, hk);
+        let vo = p.v_offset(r.batch, keys.start, hk);
+        (k, v, ko, vo, ks, vs)
     };
     let mut desc = ProblemDesc::new(1, 1, keys.len(), 1, 1, p.head_dim())
         .head_dim_v(p.head_dim_v())

@@ -40,6 +40,115 @@ pub struct RunRequest {
     pub check_rows: usize,
     /// The backward's files, when gradients are asked for.
     pub backward: Option<crate::run_backward::BackwardFiles>,
+    /// Keys used per sequence of a KV cache (int32 `[batch]`): K/V are then a padded cache
+    /// `[batch, capacity, heads_kv, head_dim]`, or a paged one with `block_table`.
+    pub seqused_k: Option<PathBuf>,
+    /// The block table of a paged cache (int32 `[batch, max_blocks]`): K/V are then
+    /// `[num_blocks, block_size, heads_kv, head_dim]`. Needs `seqused_k`.
+    pub block_table: Option<PathBuf>,
+}
+
+/// The KV-cache tables of a run, read from their files.
+#[derive(Clone, Debug, Default)]
+pub struct CacheTables {
+    /// Keys used per sequence.
+    pub seqused_k: Vec<u32>,
+    /// Row-major `[batch, blocks_per_seq]`, empty for a padded cache.
+    pub block_table: Vec<i32>,
+    /// Columns of the block table.
+    pub blocks_per_seq: usize,
+}
+
+/// Reads `--seqused-k` (and `--block-table`) and checks their shapes against the batch.
+pub fn read_cache_tables(
+    seqused_k: &std::path::Path,
+    block_table: Option<&std::path::Path>,
+    batch: usize,
+) -> Result<CacheTables, CliError> {
+    let (shape, lens) = crate::files::read_index_file(seqused_k)?;
+    if shape.len() != 1 || shape[0] != batch {
+        return Err(CliError::Shape(format!(
+            "--seqused-k has shape {shape:?}: expected [{batch}] (one length per sequence)"
+        )));
+    }
+    let seqused_k = lens
+        .iter()
+        .map(|&l| {
+            u32::try_from(l).map_err(|_| {
+                CliError::Shape(format!("--seqused-k holds {l}: lengths are at least 0"))
+            })
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    let Some(path) = block_table else {
+        return Ok(CacheTables {
+            seqused_k,
+            ..CacheTables::default()
+        });
+    };
+    let (shape, table) = crate::files::read_index_file(path)?;
+    match *shape {
+        [b, blocks] if b == batch => Ok(CacheTables {
+            seqused_k,
+            block_table: table,
+            blocks_per_seq: blocks,
+        }),
+        _ => Err(CliError::Shape(format!(
+            "--block-table has shape {shape:?}: expected [{batch}, max_blocks_per_seq]"
+        ))),
+    }
+}
+
+/// The problem of a run over a KV cache: Q `[batch, seqlen_q, heads_q, head_dim]`; K/V a
+/// padded cache `[batch, capacity, heads_kv, head_dim]` or, with a block table, a paged one
+/// `[num_blocks, block_size, heads_kv, head_dim]`.
+pub fn cache_problem_from_shapes<'a>(
+    q: &HostTensor,
+    k: &HostTensor,
+    v: &HostTensor,
+    tables: &'a CacheTables,
+    paged: bool,
+) -> Result<ProblemDesc<'a>, CliError> {
+    if !paged {
+        return Ok(problem_from_shapes(q, k, v)?.padded_cache(&tables.seqused_k));
+    }
+    let [b, sq, hq, dq] = bshd("q", &q.shape)?;
+    let four = |name: &str, t: &HostTensor| match *t.shape {
+        [n, s, h, d] => Ok([n, s, h, d]),
+        _ => Err(CliError::Shape(format!(
+            "{name} has shape {:?}: a paged cache is [num_blocks, block_size, heads_kv, head_dim]",
+            t.shape
+        ))),
+    };
+    let [nk, bk, hk, dk] = four("k", k)?;
+    let [nv, bv, hv, dv] = four("v", v)?;
+    if (nk, bk, hk) != (nv, bv, hv) {
+        return Err(CliError::Shape(format!(
+            "k is {:?} but v is {:?}: the paged caches must match but for head_dim",
+            k.shape, v.shape
+        )));
+    }
+    if q.dtype() != k.dtype() || k.dtype() != v.dtype() {
+        return Err(CliError::Shape(format!(
+            "q, k and v must share one dtype (got q {}, k {}, v {})",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        )));
+    }
+    if dq != dk {
+        return Err(CliError::Shape(format!(
+            "q's head_dim {dq} differs from k's {dk}"
+        )));
+    }
+    Ok(ProblemDesc::new(b, sq, 0, hq, hk, dq)
+        .head_dim_v(dv)
+        .paged_cache(
+            &tables.seqused_k,
+            &tables.block_table,
+            tables.blocks_per_seq,
+            bk,
+            nk,
+        ))
 }
 
 /// What `fa run` did.
@@ -168,7 +277,20 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
     let (q, format) = read_tensor(&req.q, "q")?;
     let (k, _) = read_tensor(&req.k, "k")?;
     let (v, _) = read_tensor(&req.v, "v")?;
-    let mut desc = problem_from_shapes(&q, &k, &v)?;
+    let [batch, ..] = bshd("q", &q.shape)?;
+    let tables = match (&req.seqused_k, &req.block_table) {
+        (Some(lens), table) => Some(read_cache_tables(lens, table.as_deref(), batch)?),
+        (None, Some(_)) => {
+            return Err(CliError::Usage(
+                "--block-table needs --seqused-k (the keys each sequence uses)".into(),
+            ))
+        }
+        (None, None) => None,
+    };
+    let mut desc = match &tables {
+        Some(t) => cache_problem_from_shapes(&q, &k, &v, t, req.block_table.is_some())?,
+        None => problem_from_shapes(&q, &k, &v)?,
+    };
     let (left, right) = req.window.unwrap_or((-1, -1));
     desc.mask = Mask::from_flash_args(req.causal, left, right);
     desc.softmax_scale = req.scale;
@@ -273,7 +395,18 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
         backend: backend.describe(),
         shape: format!(
             "batch {b}, seqlen_q {sq}, seqlen_k {}, heads {hq}/{} (q/kv), head_dim {}, {}",
-            desc_seqlen_k(&desc),
+            match &desc.kv_cache {
+                softmax_core::KvCache::None => desc_seqlen_k(&desc).to_string(),
+                softmax_core::KvCache::Padded { .. } => format!(
+                    "≤ {} (padded cache, longest {})",
+                    desc_seqlen_k(&desc),
+                    problem.max_seqlen_k()
+                ),
+                softmax_core::KvCache::Paged { block_size, .. } => format!(
+                    "≤ {} (paged cache, blocks of {block_size})",
+                    problem.max_seqlen_k()
+                ),
+            },
             desc.heads_kv,
             desc.head_dim,
             q.dtype()

@@ -8,7 +8,7 @@
 
 use crate::backend::{Backend, Exp2, Options};
 use crate::tensor::{DType, Data, HostTensor};
-use fa_reference::{attention_f64, compare, poison, Case, Rng, Rounding};
+use fa_reference::{attention_f64, compare, poison, CacheLayout, Case, DecodeCase, Rng, Rounding};
 use softmax_core::{Mask, Out, ProblemError, Qkv, EXP2_CUBIC_MAX_REL_ERROR};
 
 /// One line of the verification table.
@@ -235,29 +235,50 @@ pub fn verify_case(
         },
         outcome,
     };
-    let desc = case.desc();
+    let outcome = run_and_compare(
+        backend,
+        &case.desc(),
+        [&case.q, &case.k, &case.v],
+        dtype,
+        out_dtype,
+        opts,
+    );
+    row(outcome)
+}
+
+/// Validates `desc`, runs it on the backend with the inputs converted to `dtype` (exact: they
+/// were rounded to it) and O in `out_dtype` (poisoned first), and compares O and the LSE with
+/// the f64 oracle on the same inputs.
+fn run_and_compare(
+    backend: &Backend,
+    desc: &softmax_core::ProblemDesc,
+    [q, k, v]: [&[f32]; 3],
+    dtype: DType,
+    out_dtype: DType,
+    opts: &Options,
+) -> Outcome {
     let problem = match desc.validate(softmax_core::MAX_HEAD_DIM) {
         Ok(p) => p,
-        Err(e) => return row(Outcome::Failed(e.to_string())),
+        Err(e) => return Outcome::Failed(e.to_string()),
     };
     let lens = problem.min_buffer_lens();
     let mut out = vec![0.0f32; lens.o];
     poison(&mut out);
     let tensors = (|| {
         Ok::<_, String>((
-            to_data(&case.q, dtype)?,
-            to_data(&case.k, dtype)?,
-            to_data(&case.v, dtype)?,
+            to_data(q, dtype)?,
+            to_data(k, dtype)?,
+            to_data(v, dtype)?,
             to_data(&out, out_dtype)?,
         ))
     })();
-    let (q, k, v, mut out) = match tensors {
+    let (qd, kd, vd, mut out) = match tensors {
         Ok(t) => t,
-        Err(why) => return row(Outcome::Failed(why)),
+        Err(why) => return Outcome::Failed(why),
     };
     let mut lse = vec![0.0f32; problem.lse_len()];
     poison(&mut lse);
-    let qkv = Qkv::new(q.view(), k.view(), v.view());
+    let qkv = Qkv::new(qd.view(), kd.view(), vd.view());
     match backend.forward(
         &problem,
         qkv,
@@ -266,24 +287,118 @@ pub fn verify_case(
     ) {
         Ok(_) => {}
         Err(flash_attention::Error::Problem(ProblemError::Unsupported { what })) => {
-            return row(Outcome::Unsupported(what.to_string()))
+            return Outcome::Unsupported(what.to_string())
         }
-        Err(e) => return row(Outcome::Failed(crate::CliError::from(e).to_string())),
+        Err(e) => return Outcome::Failed(crate::CliError::from(e).to_string()),
     }
-    let oracle = attention_f64(&problem, &case.q, &case.k, &case.v);
+    let oracle = attention_f64(&problem, q, k, v);
     let report = match &out {
         Data::F32(o) => compare(&problem, o, Some(&lse), &oracle),
         Data::Bf16(o) => compare(&problem, o, Some(&lse), &oracle),
         Data::F16(o) => compare(&problem, o, Some(&lse), &oracle),
     };
     let (bound, lse_bound) = bounds(dtype, opts.exp2);
-    row(Outcome::Compared {
+    Outcome::Compared {
         rel_l2: report.rel_l2,
         lse_max_abs: report.lse_max_abs,
         lse_kind_mismatches: report.lse_kind_mismatches,
         bound,
         lse_bound,
-    })
+    }
+}
+
+/// The decode cases: padded and paged KV caches (blocks of 1, 16, 64 and 256 keys, shuffled
+/// tables), lengths 0, 1 and odd, 1–4 queries, GQA 8:1 and MQA, causal, window and softcap.
+pub fn decode_cases(rng: &mut Rng) -> Vec<DecodeCase> {
+    let lens: [&[u32]; 4] = [&[0, 1, 333, 1000], &[777], &[1, 64, 256, 3], &[2049, 5]];
+    let mut v = Vec::new();
+    let shapes = [
+        // (queries, heads_q, heads_kv, head_dim, page size (0: padded))
+        (1, 32, 4, 128, 0),
+        (1, 64, 8, 128, 16),
+        (2, 8, 1, 64, 1),
+        (4, 16, 2, 96, 64),
+        (3, 4, 4, 256, 256),
+    ];
+    for (i, (sq, hq, hk, d, page)) in shapes.into_iter().enumerate() {
+        let used = lens[i % lens.len()];
+        let layout = if page == 0 {
+            CacheLayout::Padded {
+                capacity: used.iter().copied().max().unwrap_or(0) as usize + 3,
+            }
+        } else {
+            DecodeCase::paged_layout(used, page)
+        };
+        let case = DecodeCase::new(rng, used, sq, hq, hk, d, layout, Rounding::F32);
+        v.push(match i % 3 {
+            0 => case.causal(),
+            1 => case.causal().with_softcap(30.0),
+            _ => case.with_mask(Mask {
+                left: Some(100),
+                right: Some(0),
+            }),
+        });
+    }
+    v
+}
+
+/// Runs one decode case on the backend at `dtype` (output in `dtype`, or f32 when `out_f32`).
+pub fn verify_decode_case(
+    backend: &Backend,
+    case: &DecodeCase,
+    dtype: DType,
+    out_f32: bool,
+    opts: &Options,
+) -> VerifyRow {
+    let rounding = match dtype {
+        DType::Bf16 => Rounding::Bf16,
+        DType::F16 => Rounding::F16,
+        _ => Rounding::F32,
+    };
+    let mut case = case.clone();
+    for x in case.q.iter_mut().chain(&mut case.k).chain(&mut case.v) {
+        *x = rounding.apply(*x);
+    }
+    let out_dtype = if out_f32 { DType::F32 } else { dtype };
+    let layout = match case.layout {
+        CacheLayout::Padded { capacity } => format!("padded {capacity}"),
+        CacheLayout::Paged { block_size, .. } => format!("paged blk {block_size}"),
+    };
+    let lens: Vec<String> = case.seqused_k.iter().map(|l| l.to_string()).collect();
+    let shape = format!(
+        "decode q{} k[{}] h{}/{} d{} {layout}",
+        case.seqlen_q,
+        lens.join(","),
+        case.heads_q,
+        case.heads_kv,
+        case.head_dim
+    );
+    let mut mask = match (case.mask.left, case.mask.right) {
+        (None, Some(0)) => "causal".to_string(),
+        (None, None) => "none".to_string(),
+        (l, r) => format!("window({l:?},{r:?})"),
+    };
+    if let Some(c) = case.softcap {
+        mask.push_str(&format!(" cap {c:.2}"));
+    }
+    let outcome = run_and_compare(
+        backend,
+        &case.desc(),
+        [&case.q, &case.k, &case.v],
+        dtype,
+        out_dtype,
+        opts,
+    );
+    VerifyRow {
+        shape,
+        mask,
+        dtype: if out_dtype == dtype {
+            dtype.to_string()
+        } else {
+            format!("{dtype}->{out_dtype}")
+        },
+        outcome,
+    }
 }
 
 /// The table header.

@@ -879,3 +879,170 @@ fn smaller_robustness_cases() {
         "{err}"
     );
 }
+
+/// Saves a decode case's tensors (f32) and tables; returns [q, k, v], seqused_k, block_table.
+fn save_decode(dir: &Path, case: &fa_reference::DecodeCase) -> ([PathBuf; 3], PathBuf, PathBuf) {
+    use fa_reference::CacheLayout;
+    let (outer, rows) = match case.layout {
+        CacheLayout::Padded { capacity } => (case.batch, capacity),
+        CacheLayout::Paged {
+            block_size,
+            num_blocks,
+            ..
+        } => (num_blocks, block_size),
+    };
+    let tensor = |shape: Vec<usize>, data: &[f32]| HostTensor {
+        shape,
+        data: Data::F32(data.to_vec()),
+    };
+    let q = tensor(
+        vec![case.batch, case.seqlen_q, case.heads_q, case.head_dim],
+        &case.q,
+    );
+    let kv_shape = vec![outer, rows, case.heads_kv, case.head_dim];
+    let qkv = [
+        save(dir, "q.npy", &q),
+        save(dir, "k.npy", &tensor(kv_shape.clone(), &case.k)),
+        save(dir, "v.npy", &tensor(kv_shape, &case.v)),
+    ];
+    let lens: Vec<i32> = case.seqused_k.iter().map(|&l| l as i32).collect();
+    let lens_path = dir.join("lens.npy");
+    std::fs::write(&lens_path, fa_cli::npy::write_npy_i32(&[case.batch], &lens)).unwrap();
+    let table_path = dir.join("table.npy");
+    if let CacheLayout::Paged { blocks_per_seq, .. } = case.layout {
+        let bytes = fa_cli::npy::write_npy_i32(&[case.batch, blocks_per_seq], &case.block_table);
+        std::fs::write(&table_path, bytes).unwrap();
+    }
+    (qkv, lens_path, table_path)
+}
+
+#[test]
+fn run_decode_over_padded_and_paged_caches_matches_the_oracle() {
+    use fa_reference::{CacheLayout, DecodeCase, Rounding};
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(15);
+    let used = [300u32, 0, 1, 77];
+    for layout in [
+        CacheLayout::Padded { capacity: 301 },
+        DecodeCase::paged_layout(&used, 16),
+        DecodeCase::paged_layout(&used, 3),
+    ] {
+        let case = DecodeCase::new(&mut rng, &used, 2, 8, 2, 64, layout, Rounding::F32).causal();
+        let (qkv, lens, table) = save_decode(dir.path(), &case);
+        let out = dir.path().join("out.npy");
+        let lse = dir.path().join("lse.npy");
+        let paged = matches!(layout, CacheLayout::Paged { .. });
+        for splits in ["1", "3"] {
+            let mut extra = vec![
+                "--seqused-k",
+                s(&lens),
+                "--causal",
+                "--backend",
+                "cpu",
+                "--splits",
+                splits,
+                "--check-rows",
+                "16",
+                "--lse",
+                s(&lse),
+            ];
+            if paged {
+                extra.extend_from_slice(&["--block-table", s(&table)]);
+            }
+            let o = fa_run(&qkv, &out, &extra);
+            assert!(o.status.success(), "{layout:?}: {:?}", text(&o));
+            let (got, _) = read_tensor(&out, "out").unwrap();
+            let (got_lse, _) = read_tensor(&lse, "lse").unwrap();
+            assert_eq!(got.shape, vec![4, 2, 8, 64]);
+            let p = case.desc().validate(256).unwrap();
+            let oracle = fa_reference::attention_f64(&p, &case.q, &case.k, &case.v);
+            let report = fa_reference::compare(&p, &got.to_f32(), Some(&got_lse.to_f32()), &oracle);
+            assert!(
+                report.within(1e-5, 1e-4),
+                "{layout:?} splits {splits}: {report:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn run_decode_bad_tables_are_clear_errors() {
+    use fa_reference::{DecodeCase, Rounding};
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(16);
+    let used = [20u32, 5];
+    let layout = DecodeCase::paged_layout(&used, 16);
+    let mut case = DecodeCase::new(&mut rng, &used, 1, 4, 2, 32, layout, Rounding::F32);
+    case.block_table[0] = 1000;
+    let (qkv, lens, table) = save_decode(dir.path(), &case);
+    let out = dir.path().join("out.npy");
+    let o = fa_run(
+        &qkv,
+        &out,
+        &["--seqused-k", s(&lens), "--block-table", s(&table)],
+    );
+    let (_, err) = text(&o);
+    assert!(!o.status.success() && err.contains("block"), "{err}");
+    assert!(!out.exists(), "no output on error");
+    // A block table without lengths, lengths for the wrong batch.
+    let o = fa_run(&qkv, &out, &["--block-table", s(&table)]);
+    assert!(!o.status.success());
+    let short = dir.path().join("short.npy");
+    std::fs::write(&short, fa_cli::npy::write_npy_i32(&[1], &[3])).unwrap();
+    let o = fa_run(
+        &qkv,
+        &out,
+        &["--seqused-k", s(&short), "--block-table", s(&table)],
+    );
+    let (_, err) = text(&o);
+    assert!(!o.status.success() && err.contains("seqused-k"), "{err}");
+    assert!(!out.exists(), "no output on error");
+}
+
+#[test]
+fn bench_decode_json_lines_have_the_documented_keys() {
+    let o = fa(&[
+        "bench",
+        "--decode",
+        "--backend",
+        "cpu",
+        "--batch",
+        "1",
+        "--cache-len",
+        "300",
+        "--heads",
+        "4",
+        "--heads-kv",
+        "1",
+        "--head-dim",
+        "32",
+        "--page-size",
+        "0,7",
+        "--iters",
+        "2",
+        "--json",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for (line, page) in lines.iter().zip([0, 7]) {
+        for key in [
+            "time_ms_median",
+            "kv_gbps",
+            "copy_gbps",
+            "fraction_of_copy",
+            "kv_splits",
+        ] {
+            assert!(line.get(key).is_some(), "{key} missing: {line}");
+        }
+        assert_eq!(line["page_size"], page);
+        assert!(line["kv_gbps"].as_f64().unwrap() > 0.0);
+    }
+    // --decode does not mix with the forward sweep's flags.
+    let o = fa(&["bench", "--decode", "--paper"]);
+    assert!(!o.status.success());
+}

@@ -98,6 +98,18 @@ pub fn backward_scratch_bytes_per_thread(problem: &Problem, level: SimdLevel) ->
     BwdLens::new(problem, level).bytes()
 }
 
+/// What the backward runs: what the forward does ([`crate::supports`]) but KV caches (decode
+/// is inference; training inputs are plain or varlen sequences).
+pub fn supports_backward(problem: &Problem) -> Result<(), ProblemError> {
+    supports(problem)?;
+    if !matches!(problem.kv_cache(), softmax_core::KvCache::None) {
+        return Err(ProblemError::Unsupported {
+            what: "the backward takes no KV cache (padded or paged): give K and V as sequences",
+        });
+    }
+    Ok(())
+}
+
 /// Checks that a buffer of `len` elements holds `needed`.
 fn check_len(tensor: Tensor, len: usize, needed: usize) -> Result<(), ProblemError> {
     if len < needed {
@@ -132,7 +144,7 @@ fn check_len(tensor: Tensor, len: usize, needed: usize) -> Result<(), ProblemErr
 /// thread); [`backward_with_workspace`] takes the caller's.
 ///
 /// `problem` was validated by the caller. Errors, checked before anything is written (the
-/// gradients are then untouched): what [`crate::supports`] refuses; a buffer too short for
+/// gradients are then untouched): what [`supports_backward`] refuses (KV caches among them); a buffer too short for
 /// the problem (`BufferTooSmall` names Q/K/V for both an input and its gradient, O for both O
 /// and dO, Lse for the LSE); `threads == Some(0)` or above [`MAX_THREADS`]; a SIMD level this
 /// CPU lacks; scratch that cannot be allocated (`OutOfMemory`).
@@ -169,7 +181,7 @@ pub fn backward_with_workspace<T: Element, O: Element, G: Element>(
     opts: &BackwardOptions,
     ws: &mut BackwardWorkspace,
 ) -> Result<BackwardStats, ProblemError> {
-    supports(problem)?;
+    supports_backward(problem)?;
     problem.check_buffers(BufferLens {
         q: qkv.q.len(),
         k: qkv.k.len(),

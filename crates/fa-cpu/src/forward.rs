@@ -2,9 +2,11 @@
 
 use crate::arch::SimdLevel;
 use crate::dispatch::{dispatch, Isa};
+use crate::kernel::decode_task::{self, DecodeTask, Partials};
+use crate::kernel::scratch::ensure;
 use crate::kernel::{self, Ctx, ForwardTask, Scratch, ScratchLens, SharedOut, TaskStats, Tiling};
 use crate::{Element, ForwardOptions, ForwardStats, HostOut};
-use softmax_core::{BufferLens, DType, Out, Problem, ProblemError, Qkv};
+use softmax_core::{BufferLens, DType, Out, Problem, ProblemError, Qkv, RowState};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -82,13 +84,9 @@ pub fn scratch_bytes_per_thread(head_dim: usize, head_dim_v: usize, level: SimdL
 }
 
 /// Whether fa-cpu can run a validated problem (any of its dtypes), answered before any buffer
-/// is involved (what a backend choice asks); the forward calls check the same.
+/// is involved (what a backend choice asks); the forward calls check the same. Padded and
+/// paged KV caches are supported (through split-KV decode).
 pub fn supports(problem: &Problem) -> Result<(), ProblemError> {
-    if problem.has_kv_cache() {
-        return Err(ProblemError::Unsupported {
-            what: "fa-cpu does not read KV-cache layouts yet",
-        });
-    }
     problem.require_host_seqlens()
 }
 
@@ -121,6 +119,12 @@ pub fn forward_with_workspace<T: Element, O: Element>(
         }
         other => other,
     };
+    if opts.kv_splits == Some(0) {
+        return Err(ProblemError::ZeroDim { what: "kv_splits" });
+    }
+    // KV caches always take the split-KV path (the split rule gives one split where the
+    // tasks alone fill the machine); other problems only when splits are asked for.
+    let decode = problem.has_kv_cache() || opts.kv_splits.is_some();
     let tiling = Tiling::for_level(isa.level());
     let task_list = kernel::tasks(problem, &tiling)?;
     let lens = ScratchLens {
@@ -161,12 +165,92 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     }
     let workers = threads.unwrap_or_else(|| rayon::current_num_threads().max(1));
     ws.ensure_slots(workers, &tiling, lens)?;
-    let slots = &ws.slots;
 
-    // Dynamic scheduling: every worker takes the next task from one shared counter, so the
-    // workers move through the list together and read the same K/V head at the same time
-    // (shared in L3), and the heaviest causal blocks (listed first) go out first. Which
-    // worker runs a task never changes its arithmetic.
+    if !decode {
+        let stats = run_items(ws, threads, workers, task_list.len(), |scratch, i| {
+            dispatch(
+                isa,
+                ForwardTask {
+                    ctx: &ctx,
+                    task: &task_list[i],
+                    scratch,
+                },
+            )
+        });
+        return Ok(ForwardStats {
+            rescale: stats.rescale,
+            tiles_computed: stats.computed,
+            tiles_skipped: stats.skipped,
+            kv_splits: 1,
+        });
+    }
+
+    // Split-KV: every split of every task, then the combines (which read what the splits
+    // wrote, so the two phases run one after the other).
+    let plan = decode_task::plan(problem, &tiling, &task_list, opts.kv_splits)?;
+    let dv = problem.head_dim_v();
+    let mut acc = try_vec(plan.partial_rows.saturating_mul(dv), 0.0f32)?;
+    let mut states = try_vec(plan.partial_rows, RowState::new())?;
+    let partials = Partials {
+        acc: SharedOut::new(&mut acc),
+        states: SharedOut::new(&mut states),
+    };
+    let stats = run_items(ws, threads, workers, plan.splits.len(), |scratch, i| {
+        dispatch(
+            isa,
+            DecodeTask {
+                ctx: &ctx,
+                split: &plan.splits[i],
+                partials,
+                scratch,
+            },
+        )
+    });
+    let (acc, states) = (&acc[..], &states[..]);
+    run_items(ws, threads, workers, plan.combines.len(), |scratch, i| {
+        let acc_row = ensure(&mut scratch.row, dv, 0.0);
+        decode_task::combine(&ctx, &plan.combines[i], acc, states, acc_row);
+        TaskStats::default()
+    });
+    Ok(ForwardStats {
+        rescale: stats.rescale,
+        tiles_computed: stats.computed,
+        tiles_skipped: stats.skipped,
+        kv_splits: plan.max_splits,
+    })
+}
+
+/// A vector of `n` copies of `fill`, or a typed error when it cannot be allocated.
+fn try_vec<E: Clone>(n: usize, fill: E) -> Result<Vec<E>, ProblemError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| ProblemError::OutOfMemory {
+            what: "the split-KV partial results",
+            bytes: n.saturating_mul(std::mem::size_of::<E>()),
+        })?;
+    v.resize(n, fill);
+    Ok(v)
+}
+
+/// Runs `item(scratch, i)` for every `i < n` on `workers` workers (the calling thread and the
+/// workspace's pool, or rayon's global pool when `threads` is `None`) and sums what they
+/// count.
+///
+/// Dynamic scheduling: every worker takes the next item from one shared counter, so the
+/// workers move through the list together and read the same K/V head at the same time
+/// (shared in L3), and the heaviest causal blocks (listed first) go out first. Which worker
+/// runs an item never changes its arithmetic.
+fn run_items<F>(
+    ws: &Workspace,
+    threads: Option<usize>,
+    workers: usize,
+    n: usize,
+    item: F,
+) -> TaskStats
+where
+    F: Fn(&mut Scratch, usize) -> TaskStats + Sync,
+{
+    let slots = &ws.slots;
     let next = AtomicUsize::new(0);
     let totals = Mutex::new(TaskStats::default());
     // One scratch slot per worker, by the worker's number (not by the thread that runs it).
@@ -178,15 +262,10 @@ pub fn forward_with_workspace<T: Element, O: Element>(
         let mut mine = TaskStats::default();
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(task) = task_list.get(i) else { break };
-            mine = mine.add(dispatch(
-                isa,
-                ForwardTask {
-                    ctx: &ctx,
-                    task,
-                    scratch: &mut guard,
-                },
-            ));
+            if i >= n {
+                break;
+            }
+            mine = mine.add(item(&mut guard, i));
         }
         let mut t = match totals.lock() {
             Ok(g) => g,
@@ -198,6 +277,7 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     // It keeps the call at `workers` runnable threads, one wake-up fewer: with the caller
     // blocked and all workers woken, two of them could share a core while another sat idle,
     // which doubled the time of some short calls on the 2-core Xeon.
+    let workers = workers.min(n.max(1));
     match (
         threads,
         ws.pool.as_ref().and_then(|(_, pool)| pool.as_ref()),
@@ -206,15 +286,10 @@ pub fn forward_with_workspace<T: Element, O: Element>(
         (Some(_), None) => work(0),
         (None, _) => rayon::in_place_scope(|s| run_workers(s, workers, &work)),
     }
-    let stats = match totals.into_inner() {
+    match totals.into_inner() {
         Ok(s) => s,
         Err(poisoned) => poisoned.into_inner(),
-    };
-    Ok(ForwardStats {
-        rescale: stats.rescale,
-        tiles_computed: stats.computed,
-        tiles_skipped: stats.skipped,
-    })
+    }
 }
 
 /// Runs `work(0)` on the calling thread and `work(1..workers)` as jobs of the scope's pool.

@@ -20,6 +20,12 @@
 //!   ([`scratch_bytes_per_thread`]), reusable through a [`Workspace`].
 //! - [`backward`]: the gradients dQ, dK, dV with recomputation from the saved LSE, bitwise
 //!   identical for any thread count (a plain f32 implementation so far, not tuned for speed).
+//! - Decode: problems with a KV cache (padded with `seqused_k`, or paged through a block
+//!   table) run split-KV: each task's keys are cut into splits computed in parallel into
+//!   partial rows (O unnormalised + the online-softmax state), merged in split order by
+//!   `softmax_core::merge_into`; the split count comes from the problem
+//!   ([`ForwardOptions::kv_splits`] overrides it). [`append_kv`] writes new tokens into a
+//!   cache in place.
 //! - Not here yet: AMX for bf16 (bf16/f16 run through f32 FMAs).
 //!
 //! # Example
@@ -45,6 +51,7 @@
 //! # Ok::<(), softmax_core::ProblemError>(())
 //! ```
 
+mod append;
 mod arch;
 mod backward;
 mod dispatch;
@@ -52,10 +59,11 @@ mod element;
 mod forward;
 mod kernel;
 
+pub use append::append_kv;
 pub use arch::SimdLevel;
 pub use backward::{
-    backward, backward_scratch_bytes_per_thread, backward_with_workspace, BackwardInputs,
-    BackwardOptions, BackwardStats, BackwardWorkspace, HostGrads,
+    backward, backward_scratch_bytes_per_thread, backward_with_workspace, supports_backward,
+    BackwardInputs, BackwardOptions, BackwardStats, BackwardWorkspace, HostGrads,
 };
 pub use element::Element;
 pub use forward::{
@@ -107,6 +115,14 @@ pub struct ForwardOptions<'a> {
     /// The instruction set (default [`SimdLevel::Auto`]); asking for one the CPU lacks is an
     /// error.
     pub simd: SimdLevel,
+    /// Split-KV: cut each task's visible keys into this many splits (at most one per key
+    /// tile of 64–132 keys), merged afterwards by LSE (`softmax_core::merge_into`, in split
+    /// order). `None`: problems with a KV cache choose the count from the problem (enough
+    /// work items for a many-core host, at least ~256 keys per split; never from the thread
+    /// count, so results stay bitwise identical for any count); others run unsplit.
+    /// `Some(n)` forces `n` (and the split path) on any problem; results agree with the
+    /// unsplit call to rounding. `Some(0)` is an error.
+    pub kv_splits: Option<usize>,
 }
 
 impl Default for ForwardOptions<'_> {
@@ -117,6 +133,7 @@ impl Default for ForwardOptions<'_> {
             exp2: Exp2Impl::default(),
             probability_hook: None,
             simd: SimdLevel::Auto,
+            kv_splits: None,
         }
     }
 }
@@ -129,6 +146,7 @@ impl std::fmt::Debug for ForwardOptions<'_> {
             .field("exp2", &self.exp2)
             .field("probability_hook", &self.probability_hook.map(|_| "Fn"))
             .field("simd", &self.simd)
+            .field("kv_splits", &self.kv_splits)
             .finish()
     }
 }
@@ -143,6 +161,8 @@ pub struct ForwardStats {
     pub tiles_computed: u64,
     /// (row panel, key tile) pairs skipped because the mask hides them entirely.
     pub tiles_skipped: u64,
+    /// The largest number of key splits of any task (1: unsplit).
+    pub kv_splits: usize,
 }
 
 /// Exact attention forward: writes `out` (BSHD, the problem's O strides) and, if given, the

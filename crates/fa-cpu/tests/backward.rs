@@ -351,6 +351,52 @@ fn bad_input_is_a_typed_error_and_leaves_the_gradients_untouched() {
 }
 
 #[test]
+fn a_kv_cache_is_refused_and_the_gradients_stay_untouched() {
+    let mut rng = Rng::new(47);
+    let case = Case::dense(&mut rng, 2, 3, 40, 2, 1, 8);
+    let lens_used = [17u32, 40];
+    let problem = case
+        .desc()
+        .padded_cache(&lens_used)
+        .validate(256)
+        .expect("a valid padded-cache problem");
+    let lens = problem.min_buffer_lens();
+    let (o, d_o, lse) = (
+        vec![0.5f32; lens.o],
+        vec![1.0f32; lens.o],
+        vec![0.0f32; problem.lse_len()],
+    );
+    let sentinel = -3.5f32;
+    let (mut dq, mut dk, mut dv) = (
+        vec![sentinel; lens.q],
+        vec![sentinel; lens.k],
+        vec![sentinel; lens.v],
+    );
+    let err = backward(
+        &problem,
+        Qkv::new(&case.q[..], &case.k[..], &case.v[..]),
+        BackwardInputs {
+            o: &o,
+            d_o: &d_o,
+            lse: &lse,
+        },
+        Grads::new(&mut dq[..], &mut dk[..], &mut dv[..]),
+        &BackwardOptions::default(),
+    )
+    .expect_err("the backward takes no KV cache");
+    assert!(
+        matches!(err, ProblemError::Unsupported { what } if what.contains("KV cache")),
+        "{err:?}"
+    );
+    for g in [&dq, &dk, &dv] {
+        assert!(
+            g.iter().all(|&x| x == sentinel),
+            "gradients written on error"
+        );
+    }
+}
+
+#[test]
 fn short_dk_and_dv_are_errors_too() {
     let mut rng = Rng::new(47);
     let case = Case::dense(&mut rng, 1, 5, 6, 1, 1, 4);

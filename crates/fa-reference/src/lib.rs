@@ -10,6 +10,8 @@
 //! - [`Rng`]: a small seeded generator (xoshiro256**) with normal samples, so that tests draw
 //!   fresh, reproducible inputs without extra dependencies.
 //! - [`Case`]: a random problem with its owned tensors, optionally rounded to bf16/f16.
+//! - [`DecodeCase`]: a random decode problem over a padded or paged KV cache (shuffled block
+//!   table), and the same attention gathered into a packed problem without a cache.
 //! - [`compare`]: normwise and elementwise error of a backend's output against the oracle.
 //!
 //! # Example
@@ -30,8 +32,10 @@
 use softmax_core::{Mask, Problem, ProblemDesc, Strides, Tensor};
 
 mod backward;
+mod decode;
 mod rng;
 pub use backward::{attention_backward_f64, compare_grads, rel_l2_of, tensor_offsets};
+pub use decode::{CacheLayout, DecodeCase};
 pub use rng::Rng;
 
 /// Output of the oracle: O laid out as the problem's O strides say (entries outside the

@@ -36,7 +36,7 @@ impl BackendKind {
                 varlen: true,
                 gqa: true,
                 lse: true,
-                kv_cache: false,
+                kv_cache: true,
             },
             BackendKind::Cuda => Capabilities {
                 input_dtypes: &[DType::Bf16, DType::F16],
@@ -139,7 +139,7 @@ pub struct Capabilities {
     pub gqa: bool,
     /// The log-sum-exp output.
     pub lse: bool,
-    /// K/V read from a padded or paged KV cache.
+    /// K/V read from a padded or paged KV cache (decode, split-KV; [`Options::kv_splits`]).
     pub kv_cache: bool,
 }
 
@@ -177,6 +177,10 @@ pub struct Options {
     pub family: fa_cuda::KernelFamilyChoice,
     /// CUDA sm90 load pipeline instead of the plan's choice (tuning); ignored on the CPU.
     pub sm90_pipeline: Option<fa_cuda::Sm90Pipeline>,
+    /// Split-KV: the number of key splits per task (`None`: the backend's choice from the
+    /// problem; on the CPU KV-cache problems split, others do not; CUDA splits only KV-cache
+    /// problems). Results agree with the unsplit call to rounding.
+    pub kv_splits: Option<usize>,
 }
 
 /// What a forward call reported; fields a backend does not measure are `None`.
@@ -189,6 +193,8 @@ pub struct ForwardStats {
     pub tiles_skipped: Option<u64>,
     /// CPU: rescale decisions.
     pub rescale: Option<softmax_core::RescaleStats>,
+    /// CPU: the largest number of key splits of any task (1: unsplit).
+    pub kv_splits: Option<usize>,
     /// CUDA: NVRTC compile time in milliseconds, when this call compiled the kernel.
     pub compile_ms: Option<f64>,
     /// CUDA: where the kernel came from (compiled now, the disk cache, the process cache).
@@ -528,6 +534,7 @@ fn cuda_options(opts: &Options) -> fa_cuda::ForwardOptions {
         tiles: opts.tiles,
         family: opts.family,
         sm90_pipeline: opts.sm90_pipeline,
+        splits: opts.kv_splits.map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
         ..fa_cuda::ForwardOptions::default()
     }
 }
@@ -573,6 +580,7 @@ fn cpu_forward(
             Exp2::Cubic => fa_cpu::Exp2Impl::Cubic,
         },
         rescale: opts.rescale,
+        kv_splits: opts.kv_splits,
         ..Default::default()
     };
     let Out { o, lse } = out;
@@ -595,8 +603,39 @@ fn cpu_forward(
         tiles_computed: Some(stats.tiles_computed),
         tiles_skipped: Some(stats.tiles_skipped),
         rescale: Some(stats.rescale),
+        kv_splits: Some(stats.kv_splits),
         ..ForwardStats::default()
     })
+}
+
+/// Writes new keys and values into a KV cache in host memory at each sequence's position
+/// (see [`softmax_core::AppendDesc`]; padded or paged), in place, whatever backend then reads
+/// it. The cache and the new tokens share one dtype (f32, bf16 or f16). Buffer lengths are
+/// checked before anything is written: on error the cache is untouched. The lengths are not
+/// changed: add `seqlen_new` to `seqused_k` for the attention call that follows.
+pub fn append_kv(
+    append: &softmax_core::Append,
+    k_new: TensorRef<'_>,
+    v_new: TensorRef<'_>,
+    k_cache: TensorMut<'_>,
+    v_cache: TensorMut<'_>,
+) -> Result<(), Error> {
+    use TensorMut as M;
+    use TensorRef as R;
+    match (k_new, v_new, k_cache, v_cache) {
+        (R::F32(k), R::F32(v), M::F32(kc), M::F32(vc)) => fa_cpu::append_kv(append, k, v, kc, vc)?,
+        (R::Bf16(k), R::Bf16(v), M::Bf16(kc), M::Bf16(vc)) => {
+            fa_cpu::append_kv(append, k, v, kc, vc)?
+        }
+        (R::F16(k), R::F16(v), M::F16(kc), M::F16(vc)) => fa_cpu::append_kv(append, k, v, kc, vc)?,
+        _ => {
+            return Err(ProblemError::Unsupported {
+                what: "the cache and the new keys and values must share one dtype",
+            }
+            .into())
+        }
+    }
+    Ok(())
 }
 
 /// [`check_kind`] for the crate's tests: the CUDA rules without a device.

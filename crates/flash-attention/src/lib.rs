@@ -45,12 +45,15 @@ pub mod shapes;
 pub mod tensor;
 
 pub use backend::{
-    warmup, Backend, BackendChoice, BackendKind, Capabilities, DTypes, Error, Exp2, ForwardStats,
-    Options, OutputDTypes,
+    append_kv, warmup, Backend, BackendChoice, BackendKind, Capabilities, DTypes, Error, Exp2,
+    ForwardStats, Options, OutputDTypes,
 };
 pub use backward::{BackwardInputs, BackwardStats};
 pub use fa_cuda::{KernelFamilyChoice, KernelOrigin, PrecompileReport, Sm90Pipeline, Tiles};
-pub use softmax_core::{DType, Grads, Out, Problem, ProblemDesc, ProblemError, Qkv, RescalePolicy};
+pub use softmax_core::{
+    Append, AppendDesc, DType, Grads, KvCache, Out, Problem, ProblemDesc, ProblemError, Qkv,
+    RescalePolicy,
+};
 pub use tensor::{TensorMut, TensorRef};
 
 #[cfg(test)]
@@ -122,17 +125,109 @@ mod tests {
             .padded_cache(&cache)
             .validate(256)
             .expect("valid");
-        // fa-cuda's decode family takes KV caches; fa-cpu does not yet.
-        let what = unsupported(backend::check_kind_for_tests(
-            BackendKind::Cpu,
-            &cached,
-            DTypes::same(DType::Bf16),
-        ));
-        assert!(what.contains("KV-cache"), "{what}");
-        assert_eq!(
-            backend::check_kind_for_tests(BackendKind::Cuda, &cached, DTypes::same(DType::Bf16)),
-            Ok(())
+        // Both backends read KV caches (split-KV decode).
+        for kind in [BackendKind::Cpu, BackendKind::Cuda] {
+            assert!(kind.capabilities().kv_cache);
+            assert_eq!(
+                backend::check_kind_for_tests(kind, &cached, DTypes::same(DType::Bf16)),
+                Ok(())
+            );
+        }
+    }
+
+    #[test]
+    fn cpu_decode_over_a_paged_cache_and_append_match_fa_cpu() {
+        // 2 sequences, 1 query each, 4 query / 2 KV heads, dim 8, blocks of 4 keys.
+        let used = [6u32, 3];
+        let table = [2i32, 0, -1, 1, 3, -1];
+        let (blocks, block_size, row) = (4, 4, 2 * 8);
+        let cache_len = blocks * block_size * row;
+        let mut k: Vec<f32> = (0..cache_len).map(|i| (i as f32 * 0.13).sin()).collect();
+        let mut v: Vec<f32> = (0..cache_len).map(|i| (i as f32 * 0.07).cos()).collect();
+        // Append one token to each sequence, then attend over the grown cache.
+        let append = softmax_core::AppendDesc::new(
+            softmax_core::KvCache::Paged {
+                seqused_k: &used,
+                block_table: &table,
+                blocks_per_seq: 3,
+                block_size,
+                num_blocks: blocks,
+            },
+            0,
+            1,
+            2,
+            8,
+        )
+        .validate()
+        .expect("valid");
+        let k_new: Vec<f32> = (0..2 * row).map(|i| i as f32).collect();
+        let v_new: Vec<f32> = (0..2 * row).map(|i| -(i as f32)).collect();
+        let bf: Vec<bf16> = k_new.iter().map(|&x| bf16::from_f32(x)).collect();
+        let e = crate::append_kv(
+            &append,
+            TensorRef::from(&bf),
+            TensorRef::from(&v_new),
+            TensorMut::from(&mut k),
+            TensorMut::from(&mut v),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, Error::Problem(ProblemError::Unsupported { .. })),
+            "{e:?}"
         );
+        let before = k.clone();
+        crate::append_kv(
+            &append,
+            TensorRef::from(&k_new),
+            TensorRef::from(&v_new),
+            TensorMut::from(&mut k),
+            TensorMut::from(&mut v),
+        )
+        .expect("append");
+        // Sequence 0's token 6 is row 2 of its second block (block 0).
+        assert_eq!(&k[2 * row..3 * row], &k_new[..row]);
+        assert_eq!(
+            k.iter().zip(&before).filter(|(a, b)| a != b).count(),
+            2 * row
+        );
+        let grown = [7u32, 4];
+        let p = ProblemDesc::new(2, 1, 0, 4, 2, 8)
+            .causal()
+            .paged_cache(&grown, &table, 3, block_size, blocks)
+            .validate(256)
+            .expect("valid");
+        let q: Vec<f32> = (0..2 * 4 * 8).map(|i| (i as f32 * 0.29).cos()).collect();
+        let mut direct = vec![0.0f32; 2 * 4 * 8];
+        let fopts = fa_cpu::ForwardOptions {
+            kv_splits: Some(2),
+            ..Default::default()
+        };
+        fa_cpu::forward(
+            &p,
+            Qkv::new(&q[..], &k[..], &v[..]),
+            Out::new(&mut direct[..]),
+            &fopts,
+        )
+        .expect("runs");
+        let mut o = vec![f32::NAN; 2 * 4 * 8];
+        let stats = Backend::cpu()
+            .forward(
+                &p,
+                Qkv::new(
+                    TensorRef::from(&q),
+                    TensorRef::from(&k),
+                    TensorRef::from(&v),
+                ),
+                Out::new(TensorMut::from(&mut o)),
+                &Options {
+                    kv_splits: Some(2),
+                    ..Options::default()
+                },
+            )
+            .expect("runs");
+        assert_eq!(o, direct);
+        // At most one split per key tile: 7 keys are one tile, so the call ran unsplit.
+        assert_eq!(stats.kv_splits, Some(1));
     }
 
     #[test]

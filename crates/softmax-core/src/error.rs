@@ -25,6 +25,10 @@ pub enum Tensor {
     CuSeqlensQ,
     /// The key prefix sums of a packed batch (`cu_seqlens_k`).
     CuSeqlensK,
+    /// New keys appended to a KV cache.
+    KNew,
+    /// New values appended to a KV cache.
+    VNew,
 }
 
 impl fmt::Display for Tensor {
@@ -39,6 +43,8 @@ impl fmt::Display for Tensor {
             Tensor::BlockTable => "block_table",
             Tensor::CuSeqlensQ => "cu_seqlens_q",
             Tensor::CuSeqlensK => "cu_seqlens_k",
+            Tensor::KNew => "k_new",
+            Tensor::VNew => "v_new",
         })
     }
 }

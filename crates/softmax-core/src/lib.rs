@@ -62,6 +62,7 @@
 #[cfg(feature = "std")]
 extern crate std;
 
+pub mod append;
 pub mod dtype;
 pub mod error;
 pub mod exp2;
@@ -73,6 +74,7 @@ pub mod rescale;
 pub mod score;
 pub mod tensors;
 
+pub use append::{Append, AppendDesc, AppendLens};
 pub use dtype::DType;
 pub use error::{ProblemError, Tensor};
 pub use exp2::{exp2_cubic, EXP2_CUBIC, EXP2_CUBIC_MAX_REL_ERROR};

@@ -447,7 +447,7 @@ impl<'a> ProblemDesc<'a> {
             extent(outer, seq_q, self.heads_q, self.head_dim_v, &o)?,
         ];
         // Inputs may alias themselves (broadcast views are fine to read); the output may not.
-        check_no_overlap(outer, seq_q, self.heads_q, self.head_dim_v, &o)?;
+        check_no_overlap(Tensor::O, outer, seq_q, self.heads_q, self.head_dim_v, &o)?;
         Ok(Problem {
             sequences: self.sequences,
             batch,
@@ -580,7 +580,7 @@ fn check_prefix_sums(cu: &[u32], tensor: Tensor) -> Result<usize, ProblemError> 
 }
 
 /// Elements a tensor spans: the last element's offset plus one (0 if it is empty).
-fn extent(
+pub(crate) fn extent(
     outer: usize,
     seq: usize,
     heads: usize,
@@ -602,9 +602,10 @@ fn extent(
         .ok_or(ProblemError::Overflow)
 }
 
-/// Rejects output strides under which two elements share an address: sorted by stride, each
-/// dimension's stride must be at least the span of all smaller ones.
-fn check_no_overlap(
+/// Rejects strides of a written tensor under which two elements share an address: sorted by
+/// stride, each dimension's stride must be at least the span of all smaller ones.
+pub(crate) fn check_no_overlap(
+    tensor: Tensor,
     outer: usize,
     seq: usize,
     heads: usize,
@@ -624,7 +625,7 @@ fn check_no_overlap(
         }
         if stride < span {
             return Err(ProblemError::StrideTooSmall {
-                tensor: Tensor::O,
+                tensor,
                 what,
                 stride,
                 min: span,

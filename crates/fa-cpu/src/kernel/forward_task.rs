@@ -6,6 +6,7 @@
 use super::mask::{mask_panel, MAX_PANEL};
 use super::micro::{on_live_vectors, pv_micro, qk_micro};
 use super::pack::{pack_group, prefetch_row, transpose_region, widen, ROW_PREFETCH_AHEAD};
+use super::rows::{row_pv, row_scores};
 use super::scratch::{ensure, ensure_aligned, Scratch, SharedOut};
 use super::softmax::{softcap_slice, softmax_panel};
 use super::tiling::{Task, Tiling};
@@ -13,7 +14,7 @@ use crate::arch::{Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::Element;
 use crate::Exp2Impl;
-use softmax_core::{Mask, Problem, RescalePolicy, RescaleStats, RowState, TileKind};
+use softmax_core::{KvCache, Mask, Problem, RescalePolicy, RescaleStats, RowState, TileKind};
 use std::ops::Range;
 
 /// What one task counted.
@@ -80,8 +81,30 @@ impl<T: Element, O: Element> SimdTask for ForwardTask<'_, '_, T, O> {
         // SAFETY: A available and the const generics A's (caller); the context comes from
         // `forward_with_workspace`, which validated the problem, checked the buffers and took
         // the tiling of A's level.
-        unsafe { run_task::<A, T, O, QK, NR, PV>(self.ctx, self.task, self.scratch) }
+        let keys = 0..self.ctx.problem.seq(self.task.batch).seqlen_k;
+        // SAFETY: as above; the key range is the whole sequence.
+        unsafe {
+            run_task::<A, T, O, QK, NR, PV>(self.ctx, self.task, keys, Sink::Final, self.scratch)
+        }
     }
+}
+
+/// Where a task's finished rows go.
+#[derive(Clone, Copy)]
+pub(crate) enum Sink {
+    /// Normalised into O (and the LSE): the task covered every key its rows see.
+    Final,
+    /// Unnormalised into a split-KV partial buffer, for the combine (`merge_into`): row `r`
+    /// of the task at `first_row + r` of `states`, its accumulator at `(first_row + r)·dv`
+    /// of `acc`.
+    Partial {
+        /// The partial row of the task's row 0.
+        first_row: usize,
+        /// `rows × dv` accumulators.
+        acc: SharedOut<f32>,
+        /// One online-softmax state per row.
+        states: SharedOut<RowState<f32>>,
+    },
 }
 
 /// A task's sizes, fixed for the whole task.
@@ -103,30 +126,113 @@ struct Dims {
     bc: usize,
     /// Rows per panel (`W·NR`).
     panel: usize,
+    /// Whether the task holds at most one row vector of rows (decode): then Q, K, V and O stay
+    /// row-major and the row micro-kernels ([`super::rows`]) run instead of the panel ones.
+    few: bool,
+    /// `d` padded to whole vectors (row-major Q and K rows).
+    d_w: usize,
+    /// `dv` padded to whole vectors (row-major V rows and O accumulators).
+    dv_w: usize,
     /// The sequence's query and key lengths.
     sq: usize,
     /// See `sq`.
     sk: usize,
 }
 
-/// Where the task's K and V rows are: row `j` of the sequence at `base + j·seq` (offsets are
-/// linear in the key index: `k_offset(b, j, h) = k_offset(b, 0, h) + j·seq_stride`).
+/// Where the task's K and V rows are: key `j` of the sequence at `base + j·seq`, or, in a
+/// paged cache, at `base + block·block_stride + (j % block_size)·seq` with `block` read from
+/// the sequence's row of the block table. [`KvRows::offsets`] lists a run of keys' offsets
+/// once per tile (one division per run, not per key), for packing and prefetching alike.
 #[derive(Clone, Copy)]
-struct KvRows {
+struct KvRows<'a> {
     k_base: usize,
     v_base: usize,
     k_seq: usize,
     v_seq: usize,
+    pages: Option<Pages<'a>>,
 }
 
-/// Runs one task: packs Qᵀ, streams the key tiles the mask leaves, writes O and the LSE.
+/// The paging of a KV cache, for one sequence.
+#[derive(Clone, Copy)]
+struct Pages<'a> {
+    /// The sequence's row of the block table (validated for every used key).
+    table: &'a [i32],
+    block_size: usize,
+    k_block: usize,
+    v_block: usize,
+}
+
+impl<'a> KvRows<'a> {
+    /// The rows of KV head `head_kv` of sequence `b`.
+    fn new(p: &'a Problem<'a>, b: usize, head_kv: usize) -> Self {
+        let [_, ks, vs, _] = p.strides();
+        match p.kv_cache() {
+            KvCache::Paged {
+                block_table,
+                blocks_per_seq,
+                block_size,
+                ..
+            } => KvRows {
+                k_base: head_kv * ks.head,
+                v_base: head_kv * vs.head,
+                k_seq: ks.seq,
+                v_seq: vs.seq,
+                pages: Some(Pages {
+                    table: &block_table[b * blocks_per_seq..(b + 1) * blocks_per_seq],
+                    block_size,
+                    k_block: ks.batch,
+                    v_block: vs.batch,
+                }),
+            },
+            _ => KvRows {
+                k_base: p.k_offset(b, 0, head_kv),
+                v_base: p.v_offset(b, 0, head_kv),
+                k_seq: ks.seq,
+                v_seq: vs.seq,
+                pages: None,
+            },
+        }
+    }
+
+    /// Writes the K and V offsets of keys `j0..j0 + k.len()` into `k` and `v`.
+    #[inline(always)]
+    fn offsets(&self, j0: usize, k: &mut [usize], v: &mut [usize]) {
+        match self.pages {
+            None => {
+                for (j, (ko, vo)) in k.iter_mut().zip(v.iter_mut()).enumerate() {
+                    *ko = self.k_base + (j0 + j) * self.k_seq;
+                    *vo = self.v_base + (j0 + j) * self.v_seq;
+                }
+            }
+            Some(pages) => {
+                let (mut slot, mut r) = (j0 / pages.block_size, j0 % pages.block_size);
+                for (ko, vo) in k.iter_mut().zip(v.iter_mut()) {
+                    // Validated: used keys' blocks are blocks of the cache (non-negative).
+                    let block = pages.table.get(slot).map_or(0, |&b| b.max(0) as usize);
+                    *ko = self.k_base + block * pages.k_block + r * self.k_seq;
+                    *vo = self.v_base + block * pages.v_block + r * self.v_seq;
+                    r += 1;
+                    if r == pages.block_size {
+                        (slot, r) = (slot + 1, 0);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Runs one task over the keys `keys` of its sequence (all of them for the forward pass, one
+/// split's for split-KV decode; `keys.start` a multiple of the key tile): packs Qᵀ, streams
+/// the key tiles the mask leaves, and hands the rows to `sink` (O and the LSE, or a partial
+/// buffer).
 ///
 /// # Safety
 /// S's architecture must be available; the const generics must match the tiling
 /// (`QMR == tiling.qk_keys`, `NR == tiling.row_vectors`, `VMR == tiling.pv_channels`,
-/// `S::W == tiling.lanes`); the context's problem validated and buffers checked.
+/// `S::W == tiling.lanes`); the context's problem validated and buffers checked;
+/// `keys.end ≤` the sequence's key count; a partial sink's buffers hold the task's rows.
 #[inline(always)]
-unsafe fn run_task<
+pub(crate) unsafe fn run_task<
     S: Simd,
     T: Element,
     O: Element,
@@ -136,6 +242,8 @@ unsafe fn run_task<
 >(
     ctx: &Ctx<'_, T, O>,
     task: &Task,
+    keys: Range<usize>,
+    sink: Sink,
     scratch: &mut Scratch,
 ) -> TaskStats {
     let p = ctx.problem;
@@ -156,10 +264,21 @@ unsafe fn run_task<
         br: tiling.padded_rows(rows),
         bc: tiling.keys_for(d, dv, !p.mask().is_none()),
         panel,
+        few: rows <= S::W,
+        d_w: d.div_ceil(S::W) * S::W,
+        dv_w: dv.div_ceil(S::W) * S::W,
         sq: seq.seqlen_q,
         sk: seq.seqlen_k,
     };
-    let Dims { br, bc, sk, .. } = dims;
+    let Dims {
+        br,
+        bc,
+        sk,
+        few,
+        d_w,
+        dv_w,
+        ..
+    } = dims;
     let mut stats = TaskStats::default();
 
     let Scratch {
@@ -173,43 +292,85 @@ unsafe fn run_task<
         corr,
         states,
         kinds,
+        kv_offsets,
     } = scratch;
-    let qt = ensure_aligned(qt, d * br);
-    let ot = ensure_aligned(ot, dv_pad * br);
+    // The row-major layouts of the few-rows path fit the same buffers (see `Scratch`).
+    let qt = ensure_aligned(qt, (d * br).max(S::W * d_w));
+    let ot = ensure_aligned(ot, (dv_pad * br).max(S::W * dv_w));
     let st = ensure_aligned(st, bc * panel);
-    let kt = ensure_aligned(kt, bc * d);
-    let vt = ensure_aligned(vt, bc * dims.v_stride);
+    let kt = ensure_aligned(kt, bc * d_w);
+    let vt = ensure_aligned(vt, bc * dims.v_stride.max(dv_w));
     let row = ensure_aligned(row, panel * d.max(dv));
     let corr = ensure(corr, br, 1.0);
     let states = ensure(states, br, RowState::new());
+    // K and V offsets of this tile's keys and the next's: [K | V] × [this | next].
+    let kv_offsets = ensure(kv_offsets, 4 * bc, 0);
+    let (k_offs, v_offs) = kv_offsets.split_at_mut(2 * bc);
     ot.fill(0.0);
     states.fill(RowState::new());
 
     let transform = p.score_transform::<f32>();
     let (pre, post) = (transform.pre_factor(), transform.softcap_post_factor());
-    // SAFETY: S available (caller); `qt` and `row` sized above.
-    unsafe { pack_q::<S, T, O>(ctx, task, &dims, pre, qt, row) };
+    if few {
+        // Row-major Q rows, pre-multiplied like Qᵀ, zero-padded to `d_w`.
+        for r in 0..rows {
+            let (head, i) = task.row(r);
+            let dst = &mut qt[r * d_w..(r + 1) * d_w];
+            // SAFETY: S available (caller); the offset is inside the checked buffer.
+            unsafe { widen::<S, T>(ctx.q, p.q_offset(task.batch, i, head), d, dst) };
+            dst[d..].fill(0.0);
+            dst.iter_mut().for_each(|x| *x *= pre);
+        }
+    } else {
+        // SAFETY: S available (caller); `qt` and `row` sized above.
+        unsafe { pack_q::<S, T, O>(ctx, task, &dims, pre, qt, row) };
+    }
 
-    let [_, k_strides, v_strides, _] = p.strides();
-    let kv = KvRows {
-        k_base: p.k_offset(task.batch, 0, task.head_kv),
-        v_base: p.v_offset(task.batch, 0, task.head_kv),
-        k_seq: k_strides.seq,
-        v_seq: v_strides.seq,
-    };
+    let kv = KvRows::new(p, task.batch, task.head_kv);
     let mask = p.mask();
     let q_rows = task.i0..task.i0 + task.len;
-    let total_tiles = sk.div_ceil(bc) as u64;
-    let tiles = mask.key_tile_range(q_rows.clone(), bc, dims.sq, sk);
+    let end = keys.end.min(sk);
+    let first_tile = keys.start / bc;
+    let total_tiles = (end.div_ceil(bc).saturating_sub(first_tile)) as u64;
+    let visible = mask.key_tile_range(q_rows.clone(), bc, dims.sq, sk);
+    let tiles = visible.start.max(first_tile)..visible.end.min(end.div_ceil(bc));
     for tile in tiles.clone() {
         let j0 = tile * bc;
-        let nk = bc.min(sk - j0);
+        let nk = bc.min(end - j0);
         let kind = mask.classify_tile(q_rows.clone(), j0..j0 + nk, dims.sq, sk);
         if kind == TileKind::Empty {
             continue;
         }
-        // SAFETY: S available (caller); `kt`, `vt` and `row` sized above for `bc` keys.
-        unsafe { pack_kv_tile::<S, T, O, QMR>(ctx, &dims, &kv, j0, nk, kt, vt, row) };
+        let next_rows = if tile + 1 < tiles.end {
+            bc.min(end.saturating_sub(j0 + bc))
+        } else {
+            0
+        };
+        kv.offsets(
+            j0,
+            &mut k_offs[..nk + next_rows],
+            &mut v_offs[..nk + next_rows],
+        );
+        if few {
+            // Row-major K and V rows, zero-padded to whole vectors.
+            for j in 0..nk {
+                let (kr, vr) = (
+                    &mut kt[j * d_w..(j + 1) * d_w],
+                    &mut vt[j * dv_w..(j + 1) * dv_w],
+                );
+                // SAFETY: S available (caller); the offsets are rows of the checked buffers.
+                unsafe {
+                    widen::<S, T>(ctx.k, k_offs[j], d, kr);
+                    widen::<S, T>(ctx.v, v_offs[j], dv, vr);
+                }
+                kr[d..].fill(0.0);
+                vr[dv..].fill(0.0);
+            }
+        } else {
+            // SAFETY: S available (caller); `kt`, `vt` and `row` sized above for `bc` keys;
+            // the offsets are those of keys j0..j0 + nk.
+            unsafe { pack_kv_tile::<S, T, O, QMR>(ctx, &dims, k_offs, v_offs, nk, kt, vt, row) };
+        }
         let kinds = ensure(kinds, br / panel, TileKind::Full);
         classify_panels(kinds, &mask, task, &dims, kind, j0..j0 + nk);
 
@@ -220,18 +381,18 @@ unsafe fn run_task<
         // Meanwhile the next tile's K and V rows are prefetched, a few rows per PV micro-kernel
         // call: rows are a head stride apart, too far for the hardware prefetchers, and a
         // burst of prefetches would stall on the miss queue.
-        let next_rows = if tile + 1 < tiles.end {
-            bc.min(sk.saturating_sub(j0 + bc))
-        } else {
-            0
-        };
         let live_panels = kinds.iter().filter(|&&k| k != TileKind::Empty).count();
         stats.computed += live_panels as u64;
         let mut prefetch = NextTile {
-            first: j0 + bc,
+            k_offs: &k_offs[nk..nk + next_rows],
+            v_offs: &v_offs[nk..nk + next_rows],
             rows: next_rows,
             total: 2 * next_rows,
-            calls: live_panels * (dv_pad / VMR),
+            calls: if few {
+                live_panels * rows
+            } else {
+                live_panels * (dv_pad / VMR)
+            },
             done: 0,
             call: 0,
         };
@@ -246,9 +407,20 @@ unsafe fn run_task<
             // the other vectors are set to 0, what padding rows' zero queries gave before, so
             // the softmax and the hook see the same values.
             let live = (rows - rv0).min(panel).div_ceil(S::W);
-            // SAFETY: S available (caller); rv0 is a panel of `br`; the buffers sized above.
-            unsafe {
-                panel_scores::<S, QMR, NR>(&dims, qt, kt, st, rv0, nk, live, post);
+            if few {
+                // SAFETY: S available (caller); qt holds `rows` rows of d_w, kt nk rows of
+                // d_w, st nk rows of `panel`.
+                unsafe { row_scores::<S>(qt, kt, d_w, rows, nk, st, panel) };
+                if let Some(post) = post {
+                    // SAFETY: nk·panel is a multiple of W; st holds bc·panel.
+                    unsafe { softcap_slice::<S>(st.as_mut_ptr(), nk * panel, post) };
+                }
+            } else {
+                // SAFETY: S available (caller); rv0 is a panel of `br`; the buffers sized
+                // above.
+                unsafe {
+                    panel_scores::<S, QMR, NR>(&dims, qt, kt, st, rv0, nk, live, post);
+                }
             }
             if kind == TileKind::Partial {
                 // SAFETY: as above.
@@ -274,12 +446,21 @@ unsafe fn run_task<
                 // SAFETY: S available (caller); `st` holds nk rows of `panel` floats.
                 unsafe { run_hook::<S>(hook, probs, st, panel, nk) };
             }
+            if few {
+                for r in 0..rows {
+                    let o = &mut ot[r * dv_w..(r + 1) * dv_w];
+                    // SAFETY: S available (caller); vt holds nk rows of dv_w, st nk rows of
+                    // `panel > r`, o dv_w floats.
+                    unsafe { row_pv::<S>(st, panel, r, vt, dv_w, nk, corr[r], o) };
+                    prefetch.after_call::<S, T, O>(ctx, &dims);
+                }
+                continue;
+            }
             // SAFETY: S available (caller); the buffers sized above.
             unsafe {
                 panel_pv::<S, T, O, VMR, NR>(
                     ctx,
                     &dims,
-                    &kv,
                     st,
                     vt,
                     ot,
@@ -294,8 +475,18 @@ unsafe fn run_task<
     }
     stats.skipped = total_tiles * rows.div_ceil(panel) as u64 - stats.computed;
 
-    // SAFETY: S available (caller); `ot` and `row` sized above, `states` holds `br` rows.
-    unsafe { write_back::<S, T, O>(ctx, task, &dims, ot, row, states) };
+    match sink {
+        // SAFETY: S available (caller); `ot` and `row` sized above, `states` holds `br` rows.
+        Sink::Final => unsafe { write_back::<S, T, O>(ctx, task, &dims, ot, row, states) },
+        Sink::Partial {
+            first_row,
+            acc,
+            states: out_states,
+        } => {
+            // SAFETY: as above; the partial buffers hold the task's rows (caller).
+            unsafe { write_partial::<S>(&dims, first_row, acc, out_states, ot, row, states) }
+        }
+    }
     stats
 }
 
@@ -344,21 +535,21 @@ unsafe fn pack_q<S: Simd, T: Element, O>(
     }
 }
 
-/// Packs keys `j0..j0 + nk` of K and V as f32, QMR keys at a time. A group's K rows are
-/// widened into `row` and transposed into `[c][QMR]` (key j of group g at `g·d·QMR + c·QMR +
-/// j % QMR`), zero keys after the last; V rows go straight to their place (stride
-/// `v_stride`, zeros after `dv`).
+/// Packs the `nk` keys whose K and V rows start at `k_offs` and `v_offs` as f32, QMR keys at
+/// a time. A group's K rows are widened into `row` and transposed into `[c][QMR]` (key j of
+/// group g at `g·d·QMR + c·QMR + j % QMR`), zero keys after the last; V rows go straight to
+/// their place (stride `v_stride`, zeros after `dv`).
 ///
 /// # Safety
 /// S available; `kt` holds `bc·d` floats, `vt` `bc·v_stride`, `row` at least `QMR·d`;
-/// `nk ≤ bc`; the context's buffers checked.
+/// `nk ≤ bc`, the offsets hold `nk` rows inside the context's checked buffers.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn pack_kv_tile<S: Simd, T: Element, O, const QMR: usize>(
     ctx: &Ctx<'_, T, O>,
     dims: &Dims,
-    kv: &KvRows,
-    j0: usize,
+    k_offs: &[usize],
+    v_offs: &[usize],
     nk: usize,
     kt: &mut [f32],
     vt: &mut [f32],
@@ -376,8 +567,7 @@ unsafe fn pack_kv_tile<S: Simd, T: Element, O, const QMR: usize>(
         let in_group = nk.saturating_sub(g * QMR).min(QMR);
         for l in 0..in_group {
             let j = g * QMR + l;
-            let ko = kv.k_base + (j0 + j) * kv.k_seq;
-            let vo = kv.v_base + (j0 + j) * kv.v_seq;
+            let (ko, vo) = (k_offs[j], v_offs[j]);
             // SAFETY: S available; offsets inside the checked buffers.
             unsafe {
                 widen::<S, T>(ctx.k, ko, d, &mut row[l * d..]);
@@ -541,9 +731,11 @@ unsafe fn run_hook<S: Simd>(
 
 /// The prefetch of the next key tile's K and V rows, spread over a tile's PV micro-kernel
 /// calls: `total` rows (K's then V's) over `calls` calls.
-struct NextTile {
-    /// The next tile's first key.
-    first: usize,
+struct NextTile<'o> {
+    /// Offsets of the next tile's K rows.
+    k_offs: &'o [usize],
+    /// Offsets of the next tile's V rows.
+    v_offs: &'o [usize],
     /// Keys in the next tile (0: no next tile).
     rows: usize,
     /// Rows to prefetch in all (`2·rows`: K, then V).
@@ -556,23 +748,18 @@ struct NextTile {
     call: usize,
 }
 
-impl NextTile {
+impl NextTile<'_> {
     /// Counts one PV call and prefetches the rows due by then.
     #[inline(always)]
-    fn after_call<S: Simd, T: Element, O>(
-        &mut self,
-        ctx: &Ctx<'_, T, O>,
-        dims: &Dims,
-        kv: &KvRows,
-    ) {
+    fn after_call<S: Simd, T: Element, O>(&mut self, ctx: &Ctx<'_, T, O>, dims: &Dims) {
         self.call += 1;
         let target = self.call * self.total / self.calls.max(1);
         while self.done < target {
-            let j = self.first + self.done % self.rows;
+            let j = self.done % self.rows;
             if self.done < self.rows {
-                prefetch_row::<S, T>(ctx.k, kv.k_base + j * kv.k_seq, dims.d);
+                prefetch_row::<S, T>(ctx.k, self.k_offs[j], dims.d);
             } else {
-                prefetch_row::<S, T>(ctx.v, kv.v_base + j * kv.v_seq, dims.dv);
+                prefetch_row::<S, T>(ctx.v, self.v_offs[j], dims.dv);
             }
             self.done += 1;
         }
@@ -591,7 +778,6 @@ impl NextTile {
 unsafe fn panel_pv<S: Simd, T: Element, O, const VMR: usize, const NR: usize>(
     ctx: &Ctx<'_, T, O>,
     dims: &Dims,
-    kv: &KvRows,
     st: &[f32],
     vt: &[f32],
     ot: &mut [f32],
@@ -599,7 +785,7 @@ unsafe fn panel_pv<S: Simd, T: Element, O, const VMR: usize, const NR: usize>(
     rv0: usize,
     nk: usize,
     live: usize,
-    prefetch: &mut NextTile,
+    prefetch: &mut NextTile<'_>,
 ) {
     let Dims {
         dv_pad,
@@ -632,7 +818,7 @@ unsafe fn panel_pv<S: Simd, T: Element, O, const VMR: usize, const NR: usize>(
                 )
             );
         }
-        prefetch.after_call::<S, T, O>(ctx, dims, kv);
+        prefetch.after_call::<S, T, O>(ctx, dims);
     }
 }
 
@@ -654,7 +840,6 @@ unsafe fn write_back<S: Simd, T, O: Element>(
     let p = ctx.problem;
     let Dims {
         dv,
-        dv_pad,
         rows,
         br,
         panel,
@@ -662,10 +847,8 @@ unsafe fn write_back<S: Simd, T, O: Element>(
     } = *dims;
     for p0 in (0..br).step_by(panel) {
         let valid = rows.saturating_sub(p0).min(panel);
-        let src = &ot[p0 * dv_pad..(p0 + panel) * dv_pad];
-        // SAFETY: `src` holds dv_pad ≥ dv rows of `panel` floats, `row` panel rows of dv; S
-        // available (caller).
-        unsafe { transpose_region::<S>(src.as_ptr(), panel, dv, panel, row.as_mut_ptr(), dv) };
+        // SAFETY: S available (caller); `ot` and `row` sized by run_task.
+        let (src_rows, stride) = unsafe { row_major::<S>(dims, ot, row, p0) };
         for l in 0..valid {
             let r = p0 + l;
             let (head, i) = task.row(r);
@@ -679,7 +862,7 @@ unsafe fn write_back<S: Simd, T, O: Element>(
             }
             // A row that saw no key gets 0, whatever V holds.
             let seen = result.inv_sum != 0.0;
-            let values = row[l * dv..(l + 1) * dv]
+            let values = src_rows[l * stride..l * stride + dv]
                 .iter()
                 .map(|&acc| O::from_f32(if seen { acc * result.inv_sum } else { 0.0 }));
             ctx.out.write_row(oo, values);
@@ -688,4 +871,69 @@ unsafe fn write_back<S: Simd, T, O: Element>(
             }
         }
     }
+}
+
+/// Writes the task's rows unnormalised into a split-KV partial buffer: each row's
+/// online-softmax state and its accumulator (the combine merges the splits with
+/// `softmax_core::merge_into` and normalises).
+///
+/// # Safety
+/// S available; `ot` holds `dv_pad·br` floats, `row` `panel·dv`, `states` `br` rows; `acc`
+/// and `out_states` hold rows `first_row..first_row + rows`.
+#[inline(always)]
+unsafe fn write_partial<S: Simd>(
+    dims: &Dims,
+    first_row: usize,
+    acc: SharedOut<f32>,
+    out_states: SharedOut<RowState<f32>>,
+    ot: &[f32],
+    row: &mut [f32],
+    states: &[RowState<f32>],
+) {
+    let Dims {
+        dv,
+        rows,
+        br,
+        panel,
+        ..
+    } = *dims;
+    for p0 in (0..br).step_by(panel) {
+        let valid = rows.saturating_sub(p0).min(panel);
+        // SAFETY: S available (caller); `ot` and `row` sized by run_task.
+        let (src_rows, stride) = unsafe { row_major::<S>(dims, ot, row, p0) };
+        for l in 0..valid {
+            let r = first_row + p0 + l;
+            acc.write_row(
+                r * dv,
+                src_rows[l * stride..l * stride + dv].iter().copied(),
+            );
+            out_states.write(r, states[p0 + l]);
+        }
+    }
+}
+
+/// The accumulator rows of the panel at row `p0`, row-major, and their stride: the
+/// few-rows path keeps them so in `ot` (stride `dv_w`); otherwise the panel of `Oᵀ` is
+/// transposed into `row` (stride `dv`).
+///
+/// # Safety
+/// S available; `ot` holds `dv_pad·br` floats (few rows: `rows·dv_w`), `row` `panel·dv`.
+#[inline(always)]
+unsafe fn row_major<'b, S: Simd>(
+    dims: &Dims,
+    ot: &'b [f32],
+    row: &'b mut [f32],
+    p0: usize,
+) -> (&'b [f32], usize) {
+    if dims.few {
+        return (&ot[..dims.rows * dims.dv_w], dims.dv_w);
+    }
+    let Dims {
+        dv, dv_pad, panel, ..
+    } = *dims;
+    let src = &ot[p0 * dv_pad..(p0 + panel) * dv_pad];
+    // SAFETY: `src` holds dv_pad ≥ dv rows of `panel` floats, `row` panel rows of dv; S
+    // available (caller).
+    unsafe { transpose_region::<S>(src.as_ptr(), panel, dv, panel, row.as_mut_ptr(), dv) };
+    (&row[..panel * dv], dv)
 }

@@ -26,19 +26,25 @@
 //! - [`scratch`]: per-thread buffers ([`Scratch`]) and the shared output ([`SharedOut`]);
 //! - [`pack`]: widening to f32, transposes, packing K groups, prefetching rows;
 //! - [`micro`]: the register-blocked `QKᵀ` and `PV` micro-kernels;
+//! - [`rows`]: row-major micro-kernels (vectorised over the head dim) for tasks of at most
+//!   one row vector, i.e. decode;
 //! - [`mask`]: hiding the keys a row does not see within a tile;
 //! - [`softmax`]: the online-softmax step of a panel, the vector exponentials over slices;
 //! - [`forward_task`]: one task of the forward pass, the [`crate::dispatch::SimdTask`] that
 //!   strings the steps above together;
+//! - [`decode_task`]: split-KV decode over the forward's tasks: the split plan, one split
+//!   through the forward's tile loop into partial rows, the combine (`merge_into`, fixed order);
 //! - [`backward_task`]: the tasks of the backward pass (dK/dV per key block, dQ per query
 //!   block), with probabilities recomputed from the saved LSE.
 
 pub(crate) mod backward_gemm;
 pub(crate) mod backward_task;
+pub(crate) mod decode_task;
 pub(crate) mod forward_task;
 pub(crate) mod mask;
 pub(crate) mod micro;
 pub(crate) mod pack;
+pub(crate) mod rows;
 pub(crate) mod scratch;
 pub(crate) mod softmax;
 pub(crate) mod tiling;

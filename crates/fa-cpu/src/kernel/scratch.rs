@@ -97,6 +97,9 @@ pub(crate) struct Scratch {
     pub states: Vec<RowState<f32>>,
     /// Each row panel's kind against the current key tile.
     pub kinds: Vec<TileKind>,
+    /// K and V row offsets of the current and the next key tile (paged caches make them
+    /// irregular).
+    pub kv_offsets: Vec<usize>,
 }
 
 /// f32 elements a task's scratch needs (the companion of [`crate::Workspace`]).
@@ -122,6 +125,10 @@ pub(crate) fn scratch_elems(
         }
         + rows * 3
         + 6 * ALIGN_SLACK
+        // The K/V row offsets (usize: two f32s each on 64-bit targets).
+        + 8 * keys
+        // Padding of the few-rows path's row-major layouts to whole vectors.
+        + 2 * (keys + tiling.lanes) * tiling.lanes
 }
 
 /// The lengths [`Scratch`]'s buffers grow to for the tasks of one call: what `run_task` asks of
@@ -157,15 +164,23 @@ impl Scratch {
         let dv_pad = dv.div_ceil(tiling.pv_channels) * tiling.pv_channels;
         let br = tiling.padded_rows(lens.max_rows);
         let bc = tiling.keys_for(d, dv, lens.masked);
-        grow(&mut self.qt, d * br + ALIGN_SLACK)?;
-        grow(&mut self.ot, dv_pad * br + ALIGN_SLACK)?;
+        // The few-rows (decode) path keeps W rows of Q and O row-major, padded to whole
+        // vectors, and K/V tiles row-major (`run_task` asks for the larger of both layouts).
+        let w = tiling.lanes;
+        let (d_w, dv_w) = (d.div_ceil(w) * w, dv.div_ceil(w) * w);
+        grow(&mut self.qt, (d * br).max(w * d_w) + ALIGN_SLACK)?;
+        grow(&mut self.ot, (dv_pad * br).max(w * dv_w) + ALIGN_SLACK)?;
         grow(&mut self.st, bc * panel + ALIGN_SLACK)?;
-        grow(&mut self.kt, bc * d + ALIGN_SLACK)?;
-        grow(&mut self.vt, bc * Tiling::v_stride(dv_pad) + ALIGN_SLACK)?;
+        grow(&mut self.kt, bc * d_w + ALIGN_SLACK)?;
+        grow(
+            &mut self.vt,
+            bc * Tiling::v_stride(dv_pad).max(dv_w) + ALIGN_SLACK,
+        )?;
         grow(&mut self.row, panel * d.max(dv) + ALIGN_SLACK)?;
         grow(&mut self.corr, br)?;
         grow(&mut self.states, br)?;
         grow(&mut self.kinds, br / panel)?;
+        grow(&mut self.kv_offsets, 4 * bc)?;
         if lens.hook {
             grow(&mut self.probs, panel * bc)?;
         }
@@ -183,6 +198,7 @@ impl Scratch {
             + self.probs.capacity()
             + self.corr.capacity())
             + self.states.capacity() * std::mem::size_of::<RowState<f32>>()
+            + self.kv_offsets.capacity() * std::mem::size_of::<usize>()
     }
 }
 

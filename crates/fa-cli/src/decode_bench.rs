@@ -1,0 +1,340 @@
+//! `fa bench --decode`: decode over a KV cache (padded or paged), reported as time, GB/s of
+//! K/V read and the fraction of the memory bandwidth a plain copy reaches in the same run.
+//!
+//! Decode is memory-bound: its ceiling is the bytes of K and V read (once per KV head: the
+//! query heads of a group share them) over the bandwidth. On the CPU the bandwidth is
+//! measured here, with the same number of threads, by a STREAM-like copy between two buffers
+//! larger than the caches (bytes read plus bytes written per second, as STREAM counts a
+//! copy). Rounds alternate copy and decode, and the fraction reported is the median of the
+//! per-round ratios: on machines whose speed drifts over minutes only ratios taken side by
+//! side mean anything. Other backends report no copy figure (the caller's device copy
+//! belongs beside them).
+
+use crate::backend::{Backend, Options};
+use crate::bench::median;
+use crate::error::CliError;
+use crate::tensor::{random_normal, DType, HostTensor};
+use flash_attention::BackendKind;
+use softmax_core::{Out, ProblemDesc, Qkv};
+
+/// One decode shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DecodeShape {
+    /// Sequences.
+    pub batch: usize,
+    /// New queries per sequence.
+    pub queries: usize,
+    /// Keys in each sequence's cache.
+    pub cache_len: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub heads_kv: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Keys per block of a paged cache (0: a padded cache).
+    pub page_size: usize,
+}
+
+impl DecodeShape {
+    /// Bytes of K and V one call reads (each KV head once).
+    pub fn kv_bytes(&self, dtype: DType) -> u128 {
+        2 * self.batch as u128
+            * self.cache_len as u128
+            * self.heads_kv as u128
+            * self.head_dim as u128
+            * dtype.size() as u128
+    }
+
+    /// Blocks per sequence of the paged cache.
+    fn blocks_per_seq(&self) -> usize {
+        self.cache_len.div_ceil(self.page_size.max(1)).max(1)
+    }
+}
+
+/// The measurement of one decode shape; serialises as one JSON line.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DecodeResult {
+    /// Backend name.
+    pub backend: &'static str,
+    /// Input dtype's name.
+    pub dtype: &'static str,
+    /// The shape (its fields at the top level of the JSON).
+    #[serde(flatten)]
+    pub shape: DecodeShape,
+    /// CPU threads used (0 on CUDA).
+    pub threads: usize,
+    /// Median time of one call, milliseconds.
+    pub time_ms_median: f64,
+    /// Fastest call, milliseconds.
+    pub time_ms_min: f64,
+    /// Timed rounds.
+    pub iters: usize,
+    /// K/V bytes read per call over the median time, GB/s.
+    pub kv_gbps: f64,
+    /// The copy bandwidth measured in the same rounds (read + write), GB/s; `None` off the
+    /// CPU.
+    pub copy_gbps: Option<f64>,
+    /// Median over rounds of (K/V GB/s ÷ copy GB/s).
+    pub fraction_of_copy: Option<f64>,
+    /// Key splits per task the backend used (when it reports them).
+    pub kv_splits: Option<usize>,
+}
+
+/// Host buffers of a copy-bandwidth measurement.
+pub struct CopyProbe {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl CopyProbe {
+    /// Two buffers of `bytes` each (filled, so that their pages exist before timing).
+    pub fn new(bytes: usize) -> Result<CopyProbe, CliError> {
+        crate::memory::ensure_fits("the copy-bandwidth buffers", Some(2 * bytes as u128))?;
+        let src = crate::memory::try_filled(bytes, 1u8, "the copy-bandwidth buffers")?;
+        let dst = crate::memory::try_filled(bytes, 0u8, "the copy-bandwidth buffers")?;
+        Ok(CopyProbe { src, dst })
+    }
+
+    /// One copy of the whole buffer on `threads` threads (each its own contiguous chunk);
+    /// returns bytes read plus bytes written per second, in GB/s.
+    pub fn copy_gbps(&mut self, threads: usize) -> f64 {
+        let threads = threads.max(1);
+        let chunk = self.src.len().div_ceil(threads).max(1);
+        let start = std::time::Instant::now();
+        std::thread::scope(|scope| {
+            for (src, dst) in self.src.chunks(chunk).zip(self.dst.chunks_mut(chunk)) {
+                scope.spawn(move || dst.copy_from_slice(src));
+            }
+        });
+        let secs = start.elapsed().as_secs_f64();
+        std::hint::black_box(&self.dst);
+        2.0 * self.src.len() as f64 / secs / 1e9
+    }
+}
+
+/// Times one decode shape: `warmup` untimed calls, then `iters` rounds of (one copy on the
+/// CPU, one timed call).
+pub fn bench_decode(
+    backend: &Backend,
+    shape: &DecodeShape,
+    dtype: DType,
+    opts: &Options,
+    warmup: usize,
+    iters: usize,
+    seed: u64,
+) -> Result<DecodeResult, CliError> {
+    let s = *shape;
+    if s.batch == 0 || s.queries == 0 || s.heads == 0 || s.heads_kv == 0 {
+        return Err(CliError::Usage(
+            "--batch, --queries and the head counts must be at least 1".into(),
+        ));
+    }
+    let kv_bytes = s.kv_bytes(dtype);
+    crate::memory::ensure_fits(
+        &format!(
+            "b{} cache {} h{}/{} d{} {dtype} (K/V cache)",
+            s.batch, s.cache_len, s.heads, s.heads_kv, s.head_dim
+        ),
+        Some(kv_bytes),
+    )?;
+    let mut rng = fa_reference::Rng::new(seed);
+    let seqused_k = vec![
+        u32::try_from(s.cache_len)
+            .map_err(|_| CliError::Usage("--cache-len is past 2^32 keys".into()))?;
+        s.batch
+    ];
+    // A paged cache in shuffled block order, as a runtime's allocator leaves it.
+    let (outer, rows, table) = if s.page_size == 0 {
+        (s.batch, s.cache_len, Vec::new())
+    } else {
+        let n = s.batch * s.blocks_per_seq();
+        let mut table: Vec<i32> = (0..n)
+            .map(|i| i32::try_from(i).map_err(|_| CliError::Usage("too many blocks".into())))
+            .collect::<Result<_, _>>()?;
+        for i in (1..n).rev() {
+            table.swap(i, rng.below(i + 1));
+        }
+        (n, s.page_size, table)
+    };
+    let base = ProblemDesc::new(
+        s.batch,
+        s.queries,
+        s.cache_len,
+        s.heads,
+        s.heads_kv,
+        s.head_dim,
+    );
+    let desc = if s.page_size == 0 {
+        base.padded_cache(&seqused_k)
+    } else {
+        base.paged_cache(&seqused_k, &table, s.blocks_per_seq(), s.page_size, outer)
+    };
+    let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
+    let q = random_normal(
+        &mut rng,
+        dtype,
+        vec![s.batch, s.queries, s.heads, s.head_dim],
+    )?;
+    let k = random_normal(&mut rng, dtype, vec![outer, rows, s.heads_kv, s.head_dim])?;
+    let v = random_normal(&mut rng, dtype, vec![outer, rows, s.heads_kv, s.head_dim])?;
+    let mut out: HostTensor = HostTensor::zeros(dtype, q.shape.clone())?;
+    let mut lse = crate::memory::try_filled(problem.lse_len(), 0.0f32, "the LSE")?;
+    let qkv = Qkv::new(q.view(), k.view(), v.view());
+    let threads = backend.effective_threads(opts.threads);
+    let cpu = backend.kind() == BackendKind::Cpu;
+    // Copy buffers larger than any cache level, and at least as large as the K/V read.
+    let mut probe = if cpu {
+        let bytes = (kv_bytes as usize).clamp(256 << 20, 1 << 30);
+        Some(CopyProbe::new(bytes)?)
+    } else {
+        None
+    };
+    // The warm-up also reports the split count.
+    let stats = backend.forward(
+        &problem,
+        qkv,
+        Out::with_lse(out.data.view_mut(), &mut lse[..]),
+        opts,
+    )?;
+    if warmup > 1 {
+        backend.time_forward(
+            &problem,
+            qkv,
+            Out::with_lse(out.data.view_mut(), &mut lse[..]),
+            opts,
+            warmup - 1,
+            1,
+        )?;
+    }
+    if let Some(p) = &mut probe {
+        p.copy_gbps(threads);
+    }
+    let (mut times, mut copies, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..iters.max(1) {
+        let copy = probe.as_mut().map(|p| p.copy_gbps(threads));
+        let t = backend.time_forward(
+            &problem,
+            qkv,
+            Out::with_lse(out.data.view_mut(), &mut lse[..]),
+            opts,
+            0,
+            1,
+        )?;
+        let secs = t.first().copied().unwrap_or(f64::NAN);
+        times.push(secs);
+        if let Some(c) = copy {
+            copies.push(c);
+            ratios.push(kv_bytes as f64 / secs / 1e9 / c);
+        }
+    }
+    let med = median(&times);
+    Ok(DecodeResult {
+        backend: backend.name(),
+        dtype: dtype.name(),
+        shape: s,
+        threads,
+        time_ms_median: med * 1e3,
+        time_ms_min: times.iter().copied().fold(f64::INFINITY, f64::min) * 1e3,
+        iters: times.len(),
+        kv_gbps: kv_bytes as f64 / med / 1e9,
+        copy_gbps: (!copies.is_empty()).then(|| median(&copies)),
+        fraction_of_copy: (!ratios.is_empty()).then(|| median(&ratios)),
+        kv_splits: stats.kv_splits,
+    })
+}
+
+/// The table header matching [`table_row`].
+pub fn table_header() -> String {
+    format!(
+        "{:<7} {:<5} {:>5} {:>7} {:>7} {:>5} {:>4} {:>5} {:>3} {:>6} {:>11} {:>9} {:>9} {:>6}",
+        "backend",
+        "dtype",
+        "batch",
+        "heads",
+        "cache",
+        "page",
+        "q",
+        "hdim",
+        "thr",
+        "splits",
+        "median ms",
+        "KV GB/s",
+        "copy GB/s",
+        "frac"
+    )
+}
+
+/// One table row.
+pub fn table_row(r: &DecodeResult) -> String {
+    let s = &r.shape;
+    let opt =
+        |x: Option<f64>, digits: usize| x.map_or("-".to_string(), |x| format!("{x:.digits$}"));
+    format!(
+        "{:<7} {:<5} {:>5} {:>7} {:>7} {:>5} {:>4} {:>5} {:>3} {:>6} {:>11.3} {:>9.1} {:>9} {:>6}",
+        r.backend,
+        r.dtype,
+        s.batch,
+        format!("{}/{}", s.heads, s.heads_kv),
+        s.cache_len,
+        if s.page_size == 0 {
+            "pad".to_string()
+        } else {
+            s.page_size.to_string()
+        },
+        s.queries,
+        s.head_dim,
+        if r.threads == 0 {
+            "-".to_string()
+        } else {
+            r.threads.to_string()
+        },
+        r.kv_splits.map_or("-".to_string(), |n| n.to_string()),
+        r.time_ms_median,
+        r.kv_gbps,
+        opt(r.copy_gbps, 1),
+        opt(r.fraction_of_copy, 2)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_bytes_count_each_kv_head_once() {
+        let s = DecodeShape {
+            batch: 4,
+            queries: 1,
+            cache_len: 8192,
+            heads: 32,
+            heads_kv: 8,
+            head_dim: 128,
+            page_size: 16,
+        };
+        assert_eq!(s.kv_bytes(DType::Bf16), 2 * 4 * 8192 * 8 * 128 * 2);
+        assert_eq!(s.blocks_per_seq(), 512);
+    }
+
+    #[test]
+    fn a_small_decode_bench_runs_and_reports_a_fraction() {
+        let shape = DecodeShape {
+            batch: 2,
+            queries: 1,
+            cache_len: 1000,
+            heads: 8,
+            heads_kv: 2,
+            head_dim: 64,
+            page_size: 16,
+        };
+        let backend = Backend::cpu();
+        let r =
+            bench_decode(&backend, &shape, DType::F32, &Options::default(), 1, 2, 1).expect("runs");
+        assert_eq!(r.iters, 2);
+        assert!(r.kv_gbps > 0.0 && r.time_ms_median > 0.0);
+        assert!(r.copy_gbps.is_some_and(|c| c > 0.0));
+        assert!(r.fraction_of_copy.is_some_and(|f| f > 0.0));
+        assert!(r.kv_splits.is_some_and(|n| n >= 1));
+        assert!(table_row(&r).contains("8/2"));
+    }
+}
