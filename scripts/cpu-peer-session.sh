@@ -2,7 +2,9 @@
 # On the GPU machine (see stage-cpu-peer-gpu-host.sh): fa-cpu's tests, then fa-cpu against
 # PyTorch's CPU SDPA on two pinned cores, both timed in the same run by cpu_peer.py.
 # BACKWARD=1: the backward pass instead (issue 17's grid: D 64,128; results in
-# $OUT/peer-backward-<dtype>.md/.json); TESTS=0 skips the test binaries.
+# $OUT/peer-backward-<dtype>.md/.json); DECODE=1: decode over a KV cache instead (issue 15's
+# CPU target: batches 1,4, caches 4k-64k, 32/8 heads, D 128; PAGE_SIZE=0 padded, 16 paged on
+# our side only; results in $OUT/peer-decode-<dtype>.md/.json); TESTS=0 skips the test binaries.
 set -u
 out="${OUT:-/tmp/cpu-peer-out}"; mkdir -p "$out"
 cd "$(dirname "$0")"
@@ -27,6 +29,14 @@ if [ "${BACKWARD:-0}" = 1 ]; then
         --backward --head-dims "${HEAD_DIMS:-64,128}" \
         --rounds "${ROUNDS:-5}" --iters "${ITERS:-3}" --dtypes "$dtypes" \
         --json-out "$out/peer-backward-${dtypes//,/-}.json" 2>&1 | tee "$out/peer-backward-${dtypes//,/-}.md"
+    exit 0
+fi
+if [ "${DECODE:-0}" = 1 ]; then
+    PYTHONUNBUFFERED=1 taskset -c "$cpus" python3 cpu_peer.py --ours fa --fa ./fa --threads 2 \
+        --decode --batches "${BATCHES:-1,4}" --cache-lens "${CACHE_LENS:-4096,16384,65536}" \
+        --page-size "${PAGE_SIZE:-0}" \
+        --rounds "${ROUNDS:-5}" --iters "${ITERS:-7}" --dtypes "$dtypes" \
+        --json-out "$out/peer-decode-${dtypes//,/-}.json" 2>&1 | tee "$out/peer-decode-${dtypes//,/-}.md"
     exit 0
 fi
 PYTHONUNBUFFERED=1 taskset -c "$cpus" python3 cpu_peer.py --ours fa --fa ./fa --threads 2 \

@@ -3,7 +3,8 @@
 # machine's CPU (an AVX-512 Xeon: the machine issue 5's targets were written for): the release
 # `fa`, the fa-cpu test binaries, scripts/cpu_peer.py and cpu_ab.py, the FMA peak probe and the session
 # script. Then, with the device tool: run `bash .gpucpu/cpu-peer-session.sh` carrying
-# [".gpucpu"] (env: ROUNDS, ITERS, DTYPES, CPUS; results in $OUT/peer-<dtype>.md/.json).
+# [".gpucpu"] (env: ROUNDS, ITERS, DTYPES, CPUS, BACKWARD=1, DECODE=1; results in
+# $OUT/peer[-backward|-decode]-<dtype>.md/.json).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 grep -qsx '/.gpucpu/' .git/info/exclude || echo '/.gpucpu/' >> .git/info/exclude
