@@ -12,8 +12,9 @@ done
 export FA_CUDA_CACHE_DIR=/tmp/fa-test-cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 start=$SECONDS
+# TESTS: the test binaries to run (default: all of fa-cuda's and fa-capi's CUDA test).
 # Tests that need this machine's source tree (the C example, the header check) stay on the CPU machine.
-for t in gpu_decode-test gpu-test cuda-test fa_cuda-lib disk_cache-test; do
+for t in ${TESTS:-gpu_decode-test gpu-test cuda-test fa_cuda-lib disk_cache-test}; do
     [ -x ".gpu/tests/$t" ] || { echo "== $t MISSING"; continue; }
     timeout "${TEST_LIMIT:-90}" ".gpu/tests/$t" --include-ignored --test-threads=4 --nocapture > "$out/$t.log" 2>&1
     echo "== $t rc=$? ($((SECONDS - start)) s)"
