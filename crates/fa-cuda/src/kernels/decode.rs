@@ -95,10 +95,13 @@ impl DecodeVariant {
     pub fn threads(&self) -> u32 {
         self.warps * 32
     }
-    /// Dynamic shared memory: the Q tile and `stages` K and V tiles (16-bit), or, if larger,
+    /// Dynamic shared memory: the Q tile, `stages` K and V tiles (16-bit) and the paged
+    /// cache's block-table ring (`2·stages` tiles of int32), or, if larger,
     /// the warps' partial rows (f32) that the final merge reads.
     pub fn smem_bytes(&self) -> u32 {
-        let tiles = (self.block_m() + 2 * self.stages * self.block_n()) * self.hdp * 2;
+        // Q, the K and V stages, and the block-table ring (TAB_RING = 2·STAGES tiles of int32).
+        let tiles = (self.block_m() + 2 * self.stages * self.block_n()) * self.hdp * 2
+            + 2 * self.stages * self.block_n() * 4;
         let merge = self.warps * self.block_m() * (self.hdp + 2) * 4;
         tiles.max(merge)
     }

@@ -43,9 +43,10 @@
 #define TPR (THREADS / BLOCK_M)      // threads per row in the final merge
 #define CPT (HDP / TPR)              // columns per thread in the final merge
 #define LOAD_ITERS (BLOCK_N * CHUNKS / THREADS) // K/V rows per thread per tile
-// Read the block-table entries of the next tile one tile ahead (registers: LOAD_ITERS ints;
-// the head-dim-256 variant has none to spare).
-#define PREFETCH_TABLE (HDP <= 128)
+// A paged cache's block-table entries, one per key of a tile, in a shared-memory ring of
+// TAB_RING tiles: they are copied (cp.async) STAGES-1 tiles before the K/V copies that use
+// them, so the table's latency overlaps the pipeline instead of stalling each tile's copies.
+#define TAB_RING (2 * STAGES)
 
 #if (HDP % 64) != 0 || (WN % 16) != 0 || (THREADS % BLOCK_M) != 0 || (CPT % 8) != 0 || STAGES < 2
 #error "bad decode tile configuration"
@@ -59,6 +60,13 @@ __device__ const int fa_compile_check_nonce = FA_COMPILE_CHECK_NONCE;
 #endif
 
 #define ELEM_BF16 (IS_BF16 != 0)
+
+// 4-byte cp.async (through L1: the 16-byte-only .cg form does not take 4), zero-filling the
+// destination when `pred` is false.
+static __device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool pred) {
+    const int n = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
 
 // Waits until at most N cp.async groups of this thread are pending.
 template <int N>
@@ -75,6 +83,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     u16* sQ = reinterpret_cast<u16*>(smem_raw);
     u16* sK = sQ + BLOCK_M * HDP;
     u16* sV = sK + STAGES * BLOCK_N * HDP;
+    int* sTab = reinterpret_cast<int*>(sV + STAGES * BLOCK_N * HDP); // [TAB_RING][BLOCK_N]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;
@@ -142,27 +151,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     const u16* gk = reinterpret_cast<const u16*>(p.k) + (i64)hk * p.k_hs;
     const u16* gv = reinterpret_cast<const u16*>(p.v) + (i64)hk * p.v_hs;
     const int* table = reinterpret_cast<const int*>(p.block_table) + (i64)b * p.blocks_per_seq;
-    // A paged cache's block-table entries of this thread's rows of tile t (read only for used
-    // keys: entries past them are unchecked). With PREFETCH_TABLE they are read one tile ahead
-    // of the copies that use them, so their latency hides under a tile's compute.
-    auto lookup = [&](const int t, int (&blk)[LOAD_ITERS]) {
-        const int n0 = t * BLOCK_N, row0 = tid / CHUNKS;
-#pragma unroll
-        for (int it = 0; it < LOAD_ITERS; ++it) {
-            const int key = n0 + row0 + it * (THREADS / CHUNKS);
-            blk[it] = (p.block_size > 0 && key < sk) ? table[key / p.block_size] : 0;
+    const bool paged = p.block_size > 0;
+    // A paged cache's block-table entries of tile t into its ring slot: the entry of key
+    // n0 + j at j (read only for used keys: entries past them are unchecked, zero-filled here).
+    auto load_table = [&](const int t) {
+        if (tid < BLOCK_N) {
+            const int key = t * BLOCK_N + tid;
+            const bool ok = key < sk;
+            cp_async4(smem_u32(sTab + (t % TAB_RING) * BLOCK_N + tid), table + (ok ? key / p.block_size : 0), ok);
         }
     };
     // One K/V tile into stage `stage`: row t of the tile is key n0 + t, zero-filled at and past
     // the used length (and in the columns past the head dims). A paged cache addresses each
-    // key through its block (`blk`, from `lookup`, clamped to the cache), a padded one steps
-    // by the batch.
-    auto load_kv = [&](const int t, const int stage, const int (&blk)[LOAD_ITERS]) {
+    // key through its block (the ring's entry, clamped to the cache), a padded one steps by
+    // the batch.
+    auto load_kv = [&](const int t, const int stage) {
         const int n0 = t * BLOCK_N;
         const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
         const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
         const int c = tid % CHUNKS, row0 = tid / CHUNKS;
         const bool k_col = c * 8 < p.head_dim, v_col = c * 8 < p.head_dim_v;
+        const int* tab = sTab + (t % TAB_RING) * BLOCK_N;
 #pragma unroll
         for (int it = 0; it < LOAD_ITERS; ++it) {
             const int row = row0 + it * (THREADS / CHUNKS);
@@ -170,9 +179,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             const bool ok = key < sk;
             i64 k_off = 0, v_off = 0;
             if (ok) {
-                if (p.block_size > 0) {
+                if (paged) {
                     const int in_block = key % p.block_size;
-                    const int bb = min(max(blk[it], 0), p.num_blocks - 1);
+                    const int bb = min(max(tab[row], 0), p.num_blocks - 1);
                     k_off = (i64)bb * p.k_bs + (i64)in_block * p.k_ss;
                     v_off = (i64)bb * p.v_bs + (i64)in_block * p.v_ss;
                 } else {
@@ -343,33 +352,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     };
 
     // Pipeline: Q and the first STAGES-1 tiles in flight, then one new tile per tile consumed.
-    // Every step commits a group (possibly empty) so that the wait count stays uniform.
-    int blk[LOAD_ITERS];
+    // Every step commits a group (possibly empty) so that the wait count stays uniform. A paged
+    // cache first copies the table entries of the first 2*STAGES-2 tiles (one group, waited
+    // for), then each step's group also carries the entries of the tile STAGES-1 further on:
+    // with that extra leading group, the wait at step `it` completes the groups through the
+    // one holding tile it's K/V and the entries of tile it+STAGES-1, which that step loads.
+    if (paged) {
+        for (int st = 0; st < 2 * STAGES - 2 && st < n_tiles; ++st) load_table(t_begin + st);
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+    }
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_tiles) {
-            lookup(t_begin + st, blk);
-            load_kv(t_begin + st, st, blk);
-        }
+        if (st < n_tiles) load_kv(t_begin + st, st);
         cp_async_commit();
     }
-#if PREFETCH_TABLE
-    if (STAGES - 1 < n_tiles) lookup(t_begin + STAGES - 1, blk);
-#endif
     for (int it = 0; it < n_tiles; ++it) {
         cp_async_wait_pending<STAGES - 2>();
         __syncthreads(); // tile `it` (and Q) visible; every warp is done with tile it-1's stage
         const int ahead = it + STAGES - 1;
-        if (ahead < n_tiles) {
-#if !PREFETCH_TABLE
-            lookup(t_begin + ahead, blk);
-#endif
-            load_kv(t_begin + ahead, ahead % STAGES, blk);
-        }
+        if (ahead < n_tiles) load_kv(t_begin + ahead, ahead % STAGES);
+        if (paged && ahead + STAGES - 1 < n_tiles) load_table(t_begin + ahead + STAGES - 1);
         cp_async_commit();
-#if PREFETCH_TABLE
-        if (ahead + 1 < n_tiles) lookup(t_begin + ahead + 1, blk);
-#endif
         tile(t_begin + it, it % STAGES);
     }
 
