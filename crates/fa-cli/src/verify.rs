@@ -196,7 +196,27 @@ fn random_case(rng: &mut Rng) -> Case {
     c
 }
 
-fn to_data(values: &[f32], dtype: DType) -> Result<Data, String> {
+/// The reference's rounding of an input dtype (`None`: it has none).
+pub(crate) fn rounding_of(dtype: DType) -> Option<Rounding> {
+    match dtype {
+        DType::F32 => Some(Rounding::F32),
+        DType::Bf16 => Some(Rounding::Bf16),
+        DType::F16 => Some(Rounding::F16),
+        _ => None,
+    }
+}
+
+/// A row's dtype column: the input dtype, with `->out` when the output's differs.
+pub(crate) fn dtype_label(dtype: DType, out_dtype: DType) -> String {
+    if out_dtype == dtype {
+        dtype.to_string()
+    } else {
+        format!("{dtype}->{out_dtype}")
+    }
+}
+
+/// `values` converted to `dtype`'s element storage.
+pub(crate) fn to_data(values: &[f32], dtype: DType) -> Result<Data, String> {
     HostTensor::from_f32(dtype, vec![values.len()], values)
         .map(|t| t.data)
         .map_err(|e| e.to_string())
@@ -210,15 +230,13 @@ pub fn verify_case(
     out_f32: bool,
     opts: &Options,
 ) -> VerifyRow {
-    let rounding = match dtype {
-        DType::F32 => Rounding::F32,
-        DType::Bf16 => Rounding::Bf16,
-        DType::F16 => Rounding::F16,
-        other => {
+    let rounding = match rounding_of(dtype) {
+        Some(r) => r,
+        None => {
             return VerifyRow {
                 shape: describe_shape(case),
                 mask: describe_mask(case),
-                dtype: other.to_string(),
+                dtype: dtype.to_string(),
                 outcome: Outcome::Unsupported("no reference rounding for this dtype".into()),
             }
         }
@@ -228,11 +246,7 @@ pub fn verify_case(
     let row = |outcome| VerifyRow {
         shape: describe_shape(&case),
         mask: describe_mask(&case),
-        dtype: if out_dtype == dtype {
-            dtype.to_string()
-        } else {
-            format!("{dtype}->{out_dtype}")
-        },
+        dtype: dtype_label(dtype, out_dtype),
         outcome,
     };
     let outcome = run_and_compare(
@@ -392,11 +406,7 @@ pub fn verify_decode_case(
     VerifyRow {
         shape,
         mask,
-        dtype: if out_dtype == dtype {
-            dtype.to_string()
-        } else {
-            format!("{dtype}->{out_dtype}")
-        },
+        dtype: dtype_label(dtype, out_dtype),
         outcome,
     }
 }

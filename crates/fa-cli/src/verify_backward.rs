@@ -5,9 +5,9 @@
 //! reports the largest of the three).
 
 use crate::backend::{Backend, Exp2, Options};
-use crate::tensor::{DType, Data, HostTensor};
-use crate::verify::{Outcome, VerifyRow};
-use fa_reference::{attention_backward_f64, compare_grads, poison, Case, Rng, Rounding};
+use crate::tensor::{DType, Data};
+use crate::verify::{dtype_label, rounding_of, to_data, Outcome, VerifyRow};
+use fa_reference::{attention_backward_f64, compare_grads, poison, Case, Rng};
 use flash_attention::backward::BackwardInputs;
 use softmax_core::{Grads, Out, ProblemError, Qkv, EXP2_CUBIC_MAX_REL_ERROR};
 
@@ -24,12 +24,6 @@ pub fn backward_bound(dtype: DType, exp2: Exp2) -> f64 {
     }
 }
 
-fn to_data(values: &[f32], dtype: DType) -> Result<Data, String> {
-    HostTensor::from_f32(dtype, vec![values.len()], values)
-        .map(|t| t.data)
-        .map_err(|e| e.to_string())
-}
-
 /// The backward of one case on the backend: inputs in `dtype`; O, dO and the gradients in
 /// `dtype` (or f32 when `out_f32`).
 pub fn verify_backward_case(
@@ -39,29 +33,20 @@ pub fn verify_backward_case(
     out_f32: bool,
     opts: &Options,
 ) -> VerifyRow {
-    let rounding = match dtype {
-        DType::F32 => Rounding::F32,
-        DType::Bf16 => Rounding::Bf16,
-        DType::F16 => Rounding::F16,
-        other => {
-            return VerifyRow {
-                shape: String::new(),
-                mask: "backward".into(),
-                dtype: other.to_string(),
-                outcome: Outcome::Unsupported("no reference rounding for this dtype".into()),
-            }
-        }
+    let Some(rounding) = rounding_of(dtype) else {
+        return VerifyRow {
+            shape: String::new(),
+            mask: "backward".into(),
+            dtype: dtype.to_string(),
+            outcome: Outcome::Unsupported("no reference rounding for this dtype".into()),
+        };
     };
     let case = case.clone().round(rounding);
     let out_dtype = if out_f32 { DType::F32 } else { dtype };
     let row = |outcome| VerifyRow {
         shape: "  (the case above)".into(),
         mask: "backward".into(),
-        dtype: if out_dtype == dtype {
-            dtype.to_string()
-        } else {
-            format!("{dtype}->{out_dtype}")
-        },
+        dtype: dtype_label(dtype, out_dtype),
         outcome,
     };
     let problem = match case.desc().validate(softmax_core::MAX_HEAD_DIM) {

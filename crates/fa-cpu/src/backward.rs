@@ -2,12 +2,13 @@
 //! themselves are in `kernel::backward_task`).
 
 use crate::arch::SimdLevel;
-use crate::dispatch::{dispatch, Isa};
+use crate::dispatch::dispatch;
+use crate::forward::{check_level_and_threads, ensure_pool};
 use crate::kernel::backward_task::{
     backward_tasks, BackwardTask, BwdCtx, BwdLens, BwdScratch, BwdStats,
 };
 use crate::kernel::SharedOut;
-use crate::{supports, Element, MAX_THREADS};
+use crate::{supports, Element};
 use softmax_core::{BufferLens, Grads, Problem, ProblemError, Qkv, Tensor};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -34,7 +35,7 @@ pub struct BackwardOptions {
     /// Threads in all, the calling thread included: `Some(n)` runs on the caller and a pool
     /// of `n − 1` threads (`Some(1)` starts none); `None`: the caller and rayon's global
     /// pool. The gradients are bitwise identical whatever the count. `Some(0)` is an error,
-    /// and so is more than [`MAX_THREADS`].
+    /// and so is more than [`crate::MAX_THREADS`].
     pub threads: Option<usize>,
     /// The instruction set the tasks are compiled for (default [`SimdLevel::Auto`]); asking
     /// for one the CPU lacks is an error. The gradients depend on it only by rounding (tile
@@ -146,7 +147,7 @@ fn check_len(tensor: Tensor, len: usize, needed: usize) -> Result<(), ProblemErr
 /// `problem` was validated by the caller. Errors, checked before anything is written (the
 /// gradients are then untouched): what [`supports_backward`] refuses (KV caches among them); a buffer too short for
 /// the problem (`BufferTooSmall` names Q/K/V for both an input and its gradient, O for both O
-/// and dO, Lse for the LSE); `threads == Some(0)` or above [`MAX_THREADS`]; a SIMD level this
+/// and dO, Lse for the LSE); `threads == Some(0)` or above [`crate::MAX_THREADS`]; a SIMD level this
 /// CPU lacks; scratch that cannot be allocated (`OutOfMemory`).
 pub fn backward<T: Element, O: Element, G: Element>(
     problem: &Problem,
@@ -194,37 +195,8 @@ pub fn backward_with_workspace<T: Element, O: Element, G: Element>(
     check_len(Tensor::Q, grads.dq.len(), lens.q)?;
     check_len(Tensor::K, grads.dk.len(), lens.k)?;
     check_len(Tensor::V, grads.dv.len(), lens.v)?;
-    let Some(isa) = Isa::new(opts.simd) else {
-        return Err(ProblemError::Unsupported {
-            what: "the requested SIMD level is not available on this CPU",
-        });
-    };
-    let threads = match opts.threads {
-        Some(0) => return Err(ProblemError::ZeroDim { what: "threads" }),
-        Some(n) if n > MAX_THREADS => {
-            return Err(ProblemError::TooManyThreads {
-                threads: n,
-                max: MAX_THREADS,
-            })
-        }
-        other => other,
-    };
-    if let Some(n) = threads {
-        if ws.pool.as_ref().is_none_or(|(m, _)| *m != n) {
-            let pool = match n {
-                1 => None,
-                _ => Some(
-                    rayon::ThreadPoolBuilder::new()
-                        .num_threads(n - 1)
-                        .build()
-                        .map_err(|_| ProblemError::Unsupported {
-                            what: "could not start the worker threads",
-                        })?,
-                ),
-            };
-            ws.pool = Some((n, pool));
-        }
-    }
+    let (isa, threads) = check_level_and_threads(opts.simd, opts.threads)?;
+    ensure_pool(&mut ws.pool, threads)?;
     let task_list = backward_tasks(problem);
     // More workers than tasks would only hold scratch.
     let workers = threads

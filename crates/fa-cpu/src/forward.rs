@@ -90,6 +90,55 @@ pub fn supports(problem: &Problem) -> Result<(), ProblemError> {
     problem.require_host_seqlens()
 }
 
+/// The SIMD level and thread bound of a call, checked (the forward's and the backward's
+/// options share both rules): a level this CPU lacks is `Unsupported`, `Some(0)` threads is
+/// `ZeroDim`, more than [`MAX_THREADS`] is `TooManyThreads`.
+pub(crate) fn check_level_and_threads(
+    simd: SimdLevel,
+    threads: Option<usize>,
+) -> Result<(Isa, Option<usize>), ProblemError> {
+    let Some(isa) = Isa::new(simd) else {
+        return Err(ProblemError::Unsupported {
+            what: "the requested SIMD level is not available on this CPU",
+        });
+    };
+    match threads {
+        Some(0) => Err(ProblemError::ZeroDim { what: "threads" }),
+        Some(n) if n > MAX_THREADS => Err(ProblemError::TooManyThreads {
+            threads: n,
+            max: MAX_THREADS,
+        }),
+        other => Ok((isa, other)),
+    }
+}
+
+/// Keeps a workspace's pool right for a call of `threads` (the caller is worker 0, so `n`
+/// threads are a pool of `n − 1`; one thread needs none); `None` uses rayon's global pool and
+/// leaves the workspace's alone.
+pub(crate) fn ensure_pool(
+    pool: &mut Option<(usize, Option<rayon::ThreadPool>)>,
+    threads: Option<usize>,
+) -> Result<(), ProblemError> {
+    let Some(n) = threads else {
+        return Ok(());
+    };
+    if pool.as_ref().is_none_or(|(m, _)| *m != n) {
+        let built = match n {
+            1 => None,
+            _ => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n - 1)
+                    .build()
+                    .map_err(|_| ProblemError::Unsupported {
+                        what: "could not start the worker threads",
+                    })?,
+            ),
+        };
+        *pool = Some((n, built));
+    }
+    Ok(())
+}
+
 /// [`crate::forward`] with caller-owned scratch and pool (reused across calls).
 pub fn forward_with_workspace<T: Element, O: Element>(
     problem: &Problem,
@@ -104,21 +153,7 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     opts.rescale.check(DType::F32.max_finite(), 0.0)?;
     let Qkv { q, k, v } = qkv;
     let Out { o: out, lse } = out;
-    let Some(isa) = Isa::new(opts.simd) else {
-        return Err(ProblemError::Unsupported {
-            what: "the requested SIMD level is not available on this CPU",
-        });
-    };
-    let threads = match opts.threads {
-        Some(0) => return Err(ProblemError::ZeroDim { what: "threads" }),
-        Some(n) if n > MAX_THREADS => {
-            return Err(ProblemError::TooManyThreads {
-                threads: n,
-                max: MAX_THREADS,
-            })
-        }
-        other => other,
-    };
+    let (isa, threads) = check_level_and_threads(opts.simd, opts.threads)?;
     if opts.kv_splits == Some(0) {
         return Err(ProblemError::ZeroDim { what: "kv_splits" });
     }
@@ -147,22 +182,7 @@ pub fn forward_with_workspace<T: Element, O: Element>(
         tiling,
     };
 
-    if let Some(n) = threads {
-        if ws.pool.as_ref().is_none_or(|(m, _)| *m != n) {
-            let pool = match n {
-                1 => None,
-                _ => Some(
-                    rayon::ThreadPoolBuilder::new()
-                        .num_threads(n - 1)
-                        .build()
-                        .map_err(|_| ProblemError::Unsupported {
-                            what: "could not start the worker threads",
-                        })?,
-                ),
-            };
-            ws.pool = Some((n, pool));
-        }
-    }
+    ensure_pool(&mut ws.pool, threads)?;
     let workers = threads.unwrap_or_else(|| rayon::current_num_threads().max(1));
     ws.ensure_slots(workers, &tiling, lens)?;
 
