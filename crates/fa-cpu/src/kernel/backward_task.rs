@@ -35,11 +35,16 @@ use crate::dispatch::{with_arch, ArchFn, Entry, SimdTask};
 use crate::element::Element;
 use softmax_core::{Problem, TileKind, LOG2_E};
 
-/// The tile edge for micro-kernels of `mr` broadcasts and `w` lanes: the smallest multiple of
-/// both that is at least 64 (so no product needs a row or column tail: AVX-512 64, AVX2 72,
-/// scalar 64).
+/// Floats per cache line: row strides are multiples of it, so that from the 64-byte aligned
+/// buffers no vector access crosses a line (the forward measured that every other AVX2 access
+/// did from a 16-byte aligned start).
+const LINE: usize = 16;
+
+/// The tile edge for micro-kernels of `mr` broadcasts and `w` lanes (`w` divides [`LINE`]):
+/// the smallest multiple of `mr` and of a cache line that is at least 64, so no product needs
+/// a row or column tail and every tile row is whole lines (AVX-512 64, AVX2 96, scalar 64).
 pub(crate) const fn bwd_tile(mr: usize, w: usize) -> usize {
-    let lcm = lcm_unit(mr, w);
+    let lcm = lcm_unit(mr, if w > LINE { w } else { LINE });
     64usize.div_ceil(lcm) * lcm
 }
 
@@ -166,7 +171,7 @@ impl BwdLens {
     fn elems(&self) -> [usize; 17] {
         let t = self.tile;
         let (d, dv) = (self.head_dim, self.head_dim_v);
-        let (d_pad, dv_pad) = (round_up(d, self.lanes), round_up(dv, self.lanes));
+        let (d_pad, dv_pad) = (round_up(d, LINE), round_up(dv, LINE));
         let rows = self
             .group
             .saturating_mul(round_up(self.max_seqlen_q, t).max(t));
@@ -195,8 +200,52 @@ impl BwdLens {
     pub fn bytes(&self) -> usize {
         self.elems()
             .iter()
-            .fold(0usize, |a, &n| a.saturating_add(n))
+            .fold(0usize, |a, &n| a.saturating_add(n).saturating_add(LINE))
             .saturating_mul(4)
+    }
+}
+
+/// A buffer whose contents start on a 64-byte boundary (it keeps [`LINE`] floats of slack):
+/// with row strides of whole lines, no vector access of the products crosses a cache line.
+#[derive(Debug, Default)]
+pub(crate) struct Aligned {
+    data: Vec<f32>,
+    offset: usize,
+    len: usize,
+}
+
+impl Aligned {
+    /// Grows to `n` aligned floats (zeros), failing instead of aborting.
+    fn try_grow(&mut self, n: usize) -> Result<(), std::collections::TryReserveError> {
+        if self.len >= n {
+            return Ok(());
+        }
+        let whole = n.saturating_add(LINE);
+        if self.data.len() < whole {
+            self.data.try_reserve_exact(whole - self.data.len())?;
+            self.data.resize(whole, 0.0);
+        }
+        self.offset = self.data.as_ptr().align_offset(4 * LINE).min(LINE);
+        self.len = n;
+        Ok(())
+    }
+
+    /// Bytes held.
+    fn bytes(&self) -> usize {
+        4 * self.data.len()
+    }
+}
+
+impl std::ops::Deref for Aligned {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.data[self.offset..self.offset + self.len]
+    }
+}
+
+impl std::ops::DerefMut for Aligned {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.data[self.offset..self.offset + self.len]
     }
 }
 
@@ -205,44 +254,44 @@ impl BwdLens {
 #[derive(Debug, Default)]
 pub(crate) struct BwdScratch {
     /// Per query head and row block: `Qᵀ` `[c][row]` (`d × tile`).
-    qt: Vec<f32>,
+    qt: Aligned,
     /// Per query head and row block: `dOᵀ` (`d_v × tile`).
-    dot: Vec<f32>,
+    dot: Aligned,
     /// Per query head: Q rows, `d` padded to whole vectors (zeros).
-    qr: Vec<f32>,
+    qr: Aligned,
     /// Per query head: dO rows, `d_v` padded.
-    dor: Vec<f32>,
+    dor: Aligned,
     /// Per query head: the dQ accumulator (rows of `d` padded).
-    dq: Vec<f32>,
+    dq: Aligned,
     /// Per query head and row: `lse·log2 e` (`+∞` for a row that sees no key, so `P = 0`).
-    lse2: Vec<f32>,
+    lse2: Aligned,
     /// Per query head and row: `D = dO·O`.
-    delta: Vec<f32>,
+    delta: Aligned,
     /// `Kᵀ` of the key block (`d × tile`).
-    kt: Vec<f32>,
+    kt: Aligned,
     /// `Vᵀ` of the key block (`d_v × tile`).
-    vt: Vec<f32>,
+    vt: Aligned,
     /// K rows of the key block (`tile × d` padded).
-    kr: Vec<f32>,
+    kr: Aligned,
     /// V rows of the key block (`tile × d_v` padded).
-    vr: Vec<f32>,
+    vr: Aligned,
     /// dK accumulator of the key block.
-    dk: Vec<f32>,
+    dk: Aligned,
     /// dV accumulator of the key block.
-    dv: Vec<f32>,
+    dv: Aligned,
     /// `S`, then `P` (`[row][key]`).
-    p: Vec<f32>,
+    p: Aligned,
     /// `dP` (`[row][key]`).
-    dp: Vec<f32>,
+    dp: Aligned,
     /// `dS` (`[row][key]`).
-    ds: Vec<f32>,
+    ds: Aligned,
     /// `dSᵀ` (`[key][row]`).
-    dst: Vec<f32>,
+    dst: Aligned,
 }
 
 impl BwdScratch {
     /// The buffers, in [`BwdLens::elems`]' order.
-    fn buffers(&mut self) -> [&mut Vec<f32>; 17] {
+    fn buffers(&mut self) -> [&mut Aligned; 17] {
         [
             &mut self.qt,
             &mut self.dot,
@@ -267,17 +316,14 @@ impl BwdScratch {
     /// Grows every buffer to `lens` (zeros), failing instead of aborting when memory runs out.
     pub fn try_ensure(&mut self, lens: &BwdLens) -> Result<(), std::collections::TryReserveError> {
         for (buf, n) in self.buffers().into_iter().zip(lens.elems()) {
-            if buf.len() < n {
-                buf.try_reserve_exact(n - buf.len())?;
-                buf.resize(n, 0.0);
-            }
+            buf.try_grow(n)?;
         }
         Ok(())
     }
 
     /// Bytes held.
     pub fn bytes(&mut self) -> usize {
-        4 * self.buffers().iter().map(|v| v.len()).sum::<usize>()
+        self.buffers().iter().map(|v| v.bytes()).sum::<usize>()
     }
 }
 
@@ -364,8 +410,8 @@ pub(crate) unsafe fn run_task<
         tile,
         d,
         dv,
-        d_pad: round_up(d, w),
-        dv_pad: round_up(dv, w),
+        d_pad: round_up(d, LINE),
+        dv_pad: round_up(dv, LINE),
         nq_pad: nqb * tile,
         nqb,
     };
