@@ -27,7 +27,7 @@
 //! (`[c][key]`) for `S` and `dP`; `P`, `dS` (`[row][key]`) with row-major dO and Q for dV and
 //! dK; `dSᵀ` (`[key][row]`, one tile transpose) with row-major K for dQ.
 
-use super::backward_gemm::{gemm, Operands};
+use super::backward_gemm::{gemm, Operands, Span};
 use super::pack::{transpose_region, widen};
 use super::scratch::SharedOut;
 use crate::arch::{exp2_exact, tanh, Arch, SimdLevel};
@@ -641,6 +641,10 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
     let kc = round_up(keys, lcm_unit(MR, A::W)).min(t);
     let blk = (hl * g.nqb + ib) * t;
     let row0 = hl * g.nq_pad + ib * t;
+    // A partly hidden tile: per block of MR rows or MR keys, what the products need (the
+    // diagonal tiles of a causal mask then cost about half).
+    let spans = range.map(|f| MaskSpans::new::<MR>(f, rows, rc, kc));
+    let sp = spans.as_ref();
     // SAFETY: every block below lies inside its buffer (sizes: `BwdLens::elems`; rc, kc ≤ tile).
     unsafe {
         let qt = s.qt.as_ptr().add(blk * g.d);
@@ -659,6 +663,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
             s.p.as_mut_ptr(),
             t,
             false,
+            sp.map(|m| &m.row_n[..]),
         );
         gemm::<A, MR, NR>(
             Operands {
@@ -673,6 +678,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
             s.dp.as_mut_ptr(),
             t,
             false,
+            sp.map(|m| &m.row_n[..]),
         );
         probabilities::<A>(s, t, (rows, rc), (keys, kc), row0, scores, range);
         // dV += Pᵀ·dO, dK += dSᵀ·Q (sums over this block's rows, in order).
@@ -689,6 +695,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
             s.dv.as_mut_ptr(),
             g.dv_pad,
             true,
+            sp.map(|m| &m.key_k[..]),
         );
         gemm::<A, MR, NR>(
             Operands {
@@ -703,6 +710,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
             s.dk.as_mut_ptr(),
             g.d_pad,
             true,
+            sp.map(|m| &m.key_k[..]),
         );
         // dQ += dS·K, through dSᵀ (the contraction runs over keys).
         transpose_region::<A>(s.ds.as_ptr(), t, rc, keys, s.dst.as_mut_ptr(), t);
@@ -719,7 +727,65 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
             s.dq.as_mut_ptr().add(row0 * g.d_pad),
             g.d_pad,
             true,
+            sp.map(|m| &m.row_k[..]),
         );
+    }
+}
+
+/// The largest tile edge [`MaskSpans`] holds (every architecture's [`bwd_tile`] is at most 96).
+const MAX_TILE: usize = 128;
+
+/// The [`Span`]s of a partly hidden tile, from each row's visible keys: per block of `MR` rows,
+/// the keys any of them sees (the columns of `S` and `dP`, the contraction of dQ); per block of
+/// `MR` keys, the rows that see any of them (the contraction of dV and dK). Everything outside
+/// is an exact zero of `P` and `dS`.
+struct MaskSpans {
+    /// `S`, `dP`: columns per row block.
+    row_n: [Span; MAX_TILE],
+    /// dQ: contraction (keys) per row block.
+    row_k: [Span; MAX_TILE],
+    /// dV, dK: contraction (rows) per key block.
+    key_k: [Span; MAX_TILE],
+}
+
+impl MaskSpans {
+    /// The spans of rows `< rows` (of `rc`, rounded) against key columns `< kc`, row `r` seeing
+    /// keys `range(r)`.
+    fn new<const MR: usize>(
+        range: &dyn Fn(usize) -> (usize, usize),
+        rows: usize,
+        rc: usize,
+        kc: usize,
+    ) -> MaskSpans {
+        assert!(rc <= MAX_TILE && kc <= MAX_TILE);
+        let mut seen = [(0usize, 0usize); MAX_TILE];
+        for (r, x) in seen.iter_mut().enumerate().take(rows) {
+            *x = range(r);
+        }
+        let seen = &seen[..rows];
+        let mut out = MaskSpans {
+            row_n: [Span::ALL; MAX_TILE],
+            row_k: [Span::ALL; MAX_TILE],
+            key_k: [Span::ALL; MAX_TILE],
+        };
+        for (bi, r0) in (0..rc).step_by(MR).enumerate() {
+            let (lo, hi) = seen
+                .iter()
+                .take((r0 + MR).min(rows))
+                .skip(r0)
+                .filter(|(l, h)| l < h)
+                .fold((usize::MAX, 0), |(a, b), &(l, h)| (a.min(l), b.max(h)));
+            let keys = if lo < hi { (lo, hi) } else { (0, 0) };
+            out.row_n[bi].n = keys;
+            out.row_k[bi].k = keys;
+        }
+        for (bi, j0) in (0..kc).step_by(MR).enumerate() {
+            let sees = |&(_, &(l, h)): &(usize, &(usize, usize))| l < h && l < j0 + MR && h > j0;
+            let first = seen.iter().enumerate().find(sees).map(|(r, _)| r);
+            let last = seen.iter().enumerate().rfind(sees).map(|(r, _)| r + 1);
+            out.key_k[bi].k = (first.unwrap_or(0), last.unwrap_or(0));
+        }
+        out
     }
 }
 

@@ -49,6 +49,7 @@ impl SimdTask for Gemm<'_> {
                 self.c.as_mut_ptr(),
                 self.c_stride,
                 self.accumulate,
+                None,
             )
         };
         (rows, cols)
