@@ -235,7 +235,7 @@ fn masked_tiles_are_skipped() {
     let mut rng = Rng::new(45);
     let case = Case::dense(&mut rng, 1, 256, 256, 1, 1, 8).causal();
     let d_o = draw_d_o(&case, &mut rng, Rounding::F32);
-    // The scalar level's tiles are 64 × 64 (AVX2's are 72).
+    // The scalar level's tiles are 64 × 64 (AVX2's are 96).
     let opts = BackwardOptions {
         threads: None,
         simd: SimdLevel::Scalar,

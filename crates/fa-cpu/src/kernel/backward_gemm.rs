@@ -56,14 +56,36 @@ pub(crate) struct Operands {
     pub x_stride: usize,
 }
 
+/// What one block of `MR` rows of `C` needs, when the mask makes the operands zero outside it:
+/// the contraction runs over `k` only (terms outside it are exact zeros: skipping them leaves
+/// every sum bitwise the same) and only columns in `n` are written (columns outside it are left
+/// as they were, the caller overwrites or ignores them).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Span {
+    /// Contraction range `k.0..k.1` (empty: the block is left as it was).
+    pub k: (usize, usize),
+    /// Columns `n.0..n.1` that may be nonzero (clamped to `cols`).
+    pub n: (usize, usize),
+}
+
+impl Span {
+    /// Every term and column.
+    pub const ALL: Span = Span {
+        k: (0, usize::MAX),
+        n: (0, usize::MAX),
+    };
+}
+
 /// `C[m][n] (+)= Σ_{k < nk} B[k][m]·X[k][n]` for `m < rows`, `n < cols`, `C` at `c` with row
 /// stride `c_stride`. `rows` must be a multiple of `MR` and `cols` of `W`; the sum over `k`
 /// runs in ascending order (so the result depends only on the inputs and the architecture).
+/// `spans` (one per block of `MR` rows), when given, narrows each block's contraction and
+/// columns ([`Span`]).
 ///
 /// # Safety
 /// `ops.b` readable for `nk` rows and `rows` columns, `ops.x` for `nk` rows and `cols`
-/// columns, `c` read/writable for `rows` rows and `cols` columns (strides as given); S
-/// available.
+/// columns, `c` read/writable for `rows` rows and `cols` columns (strides as given); `spans`
+/// at least `rows / MR` long; S available.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NR: usize>(
@@ -74,8 +96,10 @@ pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NR: usize>(
     c: *mut f32,
     c_stride: usize,
     accumulate: bool,
+    spans: Option<&[Span]>,
 ) {
     debug_assert!(rows.is_multiple_of(MR) && cols.is_multiple_of(S::W));
+    debug_assert!(spans.is_none_or(|sp| sp.len() >= rows / MR));
     let mut n0 = 0;
     // Panels of columns outside, blocks of rows inside: the `X` panel (`nk × NR·W`) stays in
     // L1 while every row block streams past it.
@@ -83,23 +107,39 @@ pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NR: usize>(
         let live = ((cols - n0) / S::W).min(NR);
         let mut m0 = 0;
         while m0 < rows {
-            // SAFETY: m0 + MR ≤ rows and n0 + live·W ≤ cols: inside every operand (caller).
-            unsafe {
-                let (b, x, cc) = (ops.b.add(m0), ops.x.add(n0), c.add(m0 * c_stride + n0));
-                on_live_vectors!(
-                    live,
-                    NR,
-                    gemm_micro::<S, MR, _>(
-                        b,
-                        ops.b_stride,
-                        x,
-                        ops.x_stride,
-                        nk,
-                        cc,
-                        c_stride,
-                        accumulate
-                    )
-                );
+            let span = spans.map_or(Span::ALL, |sp| sp[m0 / MR]);
+            let (k0, k1) = (span.k.0.min(nk), span.k.1.min(nk));
+            let n1 = span.n.1.min(cols);
+            // The block's columns within this panel that may be nonzero.
+            let vecs = if n1 > n0 && span.n.0 < n0 + live * S::W && (k0 < k1 || !accumulate) {
+                live.min((n1 - n0).div_ceil(S::W))
+            } else {
+                0
+            };
+            if vecs > 0 {
+                // SAFETY: m0 + MR ≤ rows, n0 + vecs·W ≤ cols, k0 ≤ k1 ≤ nk: inside every
+                // operand (caller).
+                unsafe {
+                    let (b, x, cc) = (
+                        ops.b.add(k0 * ops.b_stride + m0),
+                        ops.x.add(k0 * ops.x_stride + n0),
+                        c.add(m0 * c_stride + n0),
+                    );
+                    on_live_vectors!(
+                        vecs,
+                        NR,
+                        gemm_micro::<S, MR, _>(
+                            b,
+                            ops.b_stride,
+                            x,
+                            ops.x_stride,
+                            k1.saturating_sub(k0),
+                            cc,
+                            c_stride,
+                            accumulate
+                        )
+                    );
+                }
             }
             m0 += MR;
         }

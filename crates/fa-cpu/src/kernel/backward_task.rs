@@ -27,7 +27,7 @@
 //! (`[c][key]`) for `S` and `dP`; `P`, `dS` (`[row][key]`) with row-major dO and Q for dV and
 //! dK; `dSᵀ` (`[key][row]`, one tile transpose) with row-major K for dQ.
 
-use super::backward_gemm::{gemm, Operands};
+use super::backward_gemm::{gemm, Operands, Span};
 use super::pack::{transpose_region, widen};
 use super::scratch::SharedOut;
 use crate::arch::{exp2_exact, tanh, Arch, SimdLevel};
@@ -35,11 +35,16 @@ use crate::dispatch::{with_arch, ArchFn, Entry, SimdTask};
 use crate::element::Element;
 use softmax_core::{Problem, TileKind, LOG2_E};
 
-/// The tile edge for micro-kernels of `mr` broadcasts and `w` lanes: the smallest multiple of
-/// both that is at least 64 (so no product needs a row or column tail: AVX-512 64, AVX2 72,
-/// scalar 64).
+/// Floats per cache line: row strides are multiples of it, so that from the 64-byte aligned
+/// buffers no vector access crosses a line (the forward measured that every other AVX2 access
+/// did from a 16-byte aligned start).
+const LINE: usize = 16;
+
+/// The tile edge for micro-kernels of `mr` broadcasts and `w` lanes (`w` divides [`LINE`]):
+/// the smallest multiple of `mr` and of a cache line that is at least 64, so no product needs
+/// a row or column tail and every tile row is whole lines (AVX-512 64, AVX2 96, scalar 64).
 pub(crate) const fn bwd_tile(mr: usize, w: usize) -> usize {
-    let lcm = lcm_unit(mr, w);
+    let lcm = lcm_unit(mr, if w > LINE { w } else { LINE });
     64usize.div_ceil(lcm) * lcm
 }
 
@@ -166,7 +171,7 @@ impl BwdLens {
     fn elems(&self) -> [usize; 17] {
         let t = self.tile;
         let (d, dv) = (self.head_dim, self.head_dim_v);
-        let (d_pad, dv_pad) = (round_up(d, self.lanes), round_up(dv, self.lanes));
+        let (d_pad, dv_pad) = (round_up(d, LINE), round_up(dv, LINE));
         let rows = self
             .group
             .saturating_mul(round_up(self.max_seqlen_q, t).max(t));
@@ -195,8 +200,52 @@ impl BwdLens {
     pub fn bytes(&self) -> usize {
         self.elems()
             .iter()
-            .fold(0usize, |a, &n| a.saturating_add(n))
+            .fold(0usize, |a, &n| a.saturating_add(n).saturating_add(LINE))
             .saturating_mul(4)
+    }
+}
+
+/// A buffer whose contents start on a 64-byte boundary (it keeps [`LINE`] floats of slack):
+/// with row strides of whole lines, no vector access of the products crosses a cache line.
+#[derive(Debug, Default)]
+pub(crate) struct Aligned {
+    data: Vec<f32>,
+    offset: usize,
+    len: usize,
+}
+
+impl Aligned {
+    /// Grows to `n` aligned floats (zeros), failing instead of aborting.
+    fn try_grow(&mut self, n: usize) -> Result<(), std::collections::TryReserveError> {
+        if self.len >= n {
+            return Ok(());
+        }
+        let whole = n.saturating_add(LINE);
+        if self.data.len() < whole {
+            self.data.try_reserve_exact(whole - self.data.len())?;
+            self.data.resize(whole, 0.0);
+        }
+        self.offset = self.data.as_ptr().align_offset(4 * LINE).min(LINE);
+        self.len = n;
+        Ok(())
+    }
+
+    /// Bytes held.
+    fn bytes(&self) -> usize {
+        4 * self.data.len()
+    }
+}
+
+impl std::ops::Deref for Aligned {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.data[self.offset..self.offset + self.len]
+    }
+}
+
+impl std::ops::DerefMut for Aligned {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.data[self.offset..self.offset + self.len]
     }
 }
 
@@ -205,44 +254,44 @@ impl BwdLens {
 #[derive(Debug, Default)]
 pub(crate) struct BwdScratch {
     /// Per query head and row block: `Qᵀ` `[c][row]` (`d × tile`).
-    qt: Vec<f32>,
+    qt: Aligned,
     /// Per query head and row block: `dOᵀ` (`d_v × tile`).
-    dot: Vec<f32>,
+    dot: Aligned,
     /// Per query head: Q rows, `d` padded to whole vectors (zeros).
-    qr: Vec<f32>,
+    qr: Aligned,
     /// Per query head: dO rows, `d_v` padded.
-    dor: Vec<f32>,
+    dor: Aligned,
     /// Per query head: the dQ accumulator (rows of `d` padded).
-    dq: Vec<f32>,
+    dq: Aligned,
     /// Per query head and row: `lse·log2 e` (`+∞` for a row that sees no key, so `P = 0`).
-    lse2: Vec<f32>,
+    lse2: Aligned,
     /// Per query head and row: `D = dO·O`.
-    delta: Vec<f32>,
+    delta: Aligned,
     /// `Kᵀ` of the key block (`d × tile`).
-    kt: Vec<f32>,
+    kt: Aligned,
     /// `Vᵀ` of the key block (`d_v × tile`).
-    vt: Vec<f32>,
+    vt: Aligned,
     /// K rows of the key block (`tile × d` padded).
-    kr: Vec<f32>,
+    kr: Aligned,
     /// V rows of the key block (`tile × d_v` padded).
-    vr: Vec<f32>,
+    vr: Aligned,
     /// dK accumulator of the key block.
-    dk: Vec<f32>,
+    dk: Aligned,
     /// dV accumulator of the key block.
-    dv: Vec<f32>,
+    dv: Aligned,
     /// `S`, then `P` (`[row][key]`).
-    p: Vec<f32>,
+    p: Aligned,
     /// `dP` (`[row][key]`).
-    dp: Vec<f32>,
+    dp: Aligned,
     /// `dS` (`[row][key]`).
-    ds: Vec<f32>,
+    ds: Aligned,
     /// `dSᵀ` (`[key][row]`).
-    dst: Vec<f32>,
+    dst: Aligned,
 }
 
 impl BwdScratch {
     /// The buffers, in [`BwdLens::elems`]' order.
-    fn buffers(&mut self) -> [&mut Vec<f32>; 17] {
+    fn buffers(&mut self) -> [&mut Aligned; 17] {
         [
             &mut self.qt,
             &mut self.dot,
@@ -267,17 +316,14 @@ impl BwdScratch {
     /// Grows every buffer to `lens` (zeros), failing instead of aborting when memory runs out.
     pub fn try_ensure(&mut self, lens: &BwdLens) -> Result<(), std::collections::TryReserveError> {
         for (buf, n) in self.buffers().into_iter().zip(lens.elems()) {
-            if buf.len() < n {
-                buf.try_reserve_exact(n - buf.len())?;
-                buf.resize(n, 0.0);
-            }
+            buf.try_grow(n)?;
         }
         Ok(())
     }
 
     /// Bytes held.
     pub fn bytes(&mut self) -> usize {
-        4 * self.buffers().iter().map(|v| v.len()).sum::<usize>()
+        self.buffers().iter().map(|v| v.bytes()).sum::<usize>()
     }
 }
 
@@ -364,8 +410,8 @@ pub(crate) unsafe fn run_task<
         tile,
         d,
         dv,
-        d_pad: round_up(d, w),
-        dv_pad: round_up(dv, w),
+        d_pad: round_up(d, LINE),
+        dv_pad: round_up(dv, LINE),
         nq_pad: nqb * tile,
         nqb,
     };
@@ -595,6 +641,10 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
     let kc = round_up(keys, lcm_unit(MR, A::W)).min(t);
     let blk = (hl * g.nqb + ib) * t;
     let row0 = hl * g.nq_pad + ib * t;
+    // A partly hidden tile: per block of MR rows or MR keys, what the products need (the
+    // diagonal tiles of a causal mask then cost about half).
+    let spans = range.map(|f| MaskSpans::new::<MR>(f, rows, rc, kc));
+    let sp = spans.as_ref();
     // SAFETY: every block below lies inside its buffer (sizes: `BwdLens::elems`; rc, kc ≤ tile).
     unsafe {
         let qt = s.qt.as_ptr().add(blk * g.d);
@@ -613,6 +663,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
             s.p.as_mut_ptr(),
             t,
             false,
+            sp.map(|m| &m.row_n[..]),
         );
         gemm::<A, MR, NR>(
             Operands {
@@ -627,6 +678,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
             s.dp.as_mut_ptr(),
             t,
             false,
+            sp.map(|m| &m.row_n[..]),
         );
         probabilities::<A>(s, t, (rows, rc), (keys, kc), row0, scores, range);
         // dV += Pᵀ·dO, dK += dSᵀ·Q (sums over this block's rows, in order).
@@ -643,6 +695,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
             s.dv.as_mut_ptr(),
             g.dv_pad,
             true,
+            sp.map(|m| &m.key_k[..]),
         );
         gemm::<A, MR, NR>(
             Operands {
@@ -657,6 +710,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
             s.dk.as_mut_ptr(),
             g.d_pad,
             true,
+            sp.map(|m| &m.key_k[..]),
         );
         // dQ += dS·K, through dSᵀ (the contraction runs over keys).
         transpose_region::<A>(s.ds.as_ptr(), t, rc, keys, s.dst.as_mut_ptr(), t);
@@ -673,7 +727,65 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
             s.dq.as_mut_ptr().add(row0 * g.d_pad),
             g.d_pad,
             true,
+            sp.map(|m| &m.row_k[..]),
         );
+    }
+}
+
+/// The largest tile edge [`MaskSpans`] holds (every architecture's [`bwd_tile`] is at most 96).
+const MAX_TILE: usize = 128;
+
+/// The [`Span`]s of a partly hidden tile, from each row's visible keys: per block of `MR` rows,
+/// the keys any of them sees (the columns of `S` and `dP`, the contraction of dQ); per block of
+/// `MR` keys, the rows that see any of them (the contraction of dV and dK). Everything outside
+/// is an exact zero of `P` and `dS`.
+struct MaskSpans {
+    /// `S`, `dP`: columns per row block.
+    row_n: [Span; MAX_TILE],
+    /// dQ: contraction (keys) per row block.
+    row_k: [Span; MAX_TILE],
+    /// dV, dK: contraction (rows) per key block.
+    key_k: [Span; MAX_TILE],
+}
+
+impl MaskSpans {
+    /// The spans of rows `< rows` (of `rc`, rounded) against key columns `< kc`, row `r` seeing
+    /// keys `range(r)`.
+    fn new<const MR: usize>(
+        range: &dyn Fn(usize) -> (usize, usize),
+        rows: usize,
+        rc: usize,
+        kc: usize,
+    ) -> MaskSpans {
+        assert!(rc <= MAX_TILE && kc <= MAX_TILE);
+        let mut seen = [(0usize, 0usize); MAX_TILE];
+        for (r, x) in seen.iter_mut().enumerate().take(rows) {
+            *x = range(r);
+        }
+        let seen = &seen[..rows];
+        let mut out = MaskSpans {
+            row_n: [Span::ALL; MAX_TILE],
+            row_k: [Span::ALL; MAX_TILE],
+            key_k: [Span::ALL; MAX_TILE],
+        };
+        for (bi, r0) in (0..rc).step_by(MR).enumerate() {
+            let (lo, hi) = seen
+                .iter()
+                .take((r0 + MR).min(rows))
+                .skip(r0)
+                .filter(|(l, h)| l < h)
+                .fold((usize::MAX, 0), |(a, b), &(l, h)| (a.min(l), b.max(h)));
+            let keys = if lo < hi { (lo, hi) } else { (0, 0) };
+            out.row_n[bi].n = keys;
+            out.row_k[bi].k = keys;
+        }
+        for (bi, j0) in (0..kc).step_by(MR).enumerate() {
+            let sees = |&(_, &(l, h)): &(usize, &(usize, usize))| l < h && l < j0 + MR && h > j0;
+            let first = seen.iter().enumerate().find(sees).map(|(r, _)| r);
+            let last = seen.iter().enumerate().rfind(sees).map(|(r, _)| r + 1);
+            out.key_k[bi].k = (first.unwrap_or(0), last.unwrap_or(0));
+        }
+        out
     }
 }
 

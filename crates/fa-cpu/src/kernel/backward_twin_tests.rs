@@ -1,7 +1,7 @@
 //! The backward's tile product ([`gemm`]) on every SIMD level against the scalar twin and an
 //! f64 product, over odd sizes (whole-pass twins over odd problem sizes: `tests/backward.rs`).
 
-use super::backward_gemm::{gemm, Operands};
+use super::backward_gemm::{gemm, Operands, Span};
 use super::backward_task::bwd_tile;
 use crate::arch::{Arch, SimdLevel};
 use crate::dispatch::{dispatch, Isa, SimdTask};
@@ -20,6 +20,8 @@ struct Gemm<'a> {
     c: &'a mut [f32],
     c_stride: usize,
     accumulate: bool,
+    /// Per block of rows (its first row, the block's height): its [`Span`], if any.
+    span_of: Option<&'a dyn Fn(usize, usize) -> Span>,
 }
 
 impl SimdTask for Gemm<'_> {
@@ -34,6 +36,9 @@ impl SimdTask for Gemm<'_> {
         assert!(rows <= self.b_stride && cols <= self.x_stride && cols <= self.c_stride);
         assert!(self.b.len() >= self.nk * self.b_stride && self.x.len() >= self.nk * self.x_stride);
         assert!(self.c.len() >= rows * self.c_stride);
+        let spans: Option<Vec<Span>> = self
+            .span_of
+            .map(|f| (0..rows).step_by(PV).map(|m0| f(m0, PV)).collect());
         // SAFETY: bounds asserted above; A available (caller).
         unsafe {
             gemm::<A, PV, NR>(
@@ -49,6 +54,7 @@ impl SimdTask for Gemm<'_> {
                 self.c.as_mut_ptr(),
                 self.c_stride,
                 self.accumulate,
+                spans.as_deref(),
             )
         };
         (rows, cols)
@@ -97,6 +103,7 @@ fn gemm_matches_the_scalar_twin_and_f64_over_odd_sizes() {
                         c: &mut twin,
                         c_stride,
                         accumulate,
+                        span_of: None,
                     },
                 );
                 for &isa in &levels {
@@ -114,6 +121,7 @@ fn gemm_matches_the_scalar_twin_and_f64_over_odd_sizes() {
                             c: &mut c,
                             c_stride,
                             accumulate,
+                            span_of: None,
                         },
                     );
                     for m in 0..80 {
@@ -152,10 +160,96 @@ fn gemm_matches_the_scalar_twin_and_f64_over_odd_sizes() {
     assert!(checked > 10_000);
 }
 
+/// Spans skip exact zeros only: where row `m`'s terms outside its contraction range are zeros
+/// of `B`, every level's product with spans (the union over each block's rows) is bitwise its
+/// product without them on the columns the row may see, and a block with no term is untouched.
+#[test]
+fn spans_skip_exact_zeros_bitwise() {
+    let mut rng = Rng::new(0x5b4);
+    let levels: Vec<Isa> = [SimdLevel::Avx512f, SimdLevel::Avx2Fma, SimdLevel::Scalar]
+        .into_iter()
+        .filter_map(Isa::new)
+        .collect();
+    let (nk, rows, cols) = (64usize, 72usize, 96usize);
+    let (b_stride, x_stride, c_stride) = (80, 112, 112);
+    // Row m sees terms and columns [lo(m), hi(m)): a causal-like staircase, empty rows first.
+    let lo = |m: usize| (m / 2).saturating_sub(20);
+    let hi = |m: usize| if m < 9 { lo(m) } else { (m + 5).min(nk) };
+    let union = |m0: usize, mr: usize| {
+        let (a, b) = (m0..(m0 + mr).min(rows))
+            .filter(|&m| lo(m) < hi(m))
+            .fold((usize::MAX, 0), |(a, b), m| (a.min(lo(m)), b.max(hi(m))));
+        if a < b {
+            (a, b)
+        } else {
+            (0, 0)
+        }
+    };
+    let k_span = |m0: usize, mr: usize| Span {
+        k: union(m0, mr),
+        n: (0, usize::MAX),
+    };
+    let n_span = |m0: usize, mr: usize| Span {
+        k: (0, usize::MAX),
+        n: union(m0, mr),
+    };
+    let mut b = draw(&mut rng, nk * b_stride);
+    for k in 0..nk {
+        for m in 0..rows {
+            if k < lo(m) || k >= hi(m) {
+                b[k * b_stride + m] = 0.0;
+            }
+        }
+    }
+    let x = draw(&mut rng, nk * x_stride);
+    let c0 = draw(&mut rng, 80 * c_stride);
+    for &isa in &levels {
+        for (accumulate, by_k) in [(true, true), (false, false)] {
+            let run = |span_of: Option<&dyn Fn(usize, usize) -> Span>| {
+                let mut c = c0.clone();
+                dispatch(
+                    isa,
+                    Gemm {
+                        b: &b,
+                        b_stride,
+                        x: &x,
+                        x_stride,
+                        nk,
+                        rows,
+                        cols,
+                        c: &mut c,
+                        c_stride,
+                        accumulate,
+                        span_of,
+                    },
+                );
+                c
+            };
+            let full = run(None);
+            let got = if by_k {
+                run(Some(&k_span))
+            } else {
+                run(Some(&n_span))
+            };
+            for m in 0..rows {
+                for n in 0..cols {
+                    let at = m * c_stride + n;
+                    let what = format!("{:?} acc={accumulate} ({m},{n})", isa.level());
+                    if by_k && lo(m) >= hi(m) && union(m - m % 2, 2) == (0, 0) {
+                        assert_eq!(got[at].to_bits(), c0[at].to_bits(), "{what}: touched");
+                    } else if by_k || (lo(m)..hi(m)).contains(&n) {
+                        assert_eq!(got[at].to_bits(), full[at].to_bits(), "{what}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn tiles_are_whole_blocks_of_every_architecture() {
     assert_eq!(bwd_tile(8, 16), 64);
-    assert_eq!(bwd_tile(6, 8), 72);
+    assert_eq!(bwd_tile(6, 8), 96);
     assert_eq!(bwd_tile(4, 8), 64);
     for (mr, w) in [(8, 16), (6, 8), (4, 8), (3, 4)] {
         let t = bwd_tile(mr, w);
