@@ -958,7 +958,7 @@ fn cmd_plan(a: &PlanArgs) -> Result<ExitCode, CliError> {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as u64);
     let kv = base(plan::llama3_70b())?;
     if a.decode {
-        plan::check_sizes(&kv, threads).map_err(CliError::Usage)?;
+        plan::check_decode_sizes(&kv).map_err(CliError::Usage)?;
         return cmd_plan_decode(a, &kv, threads);
     }
     let scores = base(plan::qwen_27b())?;

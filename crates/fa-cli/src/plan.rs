@@ -171,6 +171,24 @@ pub fn check_sizes(m: &ModelShape, threads: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// The decode view's check: its one size, the KV cache over the batch (checked arithmetic);
+/// `Err` says "too large" as [`check_sizes`] does.
+pub fn check_decode_sizes(m: &ModelShape) -> Result<(), String> {
+    [
+        2, m.layers, m.batch, m.tokens, m.heads_kv, m.head_dim, m.bytes,
+    ]
+    .iter()
+    .try_fold(1u128, |acc, &f| acc.checked_mul(f as u128))
+    .map(|_| ())
+    .ok_or_else(|| {
+        format!(
+            "too large: the KV cache of {} overflows 128-bit arithmetic; use smaller \
+                 --tokens, --batch, --layers, --heads-kv or --head-dim",
+            m.name
+        )
+    })
+}
+
 /// `bytes` in binary units: an exact multiple prints without decimals (`40 GiB`).
 pub fn human_bytes(bytes: u128) -> String {
     const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
@@ -565,6 +583,9 @@ mod tests {
         m.layers = u64::MAX;
         let e = check_sizes(&m, 8).unwrap_err();
         assert!(e.starts_with("too large"), "{e}");
+        let e = check_decode_sizes(&m).unwrap_err();
+        assert!(e.starts_with("too large: the KV cache"), "{e}");
+        assert_eq!(check_decode_sizes(&llama3_70b()), Ok(()));
     }
 
     #[test]

@@ -434,7 +434,8 @@ fn plan_decode_prints_the_bound_and_a_cpu_measurement() {
         "{out}"
     );
 
-    // Absurd sizes are errors, not panics; --bandwidth must be positive.
+    // Sizes past 128 bits are errors, not panics; so is measuring a cache past the memory;
+    // --bandwidth must be positive.
     let o = fa(&[
         "plan",
         "--decode",
@@ -442,6 +443,25 @@ fn plan_decode_prints_the_bound_and_a_cpu_measurement() {
         "18446744073709551615",
         "--batch",
         "4294967296",
+        "--layers",
+        "18446744073709551615",
+    ]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("too large: the KV cache") && !err.contains("panicked"),
+        "{err}"
+    );
+    let o = fa(&[
+        "plan",
+        "--decode",
+        "--backend",
+        "cpu",
+        "--measure",
+        "--tokens",
+        "4294967296",
+        "--batch",
+        "65536",
     ]);
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
