@@ -8,7 +8,8 @@
 //! - [`verify`]: a backend against the f64 reference (`fa-reference`) on random problems.
 //! - [`bench`]: time, GFLOP/s and peak memory over the paper shapes or given ones, with
 //!   [`peers`]: ratios over PyTorch SDPA's numbers.
-//! - [`plan`]: KV-cache and score-matrix arithmetic against the tiled kernel's O(N) memory.
+//! - [`plan`]: KV-cache and score-matrix arithmetic against the tiled kernel's O(N) memory,
+//!   and decode's bandwidth bound per token beside a measured step.
 //! - [`demo`]: one long sequence on the best backend, checked on sampled rows.
 //!
 //! # Example

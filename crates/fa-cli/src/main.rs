@@ -41,7 +41,8 @@ enum Command {
     Verify(VerifyArgs),
     /// Time the forward pass: the FlashAttention paper shapes, or the given ones.
     Bench(BenchArgs),
-    /// Memory arithmetic: KV cache (MHA/GQA/MQA) and naive score matrix vs the tiled kernel.
+    /// Memory arithmetic: KV cache (MHA/GQA/MQA) and naive score matrix vs the tiled kernel;
+    /// --decode: the bandwidth bound on time per decoded token, beside a measured step.
     Plan(PlanArgs),
     /// One long sequence on the best backend, checked against the reference on sampled rows.
     Demo(DemoArgs),
@@ -336,9 +337,36 @@ struct PlanArgs {
     /// Bytes per element (2: fp16/bf16, 1: fp8, 4: fp32).
     #[arg(long)]
     bytes: Option<u64>,
-    /// Threads of the tiled kernel (its per-thread tile scratch).
+    /// Threads of the tiled kernel (its per-thread tile scratch); with --decode also the
+    /// threads of this host's copy and of a CPU measurement.
     #[arg(long)]
     threads: Option<u64>,
+    /// The decode view instead of the memory sections: the KV cache of the model (default
+    /// Llama-3 70B at 128k) and the bandwidth bound on attention's time per decoded token (H200
+    /// spec, H200 measured copy, this host's copy measured now, --bandwidth), beside a measured
+    /// step when CUDA opens or with --measure.
+    #[arg(long)]
+    decode: bool,
+    /// Decode: more bandwidths to bound against, GB/s (comma-separated).
+    #[arg(long, value_delimiter = ',', value_parser = parse_gbps, requires = "decode")]
+    bandwidth: Vec<f64>,
+    /// Decode: time one layer's step on the CPU too when no CUDA device opens (one layer's
+    /// time × layers; slow at long contexts). A CUDA device is timed without it.
+    #[arg(long, requires = "decode")]
+    measure: bool,
+    /// Decode: backend of the measured figure: auto (CUDA when a device opens), cpu or cuda.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto, requires = "decode")]
+    backend: BackendArg,
+}
+
+/// Parses a `--bandwidth` value: GB/s, positive and finite.
+fn parse_gbps(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(g) if g > 0.0 && g.is_finite() => Ok(g),
+        _ => Err(format!(
+            "'{s}' is not a bandwidth in GB/s (a positive number)"
+        )),
+    }
 }
 
 #[derive(Args)]
@@ -929,12 +957,170 @@ fn cmd_plan(a: &PlanArgs) -> Result<ExitCode, CliError> {
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as u64);
     let kv = base(plan::llama3_70b())?;
+    if a.decode {
+        plan::check_decode_sizes(&kv).map_err(CliError::Usage)?;
+        return cmd_plan_decode(a, &kv, threads);
+    }
     let scores = base(plan::qwen_27b())?;
     for m in [&kv, &scores] {
         plan::check_sizes(m, threads).map_err(CliError::Usage)?;
     }
     outln!("{}", plan::kv_cache_report(&kv));
     out!("{}", plan::score_report(&scores, threads));
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `fa plan --decode`: the KV cache and the bandwidth bound per decoded token, the host's copy
+/// measured now, and a measured step (one layer × layers) when CUDA opens or with --measure.
+fn cmd_plan_decode(a: &PlanArgs, m: &plan::ModelShape, threads: u64) -> Result<ExitCode, CliError> {
+    use fa_cli::decode_bench::{bench_decode, CopyProbe, DecodeShape};
+    use flash_attention::{BackendChoice, DTypes};
+    use plan::Bandwidth;
+    for (what, v) in [("--tokens", m.tokens), ("--layers", m.layers)] {
+        if v == 0 {
+            return Err(CliError::Usage(format!(
+                "{what} must be at least 1 for --decode"
+            )));
+        }
+    }
+    let max = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = usize::try_from(threads)
+        .ok()
+        .filter(|t| (1..=max).contains(t))
+        .ok_or_else(|| {
+            CliError::Usage(format!(
+                "--threads {threads}: the decode view copies (and measures) on this host, so \
+                 1 to its available parallelism ({max})"
+            ))
+        })?;
+    let mut notes = Vec::new();
+    let mut bandwidths = vec![
+        Bandwidth {
+            label: "H200 HBM3e, specification".into(),
+            gbps: plan::H200_SPEC_GBPS,
+        },
+        Bandwidth {
+            label: "H200 device copy, measured (benchmarks.md)".into(),
+            gbps: plan::H200_COPY_GBPS,
+        },
+    ];
+    // This host's copy (read + write), median of 3 after one untimed pass, over buffers larger
+    // than the caches and at least one layer's K/V (up to 1 GiB each).
+    let layer_bytes = plan::kv_cache_bytes_per_layer(m);
+    let probe_bytes = layer_bytes.clamp(256 << 20, 1 << 30) as usize;
+    let mut host = None;
+    match CopyProbe::new(probe_bytes) {
+        Ok(mut p) => {
+            p.copy_gbps(threads);
+            let runs: Vec<f64> = (0..3).map(|_| p.copy_gbps(threads)).collect();
+            host = Some(bandwidths.len());
+            bandwidths.push(Bandwidth {
+                label: format!("this host's copy, measured now (threads: {threads})"),
+                gbps: bench::median(&runs),
+            });
+        }
+        Err(e) => notes.push(format!("this host's copy bandwidth is not measured: {e}")),
+    }
+    for &gbps in &a.bandwidth {
+        bandwidths.push(Bandwidth {
+            label: "given (--bandwidth)".into(),
+            gbps,
+        });
+    }
+    // The measured figure's backend: CUDA when it opens (bf16), the CPU only when asked.
+    let dtype = match m.bytes {
+        2 => Some(DType::Bf16),
+        4 => Some(DType::F32),
+        _ => None,
+    };
+    let cpu_if_asked = |notes: &mut Vec<String>| {
+        if a.measure {
+            Some(Backend::cpu())
+        } else {
+            notes.push("no measured figure: --measure times one layer's step on the CPU".into());
+            None
+        }
+    };
+    let backend = match (dtype, a.backend) {
+        (None, _) => {
+            notes.push(format!(
+                "no measured figure: the kernels take 2- or 4-byte elements, not --bytes {}",
+                m.bytes
+            ));
+            None
+        }
+        (Some(_), BackendArg::Cpu) => {
+            notes.push("GPU figure absent: --backend cpu".into());
+            cpu_if_asked(&mut notes)
+        }
+        (Some(d), BackendArg::Cuda) => {
+            Some(Backend::open_for(BackendChoice::Cuda, DTypes::same(d))?)
+        }
+        (Some(d), BackendArg::Auto) => {
+            if !BackendKind::Cuda.capabilities().takes(DTypes::same(d)) {
+                notes.push(format!(
+                    "GPU figure absent: the CUDA kernels take 16-bit inputs, not {d} (--bytes 4)"
+                ));
+                cpu_if_asked(&mut notes)
+            } else {
+                match Backend::open(BackendChoice::Cuda) {
+                    Ok(b) => Some(b),
+                    Err(e) => {
+                        notes.push(format!("GPU figure absent: no CUDA device opened ({e})"));
+                        cpu_if_asked(&mut notes)
+                    }
+                }
+            }
+        }
+    };
+    let mut measured = None;
+    if let (Some(b), Some(d)) = (backend, dtype) {
+        let size = |v: u64| {
+            usize::try_from(v).map_err(|_| CliError::TooLarge {
+                what: "the measured layer's cache".into(),
+                needed: None,
+                available: None,
+            })
+        };
+        let shape = DecodeShape {
+            batch: size(m.batch)?,
+            queries: 1,
+            cache_len: size(m.tokens)?,
+            heads: size(m.heads_q)?,
+            heads_kv: size(m.heads_kv)?,
+            head_dim: size(m.head_dim)?,
+            page_size: 0,
+        };
+        let cuda = b.kind() == BackendKind::Cuda;
+        let opts = Options {
+            threads: (!cuda).then_some(threads),
+            ..Options::default()
+        };
+        let (warmup, iters) = if cuda { (5, 20) } else { (1, 3) };
+        let r = bench_decode(&b, &shape, d, &opts, warmup, iters, 1)?;
+        let reference = if cuda {
+            1
+        } else if let Some(i) = host {
+            i
+        } else {
+            bandwidths.push(Bandwidth {
+                label: format!("this host's copy, in the measured rounds (threads: {threads})"),
+                gbps: r.copy_gbps.unwrap_or(f64::NAN),
+            });
+            bandwidths.len() - 1
+        };
+        measured = Some(plan::MeasuredDecode {
+            backend: b.describe(),
+            dtype: d.name(),
+            layer_seconds: r.time_ms_median / 1e3,
+            kv_splits: r.kv_splits,
+            reference,
+        });
+    }
+    out!(
+        "{}",
+        plan::decode_report(m, &bandwidths, measured.as_ref(), &notes)
+    );
     Ok(ExitCode::SUCCESS)
 }
 

@@ -5,6 +5,10 @@
 //! - The score matrix a naive implementation materialises: `batch · tokens² · bytes` per head,
 //!   times the heads of a layer, against what the tiled kernel holds: Q, K, V, O and the LSE
 //!   (all O(tokens)) plus a fixed tile scratch per thread.
+//! - Decode (`fa plan --decode`): each step (one new token per sequence) reads every layer's K
+//!   and V once, so attention's share of the time per step is at least
+//!   `kv_cache_bytes / bandwidth`; shown for a few bandwidths beside a measured step when one
+//!   is given (one layer timed, times the layers). The weights' read is out of scope.
 
 use std::fmt::Write as _;
 
@@ -167,6 +171,24 @@ pub fn check_sizes(m: &ModelShape, threads: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// The decode view's check: its one size, the KV cache over the batch (checked arithmetic);
+/// `Err` says "too large" as [`check_sizes`] does.
+pub fn check_decode_sizes(m: &ModelShape) -> Result<(), String> {
+    [
+        2, m.layers, m.batch, m.tokens, m.heads_kv, m.head_dim, m.bytes,
+    ]
+    .iter()
+    .try_fold(1u128, |acc, &f| acc.checked_mul(f as u128))
+    .map(|_| ())
+    .ok_or_else(|| {
+        format!(
+            "too large: the KV cache of {} overflows 128-bit arithmetic; use smaller \
+                 --tokens, --batch, --layers, --heads-kv or --head-dim",
+            m.name
+        )
+    })
+}
+
 /// `bytes` in binary units: an exact multiple prints without decimals (`40 GiB`).
 pub fn human_bytes(bytes: u128) -> String {
     const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
@@ -312,6 +334,195 @@ pub fn score_report(m: &ModelShape, threads: u64) -> String {
     s
 }
 
+/// The H200's HBM3e bandwidth by its specification, GB/s.
+pub const H200_SPEC_GBPS: f64 = 4800.0;
+
+/// The H200's device copy (read + write) as measured on it (docs/benchmarks.md, decode
+/// section: 4.0 to 4.3 TB/s over the runs), GB/s.
+pub const H200_COPY_GBPS: f64 = 4200.0;
+
+/// KV-cache bytes of one sequence (the shape with `batch = 1`).
+pub fn kv_cache_bytes_per_sequence(m: &ModelShape) -> u128 {
+    kv_cache_bytes(&ModelShape {
+        batch: 1,
+        ..m.clone()
+    })
+}
+
+/// KV-cache bytes of one layer over the batch (what one layer's decode step reads).
+pub fn kv_cache_bytes_per_layer(m: &ModelShape) -> u128 {
+    kv_cache_bytes(&ModelShape {
+        layers: 1,
+        ..m.clone()
+    })
+}
+
+/// The bandwidth bound on a decode step: `bytes` read at `gbps` (10⁹ bytes per second), in
+/// seconds. Non-positive or non-finite bandwidths give NaN.
+pub fn decode_bound_seconds(bytes: u128, gbps: f64) -> f64 {
+    if gbps > 0.0 && gbps.is_finite() {
+        bytes as f64 / (gbps * 1e9)
+    } else {
+        f64::NAN
+    }
+}
+
+/// `seconds` in s, ms or µs with three significant-ish decimals.
+pub fn human_seconds(seconds: f64) -> String {
+    if !seconds.is_finite() {
+        "-".into()
+    } else if seconds >= 1.0 {
+        format!("{seconds:.3} s")
+    } else if seconds >= 1e-3 {
+        format!("{:.3} ms", seconds * 1e3)
+    } else {
+        format!("{:.3} µs", seconds * 1e6)
+    }
+}
+
+/// A fraction with three decimals, or two significant digits below 0.001 (`2.3e-4`).
+pub fn fraction(f: f64) -> String {
+    if f.is_finite() && f != 0.0 && f.abs() < 1e-3 {
+        format!("{f:.1e}")
+    } else {
+        format!("{f:.3}")
+    }
+}
+
+/// One bandwidth of the decode table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Bandwidth {
+    /// What it is (device, measured or specified).
+    pub label: String,
+    /// GB/s (10⁹ bytes per second).
+    pub gbps: f64,
+}
+
+/// One layer's decode step timed on a backend.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasuredDecode {
+    /// The backend's description.
+    pub backend: String,
+    /// Input dtype name.
+    pub dtype: &'static str,
+    /// Median time of one layer's step, seconds.
+    pub layer_seconds: f64,
+    /// Key splits the backend used, when reported.
+    pub kv_splits: Option<usize>,
+    /// The index in the bandwidth list whose bound the headline fraction uses.
+    pub reference: usize,
+}
+
+/// A measured step (one layer's time × layers) over the bound at `gbps`: 1.0 is the bound.
+pub fn fraction_of_bound(m: &ModelShape, layer_seconds: f64, gbps: f64) -> f64 {
+    decode_bound_seconds(kv_cache_bytes(m), gbps) / (layer_seconds * m.layers as f64)
+}
+
+/// The decode section: cache sizes, the bound per step at each bandwidth and, when given, the
+/// measured step and its fraction of each bound; `notes` close it (why a figure is absent).
+pub fn decode_report(
+    m: &ModelShape,
+    bandwidths: &[Bandwidth],
+    measured: Option<&MeasuredDecode>,
+    notes: &[String],
+) -> String {
+    let mut s = String::new();
+    let total = kv_cache_bytes(m);
+    let _ = writeln!(
+        s,
+        "Decode: each step (one new token per sequence) reads every layer's K and V once
+  \
+         time per step >= KV cache bytes / bandwidth (attention's share only: the weights' \
+         read is not counted)
+  \
+         {}: {} layers, {} query heads, {} KV heads, head_dim {}, batch {}, {} tokens, {} bytes ({})",
+        m.name,
+        m.layers,
+        m.heads_q,
+        m.heads_kv,
+        m.head_dim,
+        m.batch,
+        grouped(m.tokens as u128),
+        m.bytes,
+        precision(m.bytes)
+    );
+    let line = |s: &mut String, label: &str, bytes: u128| {
+        let _ = writeln!(
+            s,
+            "  {label:<32} {:>12} {:>24}",
+            human_bytes(bytes),
+            grouped(bytes)
+        );
+    };
+    line(
+        &mut s,
+        "KV cache per sequence:",
+        kv_cache_bytes_per_sequence(m),
+    );
+    line(
+        &mut s,
+        "KV cache per layer (batch):",
+        kv_cache_bytes_per_layer(m),
+    );
+    line(&mut s, &format!("KV cache, batch {}:", m.batch), total);
+    let _ = writeln!(
+        s,
+        "  {:<48} {:>10} {:>14}{}",
+        "bandwidth",
+        "GB/s",
+        "bound/step",
+        if measured.is_some() {
+            format!(" {:>16}", "fraction of it")
+        } else {
+            String::new()
+        }
+    );
+    for b in bandwidths {
+        let bound = decode_bound_seconds(total, b.gbps);
+        let frac = measured.map_or(String::new(), |r| {
+            format!(
+                " {:>16}",
+                fraction(fraction_of_bound(m, r.layer_seconds, b.gbps))
+            )
+        });
+        let _ = writeln!(
+            s,
+            "  {:<48} {:>10.1} {:>14}{frac}",
+            b.label,
+            b.gbps,
+            human_seconds(bound)
+        );
+    }
+    if let Some(r) = measured {
+        let step = r.layer_seconds * m.layers as f64;
+        let _ = writeln!(
+            s,
+            "  measured on {}, {}{}: {} per layer x {} layers = {} per step, {:.1} GB/s",
+            r.backend,
+            r.dtype,
+            r.kv_splits
+                .map_or(String::new(), |n| format!(", splits: {n}")),
+            human_seconds(r.layer_seconds),
+            m.layers,
+            human_seconds(step),
+            total as f64 / step / 1e9
+        );
+        if let Some(b) = bandwidths.get(r.reference) {
+            let _ = writeln!(
+                s,
+                "  fraction of the bound: {} (at {}: {:.1} GB/s)",
+                fraction(fraction_of_bound(m, r.layer_seconds, b.gbps)),
+                b.label,
+                b.gbps
+            );
+        }
+    }
+    for n in notes {
+        let _ = writeln!(s, "  note: {n}");
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -372,6 +583,9 @@ mod tests {
         m.layers = u64::MAX;
         let e = check_sizes(&m, 8).unwrap_err();
         assert!(e.starts_with("too large"), "{e}");
+        let e = check_decode_sizes(&m).unwrap_err();
+        assert!(e.starts_with("too large: the KV cache"), "{e}");
+        assert_eq!(check_decode_sizes(&llama3_70b()), Ok(()));
     }
 
     #[test]
@@ -388,5 +602,77 @@ mod tests {
         assert_eq!(preset("Llama3-70B"), Some(llama3_70b()));
         assert_eq!(preset("qwen3.8-27b"), Some(qwen_27b()));
         assert_eq!(preset("gpt-9"), None);
+    }
+
+    #[test]
+    fn decode_bound_of_llama3_70b_at_128k() {
+        let m = llama3_70b();
+        assert_eq!(kv_cache_bytes_per_sequence(&m), 40 * GIB);
+        assert_eq!(kv_cache_bytes_per_layer(&m), GIB / 2);
+        let batch4 = ModelShape {
+            batch: 4,
+            ..m.clone()
+        };
+        assert_eq!(kv_cache_bytes_per_sequence(&batch4), 40 * GIB);
+        assert_eq!(kv_cache_bytes(&batch4), 160 * GIB);
+        assert_eq!(kv_cache_bytes_per_layer(&batch4), 2 * GIB);
+        // 42,949,672,960 bytes at 4.8 TB/s: 8.947848533 ms; at 4.2 TB/s: 10.226112 ms.
+        let spec = decode_bound_seconds(40 * GIB, H200_SPEC_GBPS);
+        assert!((spec - 42_949_672_960.0 / 4.8e12).abs() < 1e-15, "{spec}");
+        assert_eq!(human_seconds(spec), "8.948 ms");
+        let copy = decode_bound_seconds(40 * GIB, H200_COPY_GBPS);
+        assert_eq!(human_seconds(copy), "10.226 ms");
+        assert!(decode_bound_seconds(GIB, 0.0).is_nan());
+        assert!(decode_bound_seconds(GIB, f64::INFINITY).is_nan());
+        // A step measured at exactly the bound is 1.0 of it; twice as slow, 0.5.
+        let layer = spec / 80.0;
+        assert!((fraction_of_bound(&m, layer, H200_SPEC_GBPS) - 1.0).abs() < 1e-12);
+        assert!((fraction_of_bound(&m, 2.0 * layer, H200_SPEC_GBPS) - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn decode_report_lists_bounds_and_the_measured_step() {
+        let m = llama3_70b();
+        let bw = [
+            Bandwidth {
+                label: "H200 HBM3e (spec)".into(),
+                gbps: H200_SPEC_GBPS,
+            },
+            Bandwidth {
+                label: "host copy".into(),
+                gbps: 10.0,
+            },
+        ];
+        let plain = decode_report(&m, &bw, None, &["no GPU".into()]);
+        assert!(
+            plain.contains("40 GiB") && plain.contains("8.948 ms"),
+            "{plain}"
+        );
+        assert!(plain.contains("4.295 s"), "{plain}");
+        assert!(
+            plain.contains("note: no GPU") && !plain.contains("measured on"),
+            "{plain}"
+        );
+        let r = MeasuredDecode {
+            backend: "cpu".into(),
+            dtype: "bf16",
+            layer_seconds: 4.294_967_296 / 80.0 * 2.0,
+            kv_splits: Some(3),
+            reference: 1,
+        };
+        let text = decode_report(&m, &bw, Some(&r), &[]);
+        assert!(text.contains("fraction of the bound: 0.500"), "{text}");
+        assert!(text.contains("= 8.590 s per step"), "{text}");
+    }
+
+    #[test]
+    fn seconds_formatting() {
+        assert_eq!(human_seconds(2.5), "2.500 s");
+        assert_eq!(human_seconds(0.0125), "12.500 ms");
+        assert_eq!(human_seconds(2.5e-5), "25.000 µs");
+        assert_eq!(human_seconds(f64::NAN), "-");
+        assert_eq!(fraction(0.5), "0.500");
+        assert_eq!(fraction(0.000_234), "2.3e-4");
+        assert_eq!(fraction(0.0), "0.000");
     }
 }

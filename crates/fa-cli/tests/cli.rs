@@ -339,6 +339,142 @@ fn plan_prints_the_lesson_numbers() {
     assert_eq!(o.status.code(), Some(2));
 }
 
+/// The number before `unit` in the first line of `out` containing `key` (after it).
+fn number_after(out: &str, key: &str, unit: &str) -> f64 {
+    let line = out
+        .lines()
+        .find(|l| l.contains(key))
+        .unwrap_or_else(|| panic!("no line with {key} in\n{out}"));
+    let rest = &line[line.find(key).unwrap() + key.len()..];
+    let field = rest
+        .split(unit)
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .last()
+        .unwrap_or_else(|| panic!("nothing before {unit} in {line}"));
+    field
+        .parse()
+        .unwrap_or_else(|_| panic!("'{field}' is not a number in {line}"))
+}
+
+#[test]
+fn plan_decode_prints_the_bound_and_a_cpu_measurement() {
+    // 2 layers × batch 2 × 256 tokens × 2 KV heads × 32 × 2 bytes × 2 (K and V) = 256 KiB.
+    let shape = [
+        "plan",
+        "--decode",
+        "--layers",
+        "2",
+        "--heads",
+        "4",
+        "--heads-kv",
+        "2",
+        "--head-dim",
+        "32",
+        "--tokens",
+        "256",
+        "--batch",
+        "2",
+        "--threads",
+        "1",
+        "--bandwidth",
+        "100",
+    ];
+    let mut args = shape.to_vec();
+    args.extend(["--backend", "cpu", "--measure"]);
+    let o = fa(&args);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(
+        out.contains("KV cache per sequence:") && out.contains("128 KiB"),
+        "{out}"
+    );
+    assert!(
+        out.contains("KV cache, batch 2:") && out.contains("262,144"),
+        "{out}"
+    );
+    // The bound at the given 100 GB/s: 262,144 bytes / 1e11 B/s = 2.621 µs.
+    assert!(out.contains("given (--bandwidth)"), "{out}");
+    assert!(
+        (number_after(&out, "given (--bandwidth)", "µs") - 2.621).abs() < 1e-3,
+        "{out}"
+    );
+    assert!(
+        number_after(&out, "H200 HBM3e, specification", "µs") > 0.0,
+        "{out}"
+    );
+    let host = number_after(&out, "this host's copy, measured now (threads: 1)", "µs");
+    assert!(host > 0.0, "{out}");
+    let layer = out
+        .lines()
+        .find(|l| l.contains("measured on cpu"))
+        .unwrap_or_else(|| panic!("no measured line in\n{out}"));
+    assert!(
+        layer.contains(", bf16") && layer.contains("x 2 layers"),
+        "{layer}"
+    );
+    let gbps = number_after(&out, "measured on cpu", "GB/s");
+    assert!(gbps > 0.0, "{out}");
+    let fraction = number_after(&out, "fraction of the bound:", "(");
+    assert!(fraction > 0.0 && fraction.is_finite(), "{out}");
+    assert!(
+        out.contains("note: GPU figure absent: --backend cpu"),
+        "{out}"
+    );
+
+    // Auto without --measure: a CUDA device is timed; without one, the note says so.
+    let o = fa(&shape);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(
+        out.contains("measured on cuda")
+            || (out.contains("note: GPU figure absent: no CUDA device opened")
+                && out.contains("no measured figure: --measure")),
+        "{out}"
+    );
+
+    // Sizes past 128 bits are errors, not panics; so is measuring a cache past the memory;
+    // --bandwidth must be positive.
+    let o = fa(&[
+        "plan",
+        "--decode",
+        "--tokens",
+        "18446744073709551615",
+        "--batch",
+        "4294967296",
+        "--layers",
+        "18446744073709551615",
+    ]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("too large: the KV cache") && !err.contains("panicked"),
+        "{err}"
+    );
+    let o = fa(&[
+        "plan",
+        "--decode",
+        "--backend",
+        "cpu",
+        "--measure",
+        "--tokens",
+        "4294967296",
+        "--batch",
+        "65536",
+    ]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("too large") && !err.contains("panicked"),
+        "{err}"
+    );
+    let o = fa(&["plan", "--decode", "--bandwidth", "0"]);
+    assert_eq!(o.status.code(), Some(2));
+    let o = fa(&["plan", "--measure"]);
+    assert_eq!(o.status.code(), Some(2), "--measure requires --decode");
+}
+
 #[test]
 fn bench_json_lines_have_the_documented_keys() {
     let o = fa(&[
