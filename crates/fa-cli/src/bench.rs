@@ -194,14 +194,19 @@ pub fn table_header() -> String {
     )
 }
 
-/// One table row.
-pub fn table_row(r: &BenchResult) -> String {
-    let s = &r.shape;
-    let heads = if s.heads_kv == s.heads {
+/// A table's heads column: `8`, or `8/2` (query/KV) under GQA.
+pub(crate) fn heads_label(s: &BenchShape) -> String {
+    if s.heads_kv == s.heads {
         s.heads.to_string()
     } else {
         format!("{}/{}", s.heads, s.heads_kv)
-    };
+    }
+}
+
+/// One table row.
+pub fn table_row(r: &BenchResult) -> String {
+    let s = &r.shape;
+    let heads = heads_label(s);
     format!(
         "{:<7} {:<5} {:>5} {:>7} {:>7} {:>7} {:>5} {:<6} {:>3} {:>11.3} {:>15} {:>11} {:>11}",
         r.backend,

@@ -13,7 +13,7 @@
 
 use crate::alloc_count;
 use crate::backend::{Backend, Options};
-use crate::bench::{median, throughput, BenchShape};
+use crate::bench::{heads_label, median, throughput, BenchShape};
 use crate::error::CliError;
 use crate::plan::human_bytes;
 use crate::tensor::{random_normal, DType, HostTensor};
@@ -180,11 +180,7 @@ pub fn backward_table_header() -> String {
 /// One table row.
 pub fn backward_table_row(r: &BackwardBenchResult) -> String {
     let s = &r.shape;
-    let heads = if s.heads_kv == s.heads {
-        s.heads.to_string()
-    } else {
-        format!("{}/{}", s.heads, s.heads_kv)
-    };
+    let heads = heads_label(s);
     format!(
         "{:<5} {:>5} {:>7} {:>7} {:>5} {:<6} {:>3} {:>9.2} {:>9.2} {:>9.2} {:>15} {:>15} {:>10} {:>10} {:>10}",
         r.dtype,
