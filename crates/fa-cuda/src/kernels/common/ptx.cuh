@@ -20,6 +20,13 @@ static __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool
     const int n = pred ? 16 : 0; // 0 bytes read: the 16 destination bytes are zero-filled
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
+// 4-byte cp.async (through L1: the 16-byte-only .cg form does not take 4), zero-filling the
+// destination when `pred` is false.
+static __device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool pred) {
+    const int n = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+
 static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 

@@ -61,13 +61,6 @@ __device__ const int fa_compile_check_nonce = FA_COMPILE_CHECK_NONCE;
 
 #define ELEM_BF16 (IS_BF16 != 0)
 
-// 4-byte cp.async (through L1: the 16-byte-only .cg form does not take 4), zero-filling the
-// destination when `pred` is false.
-static __device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool pred) {
-    const int n = pred ? 4 : 0;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-
 // Waits until at most N cp.async groups of this thread are pending.
 template <int N>
 static __device__ __forceinline__ void cp_async_wait_pending() {
