@@ -9,19 +9,16 @@
 //! ```text
 //! cargo run --release -p fa-cuda --example decode_bench -- [--batches 1,16]
 //!     [--caches 4096,16384,65536,131072] [--heads-q 64] [--heads-kv 8] [--hdim 128]
-//!     [--queries 1] [--layouts padded,paged16,paged256] [--splits plan,8,15,30]
-//!     [--families auto,sm80] [--iters 50]
+//!     [--queries 1] [--layouts padded,paged16,paged256] [--splits plan,8,15,30] [--iters 50]
 //! ```
 //! `--splits` lists split counts to time per shape (`plan`: the plan's own choice, the
-//! default), for tuning the split rule; `--families` the kernel family choices to time per
-//! shape (`auto`: bulk copies on sm_90; `sm80`: the per-thread `cp.async` loads), so that the
-//! two load paths are compared in the same run.
+//! default), for tuning the split rule.
 //! The caches are filled with random bf16 values (a 32 MiB random chunk copied over them on
 //! the device); paged block tables are random permutations of the blocks.
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use fa_cuda::{CacheTables, DType, Device, ForwardOptions, KernelFamilyChoice, RawTensor};
+use fa_cuda::{CacheTables, DType, Device, ForwardOptions, RawTensor};
 use half::bf16;
 use softmax_core::{Out, ProblemDesc, Qkv, MAX_HEAD_DIM};
 use std::sync::Arc;
@@ -83,7 +80,6 @@ fn main() {
     let (mut hq, mut hk, mut d, mut sq, mut iters) = (64usize, 8usize, 128usize, 1usize, 50usize);
     let mut layouts: Vec<String> = ["padded", "paged16", "paged256"].map(String::from).to_vec();
     let mut split_list: Vec<Option<u32>> = vec![None];
-    let mut families = vec![KernelFamilyChoice::Auto];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let v = args.next().unwrap_or_default();
@@ -102,17 +98,6 @@ fn main() {
                     .collect()
             }
             "--layouts" => layouts = v.split(',').map(String::from).collect(),
-            "--families" => {
-                families = v
-                    .split(',')
-                    .map(|x| match x {
-                        "auto" => KernelFamilyChoice::Auto,
-                        "sm80" => KernelFamilyChoice::Sm80,
-                        "sm90" => KernelFamilyChoice::Sm90,
-                        _ => panic!("--families auto,sm80,sm90"),
-                    })
-                    .collect()
-            }
             other => panic!("unknown argument {other}"),
         }
     }
@@ -194,13 +179,9 @@ fn main() {
                 let problem = desc.validate(MAX_HEAD_DIM).expect("valid shape");
                 let table_dev =
                     (!table.is_empty()).then(|| stream.clone_htod(&table).expect("upload"));
-                for (&splits, &family) in split_list
-                    .iter()
-                    .flat_map(|s| families.iter().map(move |f| (s, f)))
-                {
+                for &splits in &split_list {
                     let opts = ForwardOptions {
                         splits,
-                        family,
                         time_kernel: true,
                         ..ForwardOptions::default()
                     };
@@ -254,11 +235,10 @@ fn main() {
                     let gbs = kv_bytes / (t_ms * 1e-3) / 1e9;
                     let plan = plan.expect("a launch");
                     eprintln!(
-                    "batch {batch:>2} cache {cache:>6} {layout:<9} {:>8.1} us {gbs:>6.0} GB/s ({:.2} of copy) splits {} {}",
+                    "batch {batch:>2} cache {cache:>6} {layout:<9} {:>8.1} us {gbs:>6.0} GB/s ({:.2} of copy) splits {}",
                     t_ms * 1e3,
                     gbs / copy_gbs,
-                    plan.num_splits,
-                    plan.variant.name()
+                    plan.num_splits
                 );
                     rows.push(format!(
                     "{{\"batch\":{batch},\"cache\":{cache},\"queries\":{sq},\"heads_q\":{hq},\"heads_kv\":{hk},\"hdim\":{d},\"layout\":\"{layout}\",\"us\":{:.1},\"kv_gbs\":{gbs:.0},\"frac_of_copy\":{:.3},\"splits\":{},\"forced\":{},\"variant\":\"{}\"}}",

@@ -438,21 +438,17 @@ pub fn precompile_into<V: KernelVariant + Clone>(
 pub fn precompile_all(arch: &str) -> Result<PrecompileReport, CudaError> {
     use crate::kernels::decode::{AppendVariant, CombineVariant, DecodeVariant};
     use crate::kernels::DType;
-    let runs_here = |family: &KernelFamily| {
-        capability_of(arch).is_none_or(|(major, minor)| family.supports(major, minor))
+    let supported: Vec<ForwardVariant> = match capability_of(arch) {
+        Some((major, minor)) => ForwardVariant::all()
+            .into_iter()
+            .filter(|v| v.family().supports(major, minor))
+            .collect(),
+        None => ForwardVariant::all(),
     };
-    let supported: Vec<ForwardVariant> = ForwardVariant::all()
-        .into_iter()
-        .filter(|v| runs_here(v.family()))
-        .collect();
-    let decode: Vec<DecodeVariant> = DecodeVariant::all()
-        .into_iter()
-        .filter(|v| runs_here(v.family()))
-        .collect();
     let mut report = precompile(arch, &supported)?;
     let combine = [DType::Bf16, DType::F16].map(|dtype| CombineVariant { dtype });
     for more in [
-        precompile(arch, &decode)?,
+        precompile(arch, &DecodeVariant::all())?,
         precompile(arch, &combine)?,
         precompile(arch, &[AppendVariant])?,
     ] {

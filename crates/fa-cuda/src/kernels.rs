@@ -47,13 +47,6 @@ pub const COMMON_HEADERS: [SourceFile; 4] = [
     },
 ];
 
-/// The mbarrier and bulk-copy helpers (sm_90 and newer) of the families that load through
-/// the async proxy: the sm90 forward and the decode kernel's bulk-copy variants.
-pub const MBARRIER_HEADER: SourceFile = SourceFile {
-    name: "common/mbarrier.cuh",
-    text: include_str!("kernels/common/mbarrier.cuh"),
-};
-
 /// A kernel family: one main source compiled with per-variant defines, the headers it
 /// includes, its entry points and the compute capabilities it runs on.
 #[derive(Debug, PartialEq, Eq)]

@@ -3,15 +3,12 @@
 //! `Problem::k_offset`/`v_offset`) on fresh random inputs rounded to bf16/fp16, with O and the
 //! LSE poisoned (NaN) before each launch. Bounds as for the forward: normwise
 //! ‖out − ref‖/‖ref‖ ≤ 1e-2, LSE within 1e-3; split results agree with the unsplit call within
-//! the same normwise bound. On sm_90 the K/V rows go by bulk copies (the plan's default) and,
-//! with the sm80 family forced, by per-thread `cp.async`: both load paths are checked. Ignored
-//! by default: they need a CUDA GPU
+//! the same normwise bound. Ignored by default: they need a CUDA GPU
 //! (`cargo test -p fa-cuda --test gpu_decode -- --include-ignored`).
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use fa_cuda::{
-    CacheTables, CudaElement, CudaError, DType, Device, ForwardOptions, ForwardStats,
-    KernelFamilyChoice, RawTensor,
+    CacheTables, CudaElement, CudaError, DType, Device, ForwardOptions, ForwardStats, RawTensor,
 };
 use fa_reference::{attention_f64, compare, poison, Element, Rng, Rounding};
 use half::{bf16, f16};
@@ -187,21 +184,11 @@ fn to_t<T: Element>(x: &[f32]) -> Vec<T> {
     x.iter().map(|&v| T::from_f64(v as f64)).collect()
 }
 
-/// [`run_with`] with the plan's own kernel family.
+/// Runs `case` through `forward_host` with `splits` (poisoned outputs), checks it against the
+/// oracle and returns O (as f64) and the stats.
 fn run_as<T: CudaElement + Element>(
     case: &CacheCase,
     splits: Option<u32>,
-) -> (Vec<f64>, ForwardStats) {
-    run_with::<T>(case, splits, KernelFamilyChoice::Auto)
-}
-
-/// Runs `case` through `forward_host` with `splits` and `family` (poisoned outputs), checks
-/// it against the oracle and that the expected load path ran (bulk copies on sm_90 unless the
-/// sm80 family is forced), and returns O (as f64) and the stats.
-fn run_with<T: CudaElement + Element>(
-    case: &CacheCase,
-    splits: Option<u32>,
-    family: KernelFamilyChoice,
 ) -> (Vec<f64>, ForwardStats) {
     let problem = case.problem();
     let (q, k, v) = (to_t::<T>(&case.q), to_t::<T>(&case.k), to_t::<T>(&case.v));
@@ -212,10 +199,9 @@ fn run_with<T: CudaElement + Element>(
     poison(&mut lse);
     let opts = ForwardOptions {
         splits,
-        family,
         ..ForwardOptions::default()
     };
-    let label = format!("{} splits {splits:?} {family:?}", case.label());
+    let label = format!("{} splits {splits:?}", case.label());
     let stats = device()
         .forward_host(
             &problem,
@@ -241,11 +227,6 @@ fn run_with<T: CudaElement + Element>(
     if let Some(s) = splits {
         assert_eq!(plan.expect("a launch").num_splits, s, "{label}");
     }
-    if let Some(plan) = plan {
-        let props = device().props();
-        let bulk = props.major >= 9 && family != KernelFamilyChoice::Sm80;
-        assert_eq!(plan.variant.bulk, bulk, "{label}: load path");
-    }
     (out.iter().map(|x| x.to_f64()).collect(), stats)
 }
 
@@ -270,25 +251,17 @@ fn rel_diff(problem: &Problem, a: &[f64], b: &[f64]) -> f64 {
     }
 }
 
-/// The case with the plan's split count and with forced counts 1, 3 and 16, and with the sm80
-/// family forced (the other load path on sm_90): each against the oracle, and every result
-/// against the unsplit one.
+/// The case with the plan's split count and with forced counts 1, 3 and 16: each against
+/// the oracle, and every split result against the unsplit one.
 fn check_splits<T: CudaElement + Element>(case: &CacheCase) {
     let problem = case.problem();
     let (unsplit, _) = run_as::<T>(case, Some(1));
-    let runs = [
-        (None, KernelFamilyChoice::Auto),
-        (Some(3), KernelFamilyChoice::Auto),
-        (Some(16), KernelFamilyChoice::Auto),
-        (None, KernelFamilyChoice::Sm80),
-        (Some(3), KernelFamilyChoice::Sm80),
-    ];
-    for (splits, family) in runs {
-        let (out, _) = run_with::<T>(case, splits, family);
+    for splits in [None, Some(3), Some(16)] {
+        let (out, _) = run_as::<T>(case, splits);
         let d = rel_diff(&problem, &out, &unsplit);
         assert!(
             d <= REL_L2_BOUND,
-            "{} splits {splits:?} {family:?}: {d:.2e} from the unsplit call",
+            "{} splits {splits:?}: {d:.2e} from the unsplit call",
             case.label()
         );
     }

@@ -125,10 +125,6 @@ fn every_variant_compiles_without_spills() {
 /// stack frame is returned as a message.
 fn check_variant<V: fa_cuda::kernels::KernelVariant + Clone>(variant: &V, out: &mut Vec<String>) {
     for (n, arch) in ARCHS.iter().enumerate() {
-        let (major, minor) = capability_of(arch).expect("an NVRTC arch");
-        if !variant.family().supports(major, minor) {
-            continue;
-        }
         let nonce = (std::process::id() % 100_000) * 1000 + 900 + n as u32;
         let nonce = vec![format!("-DFA_COMPILE_CHECK_NONCE={nonce}")];
         match compile_variant_with(variant, arch, &nonce) {

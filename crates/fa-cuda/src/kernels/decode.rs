@@ -5,20 +5,15 @@
 //! and plan: the split count from the problem and [`DeviceProps::sm_count`] (FlashAttention's
 //! wave-efficiency rule), overridable by [`crate::ForwardOptions::splits`].
 
-use super::{
-    DType, DeviceProps, KernelFamily, KernelFamilyChoice, KernelVariant, SourceFile,
-    COMMON_HEADERS, MBARRIER_HEADER,
-};
+use super::{DType, DeviceProps, KernelFamily, KernelVariant, SourceFile, COMMON_HEADERS};
 use softmax_core::{KvCache, Problem, ProblemError, RescalePolicy};
 
-/// The headers of the decode family: the common ones, the mbarrier helpers (bulk-copy
-/// variants), the merge rule and the parameter block.
-pub static DECODE_HEADERS: [SourceFile; 7] = [
+/// The headers of the decode family: the common ones, the merge rule and the parameter block.
+pub static DECODE_HEADERS: [SourceFile; 6] = [
     COMMON_HEADERS[0],
     COMMON_HEADERS[1],
     COMMON_HEADERS[2],
     COMMON_HEADERS[3],
-    MBARRIER_HEADER,
     SourceFile {
         name: "common/merge.cuh",
         text: include_str!("common/merge.cuh"),
@@ -39,22 +34,6 @@ pub static FAMILY: KernelFamily = KernelFamily {
     headers: &DECODE_HEADERS,
     entries: &["flash_decode"],
     min_capability: (8, 0),
-    max_major: None,
-};
-
-/// The split-KV decode kernel whose K/V rows go by bulk copies (`cp.async.bulk`, completing
-/// on mbarriers) instead of per-thread 16-byte `cp.async`: the same source with `BULK=1`,
-/// sm_90 and newer. Fewer, larger requests per SM keep more bytes in flight than the
-/// per-thread copies (docs/gpu-notes.md runs 45–47).
-pub static BULK_FAMILY: KernelFamily = KernelFamily {
-    name: "flash_decode_sm90",
-    main: SourceFile {
-        name: "decode/flash_decode.cu",
-        text: include_str!("decode/flash_decode.cu"),
-    },
-    headers: &DECODE_HEADERS,
-    entries: &["flash_decode"],
-    min_capability: (9, 0),
     max_major: None,
 };
 
@@ -101,16 +80,7 @@ pub struct DecodeVariant {
     pub dtype: DType,
     /// Softcap or a non-positive scale: scores transformed before the max.
     pub general_scores: bool,
-    /// K/V rows by bulk copies on mbarriers into padded (unswizzled) rows ([`BULK_FAMILY`],
-    /// sm_90 and newer) instead of per-thread `cp.async` into swizzled rows.
-    pub bulk: bool,
 }
-
-/// Shared memory the bulk-copy variants fill with stages (of the 227 KiB an H100/H200 CTA
-/// may opt into: one CTA per SM, as many K/V tiles in flight as fit).
-const BULK_SMEM_BUDGET: u32 = 216 * 1024;
-/// The most stages a bulk-copy variant keeps in flight.
-const BULK_MAX_STAGES: u32 = 6;
 
 impl DecodeVariant {
     /// Query rows per CTA.
@@ -125,24 +95,13 @@ impl DecodeVariant {
     pub fn threads(&self) -> u32 {
         self.warps * 32
     }
-    /// Bytes of one K or V row in shared memory: the head dim's, plus 16 in the bulk-copy
-    /// variants (their rows are not swizzled; the pad keeps `ldmatrix` free of bank
-    /// conflicts).
-    pub fn kv_row_bytes(&self) -> u32 {
-        self.hdp * 2 + if self.bulk { 16 } else { 0 }
-    }
-    /// Shared memory of one stage: its K and V tiles and its two tiles of the block-table ring.
-    fn stage_bytes(&self) -> u32 {
-        2 * self.block_n() * self.kv_row_bytes() + 2 * self.block_n() * 4
-    }
-    /// Dynamic shared memory: the Q tile, `stages` K and V tiles (16-bit), the paged
-    /// cache's block-table ring (`2·stages` tiles of int32) and, in the bulk-copy variants,
-    /// one mbarrier per stage; or, if larger, the warps' partial rows (f32) that the final
-    /// merge reads.
+    /// Dynamic shared memory: the Q tile, `stages` K and V tiles (16-bit) and the paged
+    /// cache's block-table ring (`2·stages` tiles of int32), or, if larger,
+    /// the warps' partial rows (f32) that the final merge reads.
     pub fn smem_bytes(&self) -> u32 {
-        let q = self.block_m() * self.hdp * 2;
-        let barriers = if self.bulk { 8 * self.stages } else { 0 };
-        let tiles = q + self.stages * self.stage_bytes() + barriers;
+        // Q, the K and V stages, and the block-table ring (TAB_RING = 2·STAGES tiles of int32).
+        let tiles = (self.block_m() + 2 * self.stages * self.block_n()) * self.hdp * 2
+            + 2 * self.stages * self.block_n() * 4;
         let merge = self.warps * self.block_m() * (self.hdp + 2) * 4;
         tiles.max(merge)
     }
@@ -156,15 +115,12 @@ impl DecodeVariant {
             format!("-DSTAGES={}", self.stages),
             format!("-DIS_BF16={}", u32::from(self.dtype == DType::Bf16)),
             format!("-DGENERAL_SCORES={}", u32::from(self.general_scores)),
-            format!("-DBULK={}", u32::from(self.bulk)),
         ]
     }
-    /// A readable name, e.g. `decode_sm80_bf16_d128_m16_n64_w4_s4` (`sm90`: bulk copies;
-    /// `_gen`: general scores).
+    /// A readable name, e.g. `decode_sm80_bf16_d128_m16_n64_w4_s4` (`_gen`: general scores).
     pub fn name(&self) -> String {
         format!(
-            "decode_{}_{}_d{}_m{}_n{}_w{}_s{}{}",
-            if self.bulk { "sm90" } else { "sm80" },
+            "decode_sm80_{}_d{}_m{}_n{}_w{}_s{}{}",
             self.dtype.name(),
             self.hdp,
             self.block_m(),
@@ -174,25 +130,17 @@ impl DecodeVariant {
             if self.general_scores { "_gen" } else { "" }
         )
     }
-    /// The tuned variant for a padded head dim, a row count per KV head, a dtype and the load
-    /// path: one 16-row m-tile, or two where the rows need them and the registers allow (head
-    /// dim ≤ 128); tiles of 64 keys (128 at head dim 64); `cp.async` variants keep as many
-    /// stages as fit in 128 KiB, bulk-copy ones as many as fit in [`BULK_SMEM_BUDGET`] (at
-    /// most [`BULK_MAX_STAGES`]).
-    pub fn for_shape(
-        hdp: u32,
-        rows: usize,
-        dtype: DType,
-        general_scores: bool,
-        bulk: bool,
-    ) -> DecodeVariant {
+    /// The tuned variant for a padded head dim, a row count per KV head and a dtype: one
+    /// 16-row m-tile, or two where the rows need them and the registers allow (head dim ≤ 128);
+    /// tiles of 64 keys (128 at head dim 64) and as many stages in flight as fit in 128 KiB.
+    pub fn for_shape(hdp: u32, rows: usize, dtype: DType, general_scores: bool) -> DecodeVariant {
         let mt = if hdp <= 128 && rows > 16 { 2 } else { 1 };
         let (wn, stages) = match hdp {
             64 => (32, 4),
             128 => (16, 4),
             _ => (16, 2),
         };
-        let mut v = DecodeVariant {
+        DecodeVariant {
             hdp,
             mt,
             wn,
@@ -200,28 +148,18 @@ impl DecodeVariant {
             stages,
             dtype,
             general_scores,
-            bulk,
-        };
-        if bulk {
-            let q = v.block_m() * hdp * 2;
-            let fit = (BULK_SMEM_BUDGET - q) / (v.stage_bytes() + 8);
-            v.stages = fit.clamp(2, BULK_MAX_STAGES);
         }
-        v
     }
-    /// Every variant the plan can select (what the CI compile check builds, each for the
-    /// architectures its family supports).
+    /// Every variant the plan can select (what the CI compile check builds).
     pub fn all() -> Vec<DecodeVariant> {
         let mut all = Vec::new();
         for dtype in [DType::Bf16, DType::F16] {
             for hdp in [64, 128, 256] {
                 for rows in [16, 32] {
                     for general in [false, true] {
-                        for bulk in [false, true] {
-                            let v = DecodeVariant::for_shape(hdp, rows, dtype, general, bulk);
-                            if !all.contains(&v) {
-                                all.push(v);
-                            }
+                        let v = DecodeVariant::for_shape(hdp, rows, dtype, general);
+                        if !all.contains(&v) {
+                            all.push(v);
                         }
                     }
                 }
@@ -233,11 +171,7 @@ impl DecodeVariant {
 
 impl KernelVariant for DecodeVariant {
     fn family(&self) -> &'static KernelFamily {
-        if self.bulk {
-            &BULK_FAMILY
-        } else {
-            &FAMILY
-        }
+        &FAMILY
     }
     fn defines(&self) -> Vec<String> {
         DecodeVariant::defines(self)
@@ -412,8 +346,7 @@ fn hdp_of(problem: &Problem) -> u32 {
     }
 }
 
-/// The plan of a decode call on a device: variant (bulk copies on sm_90 and newer unless
-/// `family` forces the sm80 family), split count (`splits` forces it; `Some(0)`
+/// The plan of a decode call on a device: variant, split count (`splits` forces it; `Some(0)`
 /// is an error), grid and workspace. `Ok(None)` when there is nothing to compute (no query).
 /// Errors: a problem without a KV cache, more CTAs than a grid holds, shared memory over the
 /// device's limit.
@@ -421,7 +354,6 @@ pub fn plan_decode(
     problem: &Problem,
     dtype: DType,
     splits: Option<u32>,
-    family: KernelFamilyChoice,
     props: &DeviceProps,
 ) -> Result<Option<DecodePlan>, ProblemError> {
     let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
@@ -437,8 +369,7 @@ pub fn plan_decode(
     }
     let rows = problem.group_size() * seqlen_q;
     let general = problem.softcap().is_some() || problem.softmax_scale() <= 0.0;
-    let bulk = BULK_FAMILY.supports(props.major, props.minor) && family != KernelFamilyChoice::Sm80;
-    let variant = DecodeVariant::for_shape(hdp_of(problem), rows, dtype, general, bulk);
+    let variant = DecodeVariant::for_shape(hdp_of(problem), rows, dtype, general);
     if variant.smem_bytes() > props.smem_optin_bytes {
         return unsupported("the decode kernel's shared memory exceeds this device's limit");
     }
@@ -661,15 +592,9 @@ mod tests {
         let used = [1000u32, 7];
         let table: Vec<i32> = (0..2 * 63).map(|i| i % 64).collect();
         let problem = paged(&used, &table, 16, 1);
-        let plan = plan_decode(
-            &problem,
-            DType::Bf16,
-            None,
-            KernelFamilyChoice::Auto,
-            &DeviceProps::h200(),
-        )
-        .expect("plan")
-        .expect("work");
+        let plan = plan_decode(&problem, DType::Bf16, None, &DeviceProps::h200())
+            .expect("plan")
+            .expect("work");
         // 4 query heads per KV head, one query: one 16-row m-block per KV head.
         assert_eq!(plan.variant.mt, 1);
         assert_eq!(plan.grid.1, 2);
@@ -682,78 +607,23 @@ mod tests {
             plan.num_splits as usize * out_rows * (128 + 2) * 4
         );
         assert_eq!(plan.combine_blocks, 4);
-        let forced = plan_decode(
-            &problem,
-            DType::Bf16,
-            Some(3),
-            KernelFamilyChoice::Auto,
-            &DeviceProps::a100(),
-        )
-        .expect("plan")
-        .expect("work");
+        let forced = plan_decode(&problem, DType::Bf16, Some(3), &DeviceProps::a100())
+            .expect("plan")
+            .expect("work");
         assert_eq!(forced.num_splits, 3);
-        let one = plan_decode(
-            &problem,
-            DType::Bf16,
-            Some(1),
-            KernelFamilyChoice::Auto,
-            &DeviceProps::a100(),
-        )
-        .expect("plan")
-        .expect("work");
+        let one = plan_decode(&problem, DType::Bf16, Some(1), &DeviceProps::a100())
+            .expect("plan")
+            .expect("work");
         assert_eq!((one.workspace_bytes, one.combine_blocks), (0, 0));
-        assert!(plan_decode(
-            &problem,
-            DType::Bf16,
-            Some(0),
-            KernelFamilyChoice::Auto,
-            &DeviceProps::a100()
-        )
-        .is_err());
+        assert!(plan_decode(&problem, DType::Bf16, Some(0), &DeviceProps::a100()).is_err());
         let dense = ProblemDesc::new(1, 1, 10, 8, 2, 128).validate(256).unwrap();
-        assert!(plan_decode(
-            &dense,
-            DType::Bf16,
-            None,
-            KernelFamilyChoice::Auto,
-            &DeviceProps::a100()
-        )
-        .is_err());
+        assert!(plan_decode(&dense, DType::Bf16, None, &DeviceProps::a100()).is_err());
         // 8 queries × 4 heads: 32 rows, two m-tiles.
         let multi = paged(&used, &table, 16, 8);
-        let plan = plan_decode(
-            &multi,
-            DType::F16,
-            None,
-            KernelFamilyChoice::Auto,
-            &DeviceProps::h200(),
-        )
-        .expect("plan")
-        .expect("work");
+        let plan = plan_decode(&multi, DType::F16, None, &DeviceProps::h200())
+            .expect("plan")
+            .expect("work");
         assert_eq!(plan.variant.mt, 2);
-        // Bulk copies on sm_90 unless the sm80 family is forced; never before sm_90.
-        assert!(plan.variant.bulk);
-        let forced_sm80 = plan_decode(
-            &multi,
-            DType::F16,
-            None,
-            KernelFamilyChoice::Sm80,
-            &DeviceProps::h200(),
-        )
-        .expect("plan")
-        .expect("work");
-        assert!(!forced_sm80.variant.bulk);
-        let a100 = plan_decode(
-            &multi,
-            DType::F16,
-            None,
-            KernelFamilyChoice::Auto,
-            &DeviceProps::a100(),
-        )
-        .expect("plan")
-        .expect("work");
-        assert!(!a100.variant.bulk);
-        assert!(a100.smem_bytes <= DeviceProps::a100().smem_optin_bytes);
     }
 
     #[test]
@@ -764,18 +634,11 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), all.len());
         for v in &all {
-            // Bulk-copy variants run on sm_90 only.
-            let device = if v.bulk {
-                DeviceProps::h200()
-            } else {
-                DeviceProps::a100()
-            };
-            assert!(v.smem_bytes() <= device.smem_optin_bytes, "{}", v.name());
-            assert!(v.family().supports(device.major, device.minor));
-            if v.bulk {
-                assert!(!v.family().supports(8, 0), "{}", v.name());
-                assert!(v.stages >= 3, "{}: {} stages", v.name(), v.stages);
-            }
+            assert!(
+                v.smem_bytes() <= DeviceProps::a100().smem_optin_bytes,
+                "{}",
+                v.name()
+            );
             assert_eq!(v.block_m() % 16, 0);
             assert_eq!((v.threads() / v.block_m()) * v.block_m(), v.threads());
             // Columns per thread of the final merge: whole 16-byte chunks.
@@ -828,15 +691,9 @@ mod tests {
                 let mut draw = |n: usize| (0..n).map(|_| rng.normal()).collect::<Vec<f64>>();
                 let (q, k, v) = (draw(lens.q), draw(lens.k), draw(lens.v));
                 let table: Vec<i32> = if paged { ids.clone() } else { Vec::new() };
-                let plan = plan_decode(
-                    &problem,
-                    DType::Bf16,
-                    Some(splits),
-                    KernelFamilyChoice::Auto,
-                    &DeviceProps::h200(),
-                )
-                .expect("plan")
-                .expect("work");
+                let plan = plan_decode(&problem, DType::Bf16, Some(splits), &DeviceProps::h200())
+                    .expect("plan")
+                    .expect("work");
                 let (p, ml_offset) = decode_params(&problem, &plan, RescalePolicy::Threshold(8.0));
                 let (o, lse) = emulate(&p, ml_offset, &plan, &q, &k, &v, &used, &table);
                 let oracle = attention_f64(&problem, &q, &k, &v);
@@ -1055,7 +912,7 @@ mod tests {
                         .with_mask(mask)
                         .validate(256)
                         .expect("valid");
-                    let v = DecodeVariant::for_shape(128, 4 * sq, DType::Bf16, false, false);
+                    let v = DecodeVariant::for_shape(128, 4 * sq, DType::Bf16, false);
                     let bn = v.block_n() as usize;
                     let m_blocks = (4 * sq).div_ceil(v.block_m() as usize);
                     for m_block in 0..m_blocks {

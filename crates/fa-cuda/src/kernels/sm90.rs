@@ -11,18 +11,16 @@
 
 use super::{
     DType, DeviceProps, ForwardVariant, KernelFamily, KernelVariant, LaunchShape, SourceFile,
-    COMMON_HEADERS, MBARRIER_HEADER,
+    COMMON_HEADERS,
 };
 use softmax_core::{Problem, ProblemError};
 
-/// The headers of the sm90 family: the common ones, the mbarrier helpers and its `wgmma`
-/// wrappers.
-static HEADERS: [SourceFile; 6] = [
+/// The headers of the sm90 family: the common ones and its `wgmma` wrappers.
+static HEADERS: [SourceFile; 5] = [
     COMMON_HEADERS[0],
     COMMON_HEADERS[1],
     COMMON_HEADERS[2],
     COMMON_HEADERS[3],
-    MBARRIER_HEADER,
     SourceFile {
         name: "sm90/wgmma.cuh",
         text: include_str!("sm90/wgmma.cuh"),

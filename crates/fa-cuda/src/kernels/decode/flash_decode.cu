@@ -11,12 +11,6 @@
 //   STAGES      K/V tiles in flight (cp.async groups)
 //   IS_BF16     1: bf16, 0: fp16
 //   GENERAL_SCORES 1: scores transformed before the max (softcap or a non-positive scale)
-//   BULK        1 (sm_90+): K/V rows go by one `cp.async.bulk` per row, issued by warp 0 and
-//               completing on one mbarrier per stage, into unswizzled rows padded by 16 bytes
-//               (conflict-free ldmatrix); 0: every thread copies 16-byte chunks by cp.async
-//               into swizzled rows. Bulk copies keep more bytes in flight per SM with far
-//               fewer instructions and do a paged row's address arithmetic once per row
-//               instead of once per chunk.
 //
 // Grid: x = m_block * num_splits + split, y = KV head, z = sequence. A split takes a contiguous
 // range of the sequence's key tiles (those its rows can see); every warp keeps its own online
@@ -30,18 +24,12 @@
 // them.
 
 #if !defined(HDP) || !defined(MT) || !defined(WN) || !defined(WARPS) || !defined(STAGES) || \
-    !defined(IS_BF16) || !defined(GENERAL_SCORES) || !defined(BULK)
-#error "decode/flash_decode.cu needs HDP, MT, WN, WARPS, STAGES, IS_BF16, GENERAL_SCORES, BULK"
-#endif
-#if BULK && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#error "BULK=1 needs sm_90 or newer (cp.async.bulk, mbarrier expect_tx)"
+    !defined(IS_BF16) || !defined(GENERAL_SCORES)
+#error "decode/flash_decode.cu needs HDP, MT, WN, WARPS, STAGES, IS_BF16, GENERAL_SCORES"
 #endif
 
 #include "common/merge.cuh"
 #include "decode/params.cuh"
-#if BULK
-#include "common/mbarrier.cuh"
-#endif
 
 #define THREADS (WARPS * 32)
 #define BLOCK_M (16 * MT)            // rows per CTA
@@ -51,9 +39,7 @@
 #define KQ (HDP / 16)                // k-steps of S = Q K^T
 #define KP (WN / 16)                 // k-steps of O += P V
 #define CHUNKS (HDP / 8)             // 16-byte chunks per smem row
-#define ROW_BYTES (HDP * 2)           // a Q row in shared memory
-#define KV_ROW_BYTES (ROW_BYTES + (BULK ? 16 : 0)) // a K or V row in shared memory
-#define KV_ROW (KV_ROW_BYTES / 2)
+#define ROW_BYTES (HDP * 2)
 #define TPR (THREADS / BLOCK_M)      // threads per row in the final merge
 #define CPT (HDP / TPR)              // columns per thread in the final merge
 #define LOAD_ITERS (BLOCK_N * CHUNKS / THREADS) // K/V rows per thread per tile
@@ -84,20 +70,13 @@ static __device__ __forceinline__ void cp_async_wait_pending() {
 static __device__ __forceinline__ int swz(int row, int chunk) {
     return row * HDP + ((chunk ^ (row & 7)) << 3);
 }
-// Element offset of chunk `chunk` of K/V row `row` in a stage (cp.async path only).
-static __device__ __forceinline__ int kv_swz(int row, int chunk) {
-    return row * KV_ROW + ((chunk ^ (row & 7)) << 3);
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const DecodeParams p) {
     extern __shared__ __attribute__((aligned(128))) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);
     u16* sK = sQ + BLOCK_M * HDP;
-    u16* sV = sK + STAGES * BLOCK_N * KV_ROW;
-    int* sTab = reinterpret_cast<int*>(sV + STAGES * BLOCK_N * KV_ROW); // [TAB_RING][BLOCK_N]
-#if BULK
-    const u32 bars = smem_u32(sTab + TAB_RING * BLOCK_N);            // [STAGES] mbarriers
-#endif
+    u16* sV = sK + STAGES * BLOCK_N * HDP;
+    int* sTab = reinterpret_cast<int*>(sV + STAGES * BLOCK_N * HDP); // [TAB_RING][BLOCK_N]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;
@@ -179,47 +158,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     // the used length (and in the columns past the head dims). A paged cache addresses each
     // key through its block (the ring's entry, clamped to the cache), a padded one steps by
     // the batch.
-    // Element offsets of key `key`'s K and V rows (row `row` of tile t, whose ring slot is
-    // `tab`): through its block for a paged cache (the entry clamped to the cache), by the
-    // batch for a padded one.
-    auto kv_offsets = [&](const int key, const int row, const int* tab, i64& k_off, i64& v_off) {
-        if (paged) {
-            const int in_block = key % p.block_size;
-            const int bb = min(max(tab[row], 0), p.num_blocks - 1);
-            k_off = (i64)bb * p.k_bs + (i64)in_block * p.k_ss;
-            v_off = (i64)bb * p.v_bs + (i64)in_block * p.v_ss;
-        } else {
-            k_off = (i64)b * p.k_bs + (i64)key * p.k_ss;
-            v_off = (i64)b * p.v_bs + (i64)key * p.v_ss;
-        }
-    };
-#if BULK
-    // Warp 0 only: the tile's used rows, one bulk copy per K row and per V row, completing on
-    // the stage's mbarrier (lane 0 arms it with the byte count first). Rows past the used
-    // length are not copied: they keep zeros or an earlier tile's finite values, which the
-    // mask turns into p = 0 (and the columns past the head dims stay zero from the start).
     auto load_kv = [&](const int t, const int stage) {
         const int n0 = t * BLOCK_N;
-        const int valid = max(min(BLOCK_N, sk - n0), 0);
-        const u32 k_base = smem_u32(sK + stage * BLOCK_N * KV_ROW);
-        const u32 v_base = smem_u32(sV + stage * BLOCK_N * KV_ROW);
-        const u32 bar = bars + 8u * (u32)stage;
-        const u32 k_bytes = 2u * (u32)p.head_dim, v_bytes = 2u * (u32)p.head_dim_v;
-        if (lane == 0) mbar_expect_tx(bar, (u32)valid * (k_bytes + v_bytes));
-        __syncwarp();
-        const int* tab = sTab + (t % TAB_RING) * BLOCK_N;
-        for (int row = lane; row < valid; row += 32) {
-            i64 k_off, v_off;
-            kv_offsets(n0 + row, row, tab, k_off, v_off);
-            bulk_load(k_base + (u32)row * KV_ROW_BYTES, gk + k_off, k_bytes, bar);
-            bulk_load(v_base + (u32)row * KV_ROW_BYTES, gv + v_off, v_bytes, bar);
-        }
-    };
-#else
-    auto load_kv = [&](const int t, const int stage) {
-        const int n0 = t * BLOCK_N;
-        const u32 k_base = smem_u32(sK + stage * BLOCK_N * KV_ROW);
-        const u32 v_base = smem_u32(sV + stage * BLOCK_N * KV_ROW);
+        const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
+        const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
         const int c = tid % CHUNKS, row0 = tid / CHUNKS;
         const bool k_col = c * 8 < p.head_dim, v_col = c * 8 < p.head_dim_v;
         const int* tab = sTab + (t % TAB_RING) * BLOCK_N;
@@ -229,13 +171,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             const int key = n0 + row;
             const bool ok = key < sk;
             i64 k_off = 0, v_off = 0;
-            if (ok) kv_offsets(key, row, tab, k_off, v_off);
-            const u32 dst = (u32)kv_swz(row, c) * 2u;
+            if (ok) {
+                if (paged) {
+                    const int in_block = key % p.block_size;
+                    const int bb = min(max(tab[row], 0), p.num_blocks - 1);
+                    k_off = (i64)bb * p.k_bs + (i64)in_block * p.k_ss;
+                    v_off = (i64)bb * p.v_bs + (i64)in_block * p.v_ss;
+                } else {
+                    k_off = (i64)b * p.k_bs + (i64)key * p.k_ss;
+                    v_off = (i64)b * p.v_bs + (i64)key * p.v_ss;
+                }
+            }
+            const u32 dst = (u32)swz(row, c) * 2u;
             cp_async16(k_base + dst, gk + (ok && k_col ? k_off + c * 8 : 0), ok && k_col);
             cp_async16(v_base + dst, gv + (ok && v_col ? v_off + c * 8 : 0), ok && v_col);
         }
     };
-#endif
 
     float acc[MT][DT][4];
     float row_m[MT][2], row_l[MT][2];
@@ -263,20 +214,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             q_addr[j] = sQa + q_row * ROW_BYTES + (((2 * j) ^ yq) << 4);
-#if BULK
-            // Unswizzled rows: the lane's logical chunk (the XOR above without the row bits).
-            k_addr[j] = sKa + k_row * KV_ROW_BYTES + ((2 * j + ((lane >> 3) & 1)) << 4);
-            v_addr[j] = sVa + v_row * KV_ROW_BYTES + ((2 * j + (lane >> 4)) << 4);
-#else
-            k_addr[j] = sKa + k_row * KV_ROW_BYTES + (((2 * j) ^ yk) << 4);
-            v_addr[j] = sVa + v_row * KV_ROW_BYTES + (((2 * j) ^ yv) << 4);
-#endif
+            k_addr[j] = sKa + k_row * ROW_BYTES + (((2 * j) ^ yk) << 4);
+            v_addr[j] = sVa + v_row * ROW_BYTES + (((2 * j) ^ yv) << 4);
         }
     }
 
     // One tile in stage `stage`: this warp's WN keys.
     auto tile = [&](const int t, const int stage) {
-        const u32 buf_bytes = (u32)(stage * BLOCK_N * KV_ROW_BYTES);
+        const u32 buf_bytes = (u32)(stage * BLOCK_N * ROW_BYTES);
         const int n0 = t * BLOCK_N + warp * WN;
         float s[MT][NT][4];
 #pragma unroll
@@ -296,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
 #pragma unroll
                 for (int np = 0; np < NT / 2; ++np) {
                     u32 b0, b1, b2, b3;
-                    ldsm_x4(k_addr[kj] + buf_bytes + np * 16 * KV_ROW_BYTES + kg * 128, b0, b1, b2, b3);
+                    ldsm_x4(k_addr[kj] + buf_bytes + np * 16 * ROW_BYTES + kg * 128, b0, b1, b2, b3);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         mma16816<ELEM_BF16>(s[mt][2 * np], a[mt], b0, b1);
@@ -389,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
 #pragma unroll
             for (int dp = 0; dp < DT / 2; ++dp) {
                 u32 b0, b1, b2, b3;
-                ldsm_x4_trans(v_addr[dp & 3] + buf_bytes + kp * 16 * KV_ROW_BYTES + (dp >> 2) * 128, b0, b1, b2, b3);
+                ldsm_x4_trans(v_addr[dp & 3] + buf_bytes + kp * 16 * ROW_BYTES + (dp >> 2) * 128, b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma16816<ELEM_BF16>(acc[mt][2 * dp], pa[mt][kp], b0, b1);
@@ -405,28 +350,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     // for), then each step's group also carries the entries of the tile STAGES-1 further on:
     // with that extra leading group, the wait at step `it` completes the groups through the
     // one holding tile it's K/V and the entries of tile it+STAGES-1, which that step loads.
-    //
-    // BULK: the K/V tiles complete on their stage's mbarrier instead of a cp.async group (the
-    // groups then carry Q and the table entries only, with the same counting); warp 0 issues
-    // them after the step's __syncthreads, so every warp is done with the stage's last tile.
-    // The stages start zeroed (generic stores, ordered before the async proxy's writes).
-#if BULK
-    {
-        u32x4* kv = reinterpret_cast<u32x4*>(sK);
-        for (int i = tid; i < 2 * STAGES * BLOCK_N * KV_ROW_BYTES / 16; i += THREADS) kv[i] = u32x4{0u, 0u, 0u, 0u};
-        fence_proxy_async();
-        if (tid == 0) {
-#pragma unroll
-            for (int st = 0; st < STAGES; ++st) mbar_init(bars + 8u * st, 1);
-            mbar_init_fence();
-        }
-        __syncthreads();
-    }
-#define ISSUE_KV(t, stage) \
-    if (warp == 0) load_kv((t), (stage))
-#else
-#define ISSUE_KV(t, stage) load_kv((t), (stage))
-#endif
     if (paged) {
         for (int st = 0; st < 2 * STAGES - 2 && st < n_tiles; ++st) load_table(t_begin + st);
         cp_async_commit();
@@ -435,22 +358,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     }
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_tiles) ISSUE_KV(t_begin + st, st);
+        if (st < n_tiles) load_kv(t_begin + st, st);
         cp_async_commit();
     }
     for (int it = 0; it < n_tiles; ++it) {
         cp_async_wait_pending<STAGES - 2>();
         __syncthreads(); // tile `it` (and Q) visible; every warp is done with tile it-1's stage
         const int ahead = it + STAGES - 1;
-        if (ahead < n_tiles) ISSUE_KV(t_begin + ahead, ahead % STAGES);
+        if (ahead < n_tiles) load_kv(t_begin + ahead, ahead % STAGES);
         if (paged && ahead + STAGES - 1 < n_tiles) load_table(t_begin + ahead + STAGES - 1);
         cp_async_commit();
-#if BULK
-        mbar_wait(bars + 8u * (u32)(it % STAGES), (u32)((it / STAGES) & 1));
-#endif
         tile(t_begin + it, it % STAGES);
     }
-#undef ISSUE_KV
 
     // Merge the warps' partial rows (softmax-core's merge), through shared memory.
     cp_async_wait_all();

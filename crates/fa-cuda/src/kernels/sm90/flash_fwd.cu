@@ -45,7 +45,6 @@
 #endif
 
 #include "common/epilogue.cuh"
-#include "common/mbarrier.cuh"
 #include "sm90/wgmma.cuh"
 
 #define CONSUMERS 2                       // consumer warpgroups
@@ -312,7 +311,21 @@ static __device__ __forceinline__ void store_rows(const unsigned char* stage, u1
 static __device__ __forceinline__ void named_barrier(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-// TMA helpers (WS only; the mbarrier ones are in common/mbarrier.cuh).
+// mbarrier and TMA helpers (WS only).
+static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred P1;\nLAB_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
 // A 4-D tile (column, row, head, batch) of a tensor map into shared memory, completing on `bar`.
 static __device__ __forceinline__ void tma_load(u32 dst, const TensorMap& map, u32 bar, int c0, int c1, int c2, int c3) {
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
@@ -328,6 +341,9 @@ static __device__ __forceinline__ void tma_tile(u32 dst, const TensorMap& map, u
                     const __grid_constant__ TensorMap tm_v
 #else
 #define KERNEL_ARGS const Params p
+static __device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 // Copies ROWS rows (HDP columns; columns >= dim and rows >= rows_valid zero-filled) into a
 // swizzled tile with cp.async. Every thread keeps one chunk column (THREADS % CHUNKS == 0), so
 // its rows share their low 3 bits and the swizzled offset advances by a constant.
@@ -441,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90(KERNEL_A
             mbar_init(bar_k_empty + 8 * s, CONSUMERS * 128);
             mbar_init(bar_v_empty + 8 * s, CONSUMERS * 128);
         }
-        mbar_init_fence();
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
