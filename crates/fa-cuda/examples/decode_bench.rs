@@ -9,10 +9,12 @@
 //! ```text
 //! cargo run --release -p fa-cuda --example decode_bench -- [--batches 1,16]
 //!     [--caches 4096,16384,65536,131072] [--heads-q 64] [--heads-kv 8] [--hdim 128]
-//!     [--queries 1] [--layouts padded,paged16,paged256] [--splits plan,8,15,30] [--iters 50]
+//!     [--queries 1] [--layouts padded,paged16,paged256] [--splits plan,8,15,30]
+//!     [--stages plan,3,2] [--iters 50]
 //! ```
 //! `--splits` lists split counts to time per shape (`plan`: the plan's own choice, the
-//! default), for tuning the split rule.
+//! default), for tuning the split rule; `--stages` the K/V stage counts (fewer stages, more
+//! CTAs per SM), each with the plan's split count for it unless `--splits` forces one.
 //! The caches are filled with random bf16 values (a 32 MiB random chunk copied over them on
 //! the device); paged block tables are random permutations of the blocks.
 
@@ -80,6 +82,7 @@ fn main() {
     let (mut hq, mut hk, mut d, mut sq, mut iters) = (64usize, 8usize, 128usize, 1usize, 50usize);
     let mut layouts: Vec<String> = ["padded", "paged16", "paged256"].map(String::from).to_vec();
     let mut split_list: Vec<Option<u32>> = vec![None];
+    let mut stage_list: Vec<Option<u32>> = vec![None];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let v = args.next().unwrap_or_default();
@@ -98,6 +101,12 @@ fn main() {
                     .collect()
             }
             "--layouts" => layouts = v.split(',').map(String::from).collect(),
+            "--stages" => {
+                stage_list = v
+                    .split(',')
+                    .map(|x| (x != "plan").then(|| x.parse().expect("--stages plan,N,...")))
+                    .collect()
+            }
             other => panic!("unknown argument {other}"),
         }
     }
@@ -179,9 +188,13 @@ fn main() {
                 let problem = desc.validate(MAX_HEAD_DIM).expect("valid shape");
                 let table_dev =
                     (!table.is_empty()).then(|| stream.clone_htod(&table).expect("upload"));
-                for &splits in &split_list {
+                for (&splits, &decode_stages) in split_list
+                    .iter()
+                    .flat_map(|s| stage_list.iter().map(move |g| (s, g)))
+                {
                     let opts = ForwardOptions {
                         splits,
+                        decode_stages,
                         time_kernel: true,
                         ..ForwardOptions::default()
                     };
@@ -235,10 +248,11 @@ fn main() {
                     let gbs = kv_bytes / (t_ms * 1e-3) / 1e9;
                     let plan = plan.expect("a launch");
                     eprintln!(
-                    "batch {batch:>2} cache {cache:>6} {layout:<9} {:>8.1} us {gbs:>6.0} GB/s ({:.2} of copy) splits {}",
+                    "batch {batch:>2} cache {cache:>6} {layout:<9} {:>8.1} us {gbs:>6.0} GB/s ({:.2} of copy) splits {} {}",
                     t_ms * 1e3,
                     gbs / copy_gbs,
-                    plan.num_splits
+                    plan.num_splits,
+                    plan.variant.name()
                 );
                     rows.push(format!(
                     "{{\"batch\":{batch},\"cache\":{cache},\"queries\":{sq},\"heads_q\":{hq},\"heads_kv\":{hk},\"hdim\":{d},\"layout\":\"{layout}\",\"us\":{:.1},\"kv_gbs\":{gbs:.0},\"frac_of_copy\":{:.3},\"splits\":{},\"forced\":{},\"variant\":\"{}\"}}",

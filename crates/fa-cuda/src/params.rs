@@ -24,6 +24,10 @@ pub struct ForwardOptions {
     pub family: KernelFamilyChoice,
     /// Override the sm90 family's load pipeline (tests and tuning; `None`: the plan's choice).
     pub sm90_pipeline: Option<Sm90Pipeline>,
+    /// KV-cache (decode) problems: override the decode kernel's K/V stages in flight (tests
+    /// and tuning, 2 to 8; `None`: the plan's choice). Fewer stages let more CTAs share an
+    /// SM, and the split count follows the CTAs the device holds at once.
+    pub decode_stages: Option<u32>,
 }
 
 /// The kernel's parameter block; the `.cu` source's `struct Params` has the same layout.

@@ -184,11 +184,20 @@ fn to_t<T: Element>(x: &[f32]) -> Vec<T> {
     x.iter().map(|&v| T::from_f64(v as f64)).collect()
 }
 
-/// Runs `case` through `forward_host` with `splits` (poisoned outputs), checks it against the
-/// oracle and returns O (as f64) and the stats.
+/// [`run_with`] with the plan's stage count.
 fn run_as<T: CudaElement + Element>(
     case: &CacheCase,
     splits: Option<u32>,
+) -> (Vec<f64>, ForwardStats) {
+    run_with::<T>(case, splits, None)
+}
+
+/// Runs `case` through `forward_host` with `splits` and `stages` (poisoned outputs), checks
+/// it against the oracle and returns O (as f64) and the stats.
+fn run_with<T: CudaElement + Element>(
+    case: &CacheCase,
+    splits: Option<u32>,
+    stages: Option<u32>,
 ) -> (Vec<f64>, ForwardStats) {
     let problem = case.problem();
     let (q, k, v) = (to_t::<T>(&case.q), to_t::<T>(&case.k), to_t::<T>(&case.v));
@@ -199,9 +208,10 @@ fn run_as<T: CudaElement + Element>(
     poison(&mut lse);
     let opts = ForwardOptions {
         splits,
+        decode_stages: stages,
         ..ForwardOptions::default()
     };
-    let label = format!("{} splits {splits:?}", case.label());
+    let label = format!("{} splits {splits:?} stages {stages:?}", case.label());
     let stats = device()
         .forward_host(
             &problem,
@@ -227,6 +237,9 @@ fn run_as<T: CudaElement + Element>(
     if let Some(s) = splits {
         assert_eq!(plan.expect("a launch").num_splits, s, "{label}");
     }
+    if let (Some(s), Some(plan)) = (stages, plan) {
+        assert_eq!(plan.variant.stages, s, "{label}");
+    }
     (out.iter().map(|x| x.to_f64()).collect(), stats)
 }
 
@@ -251,17 +264,25 @@ fn rel_diff(problem: &Problem, a: &[f64], b: &[f64]) -> f64 {
     }
 }
 
-/// The case with the plan's split count and with forced counts 1, 3 and 16: each against
-/// the oracle, and every split result against the unsplit one.
+/// The case with the plan's split count and with forced counts 1, 3 and 16, and with 2 and 3
+/// stages in flight (the tuning variants): each against the oracle, and every result against
+/// the unsplit one.
 fn check_splits<T: CudaElement + Element>(case: &CacheCase) {
     let problem = case.problem();
     let (unsplit, _) = run_as::<T>(case, Some(1));
-    for splits in [None, Some(3), Some(16)] {
-        let (out, _) = run_as::<T>(case, splits);
+    let runs = [
+        (None, None),
+        (Some(3), None),
+        (Some(16), None),
+        (None, Some(2)),
+        (Some(3), Some(3)),
+    ];
+    for (splits, stages) in runs {
+        let (out, _) = run_with::<T>(case, splits, stages);
         let d = rel_diff(&problem, &out, &unsplit);
         assert!(
             d <= REL_L2_BOUND,
-            "{} splits {splits:?}: {d:.2e} from the unsplit call",
+            "{} splits {splits:?} stages {stages:?}: {d:.2e} from the unsplit call",
             case.label()
         );
     }

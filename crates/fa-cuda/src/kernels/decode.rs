@@ -132,7 +132,8 @@ impl DecodeVariant {
     }
     /// The tuned variant for a padded head dim, a row count per KV head and a dtype: one
     /// 16-row m-tile, or two where the rows need them and the registers allow (head dim ≤ 128);
-    /// tiles of 64 keys (128 at head dim 64) and as many stages in flight as fit in 128 KiB.
+    /// tiles of 64 keys (128 at head dim 64); 4 stages at head dim 64 and 128 (one CTA of
+    /// 128-140 KiB per SM), 2 at 256. See [`DecodeVariant::with_stages`] for the other counts.
     pub fn for_shape(hdp: u32, rows: usize, dtype: DType, general_scores: bool) -> DecodeVariant {
         let mt = if hdp <= 128 && rows > 16 { 2 } else { 1 };
         let (wn, stages) = match hdp {
@@ -150,7 +151,22 @@ impl DecodeVariant {
             general_scores,
         }
     }
-    /// Every variant the plan can select (what the CI compile check builds).
+    /// This variant with `stages` K/V tiles in flight (2 to [`MAX_DECODE_STAGES`]).
+    pub fn with_stages(self, stages: u32) -> DecodeVariant {
+        DecodeVariant {
+            stages: stages.clamp(2, MAX_DECODE_STAGES),
+            ..self
+        }
+    }
+    /// CTAs of this variant one SM holds at once (by shared memory, with the 1 KiB the
+    /// runtime reserves per CTA, and by threads), at least 1.
+    pub fn ctas_per_sm(&self, props: &DeviceProps) -> u32 {
+        let by_smem = props.smem_per_sm_bytes / (self.smem_bytes() + 1024);
+        let by_threads = 2048 / self.threads();
+        by_smem.min(by_threads).max(1)
+    }
+    /// Every variant the plan can select, with its default stages and with those of
+    /// [`DECODE_TUNING_STAGES`] below them (what the CI compile check builds).
     pub fn all() -> Vec<DecodeVariant> {
         let mut all = Vec::new();
         for dtype in [DType::Bf16, DType::F16] {
@@ -158,8 +174,15 @@ impl DecodeVariant {
                 for rows in [16, 32] {
                     for general in [false, true] {
                         let v = DecodeVariant::for_shape(hdp, rows, dtype, general);
-                        if !all.contains(&v) {
-                            all.push(v);
+                        for v in std::iter::once(v).chain(
+                            DECODE_TUNING_STAGES
+                                .iter()
+                                .filter(|&&s| s < v.stages)
+                                .map(|&s| v.with_stages(s)),
+                        ) {
+                            if !all.contains(&v) {
+                                all.push(v);
+                            }
                         }
                     }
                 }
@@ -309,6 +332,12 @@ pub struct DecodePlan {
     pub workspace_bytes: usize,
 }
 
+/// The most K/V stages a decode variant may keep in flight.
+pub const MAX_DECODE_STAGES: u32 = 8;
+/// The stage counts besides the default that tuning runs ([`crate::ForwardOptions`]'s
+/// `decode_stages`) and the compile check cover.
+pub const DECODE_TUNING_STAGES: [u32; 2] = [2, 3];
+
 /// The largest split count (FlashAttention-2's cap).
 pub const MAX_SPLITS: u32 = 128;
 
@@ -354,6 +383,7 @@ pub fn plan_decode(
     problem: &Problem,
     dtype: DType,
     splits: Option<u32>,
+    stages: Option<u32>,
     props: &DeviceProps,
 ) -> Result<Option<DecodePlan>, ProblemError> {
     let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
@@ -369,7 +399,10 @@ pub fn plan_decode(
     }
     let rows = problem.group_size() * seqlen_q;
     let general = problem.softcap().is_some() || problem.softmax_scale() <= 0.0;
-    let variant = DecodeVariant::for_shape(hdp_of(problem), rows, dtype, general);
+    let mut variant = DecodeVariant::for_shape(hdp_of(problem), rows, dtype, general);
+    if let Some(stages) = stages {
+        variant = variant.with_stages(stages);
+    }
     if variant.smem_bytes() > props.smem_optin_bytes {
         return unsupported("the decode kernel's shared memory exceeds this device's limit");
     }
@@ -384,9 +417,10 @@ pub fn plan_decode(
     let n_tiles = longest.div_ceil(variant.block_n() as usize);
     let num_splits = match splits {
         Some(s) => s.min(1024),
+        // The wave rule counts the CTAs the device holds at once, not its SMs.
         None => num_splits_heuristic(
             u32::try_from(ctas).unwrap_or(u32::MAX),
-            props.sm_count,
+            props.sm_count * variant.ctas_per_sm(props),
             u32::try_from(n_tiles).unwrap_or(u32::MAX),
         ),
     };
@@ -592,7 +626,7 @@ mod tests {
         let used = [1000u32, 7];
         let table: Vec<i32> = (0..2 * 63).map(|i| i % 64).collect();
         let problem = paged(&used, &table, 16, 1);
-        let plan = plan_decode(&problem, DType::Bf16, None, &DeviceProps::h200())
+        let plan = plan_decode(&problem, DType::Bf16, None, None, &DeviceProps::h200())
             .expect("plan")
             .expect("work");
         // 4 query heads per KV head, one query: one 16-row m-block per KV head.
@@ -607,23 +641,51 @@ mod tests {
             plan.num_splits as usize * out_rows * (128 + 2) * 4
         );
         assert_eq!(plan.combine_blocks, 4);
-        let forced = plan_decode(&problem, DType::Bf16, Some(3), &DeviceProps::a100())
+        let forced = plan_decode(&problem, DType::Bf16, Some(3), None, &DeviceProps::a100())
             .expect("plan")
             .expect("work");
         assert_eq!(forced.num_splits, 3);
-        let one = plan_decode(&problem, DType::Bf16, Some(1), &DeviceProps::a100())
+        let one = plan_decode(&problem, DType::Bf16, Some(1), None, &DeviceProps::a100())
             .expect("plan")
             .expect("work");
         assert_eq!((one.workspace_bytes, one.combine_blocks), (0, 0));
-        assert!(plan_decode(&problem, DType::Bf16, Some(0), &DeviceProps::a100()).is_err());
+        assert!(plan_decode(&problem, DType::Bf16, Some(0), None, &DeviceProps::a100()).is_err());
         let dense = ProblemDesc::new(1, 1, 10, 8, 2, 128).validate(256).unwrap();
-        assert!(plan_decode(&dense, DType::Bf16, None, &DeviceProps::a100()).is_err());
+        assert!(plan_decode(&dense, DType::Bf16, None, None, &DeviceProps::a100()).is_err());
         // 8 queries × 4 heads: 32 rows, two m-tiles.
         let multi = paged(&used, &table, 16, 8);
-        let plan = plan_decode(&multi, DType::F16, None, &DeviceProps::h200())
+        let plan = plan_decode(&multi, DType::F16, None, None, &DeviceProps::h200())
             .expect("plan")
             .expect("work");
         assert_eq!(plan.variant.mt, 2);
+    }
+
+    #[test]
+    fn fewer_stages_share_an_sm_and_split_for_the_cta_slots() {
+        let h200 = DeviceProps::h200();
+        let v = DecodeVariant::for_shape(128, 8, DType::Bf16, false);
+        assert_eq!(v.ctas_per_sm(&h200), 1);
+        assert_eq!(v.with_stages(3).ctas_per_sm(&h200), 2);
+        assert_eq!(v.with_stages(99).stages, MAX_DECODE_STAGES);
+        // Llama-3 70B at batch 1: 8 KV heads; two CTAs per SM double the splits.
+        let used = [65536u32];
+        let problem = ProblemDesc::new(1, 1, 65536, 64, 8, 128)
+            .padded_cache(&used)
+            .validate(256)
+            .expect("valid");
+        let one = plan_decode(&problem, DType::Bf16, None, None, &h200)
+            .expect("plan")
+            .expect("work");
+        let two = plan_decode(&problem, DType::Bf16, None, Some(3), &h200)
+            .expect("plan")
+            .expect("work");
+        assert_eq!(two.variant.stages, 3);
+        assert!(
+            two.num_splits >= 2 * one.num_splits - 2,
+            "{} vs {}",
+            two.num_splits,
+            one.num_splits
+        );
     }
 
     #[test]
@@ -691,9 +753,15 @@ mod tests {
                 let mut draw = |n: usize| (0..n).map(|_| rng.normal()).collect::<Vec<f64>>();
                 let (q, k, v) = (draw(lens.q), draw(lens.k), draw(lens.v));
                 let table: Vec<i32> = if paged { ids.clone() } else { Vec::new() };
-                let plan = plan_decode(&problem, DType::Bf16, Some(splits), &DeviceProps::h200())
-                    .expect("plan")
-                    .expect("work");
+                let plan = plan_decode(
+                    &problem,
+                    DType::Bf16,
+                    Some(splits),
+                    None,
+                    &DeviceProps::h200(),
+                )
+                .expect("plan")
+                .expect("work");
                 let (p, ml_offset) = decode_params(&problem, &plan, RescalePolicy::Threshold(8.0));
                 let (o, lse) = emulate(&p, ml_offset, &plan, &q, &k, &v, &used, &table);
                 let oracle = attention_f64(&problem, &q, &k, &v);

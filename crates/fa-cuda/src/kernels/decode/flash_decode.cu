@@ -145,13 +145,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     const u16* gv = reinterpret_cast<const u16*>(p.v) + (i64)hk * p.v_hs;
     const int* table = reinterpret_cast<const int*>(p.block_table) + (i64)b * p.blocks_per_seq;
     const bool paged = p.block_size > 0;
+    // A power-of-two block size (the usual 16-256) finds a key's row in its block with a mask
+    // instead of an integer division per row and chunk.
+    const bool block_pow2 = paged && (p.block_size & (p.block_size - 1)) == 0;
+    const int block_mask = p.block_size - 1, block_shift = __ffs(p.block_size) - 1;
     // A paged cache's block-table entries of tile t into its ring slot: the entry of key
     // n0 + j at j (read only for used keys: entries past them are unchecked, zero-filled here).
     auto load_table = [&](const int t) {
         if (tid < BLOCK_N) {
             const int key = t * BLOCK_N + tid;
             const bool ok = key < sk;
-            cp_async4(smem_u32(sTab + (t % TAB_RING) * BLOCK_N + tid), table + (ok ? key / p.block_size : 0), ok);
+            cp_async4(smem_u32(sTab + (t % TAB_RING) * BLOCK_N + tid), table + (ok ? (block_pow2 ? key >> block_shift : key / p.block_size) : 0), ok);
         }
     };
     // One K/V tile into stage `stage`: row t of the tile is key n0 + t, zero-filled at and past
@@ -173,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             i64 k_off = 0, v_off = 0;
             if (ok) {
                 if (paged) {
-                    const int in_block = key % p.block_size;
+                    const int in_block = block_pow2 ? (key & block_mask) : key % p.block_size;
                     const int bb = min(max(tab[row], 0), p.num_blocks - 1);
                     k_off = (i64)bb * p.k_bs + (i64)in_block * p.k_ss;
                     v_off = (i64)bb * p.v_bs + (i64)in_block * p.v_ss;
