@@ -264,8 +264,8 @@ fn rel_diff(problem: &Problem, a: &[f64], b: &[f64]) -> f64 {
     }
 }
 
-/// The case with the plan's split count and with forced counts 1, 3 and 16, and with 2 and 3
-/// stages in flight (the tuning variants): each against the oracle, and every result against
+/// The case with the plan's split count and with forced counts 1, 3 and 16, and with 2 and 4
+/// stages in flight (the tuning variants besides the default 3): each against the oracle, and every result against
 /// the unsplit one.
 fn check_splits<T: CudaElement + Element>(case: &CacheCase) {
     let problem = case.problem();
@@ -275,7 +275,7 @@ fn check_splits<T: CudaElement + Element>(case: &CacheCase) {
         (Some(3), None),
         (Some(16), None),
         (None, Some(2)),
-        (Some(3), Some(3)),
+        (Some(3), Some(4)),
     ];
     for (splits, stages) in runs {
         let (out, _) = run_with::<T>(case, splits, stages);

@@ -132,13 +132,16 @@ impl DecodeVariant {
     }
     /// The tuned variant for a padded head dim, a row count per KV head and a dtype: one
     /// 16-row m-tile, or two where the rows need them and the registers allow (head dim ≤ 128);
-    /// tiles of 64 keys (128 at head dim 64); 4 stages at head dim 64 and 128 (one CTA of
-    /// 128-140 KiB per SM), 2 at 256. See [`DecodeVariant::with_stages`] for the other counts.
+    /// tiles of 64 keys (128 at head dim 64); 3 stages at head dim 64 and 128 (two CTAs of
+    /// ~100 KiB per SM: 1.1-1.6x faster than one CTA with 4 stages from 16k keys up, batch 1
+    /// and 16, padded and paged; 0.94x at batch 1 with 4k keys; docs/gpu-notes.md run 48), 2
+    /// at 256 (one CTA of 139 KiB). See
+    /// [`DecodeVariant::with_stages`] for the other counts.
     pub fn for_shape(hdp: u32, rows: usize, dtype: DType, general_scores: bool) -> DecodeVariant {
         let mt = if hdp <= 128 && rows > 16 { 2 } else { 1 };
         let (wn, stages) = match hdp {
-            64 => (32, 4),
-            128 => (16, 4),
+            64 => (32, 3),
+            128 => (16, 3),
             _ => (16, 2),
         };
         DecodeVariant {
@@ -166,7 +169,7 @@ impl DecodeVariant {
         by_smem.min(by_threads).max(1)
     }
     /// Every variant the plan can select, with its default stages and with those of
-    /// [`DECODE_TUNING_STAGES`] below them (what the CI compile check builds).
+    /// [`DECODE_TUNING_STAGES`] that fit an A100 (what the CI compile check builds).
     pub fn all() -> Vec<DecodeVariant> {
         let mut all = Vec::new();
         for dtype in [DType::Bf16, DType::F16] {
@@ -177,8 +180,8 @@ impl DecodeVariant {
                         for v in std::iter::once(v).chain(
                             DECODE_TUNING_STAGES
                                 .iter()
-                                .filter(|&&s| s < v.stages)
-                                .map(|&s| v.with_stages(s)),
+                                .map(|&s| v.with_stages(s))
+                                .filter(|t| t.smem_bytes() <= DeviceProps::a100().smem_optin_bytes),
                         ) {
                             if !all.contains(&v) {
                                 all.push(v);
@@ -335,8 +338,8 @@ pub struct DecodePlan {
 /// The most K/V stages a decode variant may keep in flight.
 pub const MAX_DECODE_STAGES: u32 = 8;
 /// The stage counts besides the default that tuning runs ([`crate::ForwardOptions`]'s
-/// `decode_stages`) and the compile check cover.
-pub const DECODE_TUNING_STAGES: [u32; 2] = [2, 3];
+/// `decode_stages`) and the compile check cover, where they fit an A100's shared memory.
+pub const DECODE_TUNING_STAGES: [u32; 3] = [2, 3, 4];
 
 /// The largest split count (FlashAttention-2's cap).
 pub const MAX_SPLITS: u32 = 128;
@@ -664,19 +667,22 @@ mod tests {
     fn fewer_stages_share_an_sm_and_split_for_the_cta_slots() {
         let h200 = DeviceProps::h200();
         let v = DecodeVariant::for_shape(128, 8, DType::Bf16, false);
-        assert_eq!(v.ctas_per_sm(&h200), 1);
-        assert_eq!(v.with_stages(3).ctas_per_sm(&h200), 2);
+        assert_eq!(v.stages, 3);
+        assert_eq!(v.ctas_per_sm(&h200), 2);
+        assert_eq!(v.with_stages(4).ctas_per_sm(&h200), 1);
+        assert_eq!(v.with_stages(2).ctas_per_sm(&h200), 3);
         assert_eq!(v.with_stages(99).stages, MAX_DECODE_STAGES);
-        // Llama-3 70B at batch 1: 8 KV heads; two CTAs per SM double the splits.
+        // Llama-3 70B at batch 1: 8 KV heads; two CTAs per SM (3 stages) split twice as much
+        // as one (4 stages).
         let used = [65536u32];
         let problem = ProblemDesc::new(1, 1, 65536, 64, 8, 128)
             .padded_cache(&used)
             .validate(256)
             .expect("valid");
-        let one = plan_decode(&problem, DType::Bf16, None, None, &h200)
+        let one = plan_decode(&problem, DType::Bf16, None, Some(4), &h200)
             .expect("plan")
             .expect("work");
-        let two = plan_decode(&problem, DType::Bf16, None, Some(3), &h200)
+        let two = plan_decode(&problem, DType::Bf16, None, None, &h200)
             .expect("plan")
             .expect("work");
         assert_eq!(two.variant.stages, 3);
