@@ -341,20 +341,29 @@ pub const MAX_DECODE_STAGES: u32 = 8;
 /// `decode_stages`) and the compile check cover, where they fit an A100's shared memory.
 pub const DECODE_TUNING_STAGES: [u32; 3] = [2, 3, 4];
 
+/// The fewest key tiles a split gets from the split rule: a split of fewer tiles spends most
+/// of its time in its prologue and partial write (run 49: 32 splits of 2 tiles at batch 1,
+/// 4k keys, ran 1.19x slower than 16 of 4).
+pub const MIN_TILES_PER_SPLIT: u32 = 4;
+
 /// The largest split count (FlashAttention-2's cap).
 pub const MAX_SPLITS: u32 = 128;
 
 /// The split count of a launch of `ctas` CTAs (without splitting) whose longest sequence has
-/// `n_tiles` key tiles, on `sm_count` SMs: 1 when the CTAs already fill 80 % of the SMs;
-/// otherwise the smallest count whose wave efficiency (waves / whole waves) is within 85 % of
-/// the best count's, among counts that shorten the longest split (FlashAttention's rule, in
-/// `hopper/heuristics.h`), at most [`MAX_SPLITS`], the SM count and the tile count.
+/// `n_tiles` key tiles, on `sm_count` CTA slots (SMs × CTAs per SM): 1 when the CTAs already
+/// fill 80 % of the slots; otherwise the smallest count whose wave efficiency (waves / whole
+/// waves) is within 85 % of the best count's, among counts that shorten the longest split
+/// (FlashAttention's rule, in `hopper/heuristics.h`), at most [`MAX_SPLITS`], the slot count
+/// and one split per [`MIN_TILES_PER_SPLIT`] tiles.
 pub fn num_splits_heuristic(ctas: u32, sm_count: u32, n_tiles: u32) -> u32 {
     let sm_count = sm_count.max(1);
     if ctas == 0 || ctas as f64 >= 0.8 * sm_count as f64 {
         return 1;
     }
-    let max_splits = MAX_SPLITS.min(sm_count).min(n_tiles).max(1);
+    let max_splits = MAX_SPLITS
+        .min(sm_count)
+        .min(n_tiles / MIN_TILES_PER_SPLIT)
+        .max(1);
     let eligible = |s: u32| s == 1 || n_tiles.div_ceil(s) != n_tiles.div_ceil(s - 1);
     let efficiency = |s: u32| {
         let waves = (ctas * s) as f64 / sm_count as f64;
@@ -599,8 +608,9 @@ mod tests {
         assert_eq!(num_splits_heuristic(106, 132, 1000), 1);
         // Llama-3 70B, batch 1: 8 KV heads on 132 SMs; 15 splits fill 120 SMs (91 %).
         assert_eq!(num_splits_heuristic(8, 132, 1000), 15);
-        // Few tiles cap the count.
-        assert_eq!(num_splits_heuristic(8, 132, 4), 4);
+        // Few tiles cap the count: at least MIN_TILES_PER_SPLIT tiles per split.
+        assert_eq!(num_splits_heuristic(8, 132, 16), 4);
+        assert_eq!(num_splits_heuristic(8, 132, 4), 1);
         assert_eq!(num_splits_heuristic(8, 132, 1), 1);
         // Never more than the SM count or MAX_SPLITS.
         assert!(num_splits_heuristic(1, 1000, 100_000) <= MAX_SPLITS);
