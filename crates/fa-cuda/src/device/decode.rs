@@ -13,7 +13,7 @@ use crate::kernels::decode::{
 use crate::kernels::{DeviceProps, KernelVariant};
 use crate::params::{supports, ForwardOptions};
 use crate::raw::{check_cache_tables, check_ptr, CacheTables, RawCall, RawOut, RawTensor};
-use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute};
+use cudarc::driver::sys::{self, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use softmax_core::{BufferLens, DType, KvCache, Problem, ProblemError, Qkv, Tensor};
 use std::sync::Arc;
@@ -306,12 +306,20 @@ impl Device {
             unsafe { builder.launch(decode_cfg) }
                 .map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
             if let Some(combine) = &combine {
-                let mut builder = stream.launch_builder(combine);
-                builder.arg(params);
-                // SAFETY: as above; the combine reads the workspace the decode kernel wrote
-                // (ordered after it on the same stream) and writes O and the LSE.
-                unsafe { builder.launch(combine_cfg) }
-                    .map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
+                if self.props.major >= 9 {
+                    // SAFETY: as above; the combine waits (`griddepcontrol.wait`) for the
+                    // decode kernel to complete and its writes to be visible before it reads
+                    // the workspace, then writes O and the LSE.
+                    unsafe { launch_dependent(combine, combine_cfg, stream, params) }
+                        .map_err(|e| CudaError::driver("cuLaunchKernelEx", e))?;
+                } else {
+                    let mut builder = stream.launch_builder(combine);
+                    builder.arg(params);
+                    // SAFETY: as above; the combine reads the workspace the decode kernel
+                    // wrote (ordered after it on the same stream) and writes O and the LSE.
+                    unsafe { builder.launch(combine_cfg) }
+                        .map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
+                }
             }
             if let Some((start, end)) = timing {
                 end.record(stream)
@@ -587,6 +595,53 @@ pub(crate) fn check_append(
         }
     }
     Ok(())
+}
+
+/// Launches `func` with one by-value parameter block on `stream` as a programmatic dependent
+/// launch (sm_90+): its CTAs may be scheduled while the previous kernel on the stream still
+/// runs (that kernel lets them, `griddepcontrol.launch_dependents`), which hides the second
+/// launch's latency. Only for kernels that execute `griddepcontrol.wait` before reading
+/// anything the previous kernel wrote.
+///
+/// # Safety
+/// As for any kernel launch: `P` is the kernel's parameter layout and every pointer in it is
+/// valid device memory for what the kernel accesses, until the stream passes the kernel; and
+/// the kernel waits as described above.
+unsafe fn launch_dependent<P>(
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    stream: &CudaStream,
+    params: &P,
+) -> Result<(), cudarc::driver::DriverError> {
+    stream.context().bind_to_thread()?;
+    // SAFETY: a plain C struct of integers and a union of plain values: all-zero is valid.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // The driver copies the parameter block out of `args` during the call.
+    let mut args = [params as *const P as *mut std::ffi::c_void];
+    // SAFETY: `config` and `args` outlive the call; the caller upholds the launch contract.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            func.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }
 
 #[cfg(test)]

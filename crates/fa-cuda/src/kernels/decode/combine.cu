@@ -18,6 +18,11 @@ __device__ const int fa_compile_check_nonce = FA_COMPILE_CHECK_NONCE;
 #endif
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_decode_combine(const DecodeParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Launched as a programmatic dependent of flash_decode on sm_90+: wait until it has
+    // completed and its workspace writes are visible (a no-op after an ordinary launch).
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
     const int lane = threadIdx.x & 31;
     const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;
     const i64 r = (i64)blockIdx.x * WARPS + (threadIdx.x >> 5);

@@ -78,6 +78,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     u16* sV = sK + STAGES * BLOCK_N * HDP;
     int* sTab = reinterpret_cast<int*>(sV + STAGES * BLOCK_N * HDP); // [TAB_RING][BLOCK_N]
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // The combine (a programmatic dependent launch on sm_90+) may be scheduled now: it waits
+    // for this grid's completion itself, so only its launch latency overlaps this kernel.
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;
     const int split = (int)blockIdx.x % p.num_splits;
