@@ -168,8 +168,9 @@ impl DecodeVariant {
         let by_threads = 2048 / self.threads();
         by_smem.min(by_threads).max(1)
     }
-    /// Every variant the plan can select, with its default stages and with those of
-    /// [`DECODE_TUNING_STAGES`] that fit an A100 (what the CI compile check builds).
+    /// Every variant the plan picks by default, and the bf16 plain-score ones with the stage
+    /// counts of [`DECODE_TUNING_STAGES`] that fit an A100 (what the CI compile check and
+    /// `fa warmup` build; other overrides compile on first use).
     pub fn all() -> Vec<DecodeVariant> {
         let mut all = Vec::new();
         for dtype in [DType::Bf16, DType::F16] {
@@ -177,9 +178,13 @@ impl DecodeVariant {
                 for rows in [16, 32] {
                     for general in [false, true] {
                         let v = DecodeVariant::for_shape(hdp, rows, dtype, general);
+                        // Tuning stage counts for the benchmarked kind only (bf16, plain
+                        // scores): the others compile on first use.
+                        let tuned = dtype == DType::Bf16 && !general;
                         for v in std::iter::once(v).chain(
                             DECODE_TUNING_STAGES
                                 .iter()
+                                .filter(|_| tuned)
                                 .map(|&s| v.with_stages(s))
                                 .filter(|t| t.smem_bytes() <= DeviceProps::a100().smem_optin_bytes),
                         ) {
