@@ -1,5 +1,6 @@
-//! Compiles the kernel variants with NVRTC (no GPU needed) and prints ptxas' report; with
-//! `--cubin-dir DIR` also writes each cubin, for reading the SASS with `nvdisasm`/`cuobjdump`.
+//! Compiles the kernel variants (forward and decode) with NVRTC (no GPU needed) and prints
+//! ptxas' report; with `--cubin-dir DIR` also writes each cubin, for reading the SASS with
+//! `nvdisasm`/`cuobjdump` or comparing two versions byte for byte.
 //!
 //! ```text
 //! cargo run --release -p fa-cuda --example ptxas_report -- [--arch sm_90a] [--only d128] [--cubin-dir DIR]
@@ -7,6 +8,7 @@
 //! It always compiles (the disk cache is not used), so the report is ptxas' own.
 
 use fa_cuda::compile::{capability_of, compile_variant};
+use fa_cuda::kernels::decode::DecodeVariant;
 use fa_cuda::kernels::KernelVariant;
 use fa_cuda::ForwardVariant;
 
@@ -28,38 +30,58 @@ fn main() {
     }
     let mut failed = false;
     let (major, minor) = capability_of(&arch).unwrap_or((0, 0));
+    let selected = |name: String, family: &fa_cuda::kernels::KernelFamily| {
+        name.contains(&only) && family.supports(major, minor)
+    };
     for variant in ForwardVariant::all()
         .into_iter()
-        .filter(|v| v.name().contains(&only) && v.family().supports(major, minor))
+        .filter(|v| selected(v.name(), v.family()))
     {
-        match compile_variant(&variant, &arch) {
-            Ok(c) => {
-                println!(
-                    "{:<44} {arch:<7} {:>4} regs  stack {:>3}  spill st/ld {:>3}/{:<3} {:>6.0} ms",
-                    variant.name(),
-                    c.usage.registers,
-                    c.usage.stack_frame,
-                    c.usage.spill_stores,
-                    c.usage.spill_loads,
-                    c.compile_ms
-                );
-                if let Some(dir) = &dir {
-                    let path = dir.join(format!("{}_{arch}.cubin", variant.name()));
-                    if let Err(e) =
-                        std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, &c.cubin))
-                    {
-                        eprintln!("cannot write {}: {e}", path.display());
-                        failed = true;
-                    }
-                }
-            }
-            Err(e) => {
-                eprintln!("{}: {e}", variant.name());
-                failed = true;
-            }
-        }
+        failed |= !report(&variant, &arch, dir.as_deref());
+    }
+    for variant in DecodeVariant::all()
+        .into_iter()
+        .filter(|v| selected(v.name(), v.family()))
+    {
+        failed |= !report(&variant, &arch, dir.as_deref());
     }
     if failed {
         std::process::exit(1);
+    }
+}
+
+/// Compiles one variant, prints its ptxas report and writes its cubin into `dir`; false on
+/// failure.
+fn report<V: KernelVariant + Clone>(
+    variant: &V,
+    arch: &str,
+    dir: Option<&std::path::Path>,
+) -> bool {
+    match compile_variant(variant, arch) {
+        Ok(c) => {
+            println!(
+                "{:<44} {arch:<7} {:>4} regs  stack {:>3}  spill st/ld {:>3}/{:<3} {:>6.0} ms",
+                variant.name(),
+                c.usage.registers,
+                c.usage.stack_frame,
+                c.usage.spill_stores,
+                c.usage.spill_loads,
+                c.compile_ms
+            );
+            if let Some(dir) = dir {
+                let path = dir.join(format!("{}_{arch}.cubin", variant.name()));
+                if let Err(e) =
+                    std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, &c.cubin))
+                {
+                    eprintln!("cannot write {}: {e}", path.display());
+                    return false;
+                }
+            }
+            true
+        }
+        Err(e) => {
+            eprintln!("{}: {e}", variant.name());
+            false
+        }
     }
 }

@@ -28,7 +28,7 @@ pub struct SourceFile {
 }
 
 /// The headers every family may include (`#include "common/…"`).
-pub const COMMON_HEADERS: [SourceFile; 4] = [
+pub const COMMON_HEADERS: [SourceFile; 5] = [
     SourceFile {
         name: "common/ptx.cuh",
         text: include_str!("kernels/common/ptx.cuh"),
@@ -44,6 +44,10 @@ pub const COMMON_HEADERS: [SourceFile; 4] = [
     SourceFile {
         name: "common/epilogue.cuh",
         text: include_str!("kernels/common/epilogue.cuh"),
+    },
+    SourceFile {
+        name: "common/tile.cuh",
+        text: include_str!("kernels/common/tile.cuh"),
     },
 ];
 

@@ -9,11 +9,12 @@ use super::{DType, DeviceProps, KernelFamily, KernelVariant, SourceFile, COMMON_
 use softmax_core::{KvCache, Problem, ProblemError, RescalePolicy};
 
 /// The headers of the decode family: the common ones, the merge rule and the parameter block.
-pub static DECODE_HEADERS: [SourceFile; 6] = [
+pub static DECODE_HEADERS: [SourceFile; 7] = [
     COMMON_HEADERS[0],
     COMMON_HEADERS[1],
     COMMON_HEADERS[2],
     COMMON_HEADERS[3],
+    COMMON_HEADERS[4],
     SourceFile {
         name: "common/merge.cuh",
         text: include_str!("common/merge.cuh"),

@@ -1,6 +1,7 @@
 // Split-KV decode kernel (flash-decoding) for sm_80 and newer: a few queries per sequence
 // against a KV cache, padded (`seqused_k`) or paged (int32 block table). mma.sync.m16n8k16,
-// ldmatrix and multi-stage cp.async from common/*.cuh; compiled by NVRTC with these defines:
+// ldmatrix and multi-stage cp.async from common/*.cuh, the tile steps from common/tile.cuh
+// (shared with the sm80 forward); compiled by NVRTC with these defines:
 //
 //   HDP         head dim the tiles are laid out for (64, 128 or 256; the real head dims may be
 //               smaller: missing columns are zero-filled)
@@ -29,6 +30,7 @@
 #endif
 
 #include "common/merge.cuh"
+#include "common/tile.cuh"
 #include "decode/params.cuh"
 
 #define THREADS (WARPS * 32)
@@ -233,124 +235,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         const u32 buf_bytes = (u32)(stage * BLOCK_N * ROW_BYTES);
         const int n0 = t * BLOCK_N + warp * WN;
         float s[MT][NT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.0f;
-#pragma unroll
-        for (int kg = 0; kg < KQ / 4; ++kg)
-#pragma unroll
-            for (int kj = 0; kj < 4; ++kj) {
-                u32 a[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    ldsm_x4(q_addr[kj] + mt * 16 * ROW_BYTES + kg * 128, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
-#pragma unroll
-                for (int np = 0; np < NT / 2; ++np) {
-                    u32 b0, b1, b2, b3;
-                    ldsm_x4(k_addr[kj] + buf_bytes + np * 16 * ROW_BYTES + kg * 128, b0, b1, b2, b3);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma16816<ELEM_BF16>(s[mt][2 * np], a[mt], b0, b1);
-                        mma16816<ELEM_BF16>(s[mt][2 * np + 1], a[mt], b2, b3);
-                    }
-                }
-            }
-
+        tile_qk<MT, NT, KQ, KQ / 4, ELEM_BF16, ROW_BYTES>(s, q_addr, k_addr, buf_bytes);
         // Scores and mask (the key tail, causal and window bounds are all in [lo, hi)).
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = s[mt][j][e];
-#if GENERAL_SCORES
-                    x = p.softcap_post != 0.0f ? tanh_f(x * p.pre) * p.softcap_post : x * p.pre;
-#endif
-                    const int col = n0 + j * 8 + 2 * tig + (e & 1);
-                    const int hh = e >> 1;
-                    s[mt][j][e] = MASK_SCORE(x, col, row_lo[mt][hh], row_hi[mt][hh]);
-                }
-
+        tile_scores<MT, NT, GENERAL_SCORES != 0, true>(s, n0, tig, row_lo, row_hi, p.pre, p.softcap_post);
         // Online softmax of the warp's rows (RowState::begin_block, threshold policy).
-        float corr[MT][2];
-        bool any_rescale = false;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                float bm = NEG_INF;
-#pragma unroll
-                for (int j = 0; j < NT; ++j) bm = fmaxf(bm, fmaxf(s[mt][j][2 * hh], s[mt][j][2 * hh + 1]));
-                bm = quad_max(bm);
-#if !GENERAL_SCORES
-                bm *= p.pre;
-#endif
-                const float m = row_m[mt][hh];
-                float c;
-                const bool move = rescale_vote(bm, m, p.tau, c);
-                row_m[mt][hh] = move ? bm : m;
-                row_l[mt][hh] *= c;
-                any_rescale |= move;
-                corr[mt][hh] = c;
-            }
-        if (warp_any(any_rescale)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int d = 0; d < DT; ++d) {
-                    acc[mt][d][0] *= corr[mt][0];
-                    acc[mt][d][1] *= corr[mt][0];
-                    acc[mt][d][2] *= corr[mt][1];
-                    acc[mt][d][3] *= corr[mt][1];
-                }
-        }
-
+        tile_rescale<MT, NT, DT, GENERAL_SCORES != 0>(s, row_m, row_l, acc, p.pre, p.tau);
         u32 pa[MT][KP][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const float off0 = exp_offset(row_m[mt][0]);
-            const float off1 = exp_offset(row_m[mt][1]);
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float off = e < 2 ? off0 : off1;
-#if GENERAL_SCORES
-                    s[mt][j][e] = ex2(s[mt][j][e] - off);
-#else
-                    s[mt][j][e] = ex2(fmaf(s[mt][j][e], p.pre, -off));
-#endif
-                }
-                row_l[mt][0] += s[mt][j][0] + s[mt][j][1];
-                row_l[mt][1] += s[mt][j][2] + s[mt][j][3];
-            }
-#pragma unroll
-            for (int kp = 0; kp < KP; ++kp) {
-                pa[mt][kp][0] = pack2<ELEM_BF16>(s[mt][2 * kp][0], s[mt][2 * kp][1]);
-                pa[mt][kp][1] = pack2<ELEM_BF16>(s[mt][2 * kp][2], s[mt][2 * kp][3]);
-                pa[mt][kp][2] = pack2<ELEM_BF16>(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
-                pa[mt][kp][3] = pack2<ELEM_BF16>(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
-            }
-        }
-
+        tile_exp<MT, NT, KP, ELEM_BF16, GENERAL_SCORES != 0>(s, row_m, row_l, pa, p.pre);
         // O += P V over this warp's keys.
-#pragma unroll
-        for (int kp = 0; kp < KP; ++kp) {
-#pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_trans(v_addr[dp & 3] + buf_bytes + kp * 16 * ROW_BYTES + (dp >> 2) * 128, b0, b1, b2, b3);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma16816<ELEM_BF16>(acc[mt][2 * dp], pa[mt][kp], b0, b1);
-                    mma16816<ELEM_BF16>(acc[mt][2 * dp + 1], pa[mt][kp], b2, b3);
-                }
-            }
-        }
+        tile_pv<MT, KP, DT, ELEM_BF16, ROW_BYTES>(acc, pa, v_addr, buf_bytes);
     };
 
     // Pipeline: Q and the first STAGES-1 tiles in flight, then one new tile per tile consumed.

@@ -44,6 +44,7 @@
 #define SPLIT_TILES (MASKED && WARPS == 8 && HDP <= 128)
 
 #include "common/epilogue.cuh"
+#include "common/tile.cuh"
 
 #define THREADS (WARPS * 32)
 #define KV_ALL_ROWS (!MASKED) // every K/V tile is whole: no per-row checks in its loads
@@ -252,38 +253,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
         constexpr bool masked = decltype(masked_tag)::value;
         const int n0 = t * BLOCK_N;
 
-        // S = Q K^T for this warp's rows.
+        // S = Q K^T for this warp's rows (the k-step groups unrolled with 8 warps only).
         float s[MT][NT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.0f;
-        // k-steps in groups of four (one 128-byte swizzle period): the group loop stays rolled.
-#if QK_UNROLL_ALL
-#pragma unroll
-#else
-#pragma unroll 1
-#endif
-        for (int kg = 0; kg < KQ / 4; ++kg)
-#pragma unroll
-        for (int kj = 0; kj < 4; ++kj) {
-            u32 a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                ldsm_x4(q_addr[kj] + mt * 16 * ROW_BYTES + kg * 128, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4(k_addr[kj] + buf_bytes + np * 16 * ROW_BYTES + kg * 128, b0, b1, b2, b3);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma16816<ELEM_BF16>(s[mt][2 * np], a[mt], b0, b1);
-                    mma16816<ELEM_BF16>(s[mt][2 * np + 1], a[mt], b2, b3);
-                }
-            }
-        }
+        tile_qk<MT, NT, KQ, QK_UNROLL_ALL ? KQ / 4 : 1, ELEM_BF16, ROW_BYTES>(s, q_addr, k_addr, buf_bytes);
 
 #if EARLY_KLOAD
         // FlashAttention-2's order: before the softmax, so the load has the softmax and PV.
@@ -291,124 +263,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(cons
 #endif
         // Scores. GENERAL_SCORES: x = t(s*pre) (softcap or a non-positive scale) first.
         // Otherwise pre > 0, so the max of the raw dot products times pre is the max of the
-        // log2 scores, and the scale folds into the exponent's FMA.
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = s[mt][j][e];
-#if GENERAL_SCORES
-                    x = p.softcap_post != 0.0f ? tanh_f(x * p.pre) * p.softcap_post : x * p.pre;
-#endif
-                    if constexpr (masked) {
-                        // Without SPLIT_TILES full tiles take this path too: every column lies
-                        // inside every valid row's bounds, so the selects change nothing there
-                        // (rows past seqlen_q are never stored).
-                        const int col = n0 + j * 8 + 2 * tig + (e & 1);
-                        const int hh = e >> 1;
-                        x = MASK_SCORE(x, col, row_lo[mt][hh], row_hi[mt][hh]);
-                    }
-                    s[mt][j][e] = x;
-                }
-
+        // log2 scores, and the scale folds into the exponent's FMA. Without SPLIT_TILES full
+        // tiles take the masked path too: every column lies inside every valid row's bounds,
+        // so the selects change nothing there (rows past seqlen_q are never stored).
+        tile_scores<MT, NT, GENERAL_SCORES != 0, masked>(s, n0, tig, row_lo, row_hi, p.pre, p.softcap_post);
         // Online softmax (RowState::begin_block with the threshold policy; tau = 0 is `Always`).
-        float corr[MT][2];
-        bool any_rescale = false;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                // Four interleaved partial maxima: short dependency chains.
-                float part[4];
-#pragma unroll
-                for (int j = NT; j < 4; ++j) part[j] = NEG_INF;
-#pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    const float pair = fmaxf(s[mt][j][2 * hh], s[mt][j][2 * hh + 1]);
-                    part[j & 3] = j < 4 ? pair : fmaxf(part[j & 3], pair);
-                }
-                float bm = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-                bm = quad_max(bm);
-#if !GENERAL_SCORES
-                bm *= p.pre; // pre > 0: -inf stays -inf
-#endif
-                const float m = row_m[mt][hh];
-                float c;
-                const bool move = rescale_vote(bm, m, p.tau, c);
-                row_m[mt][hh] = move ? bm : m;
-                row_l[mt][hh] *= c;
-                any_rescale |= move;
-                corr[mt][hh] = c;
-            }
-        if (warp_any(any_rescale)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int d = 0; d < DT; ++d) {
-                    acc[mt][d][0] *= corr[mt][0];
-                    acc[mt][d][1] *= corr[mt][0];
-                    acc[mt][d][2] *= corr[mt][1];
-                    acc[mt][d][3] *= corr[mt][1];
-                }
-        }
-
+        tile_rescale<MT, NT, DT, GENERAL_SCORES != 0>(s, row_m, row_l, acc, p.pre, p.tau);
         // P = exp2(x - offset), kept in registers as the A operand of the second mma.
         u32 pa[MT][KP][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const float off0 = exp_offset(row_m[mt][0]);
-            const float off1 = exp_offset(row_m[mt][1]);
-            float sum0[4], sum1[4];
-#pragma unroll
-            for (int j = NT; j < 4; ++j) sum0[j] = sum1[j] = 0.0f;
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float off = e < 2 ? off0 : off1;
-#if GENERAL_SCORES
-                    s[mt][j][e] = ex2(s[mt][j][e] - off);
-#else
-                    s[mt][j][e] = ex2(fmaf(s[mt][j][e], p.pre, -off));
-#endif
-                }
-                const float pair0 = s[mt][j][0] + s[mt][j][1], pair1 = s[mt][j][2] + s[mt][j][3];
-                sum0[j & 3] = j < 4 ? pair0 : sum0[j & 3] + pair0;
-                sum1[j & 3] = j < 4 ? pair1 : sum1[j & 3] + pair1;
-            }
-            sum0[0] = (sum0[0] + sum0[1]) + (sum0[2] + sum0[3]);
-            sum1[0] = (sum1[0] + sum1[1]) + (sum1[2] + sum1[3]);
-            row_l[mt][0] += sum0[0];
-            row_l[mt][1] += sum1[0];
-#pragma unroll
-            for (int kp = 0; kp < KP; ++kp) {
-                pa[mt][kp][0] = pack2<ELEM_BF16>(s[mt][2 * kp][0], s[mt][2 * kp][1]);
-                pa[mt][kp][1] = pack2<ELEM_BF16>(s[mt][2 * kp][2], s[mt][2 * kp][3]);
-                pa[mt][kp][2] = pack2<ELEM_BF16>(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
-                pa[mt][kp][3] = pack2<ELEM_BF16>(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
-            }
-        }
+        tile_exp<MT, NT, KP, ELEM_BF16, GENERAL_SCORES != 0>(s, row_m, row_l, pa, p.pre);
 
 #if !EARLY_KLOAD
         wait_v_and_issue_next_k(t_next);
 #endif
 
         // O += P V
-#pragma unroll
-        for (int kp = 0; kp < KP; ++kp) {
-#pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_trans(v_addr[dp & 3] + buf_bytes + kp * 16 * ROW_BYTES + (dp >> 2) * 128, b0, b1, b2, b3);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma16816<ELEM_BF16>(acc[mt][2 * dp], pa[mt][kp], b0, b1);
-                    mma16816<ELEM_BF16>(acc[mt][2 * dp + 1], pa[mt][kp], b2, b3);
-                }
-            }
-        }
+        tile_pv<MT, KP, DT, ELEM_BF16, ROW_BYTES>(acc, pa, v_addr, buf_bytes);
     };
 
     // Tile order. With SPLIT_TILES the full tiles [full_begin, full_end) come first, then the
