@@ -641,6 +641,42 @@ impl Device {
             ForwardVariant::Sm90(v) if v.ws() => Some(sm90_tensor_maps(prepared, &params, v)?),
             _ => None,
         };
+        self.repeat_timed(stream, repeat, time, || {
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&params);
+            if let Some([q, k, v]) = &maps {
+                builder.arg(q).arg(k).arg(v);
+            }
+            // SAFETY: `params` matches the kernel's `Params` layout (and the tensor maps its
+            // `TensorMap` parameters: they encode the same checked addresses with the
+            // problem's extents and strides, and TMA reads nothing outside them); every pointer in it was
+            // checked by `check_raw` (non-null, aligned, long enough for the problem's extents,
+            // which bound the kernel's reads and writes) and is device memory of this context
+            // that stays valid until `stream` passes the kernel: caller memory by
+            // `RawTensor::from_raw`'s contract, owned buffers because their callers wait for
+            // the stream, host prefix sums because they are freed in stream order.
+            unsafe { builder.launch(cfg) }.map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
+            Ok(ForwardStats {
+                launch: Some(shape),
+                compile_ms,
+                kernel_source: Some(origin),
+                registers: Some(registers),
+                kernel_ms: None,
+                decode: None,
+            })
+        })
+    }
+
+    /// Runs `launch` (which queues one call's kernels on `stream` and returns its stats)
+    /// `repeat` times; with `time`, brackets each call with CUDA events and, after the last,
+    /// fills each call's [`ForwardStats::kernel_ms`] (waiting for the stream).
+    pub(crate) fn repeat_timed(
+        &self,
+        stream: &Arc<CudaStream>,
+        repeat: usize,
+        time: bool,
+        mut launch: impl FnMut() -> Result<ForwardStats, CudaError>,
+    ) -> Result<Vec<ForwardStats>, CudaError> {
         let mut all = Vec::with_capacity(repeat);
         let mut events = Vec::new();
         for _ in 0..repeat {
@@ -658,33 +694,12 @@ impl Device {
             } else {
                 None
             };
-            let mut builder = stream.launch_builder(&func);
-            builder.arg(&params);
-            if let Some([q, k, v]) = &maps {
-                builder.arg(q).arg(k).arg(v);
-            }
-            // SAFETY: `params` matches the kernel's `Params` layout (and the tensor maps its
-            // `TensorMap` parameters: they encode the same checked addresses with the
-            // problem's extents and strides, and TMA reads nothing outside them); every pointer in it was
-            // checked by `check_raw` (non-null, aligned, long enough for the problem's extents,
-            // which bound the kernel's reads and writes) and is device memory of this context
-            // that stays valid until `stream` passes the kernel: caller memory by
-            // `RawTensor::from_raw`'s contract, owned buffers because their callers wait for
-            // the stream, host prefix sums because they are freed in stream order.
-            unsafe { builder.launch(cfg) }.map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
+            all.push(launch()?);
             if let Some((start, end)) = timing {
                 end.record(stream)
                     .map_err(|e| CudaError::driver("cuEventRecord", e))?;
                 events.push((start, end));
             }
-            all.push(ForwardStats {
-                launch: Some(shape),
-                compile_ms,
-                kernel_source: Some(origin),
-                registers: Some(registers),
-                kernel_ms: None,
-                decode: None,
-            });
         }
         for (stat, (start, end)) in all.iter_mut().zip(&events) {
             stat.kernel_ms = Some(

@@ -13,7 +13,7 @@ use crate::kernels::decode::{
 use crate::kernels::{DeviceProps, KernelVariant};
 use crate::params::{supports, ForwardOptions};
 use crate::raw::{check_cache_tables, check_ptr, CacheTables, RawCall, RawOut, RawTensor};
-use cudarc::driver::sys::{self, CUevent_flags, CUfunction_attribute};
+use cudarc::driver::sys::{self, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use softmax_core::{BufferLens, DType, KvCache, Problem, ProblemError, Qkv, Tensor};
 use std::sync::Arc;
@@ -277,23 +277,7 @@ impl Device {
             block_dim: (CombineVariant::WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut all = Vec::with_capacity(repeat);
-        let mut events = Vec::new();
-        for _ in 0..repeat {
-            let timing = if time {
-                let ev = || {
-                    self.ctx
-                        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                        .map_err(|e| CudaError::driver("cuEventCreate", e))
-                };
-                let (start, end) = (ev()?, ev()?);
-                start
-                    .record(stream)
-                    .map_err(|e| CudaError::driver("cuEventRecord", e))?;
-                Some((start, end))
-            } else {
-                None
-            };
+        self.repeat_timed(stream, repeat, time, || {
             let mut builder = stream.launch_builder(&decode);
             builder.arg(params);
             // SAFETY: `params` matches the kernel's `DecodeParams` layout; every pointer in
@@ -321,28 +305,15 @@ impl Device {
                         .map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
                 }
             }
-            if let Some((start, end)) = timing {
-                end.record(stream)
-                    .map_err(|e| CudaError::driver("cuEventRecord", e))?;
-                events.push((start, end));
-            }
-            all.push(ForwardStats {
+            Ok(ForwardStats {
                 launch: None,
                 compile_ms,
                 kernel_source: Some(origin),
                 registers: Some(registers),
                 kernel_ms: None,
                 decode: Some(*plan),
-            });
-        }
-        for (stat, (start, end)) in all.iter_mut().zip(&events) {
-            stat.kernel_ms = Some(
-                start
-                    .elapsed_ms(end)
-                    .map_err(|e| CudaError::driver("cuEventElapsedTime", e))?,
-            );
-        }
-        Ok(all)
+            })
+        })
     }
 
     /// The compiled and loaded function of a variant of any family (once per process and
