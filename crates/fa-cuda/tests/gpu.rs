@@ -6,7 +6,9 @@
 //! specialization). Ignored by default: they need a CUDA GPU
 //! (`cargo test -p fa-cuda -- --include-ignored`, or `../shared/bin/gpu-pack` and the device).
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+mod common;
+use common::{device, raw, read_back, LSE_BOUND, REL_L2_BOUND};
+use cudarc::driver::{CudaContext, CudaStream};
 use fa_cuda::{
     CuSeqlens, CudaElement, CudaError, DType, Device, ForwardOptions, ForwardVariant,
     KernelFamilyChoice, RawTensor, Sm90Pipeline,
@@ -14,22 +16,11 @@ use fa_cuda::{
 use fa_reference::{attention_f64, compare, poison, Case, Rng, Rounding};
 use half::{bf16, f16};
 use softmax_core::{Mask, Out, ProblemError, Qkv, RescalePolicy, Sequences, Tensor};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 /// Host slices of Q, K, V as a bundle.
 fn qkv<'a, T>(q: &'a [T], k: &'a [T], v: &'a [T]) -> Qkv<&'a [T]> {
     Qkv::new(q, k, v)
-}
-
-const REL_L2_BOUND: f64 = 1e-2;
-const LSE_BOUND: f64 = 1e-3;
-
-fn device() -> &'static Device {
-    static DEVICE: OnceLock<Device> = OnceLock::new();
-    DEVICE.get_or_init(|| match Device::open(0) {
-        Ok(d) => d,
-        Err(e) => panic!("these tests need a CUDA GPU: {e}"),
-    })
 }
 
 /// The kernel choices every check runs: the sm80 family forced, and on Hopper the sm90
@@ -459,15 +450,6 @@ fn repeated_runs_agree_bitwise() {
     }
 }
 
-/// Caller memory: a cudarc allocation seen as a raw tensor of `T`.
-fn raw<T, R: DeviceRepr>(slice: &CudaSlice<R>, stream: &CudaStream) -> RawTensor<T> {
-    assert_eq!(core::mem::size_of::<T>(), core::mem::size_of::<R>());
-    let (ptr, _record) = slice.device_ptr(stream);
-    // SAFETY: a live allocation of the stream's context holding `len` values of `T`'s layout;
-    // the tests keep every slice until they have synchronised the stream.
-    unsafe { RawTensor::from_raw(ptr, slice.len()) }
-}
-
 /// The sizes-only description of a varlen case (its prefix sums go to the device).
 fn device_sizes(case: &Case) -> Sequences<'static> {
     let longest = |cu: &[u32]| {
@@ -537,15 +519,7 @@ fn check_caller_memory(
     }
     .unwrap_or_else(|e| panic!("{label}: {e}"));
     // The caller's side of the contract: synchronise before reading (or freeing) anything.
-    stream.synchronize().expect("synchronise");
-    let o_back: Vec<bf16> = stream
-        .clone_dtoh(&o)
-        .expect("copy back")
-        .into_iter()
-        .map(bf16::from_bits)
-        .collect();
-    let lse_back = stream.clone_dtoh(&lse).expect("copy back");
-    stream.synchronize().expect("synchronise");
+    let (o_back, lse_back) = read_back(stream, &o, &lse);
     let oracle = attention_f64(&host_problem, &case.q, &case.k, &case.v);
     let report = compare(&host_problem, &o_back, Some(&lse_back), &oracle);
     println!(

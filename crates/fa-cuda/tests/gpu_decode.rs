@@ -6,25 +6,16 @@
 //! the same normwise bound. Ignored by default: they need a CUDA GPU
 //! (`cargo test -p fa-cuda --test gpu_decode -- --include-ignored`).
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+mod common;
+use common::{device, raw, read_back, LSE_BOUND, REL_L2_BOUND};
+use cudarc::driver::CudaStream;
 use fa_cuda::{
-    CacheTables, CudaElement, CudaError, DType, Device, ForwardOptions, ForwardStats, RawTensor,
+    CacheTables, CudaElement, CudaError, DType, ForwardOptions, ForwardStats, RawTensor,
 };
 use fa_reference::{attention_f64, compare, poison, Element, Rng, Rounding};
 use half::{bf16, f16};
 use softmax_core::{Mask, Out, Problem, ProblemDesc, ProblemError, Qkv};
-use std::sync::{Arc, OnceLock};
-
-const REL_L2_BOUND: f64 = 1e-2;
-const LSE_BOUND: f64 = 1e-3;
-
-fn device() -> &'static Device {
-    static DEVICE: OnceLock<Device> = OnceLock::new();
-    DEVICE.get_or_init(|| match Device::open(0) {
-        Ok(d) => d,
-        Err(e) => panic!("these tests need a CUDA GPU: {e}"),
-    })
-}
+use std::sync::Arc;
 
 /// Where a case's keys live.
 #[derive(Clone, Debug)]
@@ -484,15 +475,6 @@ fn time_forward_times_cache_problems() {
     println!("decode 4k paged bs16, 64/8 heads: {times:?} ms");
 }
 
-/// Caller memory: a cudarc allocation seen as a raw tensor of `T`.
-fn raw<T, R: DeviceRepr>(slice: &CudaSlice<R>, stream: &CudaStream) -> RawTensor<T> {
-    assert_eq!(core::mem::size_of::<T>(), core::mem::size_of::<R>());
-    let (ptr, _record) = slice.device_ptr(stream);
-    // SAFETY: a live allocation of the stream's context holding `len` values of `T`'s layout;
-    // the tests keep every slice until they have synchronised the stream.
-    unsafe { RawTensor::from_raw(ptr, slice.len()) }
-}
-
 fn bits(x: &[f32]) -> Vec<u16> {
     x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect()
 }
@@ -577,15 +559,7 @@ fn caller_stream_with_device_tables_and_workspace() {
             )
             .expect("queued");
         assert_eq!(stats.decode.expect("decode").num_splits, 7);
-        stream.synchronize().expect("synchronise");
-        let o_back: Vec<bf16> = stream
-            .clone_dtoh(&o)
-            .expect("copy back")
-            .into_iter()
-            .map(bf16::from_bits)
-            .collect();
-        let lse_back = stream.clone_dtoh(&lse).expect("copy back");
-        stream.synchronize().expect("synchronise");
+        let (o_back, lse_back) = read_back(&stream, &o, &lse);
         let oracle = attention_f64(&problem, &case.q, &case.k, &case.v);
         let report = compare(&problem, &o_back, Some(&lse_back), &oracle);
         println!(
