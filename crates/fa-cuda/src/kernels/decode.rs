@@ -356,32 +356,25 @@ pub const MIN_TILES_PER_SPLIT: u32 = 4;
 pub const MAX_SPLITS: u32 = 128;
 
 /// The split count of a launch of `ctas` CTAs (without splitting) whose longest sequence has
-/// `n_tiles` key tiles, on `sm_count` CTA slots (SMs × CTAs per SM): 1 when the CTAs already
-/// fill 80 % of the slots; otherwise the smallest count whose wave efficiency (waves / whole
-/// waves) is within 85 % of the best count's, among counts that shorten the longest split
-/// (FlashAttention's rule, in `hopper/heuristics.h`), at most [`MAX_SPLITS`], the slot count
-/// and one split per [`MIN_TILES_PER_SPLIT`] tiles.
-pub fn num_splits_heuristic(ctas: u32, sm_count: u32, n_tiles: u32) -> u32 {
-    let sm_count = sm_count.max(1);
-    if ctas == 0 || ctas as f64 >= 0.8 * sm_count as f64 {
+/// `n_tiles` key tiles, on `slots` CTA slots (SMs × CTAs per SM): 1 when the CTAs already
+/// fill 80 % of the slots; otherwise as many splits as fill one wave of slots (every SM
+/// then carries the same number of CTAs, so none streams more bytes than the others), at
+/// most [`MAX_SPLITS`] and one per [`MIN_TILES_PER_SPLIT`] tiles, and among those counts the
+/// largest that shortens the longest split (a count whose longest split equals the next
+/// smaller count's only adds combine work). FlashAttention's rule (`hopper/heuristics.h`)
+/// takes instead the smallest count within 85 % of the best wave efficiency, which with two
+/// CTAs per SM left 40 of 132 SMs with one CTA and the others with two (run 50).
+pub fn num_splits_heuristic(ctas: u32, slots: u32, n_tiles: u32) -> u32 {
+    let slots = slots.max(1);
+    if ctas == 0 || ctas as f64 >= 0.8 * slots as f64 {
         return 1;
     }
-    let max_splits = MAX_SPLITS
-        .min(sm_count)
+    let cap = MAX_SPLITS
+        .min(slots / ctas)
         .min(n_tiles / MIN_TILES_PER_SPLIT)
         .max(1);
     let eligible = |s: u32| s == 1 || n_tiles.div_ceil(s) != n_tiles.div_ceil(s - 1);
-    let efficiency = |s: u32| {
-        let waves = (ctas * s) as f64 / sm_count as f64;
-        waves / waves.ceil()
-    };
-    let best = (1..=max_splits)
-        .filter(|&s| eligible(s))
-        .map(efficiency)
-        .fold(0.0f64, f64::max);
-    (1..=max_splits)
-        .find(|&s| eligible(s) && efficiency(s) >= 0.85 * best)
-        .unwrap_or(1)
+    (1..=cap).rev().find(|&s| eligible(s)).unwrap_or(1)
 }
 
 /// Padded head dim of the tiles.
@@ -612,8 +605,15 @@ mod tests {
         // Already most of a wave: no split.
         assert_eq!(num_splits_heuristic(128, 132, 1000), 1);
         assert_eq!(num_splits_heuristic(106, 132, 1000), 1);
-        // Llama-3 70B, batch 1: 8 KV heads on 132 SMs; 15 splits fill 120 SMs (91 %).
-        assert_eq!(num_splits_heuristic(8, 132, 1000), 15);
+        // Llama-3 70B, batch 1: 8 KV heads on 132 SMs; 16 splits fill 128 of them, and on
+        // 264 slots (two CTAs per SM) 33 splits fill every slot.
+        assert_eq!(num_splits_heuristic(8, 132, 1000), 16);
+        assert_eq!(num_splits_heuristic(8, 264, 1000), 33);
+        // Batch 16 on 264 slots: two splits.
+        assert_eq!(num_splits_heuristic(128, 264, 2048), 2);
+        // A count that does not shorten the longest split is skipped: 40 tiles in 9 splits
+        // take 5 each at most, as in 8.
+        assert_eq!(num_splits_heuristic(1, 9, 40), 8);
         // Few tiles cap the count: at least MIN_TILES_PER_SPLIT tiles per split.
         assert_eq!(num_splits_heuristic(8, 132, 16), 4);
         assert_eq!(num_splits_heuristic(8, 132, 4), 1);
