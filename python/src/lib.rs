@@ -322,13 +322,10 @@ impl Call {
     fn run_cuda(&self, device: &CudaDevice, stream: u64) -> i32 {
         let options = FaOptions::default();
         let [q, k, v, o] = &self.tensors;
-        // SAFETY: as in run_cpu, for device memory of the handle's device (the shim passes only
-        // tensors on that device); PyTorch keeps the stream alive and orders later uses and
-        // frees of these tensors after its work, as for its own kernels. A cache's tables are
-        // int32 tensors of the checked shapes on the same device; the split workspace is
-        // allocated by the library on the stream (freed in stream order).
         if let Some(cache) = &self.cache {
-            // SAFETY: as above.
+            // SAFETY: as in the plain call below; the cache's tables are int32 tensors of the
+            // checked shapes on the same device, and the split workspace is allocated by the
+            // library on the stream (freed in stream order).
             return unsafe {
                 fa_forward_cache_cuda(
                     device.handle.0,
@@ -346,6 +343,9 @@ impl Call {
                 )
             };
         }
+        // SAFETY: as in run_cpu, for device memory of the handle's device (the shim passes only
+        // tensors on that device); PyTorch keeps the stream alive and orders later uses and
+        // frees of these tensors after its work, as for its own kernels.
         unsafe {
             fa_forward_cuda(
                 device.handle.0,
