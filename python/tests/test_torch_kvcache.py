@@ -148,3 +148,36 @@ def test_cpu_tensors_and_host_tables():
     if HAS_CUDA:
         with pytest.raises(ValueError, match="host memory"):
             fa.attention(q, k, v, seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda"), block_table=table)
+
+
+@needs_cuda
+def test_cuda_cache_tables_stay_on_the_device_and_the_stream():
+    # The tables (and the cache) are written on a side stream behind a long GPU spin, and the
+    # call is made on that stream: a host read of seqused_k/block_table would either block
+    # (synchronisation) or see the poison, and a kernel on another stream would read it too.
+    # Forced splits make the library allocate its workspace on the stream as well.
+    gen = torch.Generator().manual_seed(10)
+    used = [700, 1, 0, 333]
+    k_src, v_src, table_src = make_cache(gen, used, 2, 128, torch.bfloat16, "cuda", 16)
+    q = randn((4, 2, 16, 128), torch.bfloat16, "cuda", gen)
+    used_src = torch.tensor(used, dtype=torch.int32, device="cuda")
+    ref, _ = reference(q, k_src, v_src, used, table_src, causal=True)
+    # Warm-up on the default stream (compiles/loads the kernels outside the timed part).
+    first = fa.attention(q, k_src, v_src, seqused_k=used_src, block_table=table_src, causal=True, num_splits=4)
+    k, v = torch.randn_like(k_src), torch.randn_like(v_src)
+    seqused = torch.zeros_like(used_src)
+    table = torch.full_like(table_src, -1)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time on the side stream
+        for dst, x in ((k, k_src), (v, v_src), (seqused, used_src), (table, table_src)):
+            dst.copy_(x)
+        out = fa.attention(q, k, v, seqused_k=seqused, block_table=table, causal=True, num_splits=4)
+        returned_before_done = not side.query()
+    side.synchronize()
+    assert returned_before_done, "the call waited for the GPU (host synchronisation)"
+    err = normwise_error(host64(out), ref)
+    assert err <= BOUND[("cuda", torch.bfloat16)], f"side stream: normwise error {err:.3e}"
+    torch.cuda.synchronize()
+    assert torch.equal(out, first), "same inputs, same plan: bitwise equal results"
