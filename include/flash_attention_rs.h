@@ -1,6 +1,7 @@
 /*
  * flash-attention-rs C API: exact attention forward on the CPU (host memory) and on CUDA
- * (caller-owned device memory, caller's stream). Every function returns an FA_* code
+ * (caller-owned device memory, caller's stream), and its KV-cache (decode) form over a padded
+ * or paged cache (FaKvCache, fa_forward_cache_*). Every function returns an FA_* code
  * (FA_OK = 0); fa_last_error_message() says why a call failed (thread-local, valid until the
  * next call on that thread). Link libflash_attention_rs.a (with -lpthread -ldl -lm) or
  * libflash_attention_rs.so.
@@ -20,9 +21,16 @@
 /* Options with every default, for `FaOptions opts = FA_OPTIONS_INIT;`. */
 #define FA_OPTIONS_INIT { (uint32_t)sizeof(FaOptions), FA_API_VERSION, 0, FA_EXP2_EXACT }
 
-// The version of this C API. It grows when a descriptor or the options gain fields; a
-// caller passes the version it was compiled against in [`FaOptions::version`].
-#define FA_API_VERSION 1
+/* A KV-cache descriptor with every field empty, for `FaKvCache cache = FA_KV_CACHE_INIT;`. */
+#define FA_KV_CACHE_INIT { (uint32_t)sizeof(FaKvCache), FA_API_VERSION, 0, 0, 0, 0, 0, 0 }
+
+// The version of this C API. It grows when a descriptor or the options gain fields, or a
+// descriptor or entry point is added; a caller passes the version it was compiled against in
+// [`FaOptions::version`] (and [`FaKvCache::version`]). Version 1: the forward entries;
+// version 2 adds [`FaKvCache`] and the KV-cache entries (`fa_forward_cache_cpu`,
+// `fa_forward_cache_cuda`, `fa_forward_cache_cuda_workspace_bytes`). A library accepts
+// descriptors of every version up to its own.
+#define FA_API_VERSION 2
 
 // Success.
 #define FA_OK 0
@@ -160,6 +168,51 @@ typedef struct FaTensor {
   int64_t stride_head;
 } FaTensor;
 
+// A KV cache (decode) that K and V are read from, for `fa_forward_cache_cpu` and
+// `fa_forward_cache_cuda` (API version 2). Like [`FaOptions`] it begins with its own size
+// and the API version, so that it can grow the same way: initialise it with
+// `FA_KV_CACHE_INIT` and set the fields.
+//
+// With it the problem describes a fixed-length batch (`FA_SEQLENS_FIXED`): `batch`
+// sequences of `seqlen_q` new queries each (1 for plain decode, a few for speculative
+// decoding), Q and O dense `[batch, seqlen_q, heads, head_dim]` as in `fa_forward_cpu`.
+// Sequence `b` attends to its first `seqused_k[b]` cached keys, and the causal and window
+// masks align bottom-right against that length: query `i` sees keys
+// `j <= i + seqused_k[b] - seqlen_q`. K and V are either
+// - **padded** (`block_table` null): `[batch, capacity, heads_kv, head_dim]` with
+//   `capacity = problem.seqlen_k` (the K/V tensors' `stride_batch` steps over sequences), or
+// - **paged** (`block_table` set): `[num_blocks, block_size, heads_kv, head_dim]` (the K/V
+//   tensors' `stride_batch` steps over blocks, `stride_seq` over the rows of a block; the
+//   problem's `seqlen_k` is ignored); key `t` of sequence `b` is row `t % block_size` of block
+//   `block_table[b * blocks_per_seq + t / block_size]`, and entries past a sequence's used
+//   blocks are never read.
+//
+// On the CPU both tables are host memory, read and checked before anything is written: a
+// negative or over-capacity length, a block index outside `0..num_blocks`, a table too short
+// for a length are `FA_ERR_INVALID_ARGUMENT`. On CUDA they are device memory and are never
+// read by the host (see `fa_forward_cache_cuda`).
+typedef struct FaKvCache {
+  // `sizeof(FaKvCache)` as the caller compiled it.
+  uint32_t size;
+  // `FA_API_VERSION` as the caller compiled it (at least 2).
+  uint32_t version;
+  // Keys used per sequence (`cache_seqlens`): `batch` int32 values, host memory for the
+  // CPU, device memory for CUDA. Required.
+  const int32_t *seqused_k;
+  // Row-major `[batch, blocks_per_seq]` int32 block indices (host memory for the CPU,
+  // device memory for CUDA); null: a padded cache.
+  const int32_t *block_table;
+  // Columns of the block table (paged only; 0 for a padded cache).
+  int64_t blocks_per_seq;
+  // Keys per block, at least 1 (paged only; 0 for a padded cache).
+  int64_t block_size;
+  // Blocks the K/V tensors hold (paged only; 0 for a padded cache).
+  int64_t num_blocks;
+  // Key splits to force (split-KV, merged by their log-sum-exp); 0: the backend's choice
+  // from the problem and the machine. Results agree with one split to rounding.
+  uint32_t num_splits;
+} FaKvCache;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -199,6 +252,36 @@ int32_t fa_forward_cpu(const struct FaProblem *problem,
                        const struct FaTensor *o,
                        float *lse,
                        const struct FaOptions *options);
+
+// Forward attention of new queries against a KV cache in host memory (decode, or a few
+// tokens per sequence for speculative decoding): `o` (and `lse`, when not null, f32
+// `[batch, heads_q, seqlen_q]`) receive `softmax(q·kᵀ·scale)·v` over each sequence's first
+// `cache->seqused_k[b]` keys, read from the padded or paged K/V cache that `cache`
+// describes (see [`FaKvCache`]), split over keys and threads and merged by the log-sum-exp
+// (`cache->num_splits` forces the split count).
+//
+// `problem` is a fixed-length batch (`FA_SEQLENS_FIXED`): `seqlen_q` queries per sequence,
+// `seqlen_k` the padded cache's capacity (ignored for a paged one); the causal and window
+// masks align bottom-right against each sequence's used length. Q, K and V share one dtype
+// (f32, bf16, f16); O is that dtype or f32. Every argument and table entry is checked before
+// anything is written: a length past the capacity (`blocks_per_seq · block_size` when
+// paged), a used block index outside `0..num_blocks`, null or misaligned tables are
+// `FA_ERR_INVALID_ARGUMENT` with the outputs untouched.
+//
+// # Safety
+// As [`fa_forward_cpu`], with `cache` pointing to an initialised `FaKvCache` of at least
+// `cache->size` bytes whose `seqused_k` points to `batch` readable int32s and whose
+// non-null `block_table` points to `batch · blocks_per_seq` readable int32s; K and V hold
+// every element of the cache their strides reach (`batch` sequences of `seqlen_k` rows when
+// padded, `num_blocks` blocks of `block_size` rows when paged).
+int32_t fa_forward_cache_cpu(const struct FaProblem *problem,
+                             const struct FaKvCache *cache,
+                             const struct FaTensor *q,
+                             const struct FaTensor *k,
+                             const struct FaTensor *v,
+                             const struct FaTensor *o,
+                             float *lse,
+                             const struct FaOptions *options);
 
 // Opens CUDA device `ordinal` in its primary context (the one the CUDA runtime, and so
 // PyTorch, uses) and stores a handle in `*out` (null on failure). Without a driver, NVRTC or
@@ -250,6 +333,63 @@ int32_t fa_forward_cuda(const struct FaCudaDevice *device,
                         float *lse,
                         void *stream,
                         const struct FaOptions *options);
+
+// Bytes of device workspace `fa_forward_cache_cuda` needs for this call's key splits
+// (0: one split, or nothing to compute), into `*bytes`. The plan depends only on the problem
+// (by capacity), the dtype, `cache->num_splits` and the device, so the same call always
+// needs the same size. Reads no device memory: the tensors' `data` and the cache's table
+// pointers are not used.
+//
+// # Safety
+// `device` a live handle; the descriptors as in `fa_forward_cache_cuda`; `bytes` null
+// (refused) or a writable `size_t`.
+int32_t fa_forward_cache_cuda_workspace_bytes(const struct FaCudaDevice *device,
+                                              const struct FaProblem *problem,
+                                              const struct FaKvCache *cache,
+                                              const struct FaTensor *q,
+                                              const struct FaTensor *k,
+                                              const struct FaTensor *v,
+                                              const struct FaTensor *o,
+                                              const struct FaOptions *options,
+                                              size_t *bytes);
+
+// Forward attention of new queries against a KV cache in device memory the caller owns,
+// queued on the caller's `stream` without waiting (as [`fa_forward_cuda`]): the decode
+// kernel over key splits, then the combine that merges them by their log-sum-exp.
+//
+// `problem`, `q`, `o`, `lse` and the K/V cache are laid out as in `fa_forward_cache_cpu`
+// (see [`FaKvCache`]); Q, K, V and O share one dtype, bf16 or f16. The cache's
+// `seqused_k` (`batch` int32s) and non-null `block_table` (`batch · blocks_per_seq` int32s)
+// are **device** memory (PyTorch's `cache_seqlens` and `block_table`) and are never read by
+// the host: the call is planned for the cache's capacity (`seqlen_k` when padded,
+// `blocks_per_seq · block_size` when paged), and the kernels clamp each length to that
+// capacity and each block index to `0..num_blocks`, so wrong device values give wrong
+// results, never an access outside the tensors. Everything else is checked before anything
+// is queued (null, alignment: 16 bytes for tensors, 4 for LSE and tables; overflow;
+// overlaps).
+//
+// The split workspace: `workspace` (device memory, 16-byte aligned, at least
+// `fa_forward_cache_cuda_workspace_bytes` bytes, given in `workspace_bytes`; not used by
+// other work until `stream` has passed the call) or, when `workspace` is null, allocated by
+// the library on `stream` and freed in stream order after the kernels.
+//
+// # Safety
+// As [`fa_forward_cuda`], with `cache` pointing to an initialised `FaKvCache` whose tables
+// are device memory of the device's context holding what is stated above, valid (lengths at
+// most the capacity, used block indices in range, for meaningful results) and not written
+// until `stream` has passed the call; a non-null `workspace` as stated above.
+int32_t fa_forward_cache_cuda(const struct FaCudaDevice *device,
+                              const struct FaProblem *problem,
+                              const struct FaKvCache *cache,
+                              const struct FaTensor *q,
+                              const struct FaTensor *k,
+                              const struct FaTensor *v,
+                              const struct FaTensor *o,
+                              float *lse,
+                              void *workspace,
+                              size_t workspace_bytes,
+                              void *stream,
+                              const struct FaOptions *options);
 
 #ifdef __cplusplus
 }  // extern "C"

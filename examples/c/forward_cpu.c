@@ -1,7 +1,9 @@
 /*
  * flash-attention-rs from C: a small GQA causal problem on the CPU, in f32 and in bf16 (as
  * uint16_t bits), checked against a naive attention written here; then a bad call, checked
- * for its error code and message. Exits non-zero on any failure.
+ * for its error code and message; then the same K/V read as a padded KV cache
+ * (fa_forward_cache_cpu, FA_KV_CACHE_INIT) with every key used, and a used length past the
+ * cache refused. Exits non-zero on any failure.
  *
  * Build (from the repository root, after `cargo build -p fa-capi`):
  *   cc examples/c/forward_cpu.c -Iinclude target/debug/libflash_attention_rs.a \
@@ -191,6 +193,26 @@ int main(void) {
     opts.size = sizeof(FaOptions) + 8;
     rc = fa_forward_cpu(&problem, &tq, &tk, &tv, &to, NULL, &opts);
     check(rc == FA_ERR_VERSION, "options of a newer size are FA_ERR_VERSION");
+
+    /* K/V as a padded KV cache of capacity SK, every sequence using all its keys: the same
+       attention (f32 inputs again; the reference of the rounded inputs still holds). */
+    int32_t seqused_k[BATCH] = {SK, SK};
+    FaKvCache cache = FA_KV_CACHE_INIT;
+    cache.seqused_k = seqused_k;
+    rc = fa_forward_cache_cpu(&problem, &cache, &tq, &tk, &tv, &to, lse, NULL);
+    if (rc != FA_OK) printf("error %d: %s\n", rc, fa_last_error_message());
+    check(rc == FA_OK, "cache forward returns FA_OK");
+    err = normwise(ref, o, nq);
+    printf("      cache: normwise error %.3g (bound 1e-5)\n", err);
+    check(err <= 1e-5, "cache output matches the naive attention");
+    for (size_t i = 0; i < nq; i++) o[i] = 7.0f;
+    seqused_k[1] = SK + 1;
+    rc = fa_forward_cache_cpu(&problem, &cache, &tq, &tk, &tv, &to, lse, NULL);
+    printf("      bad cache: code %d, message \"%s\"\n", rc, fa_last_error_message());
+    check(rc == FA_ERR_INVALID_ARGUMENT, "a length past the cache is FA_ERR_INVALID_ARGUMENT");
+    untouched = 1;
+    for (size_t i = 0; i < nq; i++) untouched &= o[i] == 7.0f;
+    check(untouched, "the output is untouched");
 
     free(q), free(k), free(v), free(o), free(lse), free(ref), free(ref_lse);
     free(qb), free(kb), free(vb), free(ob), free(tmp);

@@ -11,7 +11,10 @@ Layout: BSHD ``(batch, seqlen, heads, head_dim)``. A BHSD tensor is passed as it
 ``x.transpose(1, 2)`` (torch) or ``x.swapaxes(1, 2)`` (NumPy): strides travel, nothing is
 copied. Only the last dimension must be contiguous. GQA/MQA follow from the head counts.
 Variable-length batches: packed ``(total_tokens, heads, head_dim)`` tensors with
-``cu_seqlens_q``/``cu_seqlens_k`` prefix sums.
+``cu_seqlens_q``/``cu_seqlens_k`` prefix sums. KV-cache decode: ``k``/``v`` are a padded cache
+``(batch, capacity, heads_kv, head_dim)`` with per-sequence used lengths ``seqused_k``, or a
+paged cache ``(num_blocks, block_size, heads_kv, head_dim)`` addressed through an int32
+``block_table`` ``(batch, max_blocks)``.
 
 Errors carry the library's message: ``ValueError`` for shapes, dtypes, strides and options it
 refuses, ``RuntimeError`` where CUDA is not usable or a device call fails, ``TypeError`` for
@@ -126,6 +129,41 @@ def _host_prefix_sums(cu, name):
     return [operator.index(x) for x in cu]
 
 
+def _host_int32(x, name):
+    """A host integer table as a dense int32 NumPy array (lists, NumPy arrays, CPU tensors);
+    ``ValueError`` for device tensors, non-integer dtypes and values outside int32."""
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} is on {x.device} but the tensors are in host memory")
+        x = x.numpy()
+    a = np.asarray(x)
+    if a.size == 0 and a.dtype.kind == "f":
+        a = a.astype(np.int32)  # an empty list
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{name} has dtype {a.dtype}: it must hold integers (int32)")
+    if a.dtype != np.int32:
+        info = np.iinfo(np.int32)
+        if a.size and (a.min() < info.min or a.max() > info.max):
+            raise ValueError(f"{name} has values outside int32")
+        a = a.astype(np.int32)
+    return np.ascontiguousarray(a)
+
+
+def _device_int32(x, name, device):
+    """A device table: an int32 torch tensor on ``cuda:device``, made dense on the device
+    (never read back to the host)."""
+    torch = _torch_module()
+    if not _is_torch(x) or x.device.type != "cuda" or (x.device.index or 0) != device:
+        where = x.device if _is_torch(x) else type(x).__name__
+        raise ValueError(
+            f"{name} is {where} but the tensors are on cuda:{device}: on CUDA it must be an "
+            f"int32 tensor on the same device (the library does not read it back to the host)"
+        )
+    if x.dtype != torch.int32:
+        raise ValueError(f"{name} has dtype {x.dtype}: it must be torch.int32")
+    return x.contiguous()
+
+
 def attention(
     q,
     k,
@@ -141,6 +179,9 @@ def attention(
     cu_seqlens_k=None,
     max_seqlen_q=None,
     max_seqlen_k=None,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
     out=None,
 ):
     """Exact attention ``softmax(q k^T * scale) v``; returns ``out`` (and the log-sum-exp).
@@ -165,6 +206,26 @@ def attention(
             library; an int32 CUDA tensor stays on the device (no host read), which the
             library must then trust: it needs ``max_seqlen_q``/``max_seqlen_k``.
         max_seqlen_q, max_seqlen_k: longest sequences; needed with device prefix sums only.
+        seqused_k: KV-cache decode: the keys each sequence uses, integers ``(batch,)``.
+            ``k``/``v`` are then a cache and ``q`` holds each sequence's new queries
+            ``(batch, seqlen_q, heads_q, head_dim)`` (1 for plain decode, a few for
+            speculative decoding); sequence ``b`` attends to its first ``seqused_k[b]`` keys,
+            and ``causal``/``window`` align bottom-right against that length (query ``i`` sees
+            keys ``j <= i + seqused_k[b] - seqlen_q``). Without ``block_table``, ``k``/``v``
+            are the padded cache ``(batch, capacity, heads_kv, head_dim)``. With host tensors:
+            a list, NumPy integer array or CPU tensor, checked by the library (a length past
+            the capacity raises ``ValueError``). With CUDA tensors: an int32 CUDA tensor on the
+            same device, never read by the host; the call is planned for the capacity and the
+            kernel clamps each length to it (invalid lengths give wrong rows, no fault).
+        block_table: a paged cache: int ``(batch, max_blocks)`` block indices (same rules as
+            ``seqused_k`` for host/CUDA); ``k``/``v`` are then
+            ``(num_blocks, block_size, heads_kv, head_dim)`` and key ``t`` of sequence ``b`` is
+            row ``t % block_size`` of block ``block_table[b, t // block_size]``. Entries past a
+            sequence's used blocks are not read (``-1`` is fine there). On the host a used
+            entry outside ``0..num_blocks`` raises ``ValueError``; on CUDA it is clamped.
+        num_splits: KV-cache decode: force this many key splits (merged by their
+            log-sum-exp; results agree with one split to rounding). None: the library's
+            choice from the problem and the machine.
         out: where to write (shape of ``q`` with ``head_dim_v``; same framework and device;
             on the CPU its dtype may also be float32). Allocated when None.
 
@@ -178,6 +239,22 @@ def attention(
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
     varlen = cu_seqlens_q is not None
+    cached = seqused_k is not None
+    if block_table is not None and not cached:
+        raise ValueError("block_table needs seqused_k (the keys each sequence uses)")
+    if num_splits is not None and not cached:
+        raise ValueError("num_splits applies to KV-cache calls (seqused_k) only")
+    if cached and varlen:
+        raise ValueError("seqused_k (a KV cache) takes a fixed-length batch of queries: no cu_seqlens")
+    if cached and len(q.shape) != 4:
+        raise ValueError(
+            f"q has shape {tuple(q.shape)}: with seqused_k it is (batch, seqlen_q, heads_q, head_dim)"
+        )
+    splits = 0
+    if num_splits is not None:
+        splits = operator.index(num_splits)
+        if not 1 <= splits <= 2**31:
+            raise ValueError(f"num_splits is {splits}: at least 1 (None: the library's choice)")
 
     descs = []
     devices = []
@@ -275,6 +352,22 @@ def attention(
                 _host_prefix_sums(cu_seqlens_q, "cu_seqlens_q"),
                 _host_prefix_sums(cu_seqlens_k, "cu_seqlens_k"),
             )
+
+    if cached:
+        if device is None:
+            used = _host_int32(seqused_k, "seqused_k")
+            table = None if block_table is None else _host_int32(block_table, "block_table")
+        else:
+            used = _device_int32(seqused_k, "seqused_k", device)
+            table = None if block_table is None else _device_int32(block_table, "block_table", device)
+        # Dense int32 copies (when they had to be made) live until the call returns; on CUDA
+        # PyTorch's allocator orders their reuse after the queued kernels.
+        keep_alive += [used, table]
+        kwargs["cache"] = (
+            _describe(used, "seqused_k")[0],
+            None if table is None else _describe(table, "block_table")[0],
+            splits,
+        )
 
     if device is None:
         _native.forward(*descs, o_desc, lse_desc, **kwargs)

@@ -12,10 +12,11 @@
 //! `ValueError` (invalid or unsupported input) or `RuntimeError` (no device, a CUDA fault).
 
 use fa_capi::{
-    fa_cuda_device_create, fa_cuda_device_destroy, fa_forward_cpu, fa_forward_cuda,
-    fa_last_error_message, FaCudaDevice, FaOptions, FaProblem, FaTensor, FA_DTYPE_BF16,
-    FA_DTYPE_F16, FA_DTYPE_F32, FA_ERR_INVALID_ARGUMENT, FA_ERR_UNSUPPORTED, FA_ERR_VERSION, FA_OK,
-    FA_SEQLENS_FIXED, FA_SEQLENS_VARLEN_DEVICE, FA_SEQLENS_VARLEN_HOST,
+    fa_cuda_device_create, fa_cuda_device_destroy, fa_forward_cache_cpu, fa_forward_cache_cuda,
+    fa_forward_cpu, fa_forward_cuda, fa_last_error_message, FaCudaDevice, FaKvCache, FaOptions,
+    FaProblem, FaTensor, FA_DTYPE_BF16, FA_DTYPE_F16, FA_DTYPE_F32, FA_ERR_INVALID_ARGUMENT,
+    FA_ERR_UNSUPPORTED, FA_ERR_VERSION, FA_OK, FA_SEQLENS_FIXED, FA_SEQLENS_VARLEN_DEVICE,
+    FA_SEQLENS_VARLEN_HOST,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -23,6 +24,10 @@ use std::ffi::{c_void, CStr};
 
 /// A tensor as the shim describes it: data address, shape, strides in elements, dtype name.
 type TensorArg = (u64, Vec<i64>, Vec<i64>, String);
+
+/// A KV cache: `seqused_k` (int32 `(batch,)`), the block table (int32 `(batch, max_blocks)`;
+/// `None`: a padded cache) and a forced split count (0: the library's choice).
+type CacheArg = (TensorArg, Option<TensorArg>, u32);
 
 /// Device prefix sums: addresses of `cu_seqlens_q` and `cu_seqlens_k` (int32, `batch + 1`
 /// entries each), `batch`, `max_seqlen_q`, `max_seqlen_k`.
@@ -139,7 +144,14 @@ fn check_tensor(arg: &TensorArg, name: &str, varlen: bool) -> PyResult<Checked> 
 }
 
 /// The shapes of Q, K, V and O must describe one problem (the C ABI takes each size once).
-fn check_shapes(q: &[i64; 4], k: &[i64; 4], v: &[i64; 4], o: &[i64; 4]) -> PyResult<()> {
+/// With a paged cache, K/V's leading dimensions are blocks, not sequences.
+fn check_shapes(
+    q: &[i64; 4],
+    k: &[i64; 4],
+    v: &[i64; 4],
+    o: &[i64; 4],
+    paged: bool,
+) -> PyResult<()> {
     let text = |d: &[i64; 4]| shape_text(d);
     if k[..3] != v[..3] {
         return Err(value_error(format!(
@@ -148,7 +160,7 @@ fn check_shapes(q: &[i64; 4], k: &[i64; 4], v: &[i64; 4], o: &[i64; 4]) -> PyRes
             text(v)
         )));
     }
-    if q[0] != k[0] {
+    if !paged && q[0] != k[0] {
         return Err(value_error(format!(
             "q has batch {} but k has batch {}",
             q[0], k[0]
@@ -187,6 +199,34 @@ fn host_prefix_sums(values: &[i64], total: i64, name: &str, tensor: &str) -> PyR
         ))),
         Some(_) => Ok(out),
     }
+}
+
+/// Checks a cache table: int32, the expected shape, dense row-major; returns its address.
+fn check_table(arg: &TensorArg, name: &str, expected: &[i64], layout: &str) -> PyResult<u64> {
+    let (addr, shape, strides, dtype) = arg;
+    if dtype != "int32" {
+        return Err(value_error(format!(
+            "{name} has dtype {dtype}: it must be int32"
+        )));
+    }
+    if shape.as_slice() != expected {
+        return Err(value_error(format!(
+            "{name} has shape {}: expected {} {layout}",
+            shape_text(shape),
+            shape_text(expected)
+        )));
+    }
+    let mut dense = 1;
+    for (&n, &s) in shape.iter().zip(strides).rev() {
+        if n > 1 && s != dense {
+            return Err(value_error(format!(
+                "{name} has strides {}: it must be contiguous (row-major)",
+                shape_text(strides)
+            )));
+        }
+        dense *= n;
+    }
+    Ok(*addr)
 }
 
 /// A CUDA device handle of the C ABI: the primary context of one ordinal (PyTorch's).
@@ -250,6 +290,8 @@ struct Call {
     problem: FaProblem,
     tensors: [FaTensor; 4],
     lse: *mut f32,
+    /// The KV cache the keys are read from (its tables are the caller's arrays).
+    cache: Option<FaKvCache>,
     /// Host prefix sums `problem.cu_seqlens_*` point into (kept alive by the call).
     _host_seqlens: Option<(Vec<i32>, Vec<i32>)>,
 }
@@ -266,13 +308,41 @@ impl Call {
         // SAFETY: every address comes from a live NumPy array or CPU tensor whose shape and
         // strides the descriptors state (checked against each other above), so the memory
         // covers what the problem reaches; the library checks null, alignment, overflow and
-        // overlap itself.
-        unsafe { fa_forward_cpu(&self.problem, q, k, v, o, self.lse, &options) }
+        // overlap itself. A cache's tables are int32 host arrays of the checked shapes.
+        unsafe {
+            match &self.cache {
+                None => fa_forward_cpu(&self.problem, q, k, v, o, self.lse, &options),
+                Some(cache) => {
+                    fa_forward_cache_cpu(&self.problem, cache, q, k, v, o, self.lse, &options)
+                }
+            }
+        }
     }
 
     fn run_cuda(&self, device: &CudaDevice, stream: u64) -> i32 {
         let options = FaOptions::default();
         let [q, k, v, o] = &self.tensors;
+        if let Some(cache) = &self.cache {
+            // SAFETY: as in the plain call below; the cache's tables are int32 tensors of the
+            // checked shapes on the same device, and the split workspace is allocated by the
+            // library on the stream (freed in stream order).
+            return unsafe {
+                fa_forward_cache_cuda(
+                    device.handle.0,
+                    &self.problem,
+                    cache,
+                    q,
+                    k,
+                    v,
+                    o,
+                    self.lse,
+                    core::ptr::null_mut(),
+                    0,
+                    stream as usize as *mut c_void,
+                    &options,
+                )
+            };
+        }
         // SAFETY: as in run_cpu, for device memory of the handle's device (the shim passes only
         // tensors on that device); PyTorch keeps the stream alive and orders later uses and
         // frees of these tensors after its work, as for its own kernels.
@@ -300,9 +370,13 @@ impl Call {
 /// Without `device` it runs on the CPU with the GIL released; with one, it is queued on
 /// `stream` (a `cudaStream_t` of that device, 0: the legacy default stream) and returns
 /// without waiting. Host prefix sums go in `cu_seqlens`, device ones in `device_cu_seqlens`.
+/// `cache = (seqused_k, block_table or None, num_splits)` reads K/V from a KV cache: `k`/`v`
+/// are the padded cache `(batch, capacity, heads_kv, head_dim)` or, with a block table
+/// `(batch, max_blocks)`, the paged cache `(num_blocks, block_size, heads_kv, head_dim)`;
+/// the tables are int32, host arrays on the CPU and device tensors on CUDA.
 #[pyfunction]
 #[pyo3(signature = (q, k, v, o, lse=None, *, causal=false, window=(-1, -1), softcap=None,
-    scale=None, cu_seqlens=None, device_cu_seqlens=None, device=None, stream=0))]
+    scale=None, cu_seqlens=None, device_cu_seqlens=None, cache=None, device=None, stream=0))]
 #[allow(clippy::too_many_arguments)]
 fn forward(
     py: Python<'_>,
@@ -317,6 +391,7 @@ fn forward(
     scale: Option<f32>,
     cu_seqlens: Option<(Vec<i64>, Vec<i64>)>,
     device_cu_seqlens: Option<DeviceSeqlensArg>,
+    cache: Option<CacheArg>,
     device: Option<PyRef<'_, CudaDevice>>,
     stream: u64,
 ) -> PyResult<()> {
@@ -326,10 +401,16 @@ fn forward(
         ));
     }
     let varlen = cu_seqlens.is_some() || device_cu_seqlens.is_some();
+    if varlen && cache.is_some() {
+        return Err(value_error(
+            "a KV cache (seqused_k) takes a fixed-length batch of queries: no cu_seqlens",
+        ));
+    }
     let [cq, ck, cv, co] = [(&q, "q"), (&k, "k"), (&v, "v"), (&o, "out")]
         .map(|(t, name)| check_tensor(t, name, varlen));
     let (cq, ck, cv, co) = (cq?, ck?, cv?, co?);
-    check_shapes(&cq.dims, &ck.dims, &cv.dims, &co.dims)?;
+    let paged = matches!(cache, Some((_, Some(_), _)));
+    check_shapes(&cq.dims, &ck.dims, &cv.dims, &co.dims, paged)?;
     let [batch, seqlen_q, heads_q, head_dim] = cq.dims;
     let (seqlen_k, heads_kv, head_dim_v) = (ck.dims[1], ck.dims[2], cv.dims[3]);
     // The C ABI reads 0 as "not set"; an explicit 0 would silently become the default.
@@ -392,6 +473,40 @@ fn forward(
         problem.max_seqlen_q = max_q;
         problem.max_seqlen_k = max_k;
     }
+    let cache = match &cache {
+        None => None,
+        Some((seqused_k, block_table, num_splits)) => {
+            let batch = cq.dims[0];
+            let used = check_table(seqused_k, "seqused_k", &[batch], "(batch,)")?;
+            let mut desc = FaKvCache {
+                seqused_k: used as usize as *const i32,
+                num_splits: *num_splits,
+                ..FaKvCache::default()
+            };
+            if let Some(table) = block_table {
+                if table.1.len() != 2 {
+                    return Err(value_error(format!(
+                        "block_table has shape {}: expected 2 dimensions (batch, max_blocks)",
+                        shape_text(&table.1)
+                    )));
+                }
+                let max_blocks = table.1[1];
+                let addr = check_table(
+                    table,
+                    "block_table",
+                    &[batch, max_blocks],
+                    "(batch, max_blocks)",
+                )?;
+                desc.block_table = addr as usize as *const i32;
+                desc.blocks_per_seq = max_blocks;
+                desc.block_size = ck.dims[1];
+                desc.num_blocks = ck.dims[0];
+                // The paged cache has no capacity per sequence of its own.
+                problem.seqlen_k = 0;
+            }
+            Some(desc)
+        }
+    };
     let lse = match &lse {
         None => core::ptr::null_mut(),
         Some((addr, shape, strides, dtype)) => {
@@ -421,6 +536,7 @@ fn forward(
         problem,
         tensors: [cq.tensor, ck.tensor, cv.tensor, co.tensor],
         lse,
+        cache,
         _host_seqlens: host_seqlens,
     };
     let result = match device {

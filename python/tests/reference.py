@@ -71,3 +71,36 @@ def normwise_error(got, ref):
     ref = np.asarray(ref, dtype=np.float64)
     denom = np.linalg.norm(ref)
     return np.linalg.norm(got - ref) / (denom if denom > 0 else 1.0)
+
+
+def gather_cache(k, seqused_k, block_table=None):
+    """Each sequence's first ``seqused_k[b]`` keys of a padded ``(batch, capacity, H, D)`` or
+    paged ``(num_blocks, block_size, H, D)`` cache, in order: a list of ``(used, H, D)``
+    arrays. Reads nothing else (a paged cache only through the table's used entries)."""
+    k = np.asarray(k)
+    out = []
+    for b, used in enumerate(int(x) for x in seqused_k):
+        if block_table is None:
+            out.append(k[b, :used])
+        else:
+            bs = k.shape[1]
+            rows = [k[int(block_table[b][t // bs]), t % bs] for t in range(used)]
+            out.append(np.stack(rows) if rows else k[:0, 0])
+    return out
+
+
+def cache_f64(q, k, v, seqused_k, block_table=None, **kw):
+    """Attention of ``q`` (B, Sq, Hq, D) against a KV cache (see ``gather_cache``), masks
+    bottom-right against each used length -> (out (B, Sq, Hq, Dv), lse (B, Hq, Sq))."""
+    q = np.asarray(q)
+    ks = gather_cache(k, seqused_k, block_table)
+    vs = gather_cache(v, seqused_k, block_table)
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = np.zeros((batch, seqlen_q, heads_q, np.asarray(v).shape[-1]))
+    lse = np.full((batch, heads_q, seqlen_q), -np.inf)
+    for b in range(batch):
+        if len(ks[b]) == 0:
+            continue  # no key: zeros and -inf
+        o, l = attention_f64(q[b : b + 1], ks[b][None], vs[b][None], **kw)
+        out[b], lse[b] = o[0], l[0]
+    return out, lse

@@ -24,58 +24,120 @@ pub(crate) unsafe fn read_struct<T: Copy>(ptr: *const T, name: &str) -> Result<T
     Ok(unsafe { ptr.read() })
 }
 
-/// The options a caller passed (null: the defaults): any older, smaller layout is read as
-/// far as it goes; a larger size or a newer version is `FA_ERR_VERSION`.
+/// A descriptor that begins with `size: u32` and `version: u32` (the caller's
+/// `sizeof` and `FA_API_VERSION`), read by [`read_versioned`].
+///
+/// # Safety
+/// The implementor is `#[repr(C)]`, its first two fields are those `u32`s, and every other
+/// field is valid for any bytes (plain integers and raw pointers).
+pub(crate) unsafe trait Versioned: Copy + Default {
+    /// The struct's name in messages (`options`, `cache`).
+    const NAME: &'static str;
+    /// The C type's name in messages.
+    const C_NAME: &'static str;
+    /// The API version that introduced the struct.
+    const SINCE: u32;
+    /// The smallest size a caller may pass: the layout of [`Versioned::SINCE`].
+    const MIN_SIZE: usize;
+    /// Sets the size field (to this library's size once read).
+    fn set_size(&mut self, size: u32);
+    /// The version field.
+    fn version(&self) -> u32;
+}
+
+// SAFETY: repr(C), `size` then `version` first, the rest plain integers.
+unsafe impl Versioned for FaOptions {
+    const NAME: &'static str = "options";
+    const C_NAME: &'static str = "FaOptions";
+    const SINCE: u32 = 1;
+    const MIN_SIZE: usize = core::mem::offset_of!(FaOptions, version) + 4;
+    fn set_size(&mut self, size: u32) {
+        self.size = size;
+    }
+    fn version(&self) -> u32 {
+        self.version
+    }
+}
+
+// SAFETY: repr(C), `size` then `version` first, the rest plain integers and raw pointers.
+unsafe impl Versioned for FaKvCache {
+    const NAME: &'static str = "cache";
+    const C_NAME: &'static str = "FaKvCache";
+    const SINCE: u32 = 2;
+    // Every field of version 2 is required.
+    const MIN_SIZE: usize = core::mem::offset_of!(FaKvCache, num_splits) + 4;
+    fn set_size(&mut self, size: u32) {
+        self.size = size;
+    }
+    fn version(&self) -> u32 {
+        self.version
+    }
+}
+
+/// Reads a size-versioned descriptor: any older, smaller layout (down to
+/// [`Versioned::MIN_SIZE`]) is read as far as it goes, the fields past it keep their
+/// defaults; a larger size or a newer version is `FA_ERR_VERSION`.
 ///
 /// # Safety
 /// A non-null, aligned `ptr` must point to at least `ptr->size` readable bytes (at least
 /// the `size` field itself).
-pub(crate) unsafe fn read_options(ptr: *const FaOptions) -> Result<FaOptions, Failure> {
-    let mut opts = FaOptions::default();
+pub(crate) unsafe fn read_versioned<T: Versioned>(ptr: *const T) -> Result<T, Failure> {
+    let (name, c_name) = (T::NAME, T::C_NAME);
     if ptr.is_null() {
-        return Ok(opts);
+        return Err(Failure::invalid(format!("{name} is a null pointer")));
     }
     if !ptr.is_aligned() {
-        return Err(Failure::invalid("options is misaligned"));
+        return Err(Failure::invalid(format!("{name} is misaligned")));
     }
-    // SAFETY: aligned and non-null; the `size` field is readable (the caller's contract).
-    let size = unsafe { core::ptr::addr_of!((*ptr).size).read() } as usize;
-    let ours = core::mem::size_of::<FaOptions>();
-    let version_end = core::mem::offset_of!(FaOptions, version) + 4;
-    if size < version_end {
+    // SAFETY: aligned and non-null; the leading `size` field is readable (the caller's
+    // contract, and `Versioned`'s layout).
+    let size = unsafe { ptr.cast::<u32>().read() } as usize;
+    let ours = core::mem::size_of::<T>();
+    if size < T::MIN_SIZE {
         return Err(Failure::invalid(format!(
-            "options.size is {size}: too small for size and version (set it to sizeof(FaOptions))"
+            "{name}.size is {size}: too small for a {c_name} (set it to sizeof({c_name}))"
         )));
     }
     if size > ours {
         return Err(Failure {
             code: FA_ERR_VERSION,
             message: format!(
-                "options.size is {size} bytes but this library (API version {FA_API_VERSION}) \
+                "{name}.size is {size} bytes but this library (API version {FA_API_VERSION}) \
                  knows {ours}: a newer header than the library"
             ),
         });
     }
-    // SAFETY: `size` bytes are readable (the caller's contract) and fit in `opts` (checked);
-    // every field is a plain integer, so any bytes are a valid value.
+    let mut value = T::default();
+    // SAFETY: `size` bytes are readable (the caller's contract) and fit in `value` (checked);
+    // every field is valid for any bytes (`Versioned`'s contract).
     unsafe {
-        core::ptr::copy_nonoverlapping(
-            ptr.cast::<u8>(),
-            (&mut opts as *mut FaOptions).cast::<u8>(),
-            size,
-        );
+        core::ptr::copy_nonoverlapping(ptr.cast::<u8>(), (&mut value as *mut T).cast::<u8>(), size);
     }
-    if opts.version == 0 || opts.version > FA_API_VERSION {
+    let version = value.version();
+    if version < T::SINCE || version > FA_API_VERSION {
         return Err(Failure {
             code: FA_ERR_VERSION,
             message: format!(
-                "options.version is {} but this library implements API version {FA_API_VERSION}",
-                opts.version
+                "{name}.version is {version} but this library implements API versions {} to \
+                 {FA_API_VERSION} of {c_name}",
+                T::SINCE
             ),
         });
     }
-    opts.size = ours as u32;
-    Ok(opts)
+    value.set_size(ours as u32);
+    Ok(value)
+}
+
+/// The options a caller passed (null: the defaults), as [`read_versioned`] reads them.
+///
+/// # Safety
+/// As [`read_versioned`].
+pub(crate) unsafe fn read_options(ptr: *const FaOptions) -> Result<FaOptions, Failure> {
+    if ptr.is_null() {
+        return Ok(FaOptions::default());
+    }
+    // SAFETY: forwarded.
+    unsafe { read_versioned(ptr) }
 }
 
 /// A size field: negative values are errors (and anything past `usize`).
@@ -113,7 +175,7 @@ pub(crate) enum Seqlens {
     Device { q: u64, k: u64, entries: usize },
 }
 
-/// Reads `entries` int32 prefix sums at `ptr` (host memory) into `u32`s, refusing null,
+/// Reads `entries` int32 values at `ptr` (host memory) into `u32`s, refusing null,
 /// misaligned and negative values.
 ///
 /// # Safety
@@ -123,19 +185,182 @@ unsafe fn read_prefix_sums(
     entries: usize,
     name: &str,
 ) -> Result<Vec<u32>, Failure> {
+    // SAFETY: forwarded.
+    let values = unsafe { read_host_i32s(ptr, entries, name) }?;
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            u32::try_from(x).map_err(|_| Failure::invalid(format!("{name}[{i}] is {x}: negative")))
+        })
+        .collect()
+}
+
+/// Copies `entries` int32 values at `ptr` (host memory), refusing null (unless empty),
+/// misaligned and overflowing arrays.
+///
+/// # Safety
+/// A non-null, aligned `ptr` must point to `entries` readable `i32`s.
+unsafe fn read_host_i32s(ptr: *const i32, entries: usize, name: &str) -> Result<Vec<i32>, Failure> {
     host_span(name, ptr as usize, entries, 4)?;
     let mut out = Vec::new();
     out.try_reserve_exact(entries)
         .map_err(|_| Failure::invalid(format!("{name}: {entries} entries do not fit in memory")))?;
     // SAFETY: non-null, aligned and not wrapping (host_span), `entries` readable (contract).
-    let values = unsafe { slice_ref::<i32>(ptr as usize, entries) };
-    for (i, &x) in values.iter().enumerate() {
-        out.push(
-            u32::try_from(x)
-                .map_err(|_| Failure::invalid(format!("{name}[{i}] is {x}: negative")))?,
-        );
-    }
+    out.extend_from_slice(unsafe { slice_ref::<i32>(ptr as usize, entries) });
     Ok(out)
+}
+
+/// The geometry of a KV cache as the caller stated it: `Some((blocks_per_seq, block_size,
+/// num_blocks))` for a paged cache (block table set), `None` for a padded one, whose paged
+/// fields must be 0. Refuses a cache on anything but a fixed-length batch.
+pub(crate) fn cache_geometry(
+    p: &FaProblem,
+    cache: &FaKvCache,
+) -> Result<Option<(usize, usize, usize)>, Failure> {
+    if p.seqlens != FA_SEQLENS_FIXED {
+        return Err(Failure::invalid(format!(
+            "problem.seqlens is {}: a KV cache takes a fixed-length batch (FA_SEQLENS_FIXED) of \
+             seqlen_q new queries per sequence",
+            p.seqlens
+        )));
+    }
+    if cache.block_table.is_null() {
+        for (value, name) in [
+            (cache.blocks_per_seq, "blocks_per_seq"),
+            (cache.block_size, "block_size"),
+            (cache.num_blocks, "num_blocks"),
+        ] {
+            if value != 0 {
+                return Err(Failure::invalid(format!(
+                    "cache.{name} is {value} but cache.block_table is null (a padded cache): \
+                     set the block table for a paged cache, or 0 here"
+                )));
+            }
+        }
+        return Ok(None);
+    }
+    let block_size = size(cache.block_size, "cache.block_size")?;
+    if block_size == 0 {
+        return Err(Failure::invalid(
+            "cache.block_size is 0: a paged cache has at least one key per block",
+        ));
+    }
+    Ok(Some((
+        size(cache.blocks_per_seq, "cache.blocks_per_seq")?,
+        block_size,
+        size(cache.num_blocks, "cache.num_blocks")?,
+    )))
+}
+
+/// A KV cache's host tables, copied out of the caller's arrays (`fa_forward_cache_cpu`).
+pub(crate) struct HostCache {
+    /// Keys used per sequence.
+    pub seqused_k: Vec<u32>,
+    /// The block table and `(blocks_per_seq, block_size, num_blocks)` of a paged cache.
+    pub paged: Option<(Vec<i32>, usize, usize, usize)>,
+}
+
+impl HostCache {
+    /// Reads the cache's host tables: `batch` lengths (negative ones refused) and, for a
+    /// paged cache, `batch · blocks_per_seq` block indices (checked by `validate`).
+    ///
+    /// # Safety
+    /// Non-null, aligned `cache.seqused_k` and `cache.block_table` must point to that many
+    /// readable `int32_t`s.
+    pub unsafe fn read(p: &FaProblem, cache: &FaKvCache) -> Result<HostCache, Failure> {
+        let geometry = cache_geometry(p, cache)?;
+        let batch = size(p.batch, "problem.batch")?;
+        if cache.seqused_k.is_null() {
+            return Err(Failure::invalid("cache.seqused_k is a null pointer"));
+        }
+        // SAFETY: forwarded from this function's contract.
+        let seqused_k = unsafe { read_prefix_sums(cache.seqused_k, batch, "cache.seqused_k") }?;
+        let paged = match geometry {
+            None => None,
+            Some((blocks_per_seq, block_size, num_blocks)) => {
+                let entries = batch
+                    .checked_mul(blocks_per_seq)
+                    .ok_or_else(|| Failure::invalid("batch · cache.blocks_per_seq overflows"))?;
+                // SAFETY: forwarded from this function's contract.
+                let table =
+                    unsafe { read_host_i32s(cache.block_table, entries, "cache.block_table") }?;
+                Some((table, blocks_per_seq, block_size, num_blocks))
+            }
+        };
+        Ok(HostCache { seqused_k, paged })
+    }
+
+    /// The host side of a cache whose tables live on the device and are never read here
+    /// (`fa_forward_cache_cuda`): the problem is described by capacity — every sequence
+    /// using all its keys (`seqlen_k` when padded, `blocks_per_seq · block_size` when paged,
+    /// 0 without blocks), every table entry block 0 — so the plan covers any device lengths,
+    /// and the kernels clamp the device values to these bounds.
+    pub fn by_capacity(p: &FaProblem, cache: &FaKvCache) -> Result<HostCache, Failure> {
+        let geometry = cache_geometry(p, cache)?;
+        let batch = size(p.batch, "problem.batch")?;
+        let capacity = match geometry {
+            None => size(p.seqlen_k, "problem.seqlen_k")?,
+            Some((_, _, 0)) => 0,
+            Some((blocks_per_seq, block_size, _)) => blocks_per_seq
+                .checked_mul(block_size)
+                .ok_or_else(|| Failure::invalid("cache.blocks_per_seq · block_size overflows"))?,
+        };
+        let capacity = u32::try_from(capacity).map_err(|_| {
+            Failure::unsupported(format!(
+                "a cache of {capacity} keys per sequence: more than 32-bit lengths address"
+            ))
+        })?;
+        let mut seqused_k = Vec::new();
+        seqused_k.try_reserve_exact(batch).map_err(|_| {
+            Failure::invalid(format!("problem.batch {batch} does not fit in memory"))
+        })?;
+        seqused_k.resize(batch, capacity);
+        let paged = match geometry {
+            None => None,
+            Some((blocks_per_seq, block_size, num_blocks)) => {
+                let entries = batch
+                    .checked_mul(blocks_per_seq)
+                    .ok_or_else(|| Failure::invalid("batch · cache.blocks_per_seq overflows"))?;
+                let mut table = Vec::new();
+                table.try_reserve_exact(entries).map_err(|_| {
+                    Failure::invalid(format!(
+                        "a block table of {entries} entries does not fit in memory"
+                    ))
+                })?;
+                table.resize(entries, 0);
+                Some((table, blocks_per_seq, block_size, num_blocks))
+            }
+        };
+        Ok(HostCache { seqused_k, paged })
+    }
+
+    /// `desc` reading K/V from this cache.
+    pub fn apply<'a>(&'a self, desc: ProblemDesc<'a>) -> Result<ProblemDesc<'a>, Failure> {
+        Ok(match &self.paged {
+            None => desc.padded_cache(&self.seqused_k),
+            Some((table, blocks_per_seq, block_size, num_blocks)) => {
+                check_block_rows(&desc, *block_size)?;
+                desc.paged_cache(
+                    &self.seqused_k,
+                    table,
+                    *blocks_per_seq,
+                    *block_size,
+                    *num_blocks,
+                )
+            }
+        })
+    }
+}
+
+/// Refuses a paged block whose contiguous size (rows × KV heads × head dim) overflows
+/// `usize` (as [`check_dense_sizes`] does for dense tensors, before `validate` computes it).
+pub(crate) fn check_block_rows(desc: &ProblemDesc, block_size: usize) -> Result<(), Failure> {
+    block_size
+        .checked_mul(desc.heads_kv)
+        .and_then(|x| x.checked_mul(desc.head_dim.max(desc.head_dim_v)))
+        .map(|_| ())
+        .ok_or_else(|| Failure::from(softmax_core::ProblemError::Overflow))
 }
 
 /// Reads the problem's prefix sums: host arrays are copied, device ones (allowed only when

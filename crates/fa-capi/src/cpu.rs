@@ -1,4 +1,5 @@
-//! `fa_forward_cpu`: forward attention on host memory with fa-cpu (through flash-attention).
+//! `fa_forward_cpu` and `fa_forward_cache_cpu`: forward attention on host memory with fa-cpu
+//! (through flash-attention), over dense/packed K/V or a KV cache.
 
 use crate::convert::*;
 use crate::error::{guard, Failure};
@@ -141,39 +142,111 @@ pub unsafe extern "C" fn fa_forward_cpu(
         let seqlens = unsafe { read_seqlens(&call.problem, false) }?;
         let problem = describe(&call.problem, &seqlens, call.tensor_refs())?
             .validate(softmax_core::MAX_HEAD_DIM)?;
-        let lens = problem.min_buffer_lens();
-        let names = ["q", "k", "v", "o"];
-        let mut dtypes = [DType::F32; 4];
-        let mut spans = Vec::with_capacity(5);
-        for (i, (t, len)) in call
-            .tensors
-            .iter()
-            .zip([lens.q, lens.k, lens.v, lens.o])
-            .enumerate()
-        {
-            dtypes[i] = dtype(t, names[i])?;
-            let span = host_span(names[i], t.data as usize, len, dtypes[i].size())?;
-            spans.push((names[i], span, i == 3));
+        // SAFETY: the tensors and `lse` follow this function's contract.
+        unsafe { run_host(&call, &problem, lse, &opts) }
+    })
+}
+
+/// Checks the host buffers of a validated call (spans from the problem, dtypes, overlap) and
+/// runs it on the CPU backend; nothing is written before every check has passed.
+///
+/// # Safety
+/// Each tensor's `data` (and a non-null `lse`) must be host memory holding what the problem
+/// reaches, as [`fa_forward_cpu`] states.
+unsafe fn run_host(
+    call: &Call,
+    problem: &softmax_core::Problem,
+    lse: *mut f32,
+    opts: &Options,
+) -> Result<(), Failure> {
+    let lens = problem.min_buffer_lens();
+    let names = ["q", "k", "v", "o"];
+    let mut dtypes = [DType::F32; 4];
+    let mut spans = Vec::with_capacity(5);
+    for (i, (t, len)) in call
+        .tensors
+        .iter()
+        .zip([lens.q, lens.k, lens.v, lens.o])
+        .enumerate()
+    {
+        dtypes[i] = dtype(t, names[i])?;
+        let span = host_span(names[i], t.data as usize, len, dtypes[i].size())?;
+        spans.push((names[i], span, i == 3));
+    }
+    let lse_len = problem.lse_len();
+    if !lse.is_null() {
+        spans.push(("lse", host_span("lse", lse as usize, lse_len, 4)?, true));
+    }
+    check_disjoint(&spans)?;
+    let [tq, tk, tv, to] = &call.tensors;
+    // SAFETY: each address passed host_span for its dtype and length, the outputs overlap
+    // nothing (check_disjoint), and the memory is what the contract promises.
+    let (qkv, out) = unsafe {
+        let qkv = Qkv::new(
+            view_ref(dtypes[0], tq.data as usize, lens.q)?,
+            view_ref(dtypes[1], tk.data as usize, lens.k)?,
+            view_ref(dtypes[2], tv.data as usize, lens.v)?,
+        );
+        let o = view_mut(dtypes[3], to.data as usize, lens.o)?;
+        let lse = (!lse.is_null()).then(|| slice_mut::<f32>(lse as usize, lse_len));
+        (qkv, Out { o, lse })
+    };
+    Backend::cpu().forward(problem, qkv, out, opts)?;
+    Ok(())
+}
+
+/// Forward attention of new queries against a KV cache in host memory (decode, or a few
+/// tokens per sequence for speculative decoding): `o` (and `lse`, when not null, f32
+/// `[batch, heads_q, seqlen_q]`) receive `softmax(q·kᵀ·scale)·v` over each sequence's first
+/// `cache->seqused_k[b]` keys, read from the padded or paged K/V cache that `cache`
+/// describes (see [`FaKvCache`]), split over keys and threads and merged by the log-sum-exp
+/// (`cache->num_splits` forces the split count).
+///
+/// `problem` is a fixed-length batch (`FA_SEQLENS_FIXED`): `seqlen_q` queries per sequence,
+/// `seqlen_k` the padded cache's capacity (ignored for a paged one); the causal and window
+/// masks align bottom-right against each sequence's used length. Q, K and V share one dtype
+/// (f32, bf16, f16); O is that dtype or f32. Every argument and table entry is checked before
+/// anything is written: a length past the capacity (`blocks_per_seq · block_size` when
+/// paged), a used block index outside `0..num_blocks`, null or misaligned tables are
+/// `FA_ERR_INVALID_ARGUMENT` with the outputs untouched.
+///
+/// # Safety
+/// As [`fa_forward_cpu`], with `cache` pointing to an initialised `FaKvCache` of at least
+/// `cache->size` bytes whose `seqused_k` points to `batch` readable int32s and whose
+/// non-null `block_table` points to `batch · blocks_per_seq` readable int32s; K and V hold
+/// every element of the cache their strides reach (`batch` sequences of `seqlen_k` rows when
+/// padded, `num_blocks` blocks of `block_size` rows when paged).
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fa_forward_cache_cpu(
+    problem: *const FaProblem,
+    cache: *const FaKvCache,
+    q: *const FaTensor,
+    k: *const FaTensor,
+    v: *const FaTensor,
+    o: *const FaTensor,
+    lse: *mut f32,
+    options: *const FaOptions,
+) -> i32 {
+    guard(|| {
+        // SAFETY: the descriptor pointers follow this function's contract.
+        let mut call = unsafe { read_call(problem, q, k, v, o) }?;
+        // SAFETY: as above.
+        let cache = unsafe { read_versioned(cache) }?;
+        // SAFETY: as above.
+        let mut opts = cpu_options(&unsafe { read_options(options) }?)?;
+        opts.kv_splits = (cache.num_splits != 0).then_some(cache.num_splits as usize);
+        // SAFETY: the tables follow this function's contract.
+        let tables = unsafe { HostCache::read(&call.problem, &cache) }?;
+        if tables.paged.is_some() {
+            // A paged cache has no capacity per sequence of its own: seqlen_k is ignored.
+            call.problem.seqlen_k = 0;
         }
-        let lse_len = problem.lse_len();
-        if !lse.is_null() {
-            spans.push(("lse", host_span("lse", lse as usize, lse_len, 4)?, true));
-        }
-        check_disjoint(&spans)?;
-        let [tq, tk, tv, to] = &call.tensors;
-        // SAFETY: each address passed host_span for its dtype and length, the outputs overlap
-        // nothing (check_disjoint), and the memory is what the contract promises.
-        let (qkv, out) = unsafe {
-            let qkv = Qkv::new(
-                view_ref(dtypes[0], tq.data as usize, lens.q)?,
-                view_ref(dtypes[1], tk.data as usize, lens.k)?,
-                view_ref(dtypes[2], tv.data as usize, lens.v)?,
-            );
-            let o = view_mut(dtypes[3], to.data as usize, lens.o)?;
-            let lse = (!lse.is_null()).then(|| slice_mut::<f32>(lse as usize, lse_len));
-            (qkv, Out { o, lse })
-        };
-        Backend::cpu().forward(&problem, qkv, out, &opts)?;
-        Ok(())
+        let fixed = Seqlens::Fixed;
+        let problem = tables
+            .apply(describe(&call.problem, &fixed, call.tensor_refs())?)?
+            .validate(softmax_core::MAX_HEAD_DIM)?;
+        // SAFETY: the tensors and `lse` follow this function's contract.
+        unsafe { run_host(&call, &problem, lse, &opts) }
     })
 }

@@ -1,5 +1,6 @@
-//! The CUDA side: an opaque device handle over the caller's context, and `fa_forward_cuda` on
-//! caller-owned device memory and a caller's stream (nothing synchronised).
+//! The CUDA side: an opaque device handle over the caller's context, and `fa_forward_cuda` /
+//! `fa_forward_cache_cuda` on caller-owned device memory and a caller's stream (nothing
+//! synchronised; a KV cache's tables stay on the device).
 
 use crate::convert::*;
 use crate::cpu::read_call;
@@ -7,7 +8,7 @@ use crate::error::{guard, Failure};
 use crate::types::*;
 use core::ffi::c_void;
 use cudarc::driver::sys;
-use fa_cuda::{CuSeqlens, CudaElement, Device, ForwardOptions, RawTensor};
+use fa_cuda::{CacheTables, CuSeqlens, CudaElement, Device, ForwardOptions, RawTensor};
 use half::{bf16, f16};
 use softmax_core::{DType, Out, Problem, Qkv};
 
@@ -274,6 +275,279 @@ pub unsafe extern "C" fn fa_forward_cuda(
             match input {
                 DType::Bf16 => launch::<bf16>(device, &call, stream),
                 _ => launch::<f16>(device, &call, stream),
+            }
+        }
+    })
+}
+
+/// The checked host side of a KV-cache call on the device: descriptors, the cache by
+/// capacity, the options, the dtype.
+struct CacheCall {
+    call: crate::cpu::Call,
+    cache: FaKvCache,
+    host: HostCache,
+    /// Always `Seqlens::Fixed` (owned here so that the problem can borrow it).
+    seqlens: Seqlens,
+    opts: ForwardOptions,
+    dtype: DType,
+}
+
+impl CacheCall {
+    /// Reads and checks every descriptor of a cache call (nothing on the device is read).
+    ///
+    /// # Safety
+    /// Each non-null, aligned pointer must point to an initialised struct (`cache` and
+    /// `options` of at least their `size` bytes).
+    unsafe fn read(
+        problem: *const FaProblem,
+        cache: *const FaKvCache,
+        tensors: [*const FaTensor; 4],
+        options: *const FaOptions,
+    ) -> Result<CacheCall, Failure> {
+        let [q, k, v, o] = tensors;
+        // SAFETY: this function's contract.
+        let mut call = unsafe { read_call(problem, q, k, v, o) }?;
+        // SAFETY: as above.
+        let cache: FaKvCache = unsafe { read_versioned(cache) }?;
+        // SAFETY: as above (validated for its size and version; no field applies here).
+        unsafe { read_options(options) }?;
+        let host = HostCache::by_capacity(&call.problem, &cache)?;
+        if host.paged.is_some() {
+            call.problem.seqlen_k = 0;
+        }
+        let names = ["q", "k", "v", "o"];
+        let mut dtypes = [DType::F32; 4];
+        for (i, t) in call.tensors.iter().enumerate() {
+            dtypes[i] = dtype(t, names[i])?;
+        }
+        let input = dtypes[0];
+        if dtypes.iter().any(|&d| d != input) || input == DType::F32 {
+            return Err(Failure::unsupported(
+                "fa_forward_cache_cuda takes q, k, v and o of one dtype, bf16 or f16",
+            ));
+        }
+        let opts = ForwardOptions {
+            splits: (cache.num_splits != 0).then_some(cache.num_splits),
+            ..ForwardOptions::default()
+        };
+        Ok(CacheCall {
+            call,
+            cache,
+            host,
+            seqlens: Seqlens::Fixed,
+            opts,
+            dtype: input,
+        })
+    }
+
+    /// The validated problem (described by capacity).
+    fn problem(&self) -> Result<Problem<'_>, Failure> {
+        let desc = describe(&self.call.problem, &self.seqlens, self.call.tensor_refs())?;
+        Ok(self
+            .host
+            .apply(desc)?
+            .validate(softmax_core::MAX_HEAD_DIM)?)
+    }
+}
+
+/// Bytes of device workspace `fa_forward_cache_cuda` needs for this call's key splits
+/// (0: one split, or nothing to compute), into `*bytes`. The plan depends only on the problem
+/// (by capacity), the dtype, `cache->num_splits` and the device, so the same call always
+/// needs the same size. Reads no device memory: the tensors' `data` and the cache's table
+/// pointers are not used.
+///
+/// # Safety
+/// `device` a live handle; the descriptors as in `fa_forward_cache_cuda`; `bytes` null
+/// (refused) or a writable `size_t`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fa_forward_cache_cuda_workspace_bytes(
+    device: *const FaCudaDevice,
+    problem: *const FaProblem,
+    cache: *const FaKvCache,
+    q: *const FaTensor,
+    k: *const FaTensor,
+    v: *const FaTensor,
+    o: *const FaTensor,
+    options: *const FaOptions,
+    bytes: *mut usize,
+) -> i32 {
+    guard(|| {
+        if bytes.is_null() || !bytes.is_aligned() {
+            return Err(Failure::invalid("bytes is a null or misaligned pointer"));
+        }
+        // SAFETY: this function's contract.
+        let device = &unsafe { device_ref(device) }?.device;
+        // SAFETY: as above.
+        let call = unsafe { CacheCall::read(problem, cache, [q, k, v, o], options) }?;
+        let problem = call.problem()?;
+        let needed = device.decode_workspace_bytes(&problem, call.dtype, &call.opts)?;
+        // SAFETY: non-null, aligned (checked), writable (contract).
+        unsafe { bytes.write(needed) };
+        Ok(())
+    })
+}
+
+/// Queues a cache call for element type `T` on `stream`: device tables from `call.cache`,
+/// the workspace from the caller or allocated on `stream` (freed in stream order).
+///
+/// # Safety
+/// The addresses of `call` and the workspace must satisfy [`RawTensor::from_raw`] for their
+/// lengths, as [`fa_forward_cache_cuda`] states.
+unsafe fn launch_cache<T: CudaElement>(
+    device: &Device,
+    call: &CacheCall,
+    problem: &Problem,
+    lse: Option<(u64, usize)>,
+    workspace: Option<(u64, usize)>,
+    stream: sys::CUstream,
+) -> Result<(), Failure> {
+    use cudarc::driver::DevicePtr;
+    let lens = problem.min_buffer_lens();
+    let [tq, tk, tv, to] = &call.call.tensors;
+    let addr = |t: &FaTensor| t.data as usize as u64;
+    let batch = problem.batch();
+    let table_len = match problem.kv_cache() {
+        softmax_core::KvCache::Paged { blocks_per_seq, .. } => batch * blocks_per_seq,
+        _ => 0,
+    };
+    // SAFETY: the caller's contract (fa_forward_cache_cuda's): device memory of this context
+    // that stays valid until `stream` passes the kernels.
+    let (qkv, out, tables, caller_ws) = unsafe {
+        (
+            Qkv::new(
+                raw::<T>(addr(tq), lens.q),
+                raw::<T>(addr(tk), lens.k),
+                raw::<T>(addr(tv), lens.v),
+            ),
+            Out {
+                o: raw::<T>(addr(to), lens.o),
+                lse: lse.map(|(p, n)| raw::<f32>(p, n)),
+            },
+            CacheTables {
+                seqused_k: raw::<i32>(call.cache.seqused_k as usize as u64, batch),
+                block_table: (!call.cache.block_table.is_null())
+                    .then(|| raw::<i32>(call.cache.block_table as usize as u64, table_len)),
+            },
+            workspace.map(|(p, bytes)| raw::<f32>(p, bytes / 4)),
+        )
+    };
+    // SAFETY: `stream` is a stream of the device's context kept alive by the caller (the
+    // contract); fa-cuda refuses a stream of another context.
+    let stream = unsafe { device.borrow_stream(stream) };
+    let cuda_failure = |what: &str, e: cudarc::driver::DriverError| Failure {
+        code: FA_ERR_CUDA,
+        message: format!("{what} failed: {e:?}"),
+    };
+    // No caller workspace: allocated on the stream, so that dropping it after the launch
+    // frees it in stream order, after the kernels.
+    let owned = match caller_ws {
+        Some(_) => None,
+        None => match device.decode_workspace_bytes(problem, T::DTYPE, &call.opts)? {
+            0 => None,
+            bytes => Some(
+                stream
+                    .alloc_zeros::<f32>(bytes.div_ceil(4))
+                    .map_err(|e| cuda_failure("allocating the split workspace", e))?,
+            ),
+        },
+    };
+    let guard = owned.as_ref().map(|s| s.device_ptr(&stream));
+    let ws = match (caller_ws, &guard, &owned) {
+        (Some(ws), _, _) => Some(ws),
+        // SAFETY: a live allocation of this context of `s.len()` f32s, alive until the
+        // stream has passed the kernels (freed in stream order below).
+        (None, Some(g), Some(s)) => Some(unsafe { raw::<f32>(g.0, s.len()) }),
+        _ => None,
+    };
+    let result = device.forward_cache_on_stream(problem, tables, ws, qkv, out, &stream, &call.opts);
+    drop(guard);
+    drop(owned);
+    result?;
+    Ok(())
+}
+
+/// Forward attention of new queries against a KV cache in device memory the caller owns,
+/// queued on the caller's `stream` without waiting (as [`fa_forward_cuda`]): the decode
+/// kernel over key splits, then the combine that merges them by their log-sum-exp.
+///
+/// `problem`, `q`, `o`, `lse` and the K/V cache are laid out as in `fa_forward_cache_cpu`
+/// (see [`FaKvCache`]); Q, K, V and O share one dtype, bf16 or f16. The cache's
+/// `seqused_k` (`batch` int32s) and non-null `block_table` (`batch · blocks_per_seq` int32s)
+/// are **device** memory (PyTorch's `cache_seqlens` and `block_table`) and are never read by
+/// the host: the call is planned for the cache's capacity (`seqlen_k` when padded,
+/// `blocks_per_seq · block_size` when paged), and the kernels clamp each length to that
+/// capacity and each block index to `0..num_blocks`, so wrong device values give wrong
+/// results, never an access outside the tensors. Everything else is checked before anything
+/// is queued (null, alignment: 16 bytes for tensors, 4 for LSE and tables; overflow;
+/// overlaps).
+///
+/// The split workspace: `workspace` (device memory, 16-byte aligned, at least
+/// `fa_forward_cache_cuda_workspace_bytes` bytes, given in `workspace_bytes`; not used by
+/// other work until `stream` has passed the call) or, when `workspace` is null, allocated by
+/// the library on `stream` and freed in stream order after the kernels.
+///
+/// # Safety
+/// As [`fa_forward_cuda`], with `cache` pointing to an initialised `FaKvCache` whose tables
+/// are device memory of the device's context holding what is stated above, valid (lengths at
+/// most the capacity, used block indices in range, for meaningful results) and not written
+/// until `stream` has passed the call; a non-null `workspace` as stated above.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fa_forward_cache_cuda(
+    device: *const FaCudaDevice,
+    problem: *const FaProblem,
+    cache: *const FaKvCache,
+    q: *const FaTensor,
+    k: *const FaTensor,
+    v: *const FaTensor,
+    o: *const FaTensor,
+    lse: *mut f32,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    stream: *mut c_void,
+    options: *const FaOptions,
+) -> i32 {
+    guard(|| {
+        // SAFETY: this function's contract.
+        let device = &unsafe { device_ref(device) }?.device;
+        // SAFETY: as above.
+        let call = unsafe { CacheCall::read(problem, cache, [q, k, v, o], options) }?;
+        if call.cache.seqused_k.is_null() {
+            return Err(Failure::invalid("cache.seqused_k is a null pointer"));
+        }
+        let problem = call.problem()?;
+        let min = problem.min_buffer_lens();
+        let lens = [min.q, min.k, min.v, min.o];
+        let names = ["q", "k", "v", "o"];
+        // Outputs must not overlap inputs or each other (the kernels would race).
+        let mut spans = Vec::with_capacity(6);
+        for (i, t) in call.call.tensors.iter().enumerate() {
+            let span = host_span(names[i], t.data as usize, lens[i], call.dtype.size())?;
+            spans.push((names[i], span, i == 3));
+        }
+        let lse = (!lse.is_null()).then(|| (lse as usize as u64, problem.lse_len()));
+        if let Some((p, n)) = lse {
+            spans.push(("lse", host_span("lse", p as usize, n, 4)?, true));
+        }
+        let workspace =
+            (!workspace.is_null()).then_some((workspace as usize as u64, workspace_bytes));
+        if let Some((p, bytes)) = workspace {
+            spans.push((
+                "workspace",
+                host_span("workspace", p as usize, bytes, 1)?,
+                true,
+            ));
+        }
+        check_disjoint(&spans)?;
+        let stream = stream as sys::CUstream;
+        // SAFETY: the addresses follow this function's contract.
+        unsafe {
+            match call.dtype {
+                DType::Bf16 => {
+                    launch_cache::<bf16>(device, &call, &problem, lse, workspace, stream)
+                }
+                _ => launch_cache::<f16>(device, &call, &problem, lse, workspace, stream),
             }
         }
     })

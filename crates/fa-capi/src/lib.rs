@@ -1,6 +1,11 @@
 //! A small, versioned C ABI over `flash-attention`: exact attention forward on host memory
 //! (`fa_forward_cpu`, the SIMD CPU kernel) and on caller-owned CUDA memory queued on the
-//! caller's stream (`fa_forward_cuda`, no synchronisation), with the log-sum-exp out.
+//! caller's stream (`fa_forward_cuda`, no synchronisation), with the log-sum-exp out; and the
+//! same against a KV cache (decode: `FaKvCache`, padded or paged, per-sequence used lengths)
+//! with `fa_forward_cache_cpu` (host tables, every entry checked) and `fa_forward_cache_cuda`
+//! (device tables never read by the host: planned by capacity, clamped by the kernels; the
+//! split workspace from the caller, sized by `fa_forward_cache_cuda_workspace_bytes`, or
+//! allocated on the stream).
 //!
 //! The header is `include/flash_attention_rs.h`, generated from this crate by cbindgen (the
 //! test `header_is_current` fails when it is stale; `FA_CAPI_BLESS=1 cargo test -p fa-capi`
@@ -14,8 +19,10 @@
 //!   each tensor spans are computed from the validated problem and its strides (overflow is
 //!   an error), then null, misaligned, overflowing and overlapping buffers are refused
 //!   before anything is written or queued;
-//! - `FaOptions` starts with its size and the API version: older layouts are read as far as
-//!   they go, newer ones refused (`FA_ERR_VERSION`).
+//! - `FaOptions` and `FaKvCache` start with their size and the API version: older layouts
+//!   are read as far as they go, newer ones refused (`FA_ERR_VERSION`); a new capability is
+//!   a new field at the end or a new descriptor and function (API version 2 added the KV
+//!   cache), never a changed layout.
 //!
 //! `unsafe` lives in small named functions (`convert::read_struct`, `slice_ref`, …), each
 //! with the contract it relies on; the entry points' own contracts are in their docs.
@@ -26,10 +33,10 @@ mod cuda;
 mod error;
 mod types;
 
-pub use cpu::fa_forward_cpu;
+pub use cpu::{fa_forward_cache_cpu, fa_forward_cpu};
 pub use cuda::{
     fa_cuda_device_create, fa_cuda_device_create_from_context, fa_cuda_device_destroy,
-    fa_forward_cuda,
+    fa_forward_cache_cuda, fa_forward_cache_cuda_workspace_bytes, fa_forward_cuda,
 };
 pub use types::*;
 

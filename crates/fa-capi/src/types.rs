@@ -4,9 +4,13 @@
 
 use core::ffi::c_void;
 
-/// The version of this C API. It grows when a descriptor or the options gain fields; a
-/// caller passes the version it was compiled against in [`FaOptions::version`].
-pub const FA_API_VERSION: u32 = 1;
+/// The version of this C API. It grows when a descriptor or the options gain fields, or a
+/// descriptor or entry point is added; a caller passes the version it was compiled against in
+/// [`FaOptions::version`] (and [`FaKvCache::version`]). Version 1: the forward entries;
+/// version 2 adds [`FaKvCache`] and the KV-cache entries (`fa_forward_cache_cpu`,
+/// `fa_forward_cache_cuda`, `fa_forward_cache_cuda_workspace_bytes`). A library accepts
+/// descriptors of every version up to its own.
+pub const FA_API_VERSION: u32 = 2;
 
 /// Success.
 pub const FA_OK: i32 = 0;
@@ -142,6 +146,68 @@ impl Default for FaOptions {
             version: FA_API_VERSION,
             threads: 0,
             exp2: FA_EXP2_EXACT,
+        }
+    }
+}
+
+/// A KV cache (decode) that K and V are read from, for `fa_forward_cache_cpu` and
+/// `fa_forward_cache_cuda` (API version 2). Like [`FaOptions`] it begins with its own size
+/// and the API version, so that it can grow the same way: initialise it with
+/// `FA_KV_CACHE_INIT` and set the fields.
+///
+/// With it the problem describes a fixed-length batch (`FA_SEQLENS_FIXED`): `batch`
+/// sequences of `seqlen_q` new queries each (1 for plain decode, a few for speculative
+/// decoding), Q and O dense `[batch, seqlen_q, heads, head_dim]` as in `fa_forward_cpu`.
+/// Sequence `b` attends to its first `seqused_k[b]` cached keys, and the causal and window
+/// masks align bottom-right against that length: query `i` sees keys
+/// `j <= i + seqused_k[b] - seqlen_q`. K and V are either
+/// - **padded** (`block_table` null): `[batch, capacity, heads_kv, head_dim]` with
+///   `capacity = problem.seqlen_k` (the K/V tensors' `stride_batch` steps over sequences), or
+/// - **paged** (`block_table` set): `[num_blocks, block_size, heads_kv, head_dim]` (the K/V
+///   tensors' `stride_batch` steps over blocks, `stride_seq` over the rows of a block; the
+///   problem's `seqlen_k` is ignored); key `t` of sequence `b` is row `t % block_size` of block
+///   `block_table[b * blocks_per_seq + t / block_size]`, and entries past a sequence's used
+///   blocks are never read.
+///
+/// On the CPU both tables are host memory, read and checked before anything is written: a
+/// negative or over-capacity length, a block index outside `0..num_blocks`, a table too short
+/// for a length are `FA_ERR_INVALID_ARGUMENT`. On CUDA they are device memory and are never
+/// read by the host (see `fa_forward_cache_cuda`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FaKvCache {
+    /// `sizeof(FaKvCache)` as the caller compiled it.
+    pub size: u32,
+    /// `FA_API_VERSION` as the caller compiled it (at least 2).
+    pub version: u32,
+    /// Keys used per sequence (`cache_seqlens`): `batch` int32 values, host memory for the
+    /// CPU, device memory for CUDA. Required.
+    pub seqused_k: *const i32,
+    /// Row-major `[batch, blocks_per_seq]` int32 block indices (host memory for the CPU,
+    /// device memory for CUDA); null: a padded cache.
+    pub block_table: *const i32,
+    /// Columns of the block table (paged only; 0 for a padded cache).
+    pub blocks_per_seq: i64,
+    /// Keys per block, at least 1 (paged only; 0 for a padded cache).
+    pub block_size: i64,
+    /// Blocks the K/V tensors hold (paged only; 0 for a padded cache).
+    pub num_blocks: i64,
+    /// Key splits to force (split-KV, merged by their log-sum-exp); 0: the backend's choice
+    /// from the problem and the machine. Results agree with one split to rounding.
+    pub num_splits: u32,
+}
+
+impl Default for FaKvCache {
+    fn default() -> Self {
+        FaKvCache {
+            size: core::mem::size_of::<FaKvCache>() as u32,
+            version: FA_API_VERSION,
+            seqused_k: core::ptr::null(),
+            block_table: core::ptr::null(),
+            blocks_per_seq: 0,
+            block_size: 0,
+            num_blocks: 0,
+            num_splits: 0,
         }
     }
 }

@@ -1,0 +1,183 @@
+"""KV-cache decode with PyTorch tensors (``seqused_k=``, ``block_table=``): on the CPU (where
+torch is installed) with host tables, and on CUDA (where a GPU is) with int32 device tables
+that the library never reads back, against a float64 computation over each sequence's used
+keys: padded and paged caches (shuffled tables, block sizes 1 to 256), lengths 0, 1 and odd,
+several queries with causal, GQA 8:1 and MQA, forced splits; device lengths past the capacity
+clamped; bad tables and devices refused. Skips say loudly when torch or a GPU is missing."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+from reference import cache_f64, normwise_error
+
+torch = pytest.importorskip("torch", reason="torch is not installed: PyTorch tests NOT run")
+
+import flash_attention_rs as fa  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU: PyTorch CUDA tests NOT run")
+
+#: Normwise bounds: the CPU path (float32 1e-5, bf16/f16 2e-2) and CUDA (bf16/f16 1e-2).
+BOUND = {
+    ("cpu", torch.float32): 1e-5,
+    ("cpu", torch.bfloat16): 2e-2,
+    ("cpu", torch.float16): 2e-2,
+    ("cuda", torch.bfloat16): 1e-2,
+    ("cuda", torch.float16): 1e-2,
+}
+
+
+def dtypes_for(device):
+    return [torch.bfloat16, torch.float16] + ([torch.float32] if device == "cpu" else [])
+
+
+def randn(shape, dtype, device, gen):
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def host64(x):
+    return x.detach().to("cpu", torch.float64).numpy()
+
+
+def make_cache(gen, used, heads_kv, head_dim, dtype, device, block_size=None):
+    """Padded ``(batch, max(used) + 3, H, D)`` or paged ``(num_blocks, block_size, H, D)``
+    with a shuffled int32 table (unused entries -1) on ``device``."""
+    batch = len(used)
+    if block_size is None:
+        shape = (batch, max(used) + 3, heads_kv, head_dim)
+        return randn(shape, dtype, device, gen), randn(shape, dtype, device, gen), None
+    blocks = [-(-u // block_size) for u in used]
+    num_blocks = sum(blocks) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((batch, max(blocks) + 1), -1, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = order[at : at + n]
+        at += n
+    shape = (num_blocks, block_size, heads_kv, head_dim)
+    return randn(shape, dtype, device, gen), randn(shape, dtype, device, gen), table.to(device)
+
+
+def reference(q, k, v, used, table, **kw):
+    t = None if table is None else table.cpu().numpy()
+    out, lse = cache_f64(host64(q), host64(k), host64(v), list(used), t, **kw)
+    return out, lse
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [None, 1, 16, 64, 256], ids=lambda b: "padded" if b is None else f"paged{b}")
+@pytest.mark.parametrize("heads", [(8, 1), (16, 2), (4, 4)], ids=["mqa", "gqa8", "mha"])
+def test_cache_matches_f64(device, block_size, heads):
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((device, block_size, heads)).encode()))
+    heads_q, heads_kv = heads
+    used = [0, 1, 301, 77, 600]
+    for dtype in dtypes_for(device):
+        k, v, table = make_cache(gen, used, heads_kv, 128, dtype, device, block_size)
+        seqused = torch.tensor(used, dtype=torch.int32, device=device)
+        for seqlen_q, causal in ((1, False), (3, True)):
+            q = randn((len(used), seqlen_q, heads_q, 128), dtype, device, gen)
+            out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
+            got, lse = fa.attention(q, k, v, seqused_k=seqused, block_table=table, causal=causal, out=out, return_lse=True)
+            assert got is out
+            if device == "cuda":
+                torch.cuda.synchronize()
+            ref, ref_lse = reference(q, k, v, used, table, causal=causal)
+            assert torch.isfinite(got).all()
+            err = normwise_error(host64(got), ref)
+            assert err <= BOUND[(device, dtype)], f"{dtype} sq={seqlen_q}: normwise error {err:.3e}"
+            lse = lse.cpu().numpy()
+            finite = np.isfinite(ref_lse)
+            np.testing.assert_array_equal(np.isfinite(lse), finite)
+            assert np.max(np.abs(lse[finite] - ref_lse[finite]), initial=0.0) <= 1e-2
+            for splits in (1, 7):
+                again = fa.attention(q, k, v, seqused_k=seqused, block_table=table, causal=causal, num_splits=splits)
+                err = normwise_error(host64(again), ref)
+                assert err <= BOUND[(device, dtype)], f"{dtype} num_splits={splits}: {err:.3e}"
+
+
+@needs_cuda
+def test_cuda_lengths_past_the_capacity_are_clamped():
+    # Device tables are never read by the host: a length past the padded capacity is clamped
+    # by the kernel to the capacity (no fault, no read outside the cache).
+    gen = torch.Generator().manual_seed(4)
+    k, v, _ = make_cache(gen, [50, 50], 2, 64, torch.bfloat16, "cuda")
+    capacity = k.shape[1]
+    q = randn((2, 1, 8, 64), torch.bfloat16, "cuda", gen)
+    clamped = fa.attention(q, k, v, seqused_k=torch.tensor([capacity + 1000, 7], dtype=torch.int32, device="cuda"))
+    exact = fa.attention(q, k, v, seqused_k=torch.tensor([capacity, 7], dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(clamped, exact)
+
+
+@needs_cuda
+def test_cuda_tables_must_be_int32_on_the_same_device():
+    gen = torch.Generator().manual_seed(6)
+    k, v, table = make_cache(gen, [5, 9], 2, 64, torch.bfloat16, "cuda", 16)
+    q = randn((2, 1, 4, 64), torch.bfloat16, "cuda", gen)
+    used = torch.tensor([5, 9], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="same device"):
+        fa.attention(q, k, v, seqused_k=used.cpu(), block_table=table)
+    with pytest.raises(ValueError, match="same device"):
+        fa.attention(q, k, v, seqused_k=[5, 9], block_table=table)
+    with pytest.raises(ValueError, match="must be torch.int32"):
+        fa.attention(q, k, v, seqused_k=used.long(), block_table=table)
+    with pytest.raises(ValueError, match="must be torch.int32"):
+        fa.attention(q, k, v, seqused_k=used, block_table=table.long())
+    with pytest.raises(ValueError, match=r"block_table has shape \(1, "):
+        fa.attention(q, k, v, seqused_k=used, block_table=table[:1])
+
+
+def test_cpu_tensors_and_host_tables():
+    gen = torch.Generator().manual_seed(8)
+    used = [33, 0, 1]
+    k, v, table = make_cache(gen, used, 1, 32, torch.float32, "cpu", 8)
+    q = randn((3, 2, 4, 32), torch.float32, "cpu", gen)
+    ref, _ = reference(q, k, v, used, table, causal=True)
+    for u in (used, torch.tensor(used), torch.tensor(used, dtype=torch.int32)):
+        got = fa.attention(q, k, v, seqused_k=u, block_table=table, causal=True)
+        assert normwise_error(host64(got), ref) <= 1e-5
+    bad = table.clone()
+    bad[0, 0] = 10_000
+    out = torch.full(q.shape, 7.0)
+    with pytest.raises(ValueError, match="outside the cache"):
+        fa.attention(q, k, v, seqused_k=used, block_table=bad, out=out)
+    assert torch.all(out == 7.0)
+    if HAS_CUDA:
+        with pytest.raises(ValueError, match="host memory"):
+            fa.attention(q, k, v, seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda"), block_table=table)
+
+
+@needs_cuda
+def test_cuda_cache_tables_stay_on_the_device_and_the_stream():
+    # The tables (and the cache) are written on a side stream behind a long GPU spin, and the
+    # call is made on that stream: a host read of seqused_k/block_table would either block
+    # (synchronisation) or see the poison, and a kernel on another stream would read it too.
+    # Forced splits make the library allocate its workspace on the stream as well.
+    gen = torch.Generator().manual_seed(10)
+    used = [700, 1, 0, 333]
+    k_src, v_src, table_src = make_cache(gen, used, 2, 128, torch.bfloat16, "cuda", 16)
+    q = randn((4, 2, 16, 128), torch.bfloat16, "cuda", gen)
+    used_src = torch.tensor(used, dtype=torch.int32, device="cuda")
+    ref, _ = reference(q, k_src, v_src, used, table_src, causal=True)
+    # Warm-up on the default stream (compiles/loads the kernels outside the timed part).
+    first = fa.attention(q, k_src, v_src, seqused_k=used_src, block_table=table_src, causal=True, num_splits=4)
+    k, v = torch.randn_like(k_src), torch.randn_like(v_src)
+    seqused = torch.zeros_like(used_src)
+    table = torch.full_like(table_src, -1)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time on the side stream
+        for dst, x in ((k, k_src), (v, v_src), (seqused, used_src), (table, table_src)):
+            dst.copy_(x)
+        out = fa.attention(q, k, v, seqused_k=seqused, block_table=table, causal=True, num_splits=4)
+        returned_before_done = not side.query()
+    side.synchronize()
+    assert returned_before_done, "the call waited for the GPU (host synchronisation)"
+    err = normwise_error(host64(out), ref)
+    assert err <= BOUND[("cuda", torch.bfloat16)], f"side stream: normwise error {err:.3e}"
+    torch.cuda.synchronize()
+    assert torch.equal(out, first), "same inputs, same plan: bitwise equal results"
