@@ -37,8 +37,8 @@ use softmax_core::{RowState, TileKind};
 pub(crate) const AMX_PANEL: usize = 32;
 /// bf16 elements per A-tile row (channels of a `QKᵀ` step, keys of a `PV` step).
 const STEP: usize = 32;
-/// u16 elements in one tile (16 rows × 64 bytes).
-const TILE_U16: usize = 512;
+/// Dwords in one tile (16 rows × 64 bytes).
+const TILE_DWORDS: usize = 256;
 
 /// Q, K and V as bf16 (the AMX path runs only on bf16 inputs).
 #[derive(Clone, Copy)]
@@ -177,6 +177,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         amx_k,
         amx_v,
         amx_p,
+        amx_pairs,
         ..
     } = scratch;
     let ot = ensure_aligned(ot, dv32 * br);
@@ -187,14 +188,16 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let kinds = ensure(kinds, br / panel, TileKind::Full);
     let kv_offsets = ensure(kv_offsets, 2 * bc, 0);
     let (k_offs, v_offs) = kv_offsets.split_at_mut(bc);
-    let qv = ensure(amx_q, br * d32, 0);
+    let qv = ensure(amx_q, br * d32 / 2, 0);
     let kb = ensure(amx_k, bc * d32, 0);
-    let vb = ensure(amx_v, dv32 * bc, 0);
+    let vb = ensure(amx_v, dv32 * bc / 2, 0);
     let pb = ensure(amx_p, bc / 2 * panel, 0);
+    let pairs = ensure(amx_pairs, (bc / 2 * dv32).max(16 * d32 / 2), 0);
     ot.fill(0.0);
     states.fill(RowState::new());
 
-    pack_q(inputs.q, ctx, task, d, d32, qv);
+    // SAFETY: S available (caller); qv holds br·d32/2 dwords, pairs 16·d32/2.
+    unsafe { pack_q::<S, T, O>(inputs.q, ctx, task, d, d32, qv, pairs) };
     let transform = p.score_transform::<f32>();
     let (pre, post) = (transform.pre_factor(), transform.softcap_post_factor());
 
@@ -213,7 +216,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         let nk32 = nk.div_ceil(STEP) * STEP;
         kv.offsets(j0, &mut k_offs[..nk], &mut v_offs[..nk]);
         pack_k(inputs.k, &k_offs[..nk], d, d32, nk32, kb);
-        pack_vt(inputs.v, &v_offs[..nk], dv, dv32, nk32, vb);
+        // SAFETY: S available; vb holds dv32·nk32/2 dwords, pairs nk32/2·dv32.
+        unsafe { pack_vt::<S>(inputs.v, &v_offs[..nk], dv, dv32, nk32, vb, pairs) };
         classify_panels(kinds, &mask, task, &dims, kind, j0..j0 + nk);
         for rv0 in (0..br).step_by(panel) {
             let kind = kinds[rv0 / panel];
@@ -221,7 +225,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                 continue;
             }
             stats.computed += 1;
-            let q_panel = &qv[(rv0 / 16) * (d32 / STEP) * TILE_U16..];
+            let q_panel = &qv[(rv0 / 16) * (d32 / STEP) * TILE_DWORDS..];
             // SAFETY: `q_panel` holds the panel's two row blocks of d32/32 tiles, `kb` nk32
             // rows of d32, `st` bc ≥ nk32 rows of `panel` floats.
             unsafe { scores(tiles, q_panel, kb, st, d32, nk32, panel) };
@@ -262,7 +266,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                 // corr_panel `panel` = NR·W.
                 unsafe { rescale::<S, NR>(o_panel, corr_panel, dv32) };
             }
-            // SAFETY: vb holds dv32 rows of nk32 (stride nk32), pb nk32/2 rows of `panel`
+            // SAFETY: vb holds dv32 rows of nk32/2 dwords, pb nk32/2 rows of `panel`
             // dwords, o_panel dv32 rows of `panel` floats.
             unsafe { products(tiles, vb, pb, o_panel, dv32, nk32, panel) };
         }
@@ -274,25 +278,58 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     stats
 }
 
-/// Q's rows of the task as B tiles: row `r`, channel `c` at `(r/16·(d32/32) + c/32)·512 +
-/// (c%32/2)·32 + (r%16)·2 + c%2` (u16), zeros in the padding.
-fn pack_q<T, O>(
+/// Q's rows of the task as B tiles: the dword (channel pair `cp`) of row `r` at
+/// `(r/16·(d32/32) + cp/16)·256 + (cp%16)·16 + r%16`, zeros in the padding. Per 16 rows, the
+/// rows' dwords are gathered row-major into `pairs` (16 × d32/2) and transposed 16 × 16 at a
+/// time (a dword transpose moves bf16 pairs whole).
+///
+/// # Safety
+/// S available; `qv` holds `rows.div_ceil(16)·16·d32/2` dwords, `pairs` `16·d32/2`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_q<S: Simd, T, O>(
     q: &[bf16],
     ctx: &Ctx<'_, T, O>,
     task: &Task,
     d: usize,
     d32: usize,
-    qv: &mut [u16],
+    qv: &mut [u32],
+    pairs: &mut [u32],
 ) {
     let p = ctx.problem;
-    qv.fill(0);
-    let chunks = d32 / STEP;
-    for r in 0..task.heads * task.len {
-        let (head, i) = task.row(r);
-        let off = p.q_offset(task.batch, i, head);
-        let base = (r / 16) * chunks * TILE_U16 + (r % 16) * 2;
-        for (c, x) in q[off..off + d].iter().enumerate() {
-            qv[base + (c / STEP) * TILE_U16 + (c % STEP / 2) * 32 + c % 2] = x.to_bits();
+    let rows = task.heads * task.len;
+    let half = d32 / 2;
+    for rb in 0..rows.div_ceil(16) {
+        let block = &mut pairs[..16 * half];
+        for l in 0..16 {
+            let dst = &mut block[l * half..(l + 1) * half];
+            let r = rb * 16 + l;
+            if r >= rows {
+                dst.fill(0);
+                continue;
+            }
+            let (head, i) = task.row(r);
+            let off = p.q_offset(task.batch, i, head);
+            let src = &q[off..off + d];
+            for (cp, x) in dst.iter_mut().enumerate() {
+                let lo = src.get(2 * cp).map_or(0, |v| v.to_bits() as u32);
+                let hi = src.get(2 * cp + 1).map_or(0, |v| v.to_bits() as u32);
+                *x = lo | hi << 16;
+            }
+        }
+        let out = &mut qv[rb * 16 * half..(rb + 1) * 16 * half];
+        for cc in 0..d32 / STEP {
+            // SAFETY: the block holds 16 rows of `half` dwords (columns cc·16..cc·16 + 16
+            // inside), `out` the 16 × 16 tile at cc·256; bits move unchanged (dwords as f32
+            // through loads and stores, no arithmetic); S available (caller).
+            unsafe {
+                transpose16::<S>(
+                    block.as_ptr().add(cc * 16) as *const f32,
+                    half,
+                    out.as_mut_ptr().add(cc * TILE_DWORDS) as *mut f32,
+                    16,
+                )
+            };
         }
     }
 }
@@ -313,31 +350,100 @@ fn pack_k(k: &[bf16], k_offs: &[usize], d: usize, d32: usize, nk32: usize, kb: &
     }
 }
 
-/// The tile's V rows transposed, `vb[c·nk32 + j] = V[j][c]` (A tiles of 16 channels × 32
-/// keys), zero-padded to `dv32` channels and `nk32` keys.
-fn pack_vt(v: &[bf16], v_offs: &[usize], dv: usize, dv32: usize, nk32: usize, vb: &mut [u16]) {
+/// The tile's V rows as A tiles of `Vᵀ`: dword `(c, jp)` = `V[2jp][c] | V[2jp+1][c] << 16` at
+/// `c·nk32/2 + jp`, zero-padded to `dv32` channels and `nk32` keys. Pairs of V rows are
+/// interleaved row-major into `pairs` (`nk32/2 × dv32`), then transposed.
+///
+/// # Safety
+/// S available; `vb` holds `dv32·nk32/2` dwords, `pairs` `nk32/2·dv32`; `nk32` a multiple of
+/// 32, `dv32` of 32.
+#[inline(always)]
+unsafe fn pack_vt<S: Simd>(
+    v: &[bf16],
+    v_offs: &[usize],
+    dv: usize,
+    dv32: usize,
+    nk32: usize,
+    vb: &mut [u32],
+    pairs: &mut [u32],
+) {
     let nk = v_offs.len();
-    let vb = &mut vb[..dv32 * nk32];
-    // Four keys at a time: each channel row gets four neighbouring stores.
-    let mut j = 0;
-    while j + 4 <= nk {
-        let r: [&[bf16]; 4] = std::array::from_fn(|l| &v[v_offs[j + l]..v_offs[j + l] + dv]);
-        for c in 0..dv {
-            let dst = &mut vb[c * nk32 + j..c * nk32 + j + 4];
-            for l in 0..4 {
-                dst[l] = r[l][c].to_bits();
+    let half = nk32 / 2;
+    let row = |j: usize| v_offs.get(j).map(|&off| &v[off..off + dv]);
+    for jp in 0..half {
+        let dst = &mut pairs[jp * dv32..(jp + 1) * dv32];
+        match (row(2 * jp), row(2 * jp + 1)) {
+            (Some(a), Some(b)) => {
+                for ((x, y), z) in dst.iter_mut().zip(a).zip(b) {
+                    *x = y.to_bits() as u32 | (z.to_bits() as u32) << 16;
+                }
+                dst[dv..].fill(0);
+            }
+            (Some(a), None) => {
+                for (x, y) in dst.iter_mut().zip(a) {
+                    *x = y.to_bits() as u32;
+                }
+                dst[dv..].fill(0);
+            }
+            _ => dst.fill(0),
+        }
+    }
+    debug_assert!(2 * half >= nk);
+    for j0 in (0..half).step_by(16) {
+        for c0 in (0..dv32).step_by(16) {
+            // SAFETY: rows j0..j0 + 16 ≤ half of `pairs` (stride dv32), columns c0..c0 + 16 ≤
+            // dv32; into rows c0.. of vb (stride half), columns j0..; bits move unchanged; S
+            // available (caller).
+            unsafe {
+                transpose16::<S>(
+                    pairs.as_ptr().add(j0 * dv32 + c0) as *const f32,
+                    dv32,
+                    vb.as_mut_ptr().add(c0 * half + j0) as *mut f32,
+                    half,
+                )
+            };
+        }
+    }
+}
+
+/// Transposes a 16 × 16 block of dwords (`dst[c·dst_stride + r] = src[r·src_stride + c]`)
+/// with the architecture's `W × W` float transposes, which move bits unchanged (loads,
+/// shuffles and stores only).
+///
+/// # Safety
+/// S available; 16 rows of 16 readable dwords at `src`, 16 of 16 writable at `dst`, not
+/// overlapping.
+#[inline(always)]
+unsafe fn transpose16<S: Simd>(
+    src: *const f32,
+    src_stride: usize,
+    dst: *mut f32,
+    dst_stride: usize,
+) {
+    if 16 % S::W == 0 {
+        for r0 in (0..16).step_by(S::W) {
+            for c0 in (0..16).step_by(S::W) {
+                // SAFETY: the W × W block (r0, c0) lies inside both 16 × 16 blocks.
+                unsafe {
+                    S::transpose(
+                        src.add(r0 * src_stride + c0),
+                        src_stride,
+                        dst.add(c0 * dst_stride + r0),
+                        dst_stride,
+                    )
+                };
             }
         }
-        j += 4;
-    }
-    for (j, &off) in v_offs.iter().enumerate().skip(j) {
-        for (c, y) in v[off..off + dv].iter().enumerate() {
-            vb[c * nk32 + j] = y.to_bits();
+    } else {
+        for r in 0..16 {
+            for c in 0..16 {
+                // SAFETY: r, c < 16.
+                unsafe {
+                    *(dst.add(c * dst_stride + r) as *mut u32) =
+                        *(src.add(r * src_stride + c) as *const u32)
+                };
+            }
         }
-    }
-    for c in 0..dv32 {
-        let from = if c < dv { nk } else { 0 };
-        vb[c * nk32 + from..(c + 1) * nk32].fill(0);
     }
 }
 
@@ -417,12 +523,12 @@ unsafe fn rescale<S: Simd, const NR: usize>(o: &mut [f32], corr: &[f32], dv32: u
 /// the `d32/32` channel chunks, stored at `st[j·panel + r]`.
 ///
 /// # Safety
-/// `q` holds the panel's two row blocks (`2·d32/32` tiles of 512 u16), `kb` `nk32` rows of
+/// `q` holds the panel's two row blocks (`2·d32/32` tiles of 256 dwords), `kb` `nk32` rows of
 /// `d32`, `st` `nk32` rows of `panel` (= 32) floats; `nk32` a multiple of 32.
 #[inline(always)]
 unsafe fn scores<M: Tiles>(
     t: &mut M,
-    q: &[u16],
+    q: &[u32],
     kb: &[u16],
     st: &mut [f32],
     d32: usize,
@@ -443,9 +549,9 @@ unsafe fn scores<M: Tiles>(
                 let k0 = kb.as_ptr().add(jb * d32 + cc * STEP);
                 t.load::<4>(k0 as *const u8, k_stride);
                 t.load::<5>(k0.add(16 * d32) as *const u8, k_stride);
-                let q0 = q.as_ptr().add(cc * TILE_U16);
+                let q0 = q.as_ptr().add(cc * TILE_DWORDS);
                 t.load::<6>(q0 as *const u8, 64);
-                t.load::<7>(q0.add(chunks * TILE_U16) as *const u8, 64);
+                t.load::<7>(q0.add(chunks * TILE_DWORDS) as *const u8, 64);
             }
             t.dot::<0, 4, 6>();
             t.dot::<1, 4, 7>();
@@ -467,12 +573,12 @@ unsafe fn scores<M: Tiles>(
 /// blocks) loaded from `o`, accumulated over the `nk32/32` key chunks, stored back.
 ///
 /// # Safety
-/// `vb` holds `dv32` rows of `nk32` u16, `pb` `nk32/2` rows of `panel` (= 32) dwords, `o`
+/// `vb` holds `dv32` rows of `nk32/2` dwords, `pb` `nk32/2` rows of `panel` (= 32) dwords, `o`
 /// `dv32` rows of `panel` floats; `dv32` and `nk32` multiples of 32.
 #[inline(always)]
 unsafe fn products<M: Tiles>(
     t: &mut M,
-    vb: &[u16],
+    vb: &[u32],
     pb: &[u32],
     o: &mut [f32],
     dv32: usize,
@@ -480,6 +586,7 @@ unsafe fn products<M: Tiles>(
     panel: usize,
 ) {
     let (v_stride, o_stride) = (2 * nk32, 4 * panel);
+    let half = nk32 / 2;
     for cb in (0..dv32).step_by(32) {
         // SAFETY: channel rows cb..cb + 32 ≤ dv32 of `panel` floats, columns 0..16, 16..32.
         unsafe {
@@ -493,9 +600,9 @@ unsafe fn products<M: Tiles>(
             // SAFETY: channel rows cb..cb + 32 of nk32 u16 from key kc·32 (64 bytes each);
             // P tiles (chunk kc, row blocks 0 and 1) inside pb's nk32/2·32 dwords.
             unsafe {
-                let v0 = vb.as_ptr().add(cb * nk32 + kc * STEP);
+                let v0 = vb.as_ptr().add(cb * half + kc * 16);
                 t.load::<4>(v0 as *const u8, v_stride);
-                t.load::<5>(v0.add(16 * nk32) as *const u8, v_stride);
+                t.load::<5>(v0.add(16 * half) as *const u8, v_stride);
                 let p0 = pb.as_ptr().add(kc * 2 * 256);
                 t.load::<6>(p0 as *const u8, 64);
                 t.load::<7>(p0.add(256) as *const u8, 64);

@@ -100,15 +100,18 @@ pub(crate) struct Scratch {
     /// K and V row offsets of the current and the next key tile (paged caches make them
     /// irregular).
     pub kv_offsets: Vec<usize>,
-    /// The AMX kernel's bf16 tiles ([`super::amx_task`]): Q (B-tile pairs), K, Vᵀ, and P
-    /// (B-tile pairs, as dwords).
-    pub amx_q: Vec<u16>,
+    /// The AMX kernel's bf16 tiles ([`super::amx_task`]), bf16 pairs as dwords: Q (B tiles),
+    /// Vᵀ (A tiles), P (B tiles), and the row-major pairs on their way into a transpose; K
+    /// (A tiles) as bf16.
+    pub amx_q: Vec<u32>,
     /// See `amx_q`.
     pub amx_k: Vec<u16>,
     /// See `amx_q`.
-    pub amx_v: Vec<u16>,
+    pub amx_v: Vec<u32>,
     /// See `amx_q`.
     pub amx_p: Vec<u32>,
+    /// See `amx_q`.
+    pub amx_pairs: Vec<u32>,
 }
 
 /// f32 elements a task's scratch needs (the companion of [`crate::Workspace`]).
@@ -205,10 +208,11 @@ impl Scratch {
             grow(&mut self.states, br32)?;
             grow(&mut self.kinds, br32 / 32)?;
             grow(&mut self.kv_offsets, 2 * bc32)?;
-            grow(&mut self.amx_q, br32 * d32)?;
+            grow(&mut self.amx_q, br32 * d32 / 2)?;
             grow(&mut self.amx_k, bc32 * d32)?;
-            grow(&mut self.amx_v, dv32 * bc32)?;
+            grow(&mut self.amx_v, dv32 * bc32 / 2)?;
             grow(&mut self.amx_p, bc32 * 16)?;
+            grow(&mut self.amx_pairs, (bc32 / 2 * dv32).max(16 * d32 / 2))?;
         }
         Ok(())
     }
@@ -225,8 +229,11 @@ impl Scratch {
             + self.corr.capacity())
             + self.states.capacity() * std::mem::size_of::<RowState<f32>>()
             + self.kv_offsets.capacity() * std::mem::size_of::<usize>()
-            + 2 * (self.amx_q.capacity() + self.amx_k.capacity() + self.amx_v.capacity())
-            + 4 * self.amx_p.capacity()
+            + 2 * self.amx_k.capacity()
+            + 4 * (self.amx_q.capacity()
+                + self.amx_v.capacity()
+                + self.amx_p.capacity()
+                + self.amx_pairs.capacity())
     }
 }
 
