@@ -201,7 +201,7 @@ impl Scratch {
         if lens.amx {
             // What `amx_task` asks for: 32-row panels, head dims and keys padded to 32.
             let (d32, dv32) = (d.div_ceil(32) * 32, dv.div_ceil(32) * 32);
-            let (br32, bc32) = (lens.max_rows.div_ceil(32) * 32, bc.div_ceil(32) * 32);
+            let (br32, bc32) = (lens.max_rows.div_ceil(32) * 32, super::amx_task::amx_keys());
             grow(&mut self.ot, dv32 * br32 + ALIGN_SLACK)?;
             grow(&mut self.st, bc32 * 32 + ALIGN_SLACK)?;
             grow(&mut self.corr, br32)?;
