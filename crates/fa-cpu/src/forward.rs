@@ -2,7 +2,7 @@
 
 use crate::arch::SimdLevel;
 use crate::dispatch::{dispatch, Isa};
-use crate::kernel::amx_task::{AmxForwardTask, Bf16Inputs};
+use crate::kernel::amx_task::Bf16Inputs;
 use crate::kernel::decode_task::{self, DecodeTask, Partials};
 use crate::kernel::scratch::ensure;
 use crate::kernel::{self, Ctx, ForwardTask, Scratch, ScratchLens, SharedOut, TaskStats, Tiling};
@@ -294,7 +294,7 @@ fn run_amx<T: Element, O: Element>(
             let tiles = crate::arch::amx::HwTiles::configure()?;
             Some(dispatch(
                 isa,
-                AmxForwardTask {
+                crate::kernel::amx_task::AmxForwardTask {
                     ctx,
                     inputs,
                     task,
@@ -304,11 +304,14 @@ fn run_amx<T: Element, O: Element>(
             ))
         }
         #[cfg(not(target_arch = "x86_64"))]
-        AmxTiles::Hardware => None,
+        AmxTiles::Hardware => {
+            let _ = (isa, ctx, inputs, task, scratch);
+            None
+        }
         #[cfg(test)]
         AmxTiles::Emulated => Some(dispatch(
             isa,
-            AmxForwardTask {
+            crate::kernel::amx_task::AmxForwardTask {
                 ctx,
                 inputs,
                 task,

@@ -40,8 +40,8 @@ pub(crate) fn auto_enabled() -> bool {
 #[cfg(target_arch = "x86_64")]
 fn detect_and_request() -> bool {
     use std::arch::x86_64::__cpuid_count;
-    // SAFETY (for the CPUID reads): CPUID exists on every x86_64 CPU.
     #[allow(unused_unsafe)]
+    // SAFETY: CPUID exists on every x86_64 CPU; reading leaves 0, 1 and 7 has no effect.
     let (max_leaf, leaf1, leaf7) = unsafe {
         (
             __cpuid_count(0, 0).eax,

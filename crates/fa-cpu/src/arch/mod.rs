@@ -10,6 +10,7 @@
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) mod amx;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;

@@ -97,9 +97,9 @@ impl<T: Element, O: Element, M: Tiles> SimdTask for AmxForwardTask<'_, '_, T, O,
     unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(
         mut self,
     ) -> TaskStats {
-        // SAFETY (all arms): A available and the const generics A's (caller); the context
+        // SAFETY: (all arms) A available and the const generics A's (caller); the context
         // comes from `forward_with_workspace` (problem validated, buffers checked, the tiling
-        // of A's level), `inputs` are its Q, K, V.
+        // of A's level), `inputs` are its Q, K, V; the AMX arms' widths give W·NR = 32.
         unsafe {
             match A::W {
                 16 => amx_task::<A, T, O, M, 2>(

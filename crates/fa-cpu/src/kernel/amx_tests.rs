@@ -119,10 +119,10 @@ fn random_tile(rng: &mut Rng, f32_tile: bool) -> Vec<u32> {
             let mut half = || -> u32 {
                 match rng.below(40) {
                     0 => 0,
-                    1 => (rng.next_u64() as u32 & 0x007f) | 0x0000, // bf16 denormal
+                    1 => rng.next_u64() as u32 & 0x007f, // bf16 denormal
                     2 => (rng.next_u64() as u32 & 0x007f) | 0x8000, // negative denormal
-                    _ => bf16::from_f32(rng.normal() as f32 * 2f32.powi((i % 7) as i32 - 3))
-                        .to_bits() as u32,
+                    _ => bf16::from_f32(rng.normal() as f32 * 2f32.powi((i % 7) - 3)).to_bits()
+                        as u32,
                 }
             };
             half() | half() << 16
