@@ -9,7 +9,7 @@
 //! Flags: `--dtype f32|bf16|f16`, `--batch`, `--heads`, `--heads-kv` (default: heads),
 //! `--seqlen` (or `--seqlen-q`/`--seqlen-k`), `--head-dim`, `--causal`, `--threads`
 //! (default: all cores), `--reps` (timed runs, default 5), `--warmup` (default 1),
-//! `--exp2 exact|cubic`, `--simd auto|avx512f|avx2|scalar`. FLOPs: `4·B·H·Nq·Nk·D`, halved
+//! `--exp2 exact|cubic`, `--simd auto|amx|avx512f|avx2|scalar`. FLOPs: `4·B·H·Nq·Nk·D`, halved
 //! when causal with `Nq = Nk` (DESIGN.md §7). `peak_rss_bytes` is the process's high-water
 //! mark (VmHWM) after the runs.
 
@@ -79,6 +79,7 @@ fn parse() -> Result<Args, String> {
             "--simd" => {
                 a.simd = match value()?.as_str() {
                     "auto" => SimdLevel::Auto,
+                    "amx" => SimdLevel::Amx,
                     "avx512f" => SimdLevel::Avx512f,
                     "avx2" => SimdLevel::Avx2Fma,
                     "scalar" => SimdLevel::Scalar,

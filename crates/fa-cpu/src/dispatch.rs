@@ -108,8 +108,9 @@ pub(crate) trait ArchFn {
 /// architecture runs only through [`dispatch`].
 pub(crate) fn with_arch<F: ArchFn>(level: SimdLevel, f: F) -> F::Output {
     match level.resolve() {
+        // AMX runs its tile products itself; everything around them is AVX-512.
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512f => f.call::<Avx512>(),
+        SimdLevel::Avx512f | SimdLevel::Amx => f.call::<Avx512>(),
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2Fma => f.call::<Avx2>(),
         _ => f.call::<Scalar>(),

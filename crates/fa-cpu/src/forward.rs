@@ -2,6 +2,7 @@
 
 use crate::arch::SimdLevel;
 use crate::dispatch::{dispatch, Isa};
+use crate::kernel::amx_task::Bf16Inputs;
 use crate::kernel::decode_task::{self, DecodeTask, Partials};
 use crate::kernel::scratch::ensure;
 use crate::kernel::{self, Ctx, ForwardTask, Scratch, ScratchLens, SharedOut, TaskStats, Tiling};
@@ -147,6 +148,29 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     opts: &ForwardOptions,
     ws: &mut Workspace,
 ) -> Result<ForwardStats, ProblemError> {
+    forward_on(problem, qkv, out, opts, ws, AmxTiles::Hardware)
+}
+
+/// Which tiles the AMX kernel runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AmxTiles {
+    /// The CPU's, when the call's level is [`SimdLevel::Amx`] (otherwise no AMX kernel).
+    Hardware,
+    /// The software emulation, on whatever level the call runs (tests: the AMX kernel's
+    /// packing and driver checked on any CPU).
+    #[cfg(test)]
+    Emulated,
+}
+
+/// [`forward_with_workspace`] with the AMX tiles chosen ([`AmxTiles`]).
+pub(crate) fn forward_on<T: Element, O: Element>(
+    problem: &Problem,
+    qkv: Qkv<&[T]>,
+    out: HostOut<'_, O>,
+    opts: &ForwardOptions,
+    ws: &mut Workspace,
+    amx_tiles: AmxTiles,
+) -> Result<ForwardStats, ProblemError> {
     supports(problem)?;
     problem.check_buffers(BufferLens::of(&qkv, &out))?;
     // P stays f32 here (a probability hook may narrow it, and checks its own range).
@@ -162,12 +186,20 @@ pub fn forward_with_workspace<T: Element, O: Element>(
     let decode = problem.has_kv_cache() || opts.kv_splits.is_some();
     let tiling = Tiling::for_level(isa.level());
     let task_list = kernel::tasks(problem, &tiling)?;
+    // The AMX kernel: bf16 inputs, the whole-sequence forward (not split-KV), no hook (it
+    // would see P before the rounding to bf16 that the tiles need).
+    let amx_inputs = match amx_tiles {
+        AmxTiles::Hardware if isa.level() != SimdLevel::Amx => None,
+        _ if decode || opts.probability_hook.is_some() => None,
+        _ => Bf16Inputs::of(q, k, v),
+    };
     let lens = ScratchLens {
         max_rows: task_list.iter().map(|t| t.heads * t.len).max().unwrap_or(0),
         head_dim: problem.head_dim(),
         head_dim_v: problem.head_dim_v(),
         masked: !problem.mask().is_none(),
         hook: opts.probability_hook.is_some(),
+        amx: amx_inputs.is_some(),
     };
     let ctx = Ctx {
         problem,
@@ -188,11 +220,17 @@ pub fn forward_with_workspace<T: Element, O: Element>(
 
     if !decode {
         let stats = run_items(ws, threads, workers, task_list.len(), |scratch, i| {
+            let task = &task_list[i];
+            if let Some(inputs) = amx_inputs {
+                if let Some(stats) = run_amx(isa, amx_tiles, &ctx, inputs, task, scratch) {
+                    return stats;
+                }
+            }
             dispatch(
                 isa,
                 ForwardTask {
                     ctx: &ctx,
-                    task: &task_list[i],
+                    task,
                     scratch,
                 },
             )
@@ -238,6 +276,50 @@ pub fn forward_with_workspace<T: Element, O: Element>(
         tiles_skipped: stats.skipped,
         kv_splits: plan.max_splits,
     })
+}
+
+/// Runs one task on AMX tiles (configured here, on the worker's thread); `None` when the
+/// tiles cannot be had (then the caller runs the SIMD task).
+fn run_amx<T: Element, O: Element>(
+    isa: Isa,
+    amx_tiles: AmxTiles,
+    ctx: &Ctx<'_, T, O>,
+    inputs: Bf16Inputs<'_>,
+    task: &kernel::tiling::Task,
+    scratch: &mut Scratch,
+) -> Option<TaskStats> {
+    match amx_tiles {
+        #[cfg(target_arch = "x86_64")]
+        AmxTiles::Hardware => {
+            let tiles = crate::arch::amx::HwTiles::configure()?;
+            Some(dispatch(
+                isa,
+                crate::kernel::amx_task::AmxForwardTask {
+                    ctx,
+                    inputs,
+                    task,
+                    scratch,
+                    tiles,
+                },
+            ))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        AmxTiles::Hardware => {
+            let _ = (isa, ctx, inputs, task, scratch);
+            None
+        }
+        #[cfg(test)]
+        AmxTiles::Emulated => Some(dispatch(
+            isa,
+            crate::kernel::amx_task::AmxForwardTask {
+                ctx,
+                inputs,
+                task,
+                scratch,
+                tiles: crate::arch::amx::EmuTiles::new(),
+            },
+        )),
+    }
 }
 
 /// A vector of `n` copies of `fill`, or a typed error when it cannot be allocated.

@@ -12,6 +12,8 @@ use softmax_core::{Mask, RescalePolicy};
 const F32_BOUND: f64 = 1e-5;
 const HALF_BOUND: f64 = 1e-2;
 const LSE_BOUND: f64 = 1e-4;
+/// bf16 inputs on AMX, f32 out: P rounded to bf16 (2⁻⁹ relative per probability).
+const AMX_BF16_BOUND: f64 = 5e-3;
 
 fn opts(level: fa_cpu::SimdLevel) -> ForwardOptions<'static> {
     ForwardOptions {
@@ -116,7 +118,13 @@ fn half_inputs_within_bound() {
         let rep = check::<bf16, bf16>(&bf, &opts(level));
         assert!(rep.within(HALF_BOUND, 1e-2), "bf16 {level:?}: {rep:?}");
         let rep = check::<bf16, f32>(&bf, &opts(level));
-        assert!(rep.within(1e-5, LSE_BOUND), "bf16->f32 {level:?}: {rep:?}");
+        // AMX rounds P to bf16 before P·V (measured ~2e-3); the other levels keep it f32.
+        let bound = if level == fa_cpu::SimdLevel::Amx {
+            AMX_BF16_BOUND
+        } else {
+            1e-5
+        };
+        assert!(rep.within(bound, LSE_BOUND), "bf16->f32 {level:?}: {rep:?}");
         let hf = Case::dense(&mut rng, 1, 77, 99, 2, 1, 128).round(Rounding::F16);
         let rep = check::<f16, f16>(&hf, &opts(level));
         assert!(rep.within(HALF_BOUND, 1e-2), "f16 {level:?}: {rep:?}");

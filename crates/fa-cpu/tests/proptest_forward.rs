@@ -5,7 +5,7 @@
 mod common;
 
 use common::{check, levels};
-use fa_cpu::{Exp2Impl, ForwardOptions};
+use fa_cpu::{Exp2Impl, ForwardOptions, SimdLevel};
 use fa_reference::{Case, Rng, Rounding};
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -144,13 +144,15 @@ proptest! {
                 _ => (check::<f16, f16>(&case, &opts), 1e-2),
             };
             prop_assert!(rep.within(bound, 1e-3), "{level:?} {p:?}: {rep:?}");
-            // 16-bit inputs with an f32 output: only the f32 accumulation error remains.
+            // 16-bit inputs with an f32 output: only the f32 accumulation error remains (and,
+            // for bf16 on AMX, P's rounding to bf16 before P·V).
             if p.rounding != 0 {
                 let rep = match p.rounding {
                     1 => check::<bf16, f32>(&case, &opts),
                     _ => check::<f16, f32>(&case, &opts),
                 };
-                prop_assert!(rep.within(1e-5, 1e-3), "{level:?} {p:?} (f32 out): {rep:?}");
+                let bound = if level == SimdLevel::Amx && p.rounding == 1 { 5e-3 } else { 1e-5 };
+                prop_assert!(rep.within(bound, 1e-3), "{level:?} {p:?} (f32 out): {rep:?}");
             }
         }
     }

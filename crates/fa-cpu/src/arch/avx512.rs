@@ -143,6 +143,35 @@ unsafe impl Simd for Avx512 {
         unsafe { super::avx2::Avx2::transpose(src, src_stride, dst, dst_stride) }
     }
     #[inline(always)]
+    unsafe fn bf16_pairs(lo: *const f32, hi: *const f32, dst: *mut u32) {
+        /// Round to nearest even on the bits: add 0x7fff plus the lowest kept bit, keep the
+        /// high half; NaNs instead keep their high half with the quiet bit set (what `half`
+        /// does), so no NaN rounds into an infinity.
+        #[inline(always)]
+        unsafe fn round(x: __m512) -> __m512i {
+            // SAFETY: AVX-512F present (caller).
+            unsafe {
+                let bits = _mm512_castps_si512(x);
+                let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+                let rounded =
+                    _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+                let quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000));
+                _mm512_mask_mov_epi32(rounded, nan, quiet)
+            }
+        }
+        // SAFETY: 16 readable f32 at lo and hi, 16 writable dwords at dst (trait contract);
+        // AVX-512F present.
+        unsafe {
+            let l = _mm512_srli_epi32::<16>(round(_mm512_loadu_ps(lo)));
+            let h = _mm512_and_si512(
+                round(_mm512_loadu_ps(hi)),
+                _mm512_set1_epi32(0xffff_0000u32 as i32),
+            );
+            _mm512_storeu_si512(dst as *mut __m512i, _mm512_or_si512(l, h));
+        }
+    }
+    #[inline(always)]
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
         let mut i = 0;
         while i + 16 <= n {

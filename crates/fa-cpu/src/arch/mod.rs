@@ -10,6 +10,8 @@
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) mod amx;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -22,6 +24,12 @@ pub enum SimdLevel {
     /// The best the CPU supports (detected once per process).
     #[default]
     Auto,
+    /// AVX-512F plus Intel AMX tiles: bf16 inputs run their two products on AMX
+    /// (`tdpbf16ps`, probabilities rounded to bf16 before `P·V`); everything else, and
+    /// whatever the AMX kernel does not cover, runs as [`SimdLevel::Avx512f`]. `Auto` picks it
+    /// where the CPU has AMX-BF16 and Linux grants the tile-data permission, unless the
+    /// environment variable `FA_CPU_AMX` is `0`; ask for `Avx512f` to keep AMX off.
+    Amx,
     /// AVX-512F (16 f32 lanes, 32 registers).
     Avx512f,
     /// AVX2 with FMA and F16C (8 f32 lanes, 16 registers).
@@ -31,11 +39,12 @@ pub enum SimdLevel {
 }
 
 impl SimdLevel {
-    /// The name [`crate::simd_level`] reports: `"avx512f"`, `"avx2+fma"` or `"scalar"`
-    /// (`"auto"` for [`SimdLevel::Auto`]).
+    /// The name [`crate::simd_level`] reports: `"avx512f+amx"`, `"avx512f"`, `"avx2+fma"`
+    /// or `"scalar"` (`"auto"` for [`SimdLevel::Auto`]).
     pub fn name(self) -> &'static str {
         match self {
             SimdLevel::Auto => "auto",
+            SimdLevel::Amx => "avx512f+amx",
             SimdLevel::Avx512f => "avx512f",
             SimdLevel::Avx2Fma => "avx2+fma",
             SimdLevel::Scalar => "scalar",
@@ -48,6 +57,7 @@ impl SimdLevel {
             SimdLevel::Auto | SimdLevel::Scalar => true,
             SimdLevel::Avx2Fma => detect_avx2(),
             SimdLevel::Avx512f => detect_avx512(),
+            SimdLevel::Amx => detect_avx512() && amx::available(),
         }
     }
 
@@ -88,8 +98,11 @@ pub(crate) fn detected() -> SimdLevel {
         1 => SimdLevel::Avx512f,
         2 => SimdLevel::Avx2Fma,
         3 => SimdLevel::Scalar,
+        4 => SimdLevel::Amx,
         _ => {
-            let level = if detect_avx512() {
+            let level = if detect_avx512() && amx::auto_enabled() {
+                SimdLevel::Amx
+            } else if detect_avx512() {
                 SimdLevel::Avx512f
             } else if detect_avx2() {
                 SimdLevel::Avx2Fma
@@ -99,6 +112,7 @@ pub(crate) fn detected() -> SimdLevel {
             let code = match level {
                 SimdLevel::Avx512f => 1,
                 SimdLevel::Avx2Fma => 2,
+                SimdLevel::Amx => 4,
                 _ => 3,
             };
             DETECTED.store(code, Ordering::Relaxed);
@@ -178,6 +192,21 @@ pub(crate) unsafe trait Simd: Copy + 'static {
     unsafe fn prefetch(p: *const u8);
     /// Widens `n` f16 values (bit patterns) at `src` to f32 at `dst`.
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize);
+    /// Rounds `W` f32 at `lo` and `W` at `hi` to bf16 (to nearest even; NaN stays a quiet
+    /// NaN) and stores them as `W` dwords, `dst[i] = bf16(lo[i]) | bf16(hi[i]) << 16`: a
+    /// row of an AMX B tile (the VNNI pair layout) from two rows of f32. The default is the
+    /// scalar loop over `half`'s conversion; architectures with integer vectors override it.
+    #[inline(always)]
+    unsafe fn bf16_pairs(lo: *const f32, hi: *const f32, dst: *mut u32) {
+        for i in 0..Self::W {
+            // SAFETY: i < W: inside the caller's W floats at lo and hi and W dwords at dst.
+            unsafe {
+                let l = half::bf16::from_f32(*lo.add(i)).to_bits() as u32;
+                let h = half::bf16::from_f32(*hi.add(i)).to_bits() as u32;
+                *dst.add(i) = l | (h << 16);
+            }
+        }
+    }
     /// Transposes an 8 × 8 block: `dst[c·dst_stride + r] = src[r·src_stride + c]` for
     /// `r, c < 8` (packs K tiles into the AVX-512 QKᵀ kernel's 8-key groups). The default is
     /// the scalar loop; architectures with shuffles override it.

@@ -109,34 +109,34 @@ pub(crate) enum Sink {
 
 /// A task's sizes, fixed for the whole task.
 #[derive(Clone, Copy)]
-struct Dims {
+pub(super) struct Dims {
     /// Head dim of Q and K.
-    d: usize,
+    pub(super) d: usize,
     /// Head dim of V.
-    dv: usize,
+    pub(super) dv: usize,
     /// `dv` padded to the PV micro-kernel's channels.
-    dv_pad: usize,
+    pub(super) dv_pad: usize,
     /// Row stride of the packed V tile ([`Tiling::v_stride`]).
-    v_stride: usize,
+    pub(super) v_stride: usize,
     /// The task's rows (heads × positions).
-    rows: usize,
+    pub(super) rows: usize,
     /// `rows` padded to whole panels.
-    br: usize,
+    pub(super) br: usize,
     /// Keys per key tile.
-    bc: usize,
+    pub(super) bc: usize,
     /// Rows per panel (`W·NR`).
-    panel: usize,
+    pub(super) panel: usize,
     /// Whether the task holds at most one row vector of rows (decode): then Q, K, V and O stay
     /// row-major and the row micro-kernels ([`super::rows`]) run instead of the panel ones.
-    few: bool,
+    pub(super) few: bool,
     /// `d` padded to whole vectors (row-major Q and K rows).
-    d_w: usize,
+    pub(super) d_w: usize,
     /// `dv` padded to whole vectors (row-major V rows and O accumulators).
-    dv_w: usize,
+    pub(super) dv_w: usize,
     /// The sequence's query and key lengths.
-    sq: usize,
+    pub(super) sq: usize,
     /// See `sq`.
-    sk: usize,
+    pub(super) sk: usize,
 }
 
 /// Where the task's K and V rows are: key `j` of the sequence at `base + j·seq`, or, in a
@@ -144,7 +144,7 @@ struct Dims {
 /// the sequence's row of the block table. [`KvRows::offsets`] lists a run of keys' offsets
 /// once per tile (one division per run, not per key), for packing and prefetching alike.
 #[derive(Clone, Copy)]
-struct KvRows<'a> {
+pub(super) struct KvRows<'a> {
     k_base: usize,
     v_base: usize,
     k_seq: usize,
@@ -164,7 +164,7 @@ struct Pages<'a> {
 
 impl<'a> KvRows<'a> {
     /// The rows of KV head `head_kv` of sequence `b`.
-    fn new(p: &'a Problem<'a>, b: usize, head_kv: usize) -> Self {
+    pub(super) fn new(p: &'a Problem<'a>, b: usize, head_kv: usize) -> Self {
         let [_, ks, vs, _] = p.strides();
         match p.kv_cache() {
             KvCache::Paged {
@@ -196,7 +196,7 @@ impl<'a> KvRows<'a> {
 
     /// Writes the K and V offsets of keys `j0..j0 + k.len()` into `k` and `v`.
     #[inline(always)]
-    fn offsets(&self, j0: usize, k: &mut [usize], v: &mut [usize]) {
+    pub(super) fn offsets(&self, j0: usize, k: &mut [usize], v: &mut [usize]) {
         match self.pages {
             None => {
                 for (j, (ko, vo)) in k.iter_mut().zip(v.iter_mut()).enumerate() {
@@ -293,6 +293,7 @@ pub(crate) unsafe fn run_task<
         states,
         kinds,
         kv_offsets,
+        ..
     } = scratch;
     // The row-major layouts of the few-rows path fit the same buffers (see `Scratch`).
     let qt = ensure_aligned(qt, (d * br).max(S::W * d_w));
@@ -587,7 +588,7 @@ unsafe fn pack_kv_tile<S: Simd, T: Element, O, const QMR: usize>(
 /// is `kind`): on the diagonal of a causal or windowed mask whole panels can be empty, and
 /// those skip QKᵀ, softmax and PV.
 #[inline(always)]
-fn classify_panels(
+pub(super) fn classify_panels(
     kinds: &mut [TileKind],
     mask: &Mask,
     task: &Task,
@@ -677,7 +678,7 @@ unsafe fn panel_scores<S: Simd, const QMR: usize, const NR: usize>(
 /// # Safety
 /// S available; `st` holds `nk` rows of `panel` floats; `rv0 < rows`.
 #[inline(always)]
-unsafe fn mask_scores<S: Simd, const NR: usize>(
+pub(super) unsafe fn mask_scores<S: Simd, const NR: usize>(
     mask: &Mask,
     task: &Task,
     dims: &Dims,
@@ -829,7 +830,7 @@ unsafe fn panel_pv<S: Simd, T: Element, O, const VMR: usize, const NR: usize>(
 /// # Safety
 /// S available; `ot` holds `dv_pad·br` floats, `row` `panel·dv`, `states` `br` rows.
 #[inline(always)]
-unsafe fn write_back<S: Simd, T, O: Element>(
+pub(super) unsafe fn write_back<S: Simd, T, O: Element>(
     ctx: &Ctx<'_, T, O>,
     task: &Task,
     dims: &Dims,

@@ -32,11 +32,17 @@
 //! - [`softmax`]: the online-softmax step of a panel, the vector exponentials over slices;
 //! - [`forward_task`]: one task of the forward pass, the [`crate::dispatch::SimdTask`] that
 //!   strings the steps above together;
+//! - [`amx_task`]: the same task for bf16 inputs with both products on AMX tiles (its own
+//!   packing: Q and P in the tiles' pair layout, Vᵀ), the rest shared with `forward_task`;
 //! - [`decode_task`]: split-KV decode over the forward's tasks: the split plan, one split
 //!   through the forward's tile loop into partial rows, the combine (`merge_into`, fixed order);
 //! - [`backward_task`]: the tasks of the backward pass (dK/dV per key block, dQ per query
 //!   block), with probabilities recomputed from the saved LSE.
 
+// Only x86_64 has AMX tiles: elsewhere the kernel is compiled (and tested on emulated tiles)
+// but never run.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) mod amx_task;
 pub(crate) mod backward_gemm;
 pub(crate) mod backward_task;
 pub(crate) mod decode_task;
@@ -49,6 +55,8 @@ pub(crate) mod scratch;
 pub(crate) mod softmax;
 pub(crate) mod tiling;
 
+#[cfg(test)]
+mod amx_tests;
 #[cfg(test)]
 mod backward_twin_tests;
 #[cfg(test)]

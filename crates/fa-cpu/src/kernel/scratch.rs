@@ -100,6 +100,18 @@ pub(crate) struct Scratch {
     /// K and V row offsets of the current and the next key tile (paged caches make them
     /// irregular).
     pub kv_offsets: Vec<usize>,
+    /// The AMX kernel's bf16 tiles ([`super::amx_task`]), bf16 pairs as dwords: Q (B tiles),
+    /// Vᵀ (A tiles), P (B tiles), and the row-major pairs on their way into a transpose; K
+    /// (A tiles) as bf16.
+    pub amx_q: Vec<u32>,
+    /// See `amx_q`.
+    pub amx_k: Vec<u16>,
+    /// See `amx_q`.
+    pub amx_v: Vec<u32>,
+    /// See `amx_q`.
+    pub amx_p: Vec<u32>,
+    /// See `amx_q`.
+    pub amx_pairs: Vec<u32>,
 }
 
 /// f32 elements a task's scratch needs (the companion of [`crate::Workspace`]).
@@ -146,6 +158,8 @@ pub(crate) struct ScratchLens {
     pub masked: bool,
     /// Whether a probability hook runs (its row-major copy).
     pub hook: bool,
+    /// Whether the AMX kernel runs (its bf16 tiles, 32-row panels).
+    pub amx: bool,
 }
 
 impl Scratch {
@@ -184,6 +198,22 @@ impl Scratch {
         if lens.hook {
             grow(&mut self.probs, panel * bc)?;
         }
+        if lens.amx {
+            // What `amx_task` asks for: 32-row panels, head dims and keys padded to 32.
+            let (d32, dv32) = (d.div_ceil(32) * 32, dv.div_ceil(32) * 32);
+            let (br32, bc32) = (lens.max_rows.div_ceil(32) * 32, super::amx_task::amx_keys());
+            grow(&mut self.ot, dv32 * br32 + ALIGN_SLACK)?;
+            grow(&mut self.st, bc32 * 32 + ALIGN_SLACK)?;
+            grow(&mut self.corr, br32)?;
+            grow(&mut self.states, br32)?;
+            grow(&mut self.kinds, br32 / 32)?;
+            grow(&mut self.kv_offsets, 2 * bc32)?;
+            grow(&mut self.amx_q, br32 * d32 / 2)?;
+            grow(&mut self.amx_k, bc32 * d32)?;
+            grow(&mut self.amx_v, dv32 * bc32 / 2)?;
+            grow(&mut self.amx_p, bc32 * 16)?;
+            grow(&mut self.amx_pairs, (bc32 / 2 * dv32).max(16 * d32 / 2))?;
+        }
         Ok(())
     }
 
@@ -199,6 +229,11 @@ impl Scratch {
             + self.corr.capacity())
             + self.states.capacity() * std::mem::size_of::<RowState<f32>>()
             + self.kv_offsets.capacity() * std::mem::size_of::<usize>()
+            + 2 * self.amx_k.capacity()
+            + 4 * (self.amx_q.capacity()
+                + self.amx_v.capacity()
+                + self.amx_p.capacity()
+                + self.amx_pairs.capacity())
     }
 }
 

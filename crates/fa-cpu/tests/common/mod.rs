@@ -7,12 +7,17 @@ use fa_cpu::{forward, Element, ForwardOptions, ForwardStats, SimdLevel};
 use fa_reference::{attention_f64, compare, poison, Case, ErrorReport};
 use softmax_core::{Out, Qkv};
 
-/// Every SIMD level this CPU can run.
+/// Every SIMD level this CPU can run (AMX included where the CPU has it and Linux grants it).
 pub fn levels() -> Vec<SimdLevel> {
-    [SimdLevel::Scalar, SimdLevel::Avx2Fma, SimdLevel::Avx512f]
-        .into_iter()
-        .filter(|l| l.is_available())
-        .collect()
+    [
+        SimdLevel::Scalar,
+        SimdLevel::Avx2Fma,
+        SimdLevel::Avx512f,
+        SimdLevel::Amx,
+    ]
+    .into_iter()
+    .filter(|l| l.is_available())
+    .collect()
 }
 
 /// Converts the case's f32 tensors to `T` (exact when the case was rounded to `T`).

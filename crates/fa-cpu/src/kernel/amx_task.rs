@@ -1,0 +1,629 @@
+//! The bf16 forward on AMX tiles ([`AmxForwardTask`]): the forward task's plan, masks, online
+//! softmax and write-back, with its two products on tiles ([`crate::arch::amx::Tiles`]).
+//!
+//! Layout (all tiles 16 rows × 64 bytes; rows are cut into panels of [`AMX_PANEL`] = 32,
+//! two 16-row blocks):
+//! - `Sᵀ = K·Qᵀ`: A tiles are 16 keys × 32 channels of K, copied row-major (no packing beyond
+//!   the bf16 copy, padded to 32 channels); B tiles are Q in the pair layout, `[channel pair][row
+//!   in block][2]`, packed once per task. The C tiles (16 keys × 16 rows, f32) are stored at
+//!   `st[j·panel + r]`, the score layout the SIMD path uses, so the scale, softcap, mask and
+//!   [`softmax_panel`] (softmax-core's rules) run unchanged on them.
+//! - `Oᵀ += Vᵀ·Pᵀ`: A tiles are `Vᵀ` (16 channels × 32 keys, transposed once per key tile for
+//!   all the rows of the task: a GQA group's heads × a block of positions), B tiles are P
+//!   rounded to bf16 in the pair layout (`[key pair][row][2]`, from two score rows at a time:
+//!   [`Simd::bf16_pairs`]); the C tiles are `Oᵀ` in the SIMD path's panel-major layout
+//!   (`ot[p0·dv32 + c·panel + r]`), loaded, accumulated over the tile's keys and stored back,
+//!   after the online softmax's correction is applied to them in place (only when some row of
+//!   the panel moved its reference).
+//!
+//! Products accumulate in f32; the error beyond the SIMD path's is P's rounding to bf16
+//! (relative 2⁻⁹ per probability), inside the bf16 contract (1e-2 normwise).
+
+use super::forward_task::{
+    classify_panels, mask_scores, run_task, write_back, Ctx, Dims, KvRows, Sink, TaskStats,
+};
+use super::mask::MAX_PANEL;
+use super::scratch::{ensure, ensure_aligned, Scratch};
+use super::softmax::{softcap_slice, softmax_panel};
+use super::tiling::Task;
+use crate::arch::amx::Tiles;
+use crate::arch::{Arch, Simd};
+use crate::dispatch::SimdTask;
+use crate::element::{sealed, Element};
+use half::bf16;
+use softmax_core::{RowState, TileKind};
+
+/// Keys per key tile of the AMX kernel: 128 with or without a mask. Per tile, each panel
+/// loads and stores its `Oᵀ` accumulator tiles once, and on the development VM (a Xeon with
+/// AMX) a tile load or store cost ~30 ns against ~11 ns per `tdpbf16ps`: 128-key tiles
+/// halve that traffic against the SIMD path's 64 (median −8 % time over 3 alternating rounds at
+/// D=128, N=2048 on a loaded machine).
+pub(crate) const fn amx_keys() -> usize {
+    128
+}
+
+/// Query rows per panel: two B tiles of 16 rows.
+pub(crate) const AMX_PANEL: usize = 32;
+/// bf16 elements per A-tile row (channels of a `QKᵀ` step, keys of a `PV` step).
+const STEP: usize = 32;
+/// Dwords in one tile (16 rows × 64 bytes).
+const TILE_DWORDS: usize = 256;
+
+/// Q, K and V as bf16 (the AMX path runs only on bf16 inputs).
+#[derive(Clone, Copy)]
+pub(crate) struct Bf16Inputs<'a> {
+    /// Q.
+    pub q: &'a [bf16],
+    /// K.
+    pub k: &'a [bf16],
+    /// V.
+    pub v: &'a [bf16],
+}
+
+impl<'a> Bf16Inputs<'a> {
+    /// The inputs, if they are bf16.
+    pub fn of<T: Element>(q: &'a [T], k: &'a [T], v: &'a [T]) -> Option<Self> {
+        match (
+            <T as sealed::Sealed>::view(q),
+            <T as sealed::Sealed>::view(k),
+            <T as sealed::Sealed>::view(v),
+        ) {
+            (sealed::Slice::Bf16(q), sealed::Slice::Bf16(k), sealed::Slice::Bf16(v)) => {
+                Some(Bf16Inputs { q, k, v })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// One task of the forward pass on AMX tiles `M`, with its worker's scratch.
+pub(crate) struct AmxForwardTask<'t, 'a, T, O, M> {
+    /// The call's inputs and outputs.
+    pub ctx: &'t Ctx<'a, T, O>,
+    /// Q, K, V as bf16 (the same buffers as the context's).
+    pub inputs: Bf16Inputs<'t>,
+    /// The rows to compute.
+    pub task: &'t Task,
+    /// The worker's scratch.
+    pub scratch: &'t mut Scratch,
+    /// The tiles, configured on this thread.
+    pub tiles: M,
+}
+
+impl<T: Element, O: Element, M: Tiles> SimdTask for AmxForwardTask<'_, '_, T, O, M> {
+    type Output = TaskStats;
+
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(
+        mut self,
+    ) -> TaskStats {
+        // SAFETY: (all arms) A available and the const generics A's (caller); the context
+        // comes from `forward_with_workspace` (problem validated, buffers checked, the tiling
+        // of A's level), `inputs` are its Q, K, V; the AMX arms' widths give W·NR = 32.
+        unsafe {
+            match A::W {
+                16 => amx_task::<A, T, O, M, 2>(
+                    self.ctx,
+                    self.inputs,
+                    self.task,
+                    self.scratch,
+                    &mut self.tiles,
+                ),
+                8 => amx_task::<A, T, O, M, 4>(
+                    self.ctx,
+                    self.inputs,
+                    self.task,
+                    self.scratch,
+                    &mut self.tiles,
+                ),
+                // No 32-row panel at this width: the SIMD path.
+                _ => {
+                    let keys = 0..self.ctx.problem.seq(self.task.batch).seqlen_k;
+                    run_task::<A, T, O, QK, NR, PV>(
+                        self.ctx,
+                        self.task,
+                        keys,
+                        Sink::Final,
+                        self.scratch,
+                    )
+                }
+            }
+        }
+    }
+}
+
+/// Runs one task (all its keys, into O and the LSE) with the products on tiles `tiles`.
+///
+/// # Safety
+/// S available, `S::W · NR == AMX_PANEL`; the context's problem validated and buffers checked;
+/// `inputs` are the context's Q, K, V.
+#[inline(always)]
+unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
+    ctx: &Ctx<'_, T, O>,
+    inputs: Bf16Inputs<'_>,
+    task: &Task,
+    scratch: &mut Scratch,
+    tiles: &mut M,
+) -> TaskStats {
+    const { assert!(AMX_PANEL <= MAX_PANEL) };
+    let panel = S::W * NR;
+    let p = ctx.problem;
+    let (d, dv) = (p.head_dim(), p.head_dim_v());
+    let (d32, dv32) = (d.div_ceil(STEP) * STEP, dv.div_ceil(STEP) * STEP);
+    let rows = task.heads * task.len;
+    let br = rows.div_ceil(panel) * panel;
+    let bc = amx_keys();
+    let seq = p.seq(task.batch);
+    let dims = Dims {
+        d,
+        dv,
+        dv_pad: dv32,
+        v_stride: dv32,
+        rows,
+        br,
+        bc,
+        panel,
+        few: false,
+        d_w: d32,
+        dv_w: dv32,
+        sq: seq.seqlen_q,
+        sk: seq.seqlen_k,
+    };
+    let mut stats = TaskStats::default();
+    let Scratch {
+        ot,
+        st,
+        row,
+        corr,
+        states,
+        kinds,
+        kv_offsets,
+        amx_q,
+        amx_k,
+        amx_v,
+        amx_p,
+        amx_pairs,
+        ..
+    } = scratch;
+    let ot = ensure_aligned(ot, dv32 * br);
+    let st = ensure_aligned(st, bc * panel);
+    let row = ensure_aligned(row, panel * d.max(dv));
+    let corr = ensure(corr, br, 1.0);
+    let states = ensure(states, br, RowState::new());
+    let kinds = ensure(kinds, br / panel, TileKind::Full);
+    let kv_offsets = ensure(kv_offsets, 2 * bc, 0);
+    let (k_offs, v_offs) = kv_offsets.split_at_mut(bc);
+    let qv = ensure(amx_q, br * d32 / 2, 0);
+    let kb = ensure(amx_k, bc * d32, 0);
+    let vb = ensure(amx_v, dv32 * bc / 2, 0);
+    let pb = ensure(amx_p, bc / 2 * panel, 0);
+    let pairs = ensure(amx_pairs, (bc / 2 * dv32).max(16 * d32 / 2), 0);
+    ot.fill(0.0);
+    states.fill(RowState::new());
+
+    // SAFETY: S available (caller); qv holds br·d32/2 dwords, pairs 16·d32/2.
+    unsafe { pack_q::<S, T, O>(inputs.q, ctx, task, d, d32, qv, pairs) };
+    let transform = p.score_transform::<f32>();
+    let (pre, post) = (transform.pre_factor(), transform.softcap_post_factor());
+
+    let kv = KvRows::new(p, task.batch, task.head_kv);
+    let mask = p.mask();
+    let q_rows = task.i0..task.i0 + task.len;
+    let sk = dims.sk;
+    let total_tiles = sk.div_ceil(bc) as u64;
+    for tile in mask.key_tile_range(q_rows.clone(), bc, dims.sq, sk) {
+        let j0 = tile * bc;
+        let nk = bc.min(sk - j0);
+        let kind = mask.classify_tile(q_rows.clone(), j0..j0 + nk, dims.sq, sk);
+        if kind == TileKind::Empty {
+            continue;
+        }
+        let nk32 = nk.div_ceil(STEP) * STEP;
+        kv.offsets(j0, &mut k_offs[..nk], &mut v_offs[..nk]);
+        pack_k(inputs.k, &k_offs[..nk], d, d32, nk32, kb);
+        // SAFETY: S available; vb holds dv32·nk32/2 dwords, pairs nk32/2·dv32.
+        unsafe { pack_vt::<S>(inputs.v, &v_offs[..nk], dv, dv32, nk32, vb, pairs) };
+        classify_panels(kinds, &mask, task, &dims, kind, j0..j0 + nk);
+        for rv0 in (0..br).step_by(panel) {
+            let kind = kinds[rv0 / panel];
+            if kind == TileKind::Empty {
+                continue;
+            }
+            stats.computed += 1;
+            let q_panel = &qv[(rv0 / 16) * (d32 / STEP) * TILE_DWORDS..];
+            // SAFETY: `q_panel` holds the panel's two row blocks of d32/32 tiles, `kb` nk32
+            // rows of d32, `st` bc ≥ nk32 rows of `panel` floats.
+            unsafe { scores(tiles, q_panel, kb, st, d32, nk32, panel) };
+            // SAFETY: S available (caller); st holds nk32·panel floats, a multiple of W.
+            unsafe {
+                scale_slice::<S>(st.as_mut_ptr(), nk * panel, pre);
+                if let Some(post) = post {
+                    softcap_slice::<S>(st.as_mut_ptr(), nk * panel, post);
+                }
+            }
+            if kind == TileKind::Partial {
+                // SAFETY: S available; st holds nk rows of `panel`; rv0 < rows.
+                unsafe { mask_scores::<S, NR>(&mask, task, &dims, st, rv0, j0, nk) };
+            }
+            // SAFETY: st holds nk rows of `panel` floats; states and corr hold br ≥ rv0 +
+            // panel rows; S available.
+            unsafe {
+                softmax_panel::<S, NR>(
+                    st.as_mut_ptr(),
+                    panel,
+                    nk,
+                    rv0,
+                    rows,
+                    states,
+                    corr,
+                    &ctx.policy,
+                    &mut stats.rescale,
+                    ctx.exp2,
+                );
+            }
+            // SAFETY: S available; st holds nk rows of `panel` (S::W · NR), pb nk32/2 rows of
+            // `panel` dwords.
+            unsafe { pack_p::<S>(st, nk, nk32, panel, pb) };
+            let o_panel = &mut ot[rv0 * dv32..(rv0 + panel) * dv32];
+            let corr_panel = &corr[rv0..rv0 + panel];
+            if corr_panel.iter().any(|&c| c != 1.0) {
+                // SAFETY: S available; the panel holds dv32 rows of `panel` floats and
+                // corr_panel `panel` = NR·W.
+                unsafe { rescale::<S, NR>(o_panel, corr_panel, dv32) };
+            }
+            // SAFETY: vb holds dv32 rows of nk32/2 dwords, pb nk32/2 rows of `panel`
+            // dwords, o_panel dv32 rows of `panel` floats.
+            unsafe { products(tiles, vb, pb, o_panel, dv32, nk32, panel) };
+        }
+    }
+    stats.skipped = total_tiles * rows.div_ceil(panel) as u64 - stats.computed;
+    // SAFETY: S available; `ot` holds dv32·br floats (dims.dv_pad = dv32), `row` panel·dv,
+    // `states` br rows.
+    unsafe { write_back::<S, T, O>(ctx, task, &dims, ot, row, states) };
+    stats
+}
+
+/// Q's rows of the task as B tiles: the dword (channel pair `cp`) of row `r` at
+/// `(r/16·(d32/32) + cp/16)·256 + (cp%16)·16 + r%16`, zeros in the padding. Per 16 rows, the
+/// rows' dwords are gathered row-major into `pairs` (16 × d32/2) and transposed 16 × 16 at a
+/// time (a dword transpose moves bf16 pairs whole).
+///
+/// # Safety
+/// S available; `qv` holds `rows.div_ceil(16)·16·d32/2` dwords, `pairs` `16·d32/2`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_q<S: Simd, T, O>(
+    q: &[bf16],
+    ctx: &Ctx<'_, T, O>,
+    task: &Task,
+    d: usize,
+    d32: usize,
+    qv: &mut [u32],
+    pairs: &mut [u32],
+) {
+    let p = ctx.problem;
+    let rows = task.heads * task.len;
+    let half = d32 / 2;
+    for rb in 0..rows.div_ceil(16) {
+        let block = &mut pairs[..16 * half];
+        for l in 0..16 {
+            let dst = &mut block[l * half..(l + 1) * half];
+            let r = rb * 16 + l;
+            if r >= rows {
+                dst.fill(0);
+                continue;
+            }
+            let (head, i) = task.row(r);
+            let off = p.q_offset(task.batch, i, head);
+            let src = &q[off..off + d];
+            for (cp, x) in dst.iter_mut().enumerate() {
+                let lo = src.get(2 * cp).map_or(0, |v| v.to_bits() as u32);
+                let hi = src.get(2 * cp + 1).map_or(0, |v| v.to_bits() as u32);
+                *x = lo | hi << 16;
+            }
+        }
+        let out = &mut qv[rb * 16 * half..(rb + 1) * 16 * half];
+        for cc in 0..d32 / STEP {
+            // SAFETY: the block holds 16 rows of `half` dwords (columns cc·16..cc·16 + 16
+            // inside), `out` the 16 × 16 tile at cc·256; bits move unchanged (dwords as f32
+            // through loads and stores, no arithmetic); S available (caller).
+            unsafe {
+                transpose16::<S>(
+                    block.as_ptr().add(cc * 16) as *const f32,
+                    half,
+                    out.as_mut_ptr().add(cc * TILE_DWORDS) as *mut f32,
+                    16,
+                )
+            };
+        }
+    }
+}
+
+/// The tile's K rows as bf16 rows of `d32` (A tiles), zero-padded to `d32` channels and
+/// `nk32` keys.
+fn pack_k(k: &[bf16], k_offs: &[usize], d: usize, d32: usize, nk32: usize, kb: &mut [u16]) {
+    for (j, dst) in kb[..nk32 * d32].chunks_exact_mut(d32).enumerate() {
+        match k_offs.get(j) {
+            Some(&off) => {
+                for (x, y) in dst[..d].iter_mut().zip(&k[off..off + d]) {
+                    *x = y.to_bits();
+                }
+                dst[d..].fill(0);
+            }
+            None => dst.fill(0),
+        }
+    }
+}
+
+/// The tile's V rows as A tiles of `Vᵀ`: dword `(c, jp)` = `V[2jp][c] | V[2jp+1][c] << 16` at
+/// `c·nk32/2 + jp`, zero-padded to `dv32` channels and `nk32` keys. Pairs of V rows are
+/// interleaved row-major into `pairs` (`nk32/2 × dv32`), then transposed.
+///
+/// # Safety
+/// S available; `vb` holds `dv32·nk32/2` dwords, `pairs` `nk32/2·dv32`; `nk32` a multiple of
+/// 32, `dv32` of 32.
+#[inline(always)]
+unsafe fn pack_vt<S: Simd>(
+    v: &[bf16],
+    v_offs: &[usize],
+    dv: usize,
+    dv32: usize,
+    nk32: usize,
+    vb: &mut [u32],
+    pairs: &mut [u32],
+) {
+    let nk = v_offs.len();
+    let half = nk32 / 2;
+    let row = |j: usize| v_offs.get(j).map(|&off| &v[off..off + dv]);
+    for jp in 0..half {
+        let dst = &mut pairs[jp * dv32..(jp + 1) * dv32];
+        match (row(2 * jp), row(2 * jp + 1)) {
+            (Some(a), Some(b)) => {
+                for ((x, y), z) in dst.iter_mut().zip(a).zip(b) {
+                    *x = y.to_bits() as u32 | (z.to_bits() as u32) << 16;
+                }
+                dst[dv..].fill(0);
+            }
+            (Some(a), None) => {
+                for (x, y) in dst.iter_mut().zip(a) {
+                    *x = y.to_bits() as u32;
+                }
+                dst[dv..].fill(0);
+            }
+            _ => dst.fill(0),
+        }
+    }
+    debug_assert!(2 * half >= nk);
+    for j0 in (0..half).step_by(16) {
+        for c0 in (0..dv32).step_by(16) {
+            // SAFETY: rows j0..j0 + 16 ≤ half of `pairs` (stride dv32), columns c0..c0 + 16 ≤
+            // dv32; into rows c0.. of vb (stride half), columns j0..; bits move unchanged; S
+            // available (caller).
+            unsafe {
+                transpose16::<S>(
+                    pairs.as_ptr().add(j0 * dv32 + c0) as *const f32,
+                    dv32,
+                    vb.as_mut_ptr().add(c0 * half + j0) as *mut f32,
+                    half,
+                )
+            };
+        }
+    }
+}
+
+/// Transposes a 16 × 16 block of dwords (`dst[c·dst_stride + r] = src[r·src_stride + c]`)
+/// with the architecture's `W × W` float transposes, which move bits unchanged (loads,
+/// shuffles and stores only).
+///
+/// # Safety
+/// S available; 16 rows of 16 readable dwords at `src`, 16 of 16 writable at `dst`, not
+/// overlapping.
+#[inline(always)]
+unsafe fn transpose16<S: Simd>(
+    src: *const f32,
+    src_stride: usize,
+    dst: *mut f32,
+    dst_stride: usize,
+) {
+    if 16 % S::W == 0 {
+        for r0 in (0..16).step_by(S::W) {
+            for c0 in (0..16).step_by(S::W) {
+                // SAFETY: the W × W block (r0, c0) lies inside both 16 × 16 blocks.
+                unsafe {
+                    S::transpose(
+                        src.add(r0 * src_stride + c0),
+                        src_stride,
+                        dst.add(c0 * dst_stride + r0),
+                        dst_stride,
+                    )
+                };
+            }
+        }
+    } else {
+        for r in 0..16 {
+            for c in 0..16 {
+                // SAFETY: r, c < 16.
+                unsafe {
+                    *(dst.add(c * dst_stride + r) as *mut u32) =
+                        *(src.add(r * src_stride + c) as *const u32)
+                };
+            }
+        }
+    }
+}
+
+/// `x[..n] *= factor` (`n` a multiple of `W`).
+///
+/// # Safety
+/// S available; `x` read/writable for `n` floats.
+#[inline(always)]
+unsafe fn scale_slice<S: Simd>(x: *mut f32, n: usize, factor: f32) {
+    // SAFETY: S available (caller).
+    let f = unsafe { S::splat(factor) };
+    let mut i = 0;
+    while i + S::W <= n {
+        // SAFETY: i + W ≤ n.
+        unsafe { S::store(x.add(i), S::mul(S::load(x.add(i)), f)) };
+        i += S::W;
+    }
+}
+
+/// P (the panel's probabilities, `st[j·panel + r]` for keys `j < nk`) rounded to bf16 in the
+/// B-tile pair layout: key pair `jp`, row `r` of block `rb` at dword `((jp/16)·2 + rb)·256 +
+/// (jp%16)·16 + r`; keys `nk..nk32` are zeros.
+///
+/// # Safety
+/// S available; `st` holds `nk` rows of `panel` floats, `pb` `nk32/2` rows of `panel` dwords;
+/// `panel` = 32, a multiple of `W`.
+#[inline(always)]
+unsafe fn pack_p<S: Simd>(st: &[f32], nk: usize, nk32: usize, panel: usize, pb: &mut [u32]) {
+    let zeros = [0.0f32; AMX_PANEL];
+    for jp in 0..nk32 / 2 {
+        let (lo, hi) = (2 * jp, 2 * jp + 1);
+        let row_of = |j: usize| {
+            if j < nk {
+                st[j * panel..(j + 1) * panel].as_ptr()
+            } else {
+                zeros.as_ptr()
+            }
+        };
+        let (lo, hi) = (row_of(lo), row_of(hi));
+        for rb in 0..panel / 16 {
+            let dst = &mut pb[((jp / 16) * 2 + rb) * 256 + (jp % 16) * 16..][..16];
+            for v in (0..16).step_by(S::W) {
+                // SAFETY: rb·16 + v + W ≤ panel floats at lo and hi; W dwords in dst.
+                unsafe {
+                    S::bf16_pairs(
+                        lo.add(rb * 16 + v),
+                        hi.add(rb * 16 + v),
+                        dst.as_mut_ptr().add(v),
+                    )
+                };
+            }
+        }
+    }
+}
+
+/// `Oᵀ[c][r] *= corr[r]` over the panel's `dv32` channel rows.
+///
+/// # Safety
+/// S available; `o` holds `dv32` rows of `NR·W` floats, `corr` `NR·W`.
+#[inline(always)]
+unsafe fn rescale<S: Simd, const NR: usize>(o: &mut [f32], corr: &[f32], dv32: usize) {
+    let panel = NR * S::W;
+    // SAFETY: corr holds NR·W floats (caller); S available.
+    let c: [S::V; NR] = std::array::from_fn(|n| unsafe { S::load(corr.as_ptr().add(n * S::W)) });
+    for ch in 0..dv32 {
+        for (n, cv) in c.iter().enumerate() {
+            // SAFETY: ch·panel + n·W + W ≤ dv32·panel.
+            unsafe {
+                let at = o.as_mut_ptr().add(ch * panel + n * S::W);
+                S::store(at, S::mul(S::load(at), *cv));
+            }
+        }
+    }
+}
+
+/// `Sᵀ = K·Qᵀ` for one panel: per 32 keys, four C tiles (2 key blocks × 2 row blocks) over
+/// the `d32/32` channel chunks, stored at `st[j·panel + r]`.
+///
+/// # Safety
+/// `q` holds the panel's two row blocks (`2·d32/32` tiles of 256 dwords), `kb` `nk32` rows of
+/// `d32`, `st` `nk32` rows of `panel` (= 32) floats; `nk32` a multiple of 32.
+#[inline(always)]
+unsafe fn scores<M: Tiles>(
+    t: &mut M,
+    q: &[u32],
+    kb: &[u16],
+    st: &mut [f32],
+    d32: usize,
+    nk32: usize,
+    panel: usize,
+) {
+    let chunks = d32 / STEP;
+    let (k_stride, s_stride) = (2 * d32, 4 * panel);
+    for jb in (0..nk32).step_by(32) {
+        t.zero::<0>();
+        t.zero::<1>();
+        t.zero::<2>();
+        t.zero::<3>();
+        for cc in 0..chunks {
+            // SAFETY: keys jb..jb + 32 < nk32 rows of d32 u16 from column cc·32 (64 bytes
+            // each); the Q tiles of row blocks 0 and 1, chunk cc, inside `q` (caller).
+            unsafe {
+                let k0 = kb.as_ptr().add(jb * d32 + cc * STEP);
+                t.load::<4>(k0 as *const u8, k_stride);
+                t.load::<5>(k0.add(16 * d32) as *const u8, k_stride);
+                let q0 = q.as_ptr().add(cc * TILE_DWORDS);
+                t.load::<6>(q0 as *const u8, 64);
+                t.load::<7>(q0.add(chunks * TILE_DWORDS) as *const u8, 64);
+            }
+            t.dot::<0, 4, 6>();
+            t.dot::<1, 4, 7>();
+            t.dot::<2, 5, 6>();
+            t.dot::<3, 5, 7>();
+        }
+        // SAFETY: rows jb..jb + 32 ≤ nk32 of `panel` floats, columns 0..16 and 16..32.
+        unsafe {
+            let s = st.as_mut_ptr().add(jb * panel);
+            t.store::<0>(s as *mut u8, s_stride);
+            t.store::<1>(s.add(16) as *mut u8, s_stride);
+            t.store::<2>(s.add(16 * panel) as *mut u8, s_stride);
+            t.store::<3>(s.add(16 * panel + 16) as *mut u8, s_stride);
+        }
+    }
+}
+
+/// `Oᵀ += Vᵀ·Pᵀ` for one panel: per 32 channels, four C tiles (2 channel blocks × 2 row
+/// blocks) loaded from `o`, accumulated over the `nk32/32` key chunks, stored back.
+///
+/// # Safety
+/// `vb` holds `dv32` rows of `nk32/2` dwords, `pb` `nk32/2` rows of `panel` (= 32) dwords, `o`
+/// `dv32` rows of `panel` floats; `dv32` and `nk32` multiples of 32.
+#[inline(always)]
+unsafe fn products<M: Tiles>(
+    t: &mut M,
+    vb: &[u32],
+    pb: &[u32],
+    o: &mut [f32],
+    dv32: usize,
+    nk32: usize,
+    panel: usize,
+) {
+    let (v_stride, o_stride) = (2 * nk32, 4 * panel);
+    let half = nk32 / 2;
+    for cb in (0..dv32).step_by(32) {
+        // SAFETY: channel rows cb..cb + 32 ≤ dv32 of `panel` floats, columns 0..16, 16..32.
+        unsafe {
+            let oc = o.as_mut_ptr().add(cb * panel);
+            t.load::<0>(oc as *const u8, o_stride);
+            t.load::<1>(oc.add(16) as *const u8, o_stride);
+            t.load::<2>(oc.add(16 * panel) as *const u8, o_stride);
+            t.load::<3>(oc.add(16 * panel + 16) as *const u8, o_stride);
+        }
+        for kc in 0..nk32 / STEP {
+            // SAFETY: channel rows cb..cb + 32 of nk32 u16 from key kc·32 (64 bytes each);
+            // P tiles (chunk kc, row blocks 0 and 1) inside pb's nk32/2·32 dwords.
+            unsafe {
+                let v0 = vb.as_ptr().add(cb * half + kc * 16);
+                t.load::<4>(v0 as *const u8, v_stride);
+                t.load::<5>(v0.add(16 * half) as *const u8, v_stride);
+                let p0 = pb.as_ptr().add(kc * 2 * 256);
+                t.load::<6>(p0 as *const u8, 64);
+                t.load::<7>(p0.add(256) as *const u8, 64);
+            }
+            t.dot::<0, 4, 6>();
+            t.dot::<1, 4, 7>();
+            t.dot::<2, 5, 6>();
+            t.dot::<3, 5, 7>();
+        }
+        // SAFETY: as for the loads.
+        unsafe {
+            let oc = o.as_mut_ptr().add(cb * panel);
+            t.store::<0>(oc as *mut u8, o_stride);
+            t.store::<1>(oc.add(16) as *mut u8, o_stride);
+            t.store::<2>(oc.add(16 * panel) as *mut u8, o_stride);
+            t.store::<3>(oc.add(16 * panel + 16) as *mut u8, o_stride);
+        }
+    }
+}
