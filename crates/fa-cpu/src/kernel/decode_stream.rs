@@ -248,7 +248,8 @@ pub(crate) fn plan(
             for r in 0..runs {
                 let heads = run_heads(r);
                 plan.max_rows = plan.max_rows.max(heads.len() * rph);
-                let first_row = (splits > 1).then(|| first_rows[r] + s * heads.len() * rph);
+                // Empty when unsplit: then the item writes O itself.
+                let first_row = first_rows.get(r).map(|f| f + s * heads.len() * rph);
                 plan.items.push(Item {
                     batch: b,
                     heads,
@@ -865,11 +866,11 @@ unsafe fn run_item<S: Simd, T: Element, O: Element>(
     // Out: rows back to natural order.
     let natural =
         |r: usize, e: usize| o[r * sh.dv_pad + e / chunk * chunk + reg_pos::<T>(w, e % chunk)];
-    for r in 0..rows {
+    for (r, state) in states.iter().enumerate().take(rows) {
         let (head, i) = at_row(r);
         match item.first_row {
             None => {
-                let result = states[r].finish();
+                let result = state.finish();
                 // A row that saw no key gets 0, whatever V holds.
                 let seen = result.inv_sum != 0.0;
                 let values = (0..dv).map(|e| {
@@ -889,7 +890,7 @@ unsafe fn run_item<S: Simd, T: Element, O: Element>(
                 partials
                     .acc
                     .write_row(at * dv, (0..dv).map(|e| natural(r, e)));
-                partials.states.write(at, states[r]);
+                partials.states.write(at, *state);
             }
         }
     }
