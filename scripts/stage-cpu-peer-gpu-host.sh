@@ -7,7 +7,9 @@
 # $OUT/peer[-backward|-decode]-<dtype>.md/.json).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
-grep -qsx '/.gpucpu/' .git/info/exclude || echo '/.gpucpu/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
+mkdir -p "$(dirname "$exclude")"
+grep -qsx '/.gpucpu/' "$exclude" || echo '/.gpucpu/' >> "$exclude"
 rm -rf .gpucpu && mkdir -p .gpucpu/tests
 cargo build --release -p fa-cli
 strip -o .gpucpu/fa "${CARGO_TARGET_DIR:-target}/release/fa"

@@ -23,24 +23,41 @@ pub(crate) mod sealed {
         F16(&'a [half::f16]),
     }
 
+    /// Which of the three types an element is (a constant per type, so a `match` on it
+    /// compiles to one arm).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Kind {
+        /// f32.
+        F32,
+        /// bf16.
+        Bf16,
+        /// f16.
+        F16,
+    }
+
     /// Keeps [`super::Element`] closed to the three supported types.
     pub trait Sealed {
+        /// The type's kind.
+        const KIND: Kind;
         /// The slice as a typed view.
         fn view(s: &[Self]) -> Slice<'_>
         where
             Self: Sized;
     }
     impl Sealed for f32 {
+        const KIND: Kind = Kind::F32;
         fn view(s: &[f32]) -> Slice<'_> {
             Slice::F32(s)
         }
     }
     impl Sealed for half::bf16 {
+        const KIND: Kind = Kind::Bf16;
         fn view(s: &[half::bf16]) -> Slice<'_> {
             Slice::Bf16(s)
         }
     }
     impl Sealed for half::f16 {
+        const KIND: Kind = Kind::F16;
         fn view(s: &[half::f16]) -> Slice<'_> {
             Slice::F16(s)
         }

@@ -3,6 +3,7 @@
 use crate::arch::SimdLevel;
 use crate::dispatch::{dispatch, Isa};
 use crate::kernel::amx_task::Bf16Inputs;
+use crate::kernel::decode_stream::{self, StreamLens, StreamTask};
 use crate::kernel::decode_task::{self, DecodeTask, Partials};
 use crate::kernel::scratch::ensure;
 use crate::kernel::{self, Ctx, ForwardTask, Scratch, ScratchLens, SharedOut, TaskStats, Tiling};
@@ -36,18 +37,16 @@ impl Workspace {
             .sum()
     }
 
-    /// Makes `n` scratch slots, each reserved for `lens`: allocation failures are typed
-    /// errors here, and the tasks then run without allocating.
+    /// Makes `n` scratch slots, each reserved by `reserve` (`bytes`: what one asks, for the
+    /// error): allocation failures are typed errors here, and the tasks then run without
+    /// allocating.
     fn ensure_slots(
         &mut self,
         n: usize,
-        tiling: &Tiling,
-        lens: ScratchLens,
+        bytes: usize,
+        reserve: impl Fn(&mut Scratch) -> Result<(), std::collections::TryReserveError>,
     ) -> Result<(), ProblemError> {
-        let oom = |what| ProblemError::OutOfMemory {
-            what,
-            bytes: scratch_bytes_per_thread_for(tiling, lens),
-        };
+        let oom = |what| ProblemError::OutOfMemory { what, bytes };
         self.slots
             .try_reserve(n.saturating_sub(self.slots.len()))
             .map_err(|_| oom("the scratch slots"))?;
@@ -59,9 +58,7 @@ impl Workspace {
                 Ok(s) => s,
                 Err(poisoned) => poisoned.into_inner(),
             };
-            scratch
-                .try_reserve(tiling, lens)
-                .map_err(|_| oom("per-thread scratch"))?;
+            reserve(scratch).map_err(|_| oom("per-thread scratch"))?;
         }
         Ok(())
     }
@@ -216,7 +213,15 @@ pub(crate) fn forward_on<T: Element, O: Element>(
 
     ensure_pool(&mut ws.pool, threads)?;
     let workers = threads.unwrap_or_else(|| rayon::current_num_threads().max(1));
-    ws.ensure_slots(workers, &tiling, lens)?;
+
+    if decode && decode_stream::applies(problem, opts.probability_hook.is_some()) {
+        return forward_stream(&ctx, opts, ws, threads, workers, isa);
+    }
+    ws.ensure_slots(
+        workers,
+        scratch_bytes_per_thread_for(&tiling, lens),
+        |scratch| scratch.try_reserve(&tiling, lens),
+    )?;
 
     if !decode {
         let stats = run_items(ws, threads, workers, task_list.len(), |scratch, i| {
@@ -320,6 +325,58 @@ fn run_amx<T: Element, O: Element>(
             },
         )),
     }
+}
+
+/// Split-KV decode through the streaming kernel (`kernel::decode_stream`): every split of
+/// every run of KV heads, then the combines.
+fn forward_stream<T: Element, O: Element>(
+    ctx: &Ctx<'_, T, O>,
+    opts: &ForwardOptions,
+    ws: &mut Workspace,
+    threads: Option<usize>,
+    workers: usize,
+    isa: Isa,
+) -> Result<ForwardStats, ProblemError> {
+    let problem = ctx.problem;
+    let lanes = ctx.tiling.lanes;
+    let plan = decode_stream::plan(problem, lanes, std::mem::size_of::<T>(), opts.kv_splits)?;
+    let lens = StreamLens {
+        rows: plan.max_rows,
+        d_pad: decode_stream::padded(problem.head_dim(), lanes),
+        dv_pad: decode_stream::padded(problem.head_dim_v(), lanes),
+    };
+    let bytes = 4 * lens.rows * (lens.d_pad + lens.dv_pad + decode_stream::TILE_KEYS);
+    ws.ensure_slots(workers, bytes, |scratch| scratch.try_reserve_stream(lens))?;
+    let dv = problem.head_dim_v();
+    let mut acc = try_vec(plan.partial_rows.saturating_mul(dv), 0.0f32)?;
+    let mut states = try_vec(plan.partial_rows, RowState::new())?;
+    let partials = Partials {
+        acc: SharedOut::new(&mut acc),
+        states: SharedOut::new(&mut states),
+    };
+    let stats = run_items(ws, threads, workers, plan.items.len(), |scratch, i| {
+        dispatch(
+            isa,
+            StreamTask {
+                ctx,
+                item: &plan.items[i],
+                partials,
+                scratch,
+            },
+        )
+    });
+    let (acc, states) = (&acc[..], &states[..]);
+    run_items(ws, threads, workers, plan.combines.len(), |scratch, i| {
+        let acc_row = ensure(&mut scratch.row, dv, 0.0);
+        decode_stream::combine(ctx, &plan.combines[i], acc, states, acc_row);
+        TaskStats::default()
+    });
+    Ok(ForwardStats {
+        rescale: stats.rescale,
+        tiles_computed: stats.computed,
+        tiles_skipped: 0,
+        kv_splits: plan.max_splits,
+    })
 }
 
 /// A vector of `n` copies of `fill`, or a typed error when it cannot be allocated.

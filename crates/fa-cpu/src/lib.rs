@@ -24,7 +24,10 @@
 //!   table) run split-KV: each task's keys are cut into splits computed in parallel into
 //!   partial rows (O unnormalised + the online-softmax state), merged in split order by
 //!   `softmax_core::merge_into`; the split count comes from the problem
-//!   ([`ForwardOptions::kv_splits`] overrides it). [`append_kv`] writes new tokens into a
+//!   ([`ForwardOptions::kv_splits`] overrides it). With few query rows per KV head (a GQA
+//!   group × a few new tokens) a decode-specific loop runs: K and V rows read straight from
+//!   the cache (no packing), several KV heads per work item so the cache streams
+//!   contiguously, bf16/f16 widened in registers. [`append_kv`] writes new tokens into a
 //!   cache in place.
 //! - AMX: where the CPU has AMX-BF16 and Linux grants the tile-data permission,
 //!   [`SimdLevel::Auto`] resolves to [`SimdLevel::Amx`] and bf16 forward calls run both
@@ -162,7 +165,9 @@ pub struct ForwardStats {
     /// Rescale decisions, summed over rows and key tiles.
     pub rescale: RescaleStats,
     /// (row panel, key tile) pairs computed: a row panel is the micro-kernels' block of
-    /// query rows (16 with AVX2, 48 with AVX-512, 16 scalar), a key tile 64–66 keys.
+    /// query rows (16 with AVX2, 48 with AVX-512, 16 scalar), a key tile 64–66 keys. In the
+    /// decode loop (few rows per KV head) a "panel" is one work item's rows (a run of KV
+    /// heads' query rows) and a tile 64 keys.
     pub tiles_computed: u64,
     /// (row panel, key tile) pairs skipped because the mask hides them entirely.
     pub tiles_skipped: u64,

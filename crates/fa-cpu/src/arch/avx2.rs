@@ -158,6 +158,42 @@ unsafe impl Simd for Avx2 {
         unsafe { Self::transpose(src, src_stride, dst, dst_stride) }
     }
     #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        // SAFETY: AVX present (trait contract).
+        unsafe {
+            let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            let h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            _mm_cvtss_f32(h)
+        }
+    }
+    #[inline(always)]
+    unsafe fn hmax(v: __m256) -> f32 {
+        // SAFETY: AVX present (trait contract). maxps trees: a NaN lane loses to any number.
+        unsafe {
+            let h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            let h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            _mm_cvtss_f32(h)
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16_pair(p: *const u16) -> (__m256, __m256) {
+        // SAFETY: 16 readable u16 at p (trait contract); AVX2 present. Little-endian: the
+        // 32-bit lane i holds element 2i in its low half and 2i + 1 in its high half.
+        unsafe {
+            let x = _mm256_loadu_si256(p as *const __m256i);
+            let even = _mm256_slli_epi32::<16>(x);
+            let odd = _mm256_and_si256(x, _mm256_set1_epi32(0xffff_0000u32 as i32));
+            (_mm256_castsi256_ps(even), _mm256_castsi256_ps(odd))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> __m256 {
+        // SAFETY: 8 readable u16 at p (trait contract); F16C present.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
         let mut i = 0;
         while i + 8 <= n {

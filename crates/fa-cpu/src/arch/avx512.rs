@@ -172,6 +172,71 @@ unsafe impl Simd for Avx512 {
         }
     }
     #[inline(always)]
+    unsafe fn hsum(v: __m512) -> f32 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe { _mm512_reduce_add_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn hsum8(v: [__m512; 8]) -> [f32; 8] {
+        // SAFETY: AVX-512F present (trait contract). Each level halves the lanes per sum and
+        // doubles the sums per vector: 256-bit halves, then 128-bit blocks (block k: the four
+        // partials of v[k] or v[4 + k]), then pairs and neighbours inside each block.
+        unsafe {
+            let halves = |a: __m512, b: __m512| {
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                    _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+                )
+            };
+            let blocks = |a: __m512, b: __m512| {
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                    _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+                )
+            };
+            let lo = blocks(halves(v[0], v[1]), halves(v[2], v[3]));
+            let hi = blocks(halves(v[4], v[5]), halves(v[6], v[7]));
+            let pairs = _mm512_add_ps(
+                _mm512_shuffle_ps::<0b10_00_10_00>(lo, hi),
+                _mm512_shuffle_ps::<0b11_01_11_01>(lo, hi),
+            );
+            let sums = _mm512_add_ps(pairs, _mm512_permute_ps::<0b10_11_00_01>(pairs));
+            let mut lanes = [0.0f32; 16];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), sums);
+            [
+                lanes[0], lanes[4], lanes[8], lanes[12], lanes[2], lanes[6], lanes[10], lanes[14],
+            ]
+        }
+    }
+    #[inline(always)]
+    unsafe fn hmax(v: __m512) -> f32 {
+        // SAFETY: AVX-512F present (trait contract). A tree of vmaxps: a NaN lane loses to
+        // any number it meets, as in the trait's fold.
+        unsafe {
+            let h = _mm512_max_ps(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
+            let h = _mm512_max_ps(h, _mm512_shuffle_f32x4::<0b10_11_00_01>(h, h));
+            let h = _mm512_max_ps(h, _mm512_permute_ps::<0b01_00_11_10>(h));
+            let h = _mm512_max_ps(h, _mm512_permute_ps::<0b10_11_00_01>(h));
+            _mm512_cvtss_f32(h)
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16_pair(p: *const u16) -> (__m512, __m512) {
+        // SAFETY: 32 readable u16 at p (trait contract); AVX-512F present. Little-endian: the
+        // 32-bit lane i holds element 2i in its low half and 2i + 1 in its high half.
+        unsafe {
+            let x = _mm512_loadu_si512(p as *const _);
+            let even = _mm512_slli_epi32::<16>(x);
+            let odd = _mm512_and_si512(x, _mm512_set1_epi32(0xffff_0000u32 as i32));
+            (_mm512_castsi512_ps(even), _mm512_castsi512_ps(odd))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> __m512 {
+        // SAFETY: 16 readable u16 at p (trait contract); AVX-512F present.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+    }
+    #[inline(always)]
     unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
         let mut i = 0;
         while i + 16 <= n {

@@ -207,6 +207,65 @@ pub(crate) unsafe trait Simd: Copy + 'static {
             }
         }
     }
+    /// The sum of the lanes, in an order of the architecture's choosing (a shuffle tree on
+    /// x86; the default adds lane by lane).
+    #[inline(always)]
+    unsafe fn hsum(v: Self::V) -> f32 {
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: `lanes` holds 16 ≥ W floats; S available (caller).
+        unsafe { Self::store(lanes.as_mut_ptr(), v) };
+        lanes[..Self::W].iter().sum()
+    }
+    /// The lane sums of eight vectors (`out[i] = hsum(v[i])`), in an order of the
+    /// architecture's choosing: a transposing shuffle tree on AVX-512 (31 operations for
+    /// eight sums, against ~9 per [`Simd::hsum`]); the default sums each on its own.
+    #[inline(always)]
+    unsafe fn hsum8(v: [Self::V; 8]) -> [f32; 8] {
+        let mut out = [0.0f32; 8];
+        for (o, x) in out.iter_mut().zip(v) {
+            // SAFETY: S available (caller).
+            *o = unsafe { Self::hsum(x) };
+        }
+        out
+    }
+    /// The largest lane (of lanes without NaN; callers keep NaN out of what they reduce).
+    #[inline(always)]
+    unsafe fn hmax(v: Self::V) -> f32 {
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: `lanes` holds 16 ≥ W floats; S available (caller).
+        unsafe { Self::store(lanes.as_mut_ptr(), v) };
+        lanes[1..Self::W]
+            .iter()
+            .fold(lanes[0], |m, &x| if x > m { x } else { m })
+    }
+    /// Loads `2·W` bf16 values (bit patterns) at `p`, widened to f32 and **de-interleaved**:
+    /// lane `i` of the first vector is element `2i`, of the second element `2i + 1`. Widening
+    /// this way is a shift and a mask per vector, no shuffle; kernels that only sum products
+    /// keep their other operand in the same order (see `kernel::decode_stream`).
+    #[inline(always)]
+    unsafe fn load_bf16_pair(p: *const u16) -> (Self::V, Self::V) {
+        let (mut even, mut odd) = ([0.0f32; 16], [0.0f32; 16]);
+        for i in 0..Self::W {
+            // SAFETY: 2·W readable u16 at p (caller's contract).
+            unsafe {
+                even[i] = f32::from_bits((*p.add(2 * i) as u32) << 16);
+                odd[i] = f32::from_bits((*p.add(2 * i + 1) as u32) << 16);
+            }
+        }
+        // SAFETY: both arrays hold 16 ≥ W floats; S available (caller).
+        unsafe { (Self::load(even.as_ptr()), Self::load(odd.as_ptr())) }
+    }
+    /// Loads `W` f16 values (bit patterns) at `p`, widened to f32 in order.
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> Self::V {
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: W readable u16 at p (caller's contract), `lanes` holds 16 ≥ W floats; S
+        // available (caller).
+        unsafe {
+            Self::widen_f16(p, lanes.as_mut_ptr(), Self::W);
+            Self::load(lanes.as_ptr())
+        }
+    }
     /// Transposes an 8 × 8 block: `dst[c·dst_stride + r] = src[r·src_stride + c]` for
     /// `r, c < 8` (packs K tiles into the AVX-512 QKᵀ kernel's 8-key groups). The default is
     /// the scalar loop; architectures with shuffles override it.

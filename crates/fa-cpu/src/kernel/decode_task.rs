@@ -231,16 +231,44 @@ pub(crate) fn combine<T, O: Element>(
     states: &[RowState<f32>],
     acc_row: &mut [f32],
 ) {
-    let p = ctx.problem;
     let task = &item.task;
+    merge_rows(
+        ctx,
+        task.batch,
+        task.heads * task.len,
+        item.first_row,
+        item.splits,
+        |r| task.row(r),
+        acc,
+        states,
+        acc_row,
+    );
+}
+
+/// The combine of `rows` rows of sequence `batch` split `splits` ways: split `s`'s row `r`
+/// is partial row `first_row + s·rows + r`; rows are merged in split order with
+/// `softmax_core::merge_into`, normalised and written to O (and the LSE) at the (query head,
+/// position) `row_at(r)`. `acc_row` is scratch of `head_dim_v` floats.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn merge_rows<T, O: Element>(
+    ctx: &Ctx<'_, T, O>,
+    batch: usize,
+    rows: usize,
+    first_row: usize,
+    splits: usize,
+    row_at: impl Fn(usize) -> (usize, usize),
+    acc: &[f32],
+    states: &[RowState<f32>],
+    acc_row: &mut [f32],
+) {
+    let p = ctx.problem;
     let dv = p.head_dim_v();
-    let rows = task.heads * task.len;
     for r in 0..rows {
-        let row_of = |s: usize| item.first_row + s * rows + r;
+        let row_of = |s: usize| first_row + s * rows + r;
         let first = row_of(0);
         let mut state = states[first];
         acc_row.copy_from_slice(&acc[first * dv..(first + 1) * dv]);
-        for s in 1..item.splits {
+        for s in 1..splits {
             let at = row_of(s);
             merge_into(
                 &mut state,
@@ -250,15 +278,15 @@ pub(crate) fn combine<T, O: Element>(
             );
         }
         let result = state.finish();
-        let (head, i) = task.row(r);
+        let (head, i) = row_at(r);
         // A row that saw no key gets 0, whatever V holds (as in the forward's write-back).
         let seen = result.inv_sum != 0.0;
         let values = acc_row
             .iter()
             .map(|&a| O::from_f32(if seen { a * result.inv_sum } else { 0.0 }));
-        ctx.out.write_row(p.o_offset(task.batch, i, head), values);
+        ctx.out.write_row(p.o_offset(batch, i, head), values);
         if let Some(lse) = &ctx.lse {
-            lse.write(p.lse_offset(task.batch, head, i), result.lse);
+            lse.write(p.lse_offset(batch, head, i), result.lse);
         }
     }
 }

@@ -144,7 +144,7 @@ pub(super) struct Dims {
 /// the sequence's row of the block table. [`KvRows::offsets`] lists a run of keys' offsets
 /// once per tile (one division per run, not per key), for packing and prefetching alike.
 #[derive(Clone, Copy)]
-pub(super) struct KvRows<'a> {
+pub(crate) struct KvRows<'a> {
     k_base: usize,
     v_base: usize,
     k_seq: usize,
@@ -164,7 +164,7 @@ struct Pages<'a> {
 
 impl<'a> KvRows<'a> {
     /// The rows of KV head `head_kv` of sequence `b`.
-    pub(super) fn new(p: &'a Problem<'a>, b: usize, head_kv: usize) -> Self {
+    pub(crate) fn new(p: &'a Problem<'a>, b: usize, head_kv: usize) -> Self {
         let [_, ks, vs, _] = p.strides();
         match p.kv_cache() {
             KvCache::Paged {
@@ -196,7 +196,7 @@ impl<'a> KvRows<'a> {
 
     /// Writes the K and V offsets of keys `j0..j0 + k.len()` into `k` and `v`.
     #[inline(always)]
-    pub(super) fn offsets(&self, j0: usize, k: &mut [usize], v: &mut [usize]) {
+    pub(crate) fn offsets(&self, j0: usize, k: &mut [usize], v: &mut [usize]) {
         match self.pages {
             None => {
                 for (j, (ko, vo)) in k.iter_mut().zip(v.iter_mut()).enumerate() {

@@ -36,6 +36,8 @@
 //!   packing: Q and P in the tiles' pair layout, Vᵀ), the rest shared with `forward_task`;
 //! - [`decode_task`]: split-KV decode over the forward's tasks: the split plan, one split
 //!   through the forward's tile loop into partial rows, the combine (`merge_into`, fixed order);
+//! - [`decode_stream`]: split-KV decode's own inner loop for few rows per KV head (decode
+//!   proper): K/V rows streamed straight from the cache, a run of KV heads per item;
 //! - [`backward_task`]: the tasks of the backward pass (dK/dV per key block, dQ per query
 //!   block), with probabilities recomputed from the saved LSE.
 
@@ -45,6 +47,7 @@
 pub(crate) mod amx_task;
 pub(crate) mod backward_gemm;
 pub(crate) mod backward_task;
+pub(crate) mod decode_stream;
 pub(crate) mod decode_task;
 pub(crate) mod forward_task;
 pub(crate) mod mask;
@@ -59,6 +62,8 @@ pub(crate) mod tiling;
 mod amx_tests;
 #[cfg(test)]
 mod backward_twin_tests;
+#[cfg(test)]
+mod decode_stream_tests;
 #[cfg(test)]
 mod twin_tests;
 

@@ -1,6 +1,7 @@
 //! Per-thread scratch ([`Scratch`], grown on demand and reused across tasks and calls) and the
 //! output buffers the tasks share ([`SharedOut`]).
 
+use super::decode_stream::{StreamLens, TILE_KEYS};
 use super::pack::prefetch_lines;
 use super::tiling::Tiling;
 use super::CACHE_LINE;
@@ -214,6 +215,26 @@ impl Scratch {
             grow(&mut self.amx_p, bc32 * 16)?;
             grow(&mut self.amx_pairs, (bc32 / 2 * dv32).max(16 * d32 / 2))?;
         }
+        Ok(())
+    }
+
+    /// Reserves the buffers the streaming decode kernel (`decode_stream`) asks for: Q, O and
+    /// score rows of its largest item, one natural-order row, states, and two tiles' K/V
+    /// offsets.
+    pub(crate) fn try_reserve_stream(
+        &mut self,
+        lens: StreamLens,
+    ) -> Result<(), std::collections::TryReserveError> {
+        fn grow<E>(buf: &mut Vec<E>, len: usize) -> Result<(), std::collections::TryReserveError> {
+            buf.try_reserve_exact(len.saturating_sub(buf.len()))
+        }
+        let rows = lens.rows;
+        grow(&mut self.qt, rows * lens.d_pad + ALIGN_SLACK)?;
+        grow(&mut self.ot, rows * lens.dv_pad + ALIGN_SLACK)?;
+        grow(&mut self.st, rows * TILE_KEYS + ALIGN_SLACK)?;
+        grow(&mut self.row, lens.d_pad.max(lens.dv_pad) + ALIGN_SLACK)?;
+        grow(&mut self.states, rows)?;
+        grow(&mut self.kv_offsets, 4 * TILE_KEYS)?;
         Ok(())
     }
 

@@ -1,0 +1,925 @@
+//! Split-KV decode's streaming kernel: the decode-specific inner loop for problems whose KV
+//! heads each serve a few query rows (a GQA group's heads × a few new tokens).
+//!
+//! A work [`Item`] is one sequence, a run of **consecutive KV heads** and a range of keys.
+//! Its query rows (every query head of those KV heads × the sequence's new tokens) stay in L1,
+//! pre-scaled, and K and V rows are read **straight from the cache** (padded, or paged through
+//! the block table), key after key and, for each key, head after head: in the usual
+//! `[.., seq, heads_kv, head_dim]` layout that is one contiguous run of bytes per key, so the
+//! hardware prefetchers stream the cache at full speed and each K/V byte is read once for its
+//! whole group. Per key tile:
+//! - `S = Q·Kᵀ`: for each (key, head), dot products of up to [`ROW_BLOCK`] rows at once over
+//!   the head dim, vectorised along it (two keys per step, so each Q vector loaded from L1
+//!   serves two K vectors), one horizontal sum per score;
+//! - softcap, mask, then the online softmax per row over the tile's scores (vectorised over
+//!   the keys; `softmax_core::RowState` keeps the books), the accumulator rescaled when the
+//!   rule says so;
+//! - `O += P·V`: for each (head, block of rows), four keys' V rows at a time are multiplied
+//!   into the rows' accumulators (vectorised over the head dim).
+//!
+//! Nothing is copied or packed: bf16 and f16 are widened in registers. bf16 is widened by a
+//! shift and a mask per vector ([`Simd::load_bf16_pair`]), which de-interleaves each `2·W`
+//! elements into even and odd lanes; Q rows and the accumulators are kept in that same
+//! "register order" ([`reg_pos`]), so dot products and `P·V` need no shuffle, and the order is
+//! undone when rows are written out.
+//!
+//! [`plan`] cuts the work: KV heads into runs whose Q and O rows fit [`ITEM_QO_BYTES`], each
+//! sequence's visible keys into splits (problem-only rule, so results never depend on the
+//! thread count); [`combine`] merges a run's splits with `softmax_core::merge_into`.
+
+use super::decode_task::{merge_rows, Partials};
+use super::forward_task::{Ctx, KvRows, TaskStats};
+use super::pack::{prefetch_row, widen};
+use super::scratch::{ensure, ensure_aligned, Scratch};
+use super::softmax::softcap_slice;
+use crate::arch::{exp2_cubic, exp2_exact, Arch, Simd};
+use crate::dispatch::SimdTask;
+use crate::element::{sealed, Element};
+use crate::Exp2Impl;
+use softmax_core::{Problem, ProblemError, RescalePolicy, RescaleStats, RowState};
+use std::ops::Range;
+
+/// Keys per tile: the scores of a tile (rows × 64 floats) stay in L1, and the per-row softmax
+/// bookkeeping is paid once per 64 keys.
+pub(crate) const TILE_KEYS: usize = 64;
+/// Most query rows per KV head (group × new tokens) this kernel takes; above it the tiled
+/// forward's register-blocked GEMMs reuse each K/V tile better.
+pub(crate) const MAX_ROWS_PER_HEAD: usize = 32;
+/// Bytes of Q and O rows (f32) an item keeps at most (several heads' worth where they fit):
+/// with the tile's scores they stay in a 32–48 KiB L1.
+pub(crate) const ITEM_QO_BYTES: usize = 32 << 10;
+/// Work items the automatic split count aims for in all: enough for a many-core host when
+/// batch × runs of heads is small. A rule of the problem alone (never the thread count).
+pub(crate) const TARGET_ITEMS: usize = 32;
+/// Fewest K+V bytes per split under the automatic rule: below this a split's fixed costs
+/// (loading Q, writing its partial rows, the combine) start to show.
+pub(crate) const MIN_SPLIT_BYTES: usize = 256 << 10;
+/// Most splits per (sequence, run of heads) under the automatic rule.
+pub(crate) const MAX_AUTO_SPLITS: usize = 128;
+/// Query rows per dot-product / `P·V` block (register blocking).
+pub(crate) const ROW_BLOCK: usize = 4;
+/// Keys per `Q·Kᵀ` step.
+const QK_KEYS: usize = 2;
+/// Keys per `P·V` step.
+const PV_KEYS: usize = 4;
+/// Whether the tile loops prefetch into L2: this tile's V rows during `Q·Kᵀ`, the next
+/// tile's K rows during `P·V` (each stream one phase ahead of its use). Measured on the
+/// 2-core Xeon VM (bf16, B=1, 16k keys, one thread, 9 rounds after a cache-evicting copy):
+/// K/V read 0.33–0.38 of the copy bandwidth with it, 0.24–0.31 without; prefetching K or V
+/// 8–32 keys ahead in its own stream instead did no better.
+const PREFETCH: bool = true;
+
+/// Whether the streaming kernel takes a split-KV problem: few rows per KV head, and no
+/// probability hook (which wants the tiled forward's panels).
+pub(crate) fn applies(p: &Problem, hook: bool) -> bool {
+    !hook && p.group_size().saturating_mul(p.max_seqlen_q()) <= MAX_ROWS_PER_HEAD
+}
+
+/// One work item: sequence `batch`, KV heads `heads`, keys `keys`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Item {
+    /// The sequence.
+    pub batch: usize,
+    /// Consecutive KV heads; the item's rows are, per head, its query heads × new tokens.
+    pub heads: Range<usize>,
+    /// Keys of this split.
+    pub keys: Range<usize>,
+    /// `None`: the only split, written straight to O; `Some(r)`: its partial rows start at
+    /// row `r` of the partial buffers.
+    pub first_row: Option<usize>,
+}
+
+/// A run of heads whose splits the combine merges: `splits` consecutive blocks of rows from
+/// `first_row` on, in split order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Combine {
+    /// The sequence.
+    pub batch: usize,
+    /// The KV heads.
+    pub heads: Range<usize>,
+    /// Partial row of split 0's row 0.
+    pub first_row: usize,
+    /// Splits to merge (≥ 2).
+    pub splits: usize,
+}
+
+/// The streaming plan of a call.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Plan {
+    /// Work items of the first phase.
+    pub items: Vec<Item>,
+    /// Work items of the second phase.
+    pub combines: Vec<Combine>,
+    /// Rows of the partial buffers.
+    pub partial_rows: usize,
+    /// The largest split count.
+    pub max_splits: usize,
+    /// The most rows of any item.
+    pub max_rows: usize,
+}
+
+/// `n` rounded up to whole chunks of `2·lanes` (what the kernels load per step).
+pub(crate) fn padded(n: usize, lanes: usize) -> usize {
+    n.div_ceil(2 * lanes) * 2 * lanes
+}
+
+/// Query rows per KV head of sequence `b`.
+fn rows_per_head(p: &Problem, b: usize) -> usize {
+    p.group_size() * p.seq(b).seqlen_q
+}
+
+/// The query head and position of row `r` of a KV head's rows (positions first, then heads,
+/// as the tiled forward's tasks).
+#[inline(always)]
+fn row_of(head_kv: usize, group: usize, sq: usize, r: usize) -> (usize, usize) {
+    (head_kv * group + r / sq, r % sq)
+}
+
+/// Cuts the work (see the module doc): KV heads into runs of at most [`ITEM_QO_BYTES`] of Q
+/// and O rows (balanced), each run's visible keys into splits of whole tiles: `forced` when
+/// given (at most one per tile), else [`TARGET_ITEMS`] items spread over the runs with at
+/// least [`MIN_SPLIT_BYTES`] of K+V per split and at most [`MAX_AUTO_SPLITS`] splits.
+/// `lanes` is the architecture's vector width, `elem_bytes` the K/V element's size.
+pub(crate) fn plan(
+    p: &Problem,
+    lanes: usize,
+    elem_bytes: usize,
+    forced: Option<usize>,
+) -> Result<Plan, ProblemError> {
+    let (d, dv) = (p.head_dim(), p.head_dim_v());
+    let qo_per_row = 4 * (padded(d, lanes) + padded(dv, lanes));
+    let heads_kv = p.heads_kv();
+    let mask = p.mask();
+    // Per sequence: heads per run, runs, visible keys (None: no query rows).
+    let layout = |b: usize| {
+        let seq = p.seq(b);
+        let rph = rows_per_head(p, b);
+        if rph == 0 {
+            return None;
+        }
+        let fit = (ITEM_QO_BYTES / (rph * qo_per_row)).clamp(1, heads_kv);
+        let runs = heads_kv.div_ceil(fit);
+        let per_run = heads_kv.div_ceil(runs);
+        let visible = mask.union_key_range(0..seq.seqlen_q, seq.seqlen_q, seq.seqlen_k);
+        Some((per_run, heads_kv.div_ceil(per_run), visible, rph))
+    };
+    let units: usize = (0..p.batch()).filter_map(layout).map(|l| l.1).sum();
+    let wanted = TARGET_ITEMS.div_ceil(units.max(1));
+    let cut = |per_run: usize, visible: &Range<usize>| {
+        let n = visible.len();
+        let tiles = n.div_ceil(TILE_KEYS);
+        let key_bytes = (per_run * (d + dv) * elem_bytes).max(1);
+        let min_keys = MIN_SPLIT_BYTES.div_ceil(key_bytes).max(1);
+        let splits = match forced {
+            Some(s) => s,
+            None => wanted.min(n / min_keys).min(MAX_AUTO_SPLITS),
+        }
+        .clamp(1, tiles.max(1));
+        let per_split = n.div_ceil(splits).div_ceil(TILE_KEYS).max(1) * TILE_KEYS;
+        (per_split, n.div_ceil(per_split).max(1))
+    };
+    // Two passes: count, then fill, so the lists are allocated with `try_reserve`.
+    let (mut n_items, mut n_combines) = (0usize, 0usize);
+    for b in 0..p.batch() {
+        if let Some((per_run, runs, visible, _)) = layout(b) {
+            let (_, splits) = cut(per_run, &visible);
+            n_items = splits
+                .checked_mul(runs)
+                .and_then(|n| n.checked_add(n_items))
+                .ok_or(ProblemError::Overflow)?;
+            n_combines += if splits > 1 { runs } else { 0 };
+        }
+    }
+    let oom = |what, n: usize, size: usize| ProblemError::OutOfMemory {
+        what,
+        bytes: n.saturating_mul(size),
+    };
+    let mut plan = Plan {
+        max_splits: 1,
+        ..Plan::default()
+    };
+    plan.items
+        .try_reserve_exact(n_items)
+        .map_err(|_| oom("the split list", n_items, std::mem::size_of::<Item>()))?;
+    plan.combines.try_reserve_exact(n_combines).map_err(|_| {
+        oom(
+            "the combine list",
+            n_combines,
+            std::mem::size_of::<Combine>(),
+        )
+    })?;
+    for b in 0..p.batch() {
+        let Some((per_run, runs, visible, rph)) = layout(b) else {
+            continue;
+        };
+        let (per_split, splits) = cut(per_run, &visible);
+        let run_heads = |r: usize| r * per_run..((r + 1) * per_run).min(heads_kv);
+        let mut first_rows: Vec<usize> = Vec::new();
+        if splits > 1 {
+            first_rows
+                .try_reserve_exact(runs)
+                .map_err(|_| oom("the combine list", runs, 8))?;
+            for r in 0..runs {
+                let heads = run_heads(r);
+                let rows = heads.len() * rph;
+                first_rows.push(plan.partial_rows);
+                plan.combines.push(Combine {
+                    batch: b,
+                    heads,
+                    first_row: plan.partial_rows,
+                    splits,
+                });
+                plan.partial_rows = splits
+                    .checked_mul(rows)
+                    .and_then(|n| n.checked_add(plan.partial_rows))
+                    .ok_or(ProblemError::Overflow)?;
+            }
+            plan.max_splits = plan.max_splits.max(splits);
+        }
+        // Work order: a sequence's splits in key order, the runs of heads of one split
+        // together (neighbouring items read neighbouring memory).
+        for s in 0..splits {
+            let keys = if splits == 1 {
+                visible.clone()
+            } else {
+                let start = visible.start + s * per_split;
+                start..(start + per_split).min(visible.end)
+            };
+            for r in 0..runs {
+                let heads = run_heads(r);
+                plan.max_rows = plan.max_rows.max(heads.len() * rph);
+                // Empty when unsplit: then the item writes O itself.
+                let first_row = first_rows.get(r).map(|f| f + s * heads.len() * rph);
+                plan.items.push(Item {
+                    batch: b,
+                    heads,
+                    keys: keys.clone(),
+                    first_row,
+                });
+            }
+        }
+    }
+    Ok(plan)
+}
+
+/// Scratch lengths (f32 elements, before alignment slack) the items of a plan ask for:
+/// Q rows, O rows, scores, one natural-order row; `rows` states; the K and V offsets of two
+/// tiles.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StreamLens {
+    /// The most rows of any item.
+    pub rows: usize,
+    /// Head dims padded to whole chunks.
+    pub d_pad: usize,
+    /// See `d_pad`.
+    pub dv_pad: usize,
+}
+
+/// One item with its worker's scratch: the [`SimdTask`] of the streaming kernel.
+pub(crate) struct StreamTask<'t, 'a, T, O> {
+    /// The call's inputs and outputs.
+    pub ctx: &'t Ctx<'a, T, O>,
+    /// The item to compute.
+    pub item: &'t Item,
+    /// Where partial rows go.
+    pub partials: Partials,
+    /// The worker's scratch.
+    pub scratch: &'t mut Scratch,
+}
+
+impl<T: Element, O: Element> SimdTask for StreamTask<'_, '_, T, O> {
+    type Output = TaskStats;
+
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) -> TaskStats {
+        // SAFETY: A available (caller); the context comes from `forward_with_workspace`
+        // (problem validated, buffers checked); the plan made the item's keys lie within its
+        // sequence and sized the partial buffers for every split's rows.
+        unsafe { run_item::<A, T, O>(self.ctx, self.item, self.partials, self.scratch) }
+    }
+}
+
+/// Where element `e` of a `2·W`-element chunk sits in register order: bf16 chunks are
+/// de-interleaved (even elements in the first vector, odd in the second, see
+/// [`Simd::load_bf16_pair`]); f32 and f16 keep their order.
+#[inline(always)]
+pub(crate) fn reg_pos<T: Element>(lanes: usize, e: usize) -> usize {
+    match T::KIND {
+        sealed::Kind::Bf16 => (e % 2) * lanes + e / 2,
+        sealed::Kind::F32 | sealed::Kind::F16 => e,
+    }
+}
+
+/// Loads the `2·W` elements at `p` as two f32 vectors in register order.
+///
+/// # Safety
+/// S available; `2·W` readable elements at `p`.
+#[inline(always)]
+unsafe fn load_pair<S: Simd, T: Element>(p: *const T) -> (S::V, S::V) {
+    // SAFETY: 2·W readable elements at p (caller); the casts match T's kind (bf16 and f16
+    // are transparent u16s); S available (caller).
+    unsafe {
+        match T::KIND {
+            sealed::Kind::F32 => {
+                let p = p as *const f32;
+                (S::load(p), S::load(p.add(S::W)))
+            }
+            sealed::Kind::Bf16 => S::load_bf16_pair(p as *const u16),
+            sealed::Kind::F16 => {
+                let p = p as *const u16;
+                (S::load_f16(p), S::load_f16(p.add(S::W)))
+            }
+        }
+    }
+}
+
+/// The last, partial chunk of `row` (elements from `from` on) zero-padded to `2·W`.
+#[inline(always)]
+fn tail_chunk<T: Element>(row: &[T], from: usize) -> [T; 32] {
+    let mut tmp = [T::from_f32(0.0); 32];
+    let rest = &row[from.min(row.len())..];
+    tmp[..rest.len()].copy_from_slice(rest);
+    tmp
+}
+
+/// `out[g·out_stride + u] = q_g · k_u` for `R` rows of Q (register order, `q_stride` apart,
+/// zero-padded to whole chunks) and `U` key rows of `d` elements.
+///
+/// # Safety
+/// S available, `2·W ≤ 32`; `q` readable for `R` rows of `padded(d)` floats `q_stride`
+/// apart; `out` writable at `g·out_stride + u` for `g < R`, `u < U`.
+#[inline(always)]
+pub(crate) unsafe fn dots<S: Simd, T: Element, const R: usize, const U: usize>(
+    q: *const f32,
+    q_stride: usize,
+    k: [&[T]; U],
+    d: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let chunk = 2 * S::W;
+    let full = d / chunk;
+    // SAFETY: S available (caller).
+    let zero = unsafe { S::splat(0.0) };
+    let mut acc = [[(zero, zero); U]; R];
+    let mut k_at = [std::ptr::null::<T>(); U];
+    for c in 0..full {
+        for u in 0..U {
+            // In bounds: (c + 1)·2W ≤ d = each key row's length.
+            k_at[u] = k[u][c * chunk..].as_ptr();
+        }
+        // SAFETY: 2·W readable elements at each k_at; the Q chunk is inside a padded row.
+        unsafe { dots_step::<S, T, R, U>(&mut acc, q, q_stride, c * chunk, &k_at) };
+    }
+    if full * chunk < d {
+        let mut tails = [[T::from_f32(0.0); 32]; U];
+        for u in 0..U {
+            tails[u] = tail_chunk(k[u], full * chunk);
+            k_at[u] = tails[u].as_ptr();
+        }
+        // SAFETY: each tail holds 32 ≥ 2·W elements; the Q chunk is inside a padded row.
+        unsafe { dots_step::<S, T, R, U>(&mut acc, q, q_stride, full * chunk, &k_at) };
+    }
+    if R * U == 8 {
+        // Eight sums at once through the architecture's shuffle tree.
+        let mut v = [zero; 8];
+        for (i, x) in v.iter_mut().enumerate() {
+            let a = acc[i / U][i % U];
+            // SAFETY: S available (caller).
+            *x = unsafe { S::add(a.0, a.1) };
+        }
+        // SAFETY: S available (caller).
+        let sums = unsafe { S::hsum8(v) };
+        for (i, &x) in sums.iter().enumerate() {
+            // SAFETY: inside `out` (caller).
+            unsafe { *out.add(i / U * out_stride + i % U) = x };
+        }
+        return;
+    }
+    for (g, acc_g) in acc.iter().enumerate() {
+        for (u, a) in acc_g.iter().enumerate() {
+            // SAFETY: inside `out` (caller); S available.
+            unsafe { *out.add(g * out_stride + u) = S::hsum(S::add(a.0, a.1)) };
+        }
+    }
+}
+
+/// One chunk of [`dots`]: the `2·W` elements at each `k_at[u]` against each row's chunk at
+/// `q + g·q_stride + at`. A function rather than a closure, so that it is inlined into the
+/// architecture's trampoline with its features.
+///
+/// # Safety
+/// S available; `2·W` readable elements at each `k_at[u]`, floats `at..at + 2·W` readable in
+/// each of the `R` rows of `q`.
+#[inline(always)]
+unsafe fn dots_step<S: Simd, T: Element, const R: usize, const U: usize>(
+    acc: &mut [[(S::V, S::V); U]; R],
+    q: *const f32,
+    q_stride: usize,
+    at: usize,
+    k_at: &[*const T; U],
+) {
+    // SAFETY: as the caller's contract.
+    unsafe {
+        let zero = S::splat(0.0);
+        let mut kv = [(zero, zero); U];
+        for u in 0..U {
+            kv[u] = load_pair::<S, T>(k_at[u]);
+        }
+        for (g, acc_g) in acc.iter_mut().enumerate() {
+            let qp = q.add(g * q_stride + at);
+            let (qa, qb) = (S::load(qp), S::load(qp.add(S::W)));
+            for (a, kv_u) in acc_g.iter_mut().zip(&kv) {
+                a.0 = S::fma(qa, kv_u.0, a.0);
+                a.1 = S::fma(qb, kv_u.1, a.1);
+            }
+        }
+    }
+}
+
+/// `o_g += Σ_u p[g·p_stride + u] · v_u` for `R` accumulator rows (register order, `o_stride`
+/// apart, padded to whole chunks) and `U` value rows of `dv` elements.
+///
+/// # Safety
+/// S available, `2·W ≤ 32`; `p` readable at `g·p_stride + u`; `o` read/writable for `R` rows
+/// of `padded(dv)` floats `o_stride` apart.
+#[inline(always)]
+pub(crate) unsafe fn pv_rows<S: Simd, T: Element, const R: usize, const U: usize>(
+    p: *const f32,
+    p_stride: usize,
+    v: [&[T]; U],
+    dv: usize,
+    o: *mut f32,
+    o_stride: usize,
+) {
+    let chunk = 2 * S::W;
+    let full = dv / chunk;
+    // SAFETY: S available (caller).
+    let zero = unsafe { S::splat(0.0) };
+    let mut probs = [[zero; U]; R];
+    for (g, pg) in probs.iter_mut().enumerate() {
+        for (u, pu) in pg.iter_mut().enumerate() {
+            // SAFETY: `p` readable at these indices (caller); S available.
+            *pu = unsafe { S::splat(*p.add(g * p_stride + u)) };
+        }
+    }
+    let mut v_at = [std::ptr::null::<T>(); U];
+    for c in 0..full {
+        for u in 0..U {
+            // In bounds: (c + 1)·2W ≤ dv = each value row's length.
+            v_at[u] = v[u][c * chunk..].as_ptr();
+        }
+        // SAFETY: 2·W readable elements at each v_at; the O chunk is inside a padded row.
+        unsafe { pv_step::<S, T, R, U>(&probs, &v_at, o, o_stride, c * chunk) };
+    }
+    if full * chunk < dv {
+        let mut tails = [[T::from_f32(0.0); 32]; U];
+        for u in 0..U {
+            tails[u] = tail_chunk(v[u], full * chunk);
+            v_at[u] = tails[u].as_ptr();
+        }
+        // SAFETY: each tail holds 32 ≥ 2·W elements; the O chunk is inside a padded row.
+        unsafe { pv_step::<S, T, R, U>(&probs, &v_at, o, o_stride, full * chunk) };
+    }
+}
+
+/// One chunk of [`pv_rows`] (a function, not a closure: see [`dots_step`]).
+///
+/// # Safety
+/// S available; `2·W` readable elements at each `v_at[u]`; floats `at..at + 2·W` read/
+/// writable in each of the `R` rows of `o`.
+#[inline(always)]
+unsafe fn pv_step<S: Simd, T: Element, const R: usize, const U: usize>(
+    probs: &[[S::V; U]; R],
+    v_at: &[*const T; U],
+    o: *mut f32,
+    o_stride: usize,
+    at: usize,
+) {
+    // SAFETY: as the caller's contract.
+    unsafe {
+        let zero = S::splat(0.0);
+        let mut vv = [(zero, zero); U];
+        for u in 0..U {
+            vv[u] = load_pair::<S, T>(v_at[u]);
+        }
+        for (g, pg) in probs.iter().enumerate() {
+            let op = o.add(g * o_stride + at);
+            let (mut a, mut b) = (S::load(op), S::load(op.add(S::W)));
+            for (pu, vu) in pg.iter().zip(&vv) {
+                a = S::fma(*pu, vu.0, a);
+                b = S::fma(*pu, vu.1, b);
+            }
+            S::store(op, a);
+            S::store(op.add(S::W), b);
+        }
+    }
+}
+
+/// The sizes of one item, fixed while it runs.
+#[derive(Clone, Copy)]
+struct Shape {
+    /// Head dims of Q/K and V.
+    d: usize,
+    /// See `d`.
+    dv: usize,
+    /// Padded to whole chunks: the row strides of Q and O.
+    d_pad: usize,
+    /// See `d_pad`.
+    dv_pad: usize,
+    /// KV heads of the item.
+    heads: usize,
+    /// Rows per KV head.
+    rph: usize,
+    /// Element strides between consecutive KV heads' rows of one key in K and V.
+    k_head: usize,
+    /// See `k_head`.
+    v_head: usize,
+}
+
+/// `S = Q·Kᵀ` for the tile's `nk` keys (row offsets `k_offs`, for the item's first head) into
+/// `s` (row `r` of the item at `r·TILE_KEYS`).
+///
+/// # Safety
+/// S available; `q` holds the item's rows (`rows·d_pad`), `s` `rows·TILE_KEYS`; the offsets
+/// are rows of the checked K buffer.
+#[inline(always)]
+unsafe fn qk_tile<S: Simd, T: Element>(
+    k: &[T],
+    k_offs: &[usize],
+    sh: &Shape,
+    q: &[f32],
+    s: &mut [f32],
+    prefetch: (&[T], &[usize], usize, usize),
+) {
+    let Shape {
+        d,
+        d_pad,
+        heads,
+        rph,
+        k_head,
+        ..
+    } = *sh;
+    let nk = k_offs.len();
+    let (qp, sp) = (q.as_ptr(), s.as_mut_ptr());
+    let mut j = 0;
+    while j < nk {
+        let u = (nk - j).min(QK_KEYS);
+        for h in 0..heads {
+            let (pf_src, pf_offs, pf_head, pf_len) = prefetch;
+            for &off in pf_offs.iter().skip(j).take(u) {
+                prefetch_row::<S, T>(pf_src, off + h * pf_head, pf_len);
+            }
+            // Bounds-checked once per row: the kernels load inside these slices.
+            let row = |jj: usize| {
+                let at = k_offs[jj] + h * k_head;
+                &k[at..at + d]
+            };
+            let mut rb = 0;
+            while rb < rph {
+                let r = (rph - rb).min(ROW_BLOCK);
+                let first = h * rph + rb;
+                // SAFETY: rows first..first + r of q (d_pad each) and of s (TILE_KEYS each,
+                // keys j..j + u < TILE_KEYS); S available (caller).
+                unsafe {
+                    let (q0, s0) = (qp.add(first * d_pad), sp.add(first * TILE_KEYS + j));
+                    let st = TILE_KEYS;
+                    match (r, u) {
+                        (4, 2) => dots::<S, T, 4, 2>(q0, d_pad, [row(j), row(j + 1)], d, s0, st),
+                        (3, 2) => dots::<S, T, 3, 2>(q0, d_pad, [row(j), row(j + 1)], d, s0, st),
+                        (2, 2) => dots::<S, T, 2, 2>(q0, d_pad, [row(j), row(j + 1)], d, s0, st),
+                        (1, 2) => dots::<S, T, 1, 2>(q0, d_pad, [row(j), row(j + 1)], d, s0, st),
+                        (4, _) => dots::<S, T, 4, 1>(q0, d_pad, [row(j)], d, s0, st),
+                        (3, _) => dots::<S, T, 3, 1>(q0, d_pad, [row(j)], d, s0, st),
+                        (2, _) => dots::<S, T, 2, 1>(q0, d_pad, [row(j)], d, s0, st),
+                        _ => dots::<S, T, 1, 1>(q0, d_pad, [row(j)], d, s0, st),
+                    }
+                }
+                rb += r;
+            }
+        }
+        j += u;
+    }
+}
+
+/// `O += P·V` for the tile's `nk` keys (row offsets `v_offs`, for the item's first head),
+/// probabilities in `s`.
+///
+/// # Safety
+/// S available; `s` holds `rows·TILE_KEYS`, `o` `rows·dv_pad`; the offsets are rows of the
+/// checked V buffer.
+#[inline(always)]
+unsafe fn pv_tile<S: Simd, T: Element>(
+    v: &[T],
+    v_offs: &[usize],
+    sh: &Shape,
+    s: &[f32],
+    o: &mut [f32],
+    prefetch: (&[T], &[usize], usize, usize),
+) {
+    let Shape {
+        dv,
+        dv_pad,
+        heads,
+        rph,
+        v_head,
+        ..
+    } = *sh;
+    let nk = v_offs.len();
+    let (sp, op) = (s.as_ptr(), o.as_mut_ptr());
+    let mut j = 0;
+    while j < nk {
+        let u = if nk - j >= PV_KEYS { PV_KEYS } else { 1 };
+        for h in 0..heads {
+            let (pf_src, pf_offs, pf_head, pf_len) = prefetch;
+            for &off in pf_offs.iter().skip(j).take(u) {
+                prefetch_row::<S, T>(pf_src, off + h * pf_head, pf_len);
+            }
+            let row = |jj: usize| {
+                let at = v_offs[jj] + h * v_head;
+                &v[at..at + dv]
+            };
+            let mut rb = 0;
+            while rb < rph {
+                let r = (rph - rb).min(ROW_BLOCK);
+                let first = h * rph + rb;
+                // SAFETY: rows first..first + r of s (TILE_KEYS each, keys j..j + u) and of o
+                // (dv_pad each); S available (caller).
+                unsafe {
+                    let (p0, o0) = (sp.add(first * TILE_KEYS + j), op.add(first * dv_pad));
+                    let st = TILE_KEYS;
+                    if u == PV_KEYS {
+                        let rows = [row(j), row(j + 1), row(j + 2), row(j + 3)];
+                        match r {
+                            4 => pv_rows::<S, T, 4, 4>(p0, st, rows, dv, o0, dv_pad),
+                            3 => pv_rows::<S, T, 3, 4>(p0, st, rows, dv, o0, dv_pad),
+                            2 => pv_rows::<S, T, 2, 4>(p0, st, rows, dv, o0, dv_pad),
+                            _ => pv_rows::<S, T, 1, 4>(p0, st, rows, dv, o0, dv_pad),
+                        }
+                    } else {
+                        let rows = [row(j)];
+                        match r {
+                            4 => pv_rows::<S, T, 4, 1>(p0, st, rows, dv, o0, dv_pad),
+                            3 => pv_rows::<S, T, 3, 1>(p0, st, rows, dv, o0, dv_pad),
+                            2 => pv_rows::<S, T, 2, 1>(p0, st, rows, dv, o0, dv_pad),
+                            _ => pv_rows::<S, T, 1, 1>(p0, st, rows, dv, o0, dv_pad),
+                        }
+                    }
+                }
+                rb += r;
+            }
+        }
+        j += u;
+    }
+}
+
+/// `exp2(x − offset)` in place over `row` (a multiple of W long); returns the sum.
+///
+/// # Safety
+/// S available.
+#[inline(always)]
+unsafe fn exp2_row<S: Simd, const CUBIC: bool>(row: &mut [f32], offset: f32) -> f32 {
+    // SAFETY: every load/store covers one W-chunk of `row`; S available (caller).
+    unsafe {
+        let off = S::splat(offset);
+        let mut sum = S::splat(0.0);
+        for x in row.chunks_exact_mut(S::W) {
+            let y = S::sub(S::load(x.as_ptr()), off);
+            let e = if CUBIC {
+                exp2_cubic::<S>(y)
+            } else {
+                exp2_exact::<S>(y)
+            };
+            S::store(x.as_mut_ptr(), e);
+            sum = S::add(sum, e);
+        }
+        S::hsum(sum)
+    }
+}
+
+/// The online-softmax step of one row's tile scores `row` (`nk` keys, then padding to a
+/// multiple of W): softcap, keys outside `visible` (tile-relative) to −∞, block maximum,
+/// [`RowState::begin_block`], `exp2` in place, [`RowState::add_sum`]. Returns the
+/// accumulator correction.
+///
+/// # Safety
+/// S available; `row.len()` a multiple of W, `visible.end ≤ row.len()`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn softmax_row<S: Simd>(
+    row: &mut [f32],
+    visible: Range<usize>,
+    post: Option<f32>,
+    state: &mut RowState<f32>,
+    policy: &RescalePolicy<f32>,
+    stats: &mut RescaleStats,
+    imp: Exp2Impl,
+) -> f32 {
+    // SAFETY: `row` is whole W-chunks (caller); S available (caller).
+    unsafe {
+        if let Some(post) = post {
+            // Before the mask: tanh(−∞) would be finite.
+            softcap_slice::<S>(row.as_mut_ptr(), row.len(), post);
+        }
+        row[..visible.start].fill(f32::NEG_INFINITY);
+        row[visible.end..].fill(f32::NEG_INFINITY);
+        let mut m = S::splat(f32::NEG_INFINITY);
+        for x in row.chunks_exact(S::W) {
+            // A NaN score never wins (max's rule), as in the tiled forward.
+            m = S::max(S::load(x.as_ptr()), m);
+        }
+        let step = state.begin_block(S::hmax(m), policy, stats);
+        let sum = match imp {
+            Exp2Impl::Exact => exp2_row::<S, false>(row, step.offset),
+            Exp2Impl::Cubic => exp2_row::<S, true>(row, step.offset),
+        };
+        state.add_sum(sum);
+        step.correction
+    }
+}
+
+/// Runs one item: Q rows in, each key tile through `Q·Kᵀ`, the online softmax and `P·V`,
+/// then the rows out (O and the LSE, or partial rows).
+///
+/// # Safety
+/// S available; the context's problem validated and buffers checked; the item from
+/// [`plan`] for this problem (keys within its sequence, partial rows inside `partials`).
+#[inline(always)]
+unsafe fn run_item<S: Simd, T: Element, O: Element>(
+    ctx: &Ctx<'_, T, O>,
+    item: &Item,
+    partials: Partials,
+    scratch: &mut Scratch,
+) -> TaskStats {
+    let p = ctx.problem;
+    let (w, b) = (S::W, item.batch);
+    const { assert!(2 * S::W <= 32) };
+    let seq = p.seq(b);
+    let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
+    let group = p.group_size();
+    let [_, ks, vs, _] = p.strides();
+    let (d, dv) = (p.head_dim(), p.head_dim_v());
+    let sh = Shape {
+        d,
+        dv,
+        d_pad: padded(d, w),
+        dv_pad: padded(dv, w),
+        heads: item.heads.len(),
+        rph: group * sq,
+        k_head: ks.head,
+        v_head: vs.head,
+    };
+    let rows = sh.heads * sh.rph;
+    let h0 = item.heads.start;
+    let at_row = |r: usize| row_of(h0 + r / sh.rph, group, sq, r % sh.rph);
+    let Scratch {
+        qt,
+        ot,
+        st,
+        row,
+        states,
+        kv_offsets,
+        ..
+    } = scratch;
+    let q = ensure_aligned(qt, rows * sh.d_pad);
+    let o = ensure_aligned(ot, rows * sh.dv_pad);
+    let s = ensure_aligned(st, rows * TILE_KEYS);
+    let nat = ensure_aligned(row, d.max(dv));
+    let states = ensure(states, rows, RowState::new());
+    // K and V offsets of this tile's keys and the next's: [K | V] × [this | next].
+    let offsets = ensure(kv_offsets, 4 * TILE_KEYS, 0);
+    let (k_offs, v_offs) = offsets.split_at_mut(2 * TILE_KEYS);
+    o.fill(0.0);
+    states.fill(RowState::new());
+
+    // Q rows, pre-multiplied (scale·log2 e, or scale/cap), in register order, zero-padded.
+    let transform = p.score_transform::<f32>();
+    let (pre, post) = (transform.pre_factor(), transform.softcap_post_factor());
+    let chunk = 2 * w;
+    for r in 0..rows {
+        let (head, i) = at_row(r);
+        // SAFETY: S available (caller); the offset is a row of the checked Q buffer.
+        unsafe { widen::<S, T>(ctx.q, p.q_offset(b, i, head), d, nat) };
+        let dst = &mut q[r * sh.d_pad..(r + 1) * sh.d_pad];
+        dst.fill(0.0);
+        for (e, &x) in nat[..d].iter().enumerate() {
+            dst[e / chunk * chunk + reg_pos::<T>(w, e % chunk)] = x * pre;
+        }
+    }
+
+    let kv = KvRows::new(p, b, h0);
+    let mask = p.mask();
+    let mut stats = TaskStats::default();
+    let end = item.keys.end.min(sk);
+    let mut j0 = item.keys.start;
+    while j0 < end {
+        let nk = TILE_KEYS.min(end - j0);
+        let nk_w = nk.div_ceil(w) * w;
+        let next = TILE_KEYS.min(end - j0 - nk);
+        kv.offsets(j0, &mut k_offs[..nk + next], &mut v_offs[..nk + next]);
+        // Prefetch (into L2): this tile's V rows during Q·Kᵀ, the next tile's K rows during
+        // P·V.
+        let none: (&[T], &[usize], usize, usize) = (ctx.k, &[], 0, 0);
+        let (qk_pf, pv_pf) = if PREFETCH {
+            (
+                (ctx.v, &v_offs[..nk], sh.v_head, dv),
+                (ctx.k, &k_offs[nk..nk + next], sh.k_head, d),
+            )
+        } else {
+            (none, none)
+        };
+        // SAFETY: S available (caller); q, s sized above for `rows`; the offsets are those
+        // of keys j0..j0 + nk < sk, rows of the checked buffers.
+        unsafe { qk_tile::<S, T>(ctx.k, &k_offs[..nk], &sh, q, s, qk_pf) };
+        for r in 0..rows {
+            let (_, i) = at_row(r);
+            let vis = mask.key_range(i, sq, sk);
+            let lo = vis.start.clamp(j0, j0 + nk) - j0;
+            let hi = vis.end.clamp(j0 + lo, j0 + nk) - j0;
+            let srow = &mut s[r * TILE_KEYS..r * TILE_KEYS + nk_w];
+            // SAFETY: S available (caller); srow is whole W-chunks (TILE_KEYS is a multiple
+            // of W), hi ≤ nk ≤ nk_w.
+            let c = unsafe {
+                softmax_row::<S>(
+                    srow,
+                    lo..hi,
+                    post,
+                    &mut states[r],
+                    &ctx.policy,
+                    &mut stats.rescale,
+                    ctx.exp2,
+                )
+            };
+            if c != 1.0 {
+                o[r * sh.dv_pad..(r + 1) * sh.dv_pad]
+                    .iter_mut()
+                    .for_each(|x| *x *= c);
+            }
+        }
+        // SAFETY: as for qk_tile; o sized for `rows`. Meanwhile the next tile's K rows are
+        // prefetched.
+        unsafe { pv_tile::<S, T>(ctx.v, &v_offs[..nk], &sh, s, o, pv_pf) };
+        stats.computed += 1;
+        j0 += nk;
+    }
+
+    // Out: rows back to natural order.
+    let natural =
+        |r: usize, e: usize| o[r * sh.dv_pad + e / chunk * chunk + reg_pos::<T>(w, e % chunk)];
+    for (r, state) in states.iter().enumerate().take(rows) {
+        let (head, i) = at_row(r);
+        match item.first_row {
+            None => {
+                let result = state.finish();
+                // A row that saw no key gets 0, whatever V holds.
+                let seen = result.inv_sum != 0.0;
+                let values = (0..dv).map(|e| {
+                    O::from_f32(if seen {
+                        natural(r, e) * result.inv_sum
+                    } else {
+                        0.0
+                    })
+                });
+                ctx.out.write_row(p.o_offset(b, i, head), values);
+                if let Some(lse) = &ctx.lse {
+                    lse.write(p.lse_offset(b, head, i), result.lse);
+                }
+            }
+            Some(first_row) => {
+                let at = first_row + r;
+                partials
+                    .acc
+                    .write_row(at * dv, (0..dv).map(|e| natural(r, e)));
+                partials.states.write(at, *state);
+            }
+        }
+    }
+    stats
+}
+
+/// Merges a run's splits in split order and writes O and the LSE (see
+/// [`super::decode_task::merge_rows`]).
+pub(crate) fn combine<T, O: Element>(
+    ctx: &Ctx<'_, T, O>,
+    item: &Combine,
+    acc: &[f32],
+    states: &[RowState<f32>],
+    acc_row: &mut [f32],
+) {
+    let p = ctx.problem;
+    let sq = p.seq(item.batch).seqlen_q;
+    let (group, rph) = (p.group_size(), rows_per_head(p, item.batch));
+    let rows = item.heads.len() * rph;
+    let h0 = item.heads.start;
+    merge_rows(
+        ctx,
+        item.batch,
+        rows,
+        item.first_row,
+        item.splits,
+        |r| row_of(h0 + r / rph, group, sq, r % rph),
+        acc,
+        states,
+        acc_row,
+    );
+}

@@ -1,0 +1,375 @@
+//! The streaming decode kernels ([`dots`], [`pv_rows`]) on every SIMD level against the scalar
+//! twin and f64, over odd head dims, every row block (1–4 rows), every key step (1, 2, 4 keys)
+//! and the three element types; and the bf16 pair load against the scalar widening.
+
+use super::decode_stream::{dots, padded, pv_rows, reg_pos};
+use crate::arch::{Arch, SimdLevel};
+use crate::dispatch::{dispatch, Isa, SimdTask};
+use crate::element::Element;
+use fa_reference::Rng;
+
+const DIMS: [usize; 10] = [1, 7, 15, 16, 31, 33, 64, 100, 128, 257];
+
+/// The levels this CPU has, scalar first.
+fn levels() -> Vec<(Isa, &'static str)> {
+    [
+        (SimdLevel::Scalar, "scalar"),
+        (SimdLevel::Avx2Fma, "avx2"),
+        (SimdLevel::Avx512f, "avx512"),
+    ]
+    .into_iter()
+    .filter_map(|(l, n)| Isa::new(l).map(|i| (i, n)))
+    .collect()
+}
+
+/// The lanes of a level.
+fn lanes(isa: Isa) -> usize {
+    super::Tiling::for_level(isa.level()).lanes
+}
+
+/// `rows` natural-order rows of `n` floats → register order for element type `T`, padded.
+fn to_reg<T: Element>(rows: &[f32], n: usize, w: usize) -> Vec<f32> {
+    let (pad, chunk) = (padded(n, w), 2 * w);
+    let count = rows.len() / n.max(1);
+    let mut out = vec![0.0f32; count * pad];
+    for r in 0..count {
+        for e in 0..n {
+            out[r * pad + e / chunk * chunk + reg_pos::<T>(w, e % chunk)] = rows[r * n + e];
+        }
+    }
+    out
+}
+
+/// Register-order rows back to natural order.
+fn from_reg<T: Element>(rows: &[f32], n: usize, w: usize) -> Vec<f32> {
+    let (pad, chunk) = (padded(n, w), 2 * w);
+    let count = rows.len() / pad;
+    let mut out = vec![0.0f32; count * n];
+    for r in 0..count {
+        for e in 0..n {
+            out[r * n + e] = rows[r * pad + e / chunk * chunk + reg_pos::<T>(w, e % chunk)];
+        }
+    }
+    out
+}
+
+/// [`dots`] on slices: `out[g][u] = q_g · k_u` (q in register order).
+struct Dots<'a, T> {
+    q: &'a [f32],
+    k: &'a [Vec<T>],
+    d: usize,
+    out: &'a mut [f32],
+}
+
+impl<T: Element> SimdTask for Dots<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        let Dots { q, k, d, out } = self;
+        let pad = padded(d, A::W);
+        let (rows, keys) = (q.len() / pad, k.len());
+        assert!(out.len() >= rows * keys && k.iter().all(|r| r.len() == d));
+        let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+        // SAFETY: q holds `rows` padded rows, out rows × keys floats (asserted); A available.
+        unsafe {
+            match (rows, keys) {
+                (4, 2) => dots::<A, T, 4, 2>(qp, pad, [&k[0], &k[1]], d, op, keys),
+                (3, 2) => dots::<A, T, 3, 2>(qp, pad, [&k[0], &k[1]], d, op, keys),
+                (2, 2) => dots::<A, T, 2, 2>(qp, pad, [&k[0], &k[1]], d, op, keys),
+                (1, 2) => dots::<A, T, 1, 2>(qp, pad, [&k[0], &k[1]], d, op, keys),
+                (4, 1) => dots::<A, T, 4, 1>(qp, pad, [&k[0]], d, op, keys),
+                (3, 1) => dots::<A, T, 3, 1>(qp, pad, [&k[0]], d, op, keys),
+                (2, 1) => dots::<A, T, 2, 1>(qp, pad, [&k[0]], d, op, keys),
+                (1, 1) => dots::<A, T, 1, 1>(qp, pad, [&k[0]], d, op, keys),
+                other => panic!("no dots instance for {other:?}"),
+            }
+        }
+    }
+}
+
+/// [`pv_rows`] on slices: `o_g += Σ_u p[g][u]·v_u` (o in register order).
+struct Pv<'a, T> {
+    p: &'a [f32],
+    v: &'a [Vec<T>],
+    dv: usize,
+    o: &'a mut [f32],
+}
+
+impl<T: Element> SimdTask for Pv<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        let Pv { p, v, dv, o } = self;
+        let pad = padded(dv, A::W);
+        let (rows, keys) = (o.len() / pad, v.len());
+        assert!(p.len() >= rows * keys && v.iter().all(|r| r.len() == dv));
+        let (pp, op) = (p.as_ptr(), o.as_mut_ptr());
+        // SAFETY: p holds rows × keys, o `rows` padded rows (asserted); A available.
+        unsafe {
+            match (rows, keys) {
+                (4, 4) => {
+                    pv_rows::<A, T, 4, 4>(pp, keys, [&v[0], &v[1], &v[2], &v[3]], dv, op, pad)
+                }
+                (3, 4) => {
+                    pv_rows::<A, T, 3, 4>(pp, keys, [&v[0], &v[1], &v[2], &v[3]], dv, op, pad)
+                }
+                (2, 4) => {
+                    pv_rows::<A, T, 2, 4>(pp, keys, [&v[0], &v[1], &v[2], &v[3]], dv, op, pad)
+                }
+                (1, 4) => {
+                    pv_rows::<A, T, 1, 4>(pp, keys, [&v[0], &v[1], &v[2], &v[3]], dv, op, pad)
+                }
+                (4, 1) => pv_rows::<A, T, 4, 1>(pp, keys, [&v[0]], dv, op, pad),
+                (3, 1) => pv_rows::<A, T, 3, 1>(pp, keys, [&v[0]], dv, op, pad),
+                (2, 1) => pv_rows::<A, T, 2, 1>(pp, keys, [&v[0]], dv, op, pad),
+                (1, 1) => pv_rows::<A, T, 1, 1>(pp, keys, [&v[0]], dv, op, pad),
+                other => panic!("no pv_rows instance for {other:?}"),
+            }
+        }
+    }
+}
+
+fn draw(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.normal() as f32).collect()
+}
+
+/// Runs both kernels for element type `T` on every level and shape, against f64 (of the
+/// widened inputs) and, for the SIMD levels, against the scalar twin.
+fn kernels_match<T: Element>(seed: u64) {
+    let mut rng = Rng::new(seed);
+    for &d in &DIMS {
+        for rows in 1..=4usize {
+            for keys in [1usize, 2, 4] {
+                let q = draw(&mut rng, rows * d);
+                let kv: Vec<Vec<T>> = (0..keys)
+                    .map(|_| draw(&mut rng, d).into_iter().map(T::from_f32).collect())
+                    .collect();
+                let p: Vec<f32> = (0..rows * keys).map(|_| rng.uniform() as f32).collect();
+                let o0 = draw(&mut rng, rows * d);
+                // f64 references on the widened inputs.
+                let dot_want: Vec<f64> = (0..rows * keys)
+                    .map(|i| {
+                        let (g, u) = (i / keys, i % keys);
+                        (0..d)
+                            .map(|c| q[g * d + c] as f64 * kv[u][c].to_f32() as f64)
+                            .sum()
+                    })
+                    .collect();
+                let pv_want: Vec<f64> = (0..rows * d)
+                    .map(|i| {
+                        let (g, c) = (i / d, i % d);
+                        o0[i] as f64
+                            + (0..keys)
+                                .map(|u| p[g * keys + u] as f64 * kv[u][c].to_f32() as f64)
+                                .sum::<f64>()
+                    })
+                    .collect();
+                let mut twin: Option<(Vec<f32>, Vec<f32>)> = None;
+                for (isa, name) in levels() {
+                    let w = lanes(isa);
+                    if keys != 4 {
+                        let qr = to_reg::<T>(&q, d, w);
+                        let mut out = vec![f32::NAN; rows * keys];
+                        dispatch(
+                            isa,
+                            Dots {
+                                q: &qr,
+                                k: &kv,
+                                d,
+                                out: &mut out,
+                            },
+                        );
+                        let scale = (d as f64).sqrt() * 1e-6;
+                        for (i, (&got, &want)) in out.iter().zip(&dot_want).enumerate() {
+                            assert!(
+                                (got as f64 - want).abs() <= scale * (1.0 + want.abs()),
+                                "{name} {} dots d={d} rows={rows} keys={keys} [{i}]: {got} vs {want}",
+                                T::NAME
+                            );
+                        }
+                        if let Some((twin_dots, _)) = &twin {
+                            for (&a, &b) in out.iter().zip(twin_dots) {
+                                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()) * d as f32);
+                            }
+                        } else {
+                            twin = Some((out, Vec::new()));
+                        }
+                    }
+                    if keys != 2 {
+                        let mut or = to_reg::<T>(&o0, d, w);
+                        // Padding lanes hold garbage the kernel must carry, never spread.
+                        let pad = padded(d, w);
+                        for r in 0..rows {
+                            for e in d..pad {
+                                or[r * pad
+                                    + e / (2 * w) * (2 * w)
+                                    + reg_pos::<T>(w, e % (2 * w))] = 7.0;
+                            }
+                        }
+                        dispatch(
+                            isa,
+                            Pv {
+                                p: &p,
+                                v: &kv,
+                                dv: d,
+                                o: &mut or,
+                            },
+                        );
+                        let got = from_reg::<T>(&or, d, w);
+                        for (i, (&g, &want)) in got.iter().zip(&pv_want).enumerate() {
+                            assert!(
+                                (g as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                                "{name} {} pv d={d} rows={rows} keys={keys} [{i}]: {g} vs {want}",
+                                T::NAME
+                            );
+                        }
+                        match &mut twin {
+                            Some((_, twin_pv)) if !twin_pv.is_empty() => {
+                                for (&a, &b) in got.iter().zip(twin_pv.iter()) {
+                                    assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()));
+                                }
+                            }
+                            Some((_, twin_pv)) => *twin_pv = got,
+                            None => twin = Some((Vec::new(), got)),
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn stream_kernels_match_scalar_twin_and_f64_f32() {
+    kernels_match::<f32>(1511);
+}
+
+#[test]
+fn stream_kernels_match_scalar_twin_and_f64_bf16() {
+    kernels_match::<half::bf16>(1512);
+}
+
+#[test]
+fn stream_kernels_match_scalar_twin_and_f64_f16() {
+    kernels_match::<half::f16>(1513);
+}
+
+/// [`crate::arch::Simd::load_bf16_pair`] and [`crate::arch::Simd::load_f16`] against the scalar widening.
+struct Loads<'a> {
+    src: &'a [u16],
+    even: &'a mut [f32],
+    odd: &'a mut [f32],
+    f16: &'a mut [f32],
+}
+
+impl SimdTask for Loads<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        assert!(self.src.len() >= 2 * A::W && self.even.len() >= A::W);
+        assert!(self.odd.len() >= A::W && self.f16.len() >= A::W);
+        // SAFETY: 2·W readable u16, W writable floats in each output (asserted); A available.
+        unsafe {
+            let (e, o) = A::load_bf16_pair(self.src.as_ptr());
+            A::store(self.even.as_mut_ptr(), e);
+            A::store(self.odd.as_mut_ptr(), o);
+            A::store(self.f16.as_mut_ptr(), A::load_f16(self.src.as_ptr()));
+        }
+    }
+}
+
+#[test]
+fn pair_loads_widen_exactly() {
+    let mut rng = Rng::new(1514);
+    for (isa, name) in levels() {
+        let w = lanes(isa);
+        for _ in 0..200 {
+            let src: Vec<u16> = (0..2 * w).map(|_| rng.below(1 << 16) as u16).collect();
+            let (mut even, mut odd, mut f16) = (vec![0.0; w], vec![0.0; w], vec![0.0; w]);
+            dispatch(
+                isa,
+                Loads {
+                    src: &src,
+                    even: &mut even,
+                    odd: &mut odd,
+                    f16: &mut f16,
+                },
+            );
+            for i in 0..w {
+                let bf = |x: u16| half::bf16::from_bits(x).to_f32();
+                let same =
+                    |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+                assert!(same(even[i], bf(src[2 * i])), "{name} even {i}");
+                assert!(same(odd[i], bf(src[2 * i + 1])), "{name} odd {i}");
+                assert!(
+                    same(f16[i], half::f16::from_bits(src[i]).to_f32()),
+                    "{name} f16 {i}"
+                );
+            }
+        }
+    }
+}
+
+/// [`crate::arch::Simd::hsum`], [`crate::arch::Simd::hmax`] and
+/// [`crate::arch::Simd::hsum8`] against plain folds.
+struct Horizontal<'a> {
+    x: &'a [f32],
+    out: &'a mut [f32; 2],
+    eight: &'a mut [f32; 8],
+}
+
+impl SimdTask for Horizontal<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        assert!(self.x.len() >= 8 * A::W);
+        // SAFETY: 8·W readable floats (asserted); A available.
+        unsafe {
+            let v = A::load(self.x.as_ptr());
+            self.out[0] = A::hsum(v);
+            self.out[1] = A::hmax(v);
+            let mut vs = [v; 8];
+            for (i, x) in vs.iter_mut().enumerate() {
+                *x = A::load(self.x.as_ptr().add(i * A::W));
+            }
+            *self.eight = A::hsum8(vs);
+        }
+    }
+}
+
+#[test]
+fn horizontal_sum_and_max() {
+    let mut rng = Rng::new(1515);
+    for (isa, name) in levels() {
+        let w = lanes(isa);
+        for _ in 0..200 {
+            let mut x = draw(&mut rng, 8 * w);
+            if rng.below(4) == 0 {
+                x[rng.below(w)] = f32::NEG_INFINITY;
+            }
+            let (mut out, mut eight) = ([0.0f32; 2], [0.0f32; 8]);
+            dispatch(
+                isa,
+                Horizontal {
+                    x: &x,
+                    out: &mut out,
+                    eight: &mut eight,
+                },
+            );
+            for (i, &got) in eight.iter().enumerate() {
+                let want: f64 = x[i * w..(i + 1) * w].iter().map(|&v| v as f64).sum();
+                assert!(
+                    (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()) || want.is_infinite(),
+                    "{name} hsum8 [{i}]: {got} vs {want}"
+                );
+            }
+            let sum: f64 = x[..w].iter().map(|&v| v as f64).sum();
+            let max = x[..w].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert!(
+                (out[0] as f64 - sum).abs() <= 1e-5 * (1.0 + sum.abs()) || sum.is_infinite(),
+                "{name} hsum"
+            );
+            assert_eq!(out[1], max, "{name} hmax");
+        }
+    }
+}
