@@ -29,6 +29,7 @@
 
 use super::backward_gemm::{gemm, Operands, Span};
 use super::pack::{transpose_region, widen};
+use super::phase_timing::{timed, Phase};
 use super::scratch::SharedOut;
 use crate::arch::{exp2_exact, tanh, Arch, SimdLevel};
 use crate::dispatch::{with_arch, ArchFn, Entry, SimdTask};
@@ -343,7 +344,9 @@ impl<T: Element, O: Element, G: Element> SimdTask for BackwardTask<'_, '_, T, O,
     #[inline(always)]
     unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) -> BwdStats {
         // SAFETY: A's features are present and PV/NR are A's sizes (the trait's contract).
-        unsafe { run_task::<A, NR, PV, T, O, G>(self.ctx, self.task, self.scratch) }
+        timed!(Phase::Task, unsafe {
+            run_task::<A, NR, PV, T, O, G>(self.ctx, self.task, self.scratch)
+        })
     }
 }
 
@@ -424,14 +427,18 @@ pub(crate) unsafe fn run_task<
     // `BwdLens::elems` for this problem (`try_ensure` ran), per the layouts documented on the
     // buffers; A's features are present.
     unsafe {
-        for hl in 0..group {
-            pack_rows::<A, T, O, G>(ctx, task, task.head_kv * group + hl, hl, &g, s);
-        }
+        timed!(Phase::PackRows, {
+            for hl in 0..group {
+                pack_rows::<A, T, O, G>(ctx, task, task.head_kv * group + hl, hl, &g, s);
+            }
+        });
         s.dq[..group * g.nq_pad * g.d_pad].fill(0.0);
 
         for j0 in (0..nk).step_by(tile) {
             let keys = tile.min(nk - j0);
-            pack_keys::<A, T, O, G>(ctx, task, j0, keys, &g, s);
+            timed!(Phase::PackKeys, {
+                pack_keys::<A, T, O, G>(ctx, task, j0, keys, &g, s)
+            });
             s.dk[..tile * g.d_pad].fill(0.0);
             s.dv[..tile * g.dv_pad].fill(0.0);
             for hl in 0..group {
@@ -461,25 +468,31 @@ pub(crate) unsafe fn run_task<
                     );
                 }
             }
-            for jj in 0..keys {
-                let ko = p.k_offset(task.batch, j0 + jj, task.head_kv);
-                let row = &s.dk[jj * g.d_pad..jj * g.d_pad + d];
-                ctx.dk.write_row(ko, row.iter().map(|&x| G::from_f32(x)));
-                let vo = p.v_offset(task.batch, j0 + jj, task.head_kv);
-                let row = &s.dv[jj * g.dv_pad..jj * g.dv_pad + dv];
-                ctx.dv.write_row(vo, row.iter().map(|&x| G::from_f32(x)));
-            }
+            timed!(
+                Phase::Write,
+                for jj in 0..keys {
+                    let ko = p.k_offset(task.batch, j0 + jj, task.head_kv);
+                    let row = &s.dk[jj * g.d_pad..jj * g.d_pad + d];
+                    ctx.dk.write_row(ko, row.iter().map(|&x| G::from_f32(x)));
+                    let vo = p.v_offset(task.batch, j0 + jj, task.head_kv);
+                    let row = &s.dv[jj * g.dv_pad..jj * g.dv_pad + dv];
+                    ctx.dv.write_row(vo, row.iter().map(|&x| G::from_f32(x)));
+                }
+            );
         }
 
-        for hl in 0..group {
-            let head = task.head_kv * group + hl;
-            for i in 0..nq {
-                let qo = p.q_offset(task.batch, i, head);
-                let at = (hl * g.nq_pad + i) * g.d_pad;
-                let row = &s.dq[at..at + d];
-                ctx.dq.write_row(qo, row.iter().map(|&x| G::from_f32(x)));
+        timed!(
+            Phase::Write,
+            for hl in 0..group {
+                let head = task.head_kv * group + hl;
+                for i in 0..nq {
+                    let qo = p.q_offset(task.batch, i, head);
+                    let at = (hl * g.nq_pad + i) * g.d_pad;
+                    let row = &s.dq[at..at + d];
+                    ctx.dq.write_row(qo, row.iter().map(|&x| G::from_f32(x)));
+                }
             }
-        }
+        );
     }
     stats
 }
@@ -650,84 +663,105 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
         let qt = s.qt.as_ptr().add(blk * g.d);
         let dot = s.dot.as_ptr().add(blk * g.dv);
         // S = Q·Kᵀ, dP = dO·Vᵀ.
-        gemm::<A, MR, NR>(
-            Operands {
-                b: qt,
-                b_stride: t,
-                x: s.kt.as_ptr(),
-                x_stride: t,
-            },
-            g.d,
-            rc,
-            kc,
-            s.p.as_mut_ptr(),
-            t,
-            false,
-            sp.map(|m| &m.row_n[..]),
+        timed!(
+            Phase::S,
+            gemm::<A, MR, NR>(
+                Operands {
+                    b: qt,
+                    b_stride: t,
+                    x: s.kt.as_ptr(),
+                    x_stride: t,
+                },
+                g.d,
+                rc,
+                kc,
+                s.p.as_mut_ptr(),
+                t,
+                false,
+                sp.map(|m| &m.row_n[..]),
+            )
         );
-        gemm::<A, MR, NR>(
-            Operands {
-                b: dot,
-                b_stride: t,
-                x: s.vt.as_ptr(),
-                x_stride: t,
-            },
-            g.dv,
-            rc,
-            kc,
-            s.dp.as_mut_ptr(),
-            t,
-            false,
-            sp.map(|m| &m.row_n[..]),
+        timed!(
+            Phase::DP,
+            gemm::<A, MR, NR>(
+                Operands {
+                    b: dot,
+                    b_stride: t,
+                    x: s.vt.as_ptr(),
+                    x_stride: t,
+                },
+                g.dv,
+                rc,
+                kc,
+                s.dp.as_mut_ptr(),
+                t,
+                false,
+                sp.map(|m| &m.row_n[..]),
+            )
         );
-        probabilities::<A>(s, t, (rows, rc), (keys, kc), row0, scores, range);
+        timed!(
+            Phase::Probs,
+            probabilities::<A>(s, t, (rows, rc), (keys, kc), row0, scores, range)
+        );
         // dV += Pᵀ·dO, dK += dSᵀ·Q (sums over this block's rows, in order).
-        gemm::<A, MR, NR>(
-            Operands {
-                b: s.p.as_ptr(),
-                b_stride: t,
-                x: s.dor.as_ptr().add(row0 * g.dv_pad),
-                x_stride: g.dv_pad,
-            },
-            rows,
-            kc,
-            g.dv_pad,
-            s.dv.as_mut_ptr(),
-            g.dv_pad,
-            true,
-            sp.map(|m| &m.key_k[..]),
+        timed!(
+            Phase::DV,
+            gemm::<A, MR, NR>(
+                Operands {
+                    b: s.p.as_ptr(),
+                    b_stride: t,
+                    x: s.dor.as_ptr().add(row0 * g.dv_pad),
+                    x_stride: g.dv_pad,
+                },
+                rows,
+                kc,
+                g.dv_pad,
+                s.dv.as_mut_ptr(),
+                g.dv_pad,
+                true,
+                sp.map(|m| &m.key_k[..]),
+            )
         );
-        gemm::<A, MR, NR>(
-            Operands {
-                b: s.ds.as_ptr(),
-                b_stride: t,
-                x: s.qr.as_ptr().add(row0 * g.d_pad),
-                x_stride: g.d_pad,
-            },
-            rows,
-            kc,
-            g.d_pad,
-            s.dk.as_mut_ptr(),
-            g.d_pad,
-            true,
-            sp.map(|m| &m.key_k[..]),
+        timed!(
+            Phase::DK,
+            gemm::<A, MR, NR>(
+                Operands {
+                    b: s.ds.as_ptr(),
+                    b_stride: t,
+                    x: s.qr.as_ptr().add(row0 * g.d_pad),
+                    x_stride: g.d_pad,
+                },
+                rows,
+                kc,
+                g.d_pad,
+                s.dk.as_mut_ptr(),
+                g.d_pad,
+                true,
+                sp.map(|m| &m.key_k[..]),
+            )
         );
         // dQ += dS·K, through dSᵀ (the contraction runs over keys).
-        transpose_region::<A>(s.ds.as_ptr(), t, rc, keys, s.dst.as_mut_ptr(), t);
-        gemm::<A, MR, NR>(
-            Operands {
-                b: s.dst.as_ptr(),
-                b_stride: t,
-                x: s.kr.as_ptr(),
-                x_stride: g.d_pad,
-            },
-            keys,
-            rc,
-            g.d_pad,
-            s.dq.as_mut_ptr().add(row0 * g.d_pad),
-            g.d_pad,
-            true,
-            sp.map(|m| &m.row_k[..]),
+        timed!(
+            Phase::DsT,
+            transpose_region::<A>(s.ds.as_ptr(), t, rc, keys, s.dst.as_mut_ptr(), t)
+        );
+        timed!(
+            Phase::DQ,
+            gemm::<A, MR, NR>(
+                Operands {
+                    b: s.dst.as_ptr(),
+                    b_stride: t,
+                    x: s.kr.as_ptr(),
+                    x_stride: g.d_pad,
+                },
+                keys,
+                rc,
+                g.d_pad,
+                s.dq.as_mut_ptr().add(row0 * g.d_pad),
+                g.d_pad,
+                true,
+                sp.map(|m| &m.row_k[..]),
+            )
         );
     }
 }

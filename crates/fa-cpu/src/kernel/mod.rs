@@ -44,6 +44,7 @@ pub(crate) mod forward_task;
 pub(crate) mod mask;
 pub(crate) mod micro;
 pub(crate) mod pack;
+pub(crate) mod phase_timing;
 pub(crate) mod rows;
 pub(crate) mod scratch;
 pub(crate) mod softmax;
