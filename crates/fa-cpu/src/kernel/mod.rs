@@ -51,6 +51,8 @@ pub(crate) mod softmax;
 pub(crate) mod tiling;
 
 #[cfg(test)]
+mod backward_gemm_speed;
+#[cfg(test)]
 mod backward_twin_tests;
 #[cfg(test)]
 mod twin_tests;
