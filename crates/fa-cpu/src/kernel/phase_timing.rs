@@ -1,13 +1,13 @@
 //! Wall time per phase of the backward pass, summed over every worker (feature
 //! `phase-timing`, off by default: a profiling aid, not part of the API's promises). Each
 //! phase adds the nanoseconds between two [`std::time::Instant`]s to a process-wide counter;
-//! [`crate::take_backward_phases`] reads and clears them. Without the feature the
+//! `take_backward_phases` reads and clears them. Without the feature the
 //! [`timed`] macro is the plain expression and nothing is counted.
 
 #[cfg(feature = "phase-timing")]
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The phases counted, in [`PHASE_NAMES`]' order.
+/// The phases counted, in the order of `PHASE_NAMES`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Phase {
     /// Q and dO rows of a task: widening, padding, transposes, `D`, `lse·log2 e`.
@@ -35,6 +35,7 @@ pub(crate) enum Phase {
 }
 
 /// The phases' names, in [`Phase`]'s order.
+#[cfg(feature = "phase-timing")]
 pub const PHASE_NAMES: [&str; 11] = [
     "pack_rows",
     "pack_keys",
@@ -76,11 +77,10 @@ pub(crate) fn add(phase: Phase, elapsed: std::time::Duration) {
 }
 
 /// Seconds per phase since the last call (summed over workers), in [`PHASE_NAMES`]' order,
-/// and clears the counters; all zeros without the `phase-timing` feature.
+/// and clears the counters.
+#[cfg(feature = "phase-timing")]
 pub fn take_backward_phases() -> [f64; 11] {
-    #[allow(unused_mut)]
     let mut out = [0.0; 11];
-    #[cfg(feature = "phase-timing")]
     for (o, n) in out.iter_mut().zip(&NANOS) {
         *o = n.swap(0, Ordering::Relaxed) as f64 * 1e-9;
     }
