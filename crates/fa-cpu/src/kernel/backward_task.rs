@@ -57,7 +57,11 @@ pub(crate) const fn bwd_tile(mr: usize, w: usize) -> usize {
 /// fraction of the L1 sets, so that the operands of a product evict each other.
 const fn odd_lines(n: usize) -> usize {
     let lines = n.div_ceil(LINE);
-    (if lines % 2 == 0 { lines + 1 } else { lines }) * LINE
+    (if lines.is_multiple_of(2) {
+        lines + 1
+    } else {
+        lines
+    }) * LINE
 }
 
 /// How many key tiles a task keeps packed at once (each with its dK/dV accumulators): the
