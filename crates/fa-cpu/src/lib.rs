@@ -77,6 +77,8 @@ pub use element::Element;
 pub use forward::{
     forward_with_workspace, scratch_bytes_per_thread, supports, Workspace, MAX_THREADS,
 };
+#[cfg(feature = "phase-timing")]
+pub use kernel::phase_timing::{take_backward_phases, PHASE_NAMES as BACKWARD_PHASE_NAMES};
 
 use softmax_core::{Out, Problem, ProblemError, Qkv, RescalePolicy, RescaleStats};
 

@@ -13,9 +13,12 @@
 //! (twice: row-major and transposed) and a dQ accumulator in f32 for the whole sequence.
 //!
 //! # The loop
-//! The rows of every query head of the group are packed once per task. Then, per block of
-//! `tile` keys (K and V packed, dK/dV accumulators zeroed), per query head, per block of
-//! `tile` rows the mask leaves visible:
+//! The rows of every query head of the group are packed once per task. Then, per group of up
+//! to eight blocks of `tile` keys ([`resident_key_tiles`]: K and V packed, dK/dV accumulators
+//! zeroed, about 768 KiB in all), per query head, per block of `tile` rows, per key block of
+//! the group, each tile the mask leaves visible (the group lets a block of rows, which for
+//! long sequences comes from beyond L2, serve several key blocks while it is in cache; every
+//! sum keeps the order it has with one key block at a time):
 //! 1. `S = Q·Kᵀ` and `dP = dO·Vᵀ` (fresh tiles),
 //! 2. `P = exp2(x(S) − lse·log2 e)`, `dS = P ∘ (dP − D) · scale·t'` (`t' = 1 − tanh²` under a
 //!    softcap, else 1), hidden pairs 0 (`softmax-core`'s `Mask::key_range`),
@@ -28,7 +31,8 @@
 //! dK; `dSᵀ` (`[key][row]`, one tile transpose) with row-major K for dQ.
 
 use super::backward_gemm::{gemm, Operands, Span};
-use super::pack::{transpose_region, widen};
+use super::pack::{prefetch_row, transpose_region, widen, ROW_PREFETCH_AHEAD};
+use super::phase_timing::{timed, Phase};
 use super::scratch::SharedOut;
 use crate::arch::{exp2_exact, tanh, Arch, SimdLevel};
 use crate::dispatch::{with_arch, ArchFn, Entry, SimdTask};
@@ -46,6 +50,36 @@ const LINE: usize = 16;
 pub(crate) const fn bwd_tile(mr: usize, w: usize) -> usize {
     let lcm = lcm_unit(mr, if w > LINE { w } else { LINE });
     64usize.div_ceil(lcm) * lcm
+}
+
+/// The row stride for rows of `n` floats: whole lines, an odd number of them. An even count
+/// (a power of two at the usual sizes: 64 or 128 floats) would put every row of a tile into a
+/// fraction of the L1 sets, so that the operands of a product evict each other.
+const fn odd_lines(n: usize) -> usize {
+    let lines = n.div_ceil(LINE);
+    (if lines.is_multiple_of(2) {
+        lines + 1
+    } else {
+        lines
+    }) * LINE
+}
+
+/// How many key tiles a task keeps packed at once (each with its dK/dV accumulators): the
+/// rows of Q, dO and dQ, which are larger than L2 for long sequences, then stream from memory
+/// once per group of key tiles instead of once per key tile. About 768 KiB of key-side buffers
+/// (K, V, Kᵀ, Vᵀ, dK, dV: six tiles of `tile × head_dim` floats per key tile), 1 to 8 tiles.
+/// The sums run in the same order whatever the count: it changes no result.
+const fn resident_key_tiles(tile: usize, d: usize, dv: usize) -> usize {
+    let wide = if d > dv { d } else { dv };
+    let per_tile = 6 * 4 * tile * odd_lines(wide);
+    let n = (768 * 1024) / per_tile;
+    if n < 1 {
+        1
+    } else if n > 8 {
+        8
+    } else {
+        n
+    }
 }
 
 /// `n` rounded up to a multiple of `m`.
@@ -170,29 +204,33 @@ impl BwdLens {
     /// absurd size fails to allocate instead of wrapping).
     fn elems(&self) -> [usize; 17] {
         let t = self.tile;
+        let ts = odd_lines(t);
         let (d, dv) = (self.head_dim, self.head_dim_v);
-        let (d_pad, dv_pad) = (round_up(d, LINE), round_up(dv, LINE));
-        let rows = self
+        let (d_st, dv_st) = (odd_lines(d), odd_lines(dv));
+        let kb = resident_key_tiles(t, d, dv);
+        let blocks = self
             .group
-            .saturating_mul(round_up(self.max_seqlen_q, t).max(t));
+            .saturating_mul(self.max_seqlen_q.div_ceil(t).max(1));
+        let rows = blocks.saturating_mul(t);
+        let block_cols = blocks.saturating_mul(ts);
         [
-            rows.saturating_mul(d),      // qt
-            rows.saturating_mul(dv),     // dot
-            rows.saturating_mul(d_pad),  // qr
-            rows.saturating_mul(dv_pad), // dor
-            rows.saturating_mul(d_pad),  // dq
-            rows,                        // lse2
-            rows,                        // delta
-            d * t,                       // kt
-            dv * t,                      // vt
-            t * d_pad,                   // kr
-            t * dv_pad,                  // vr
-            t * d_pad,                   // dk
-            t * dv_pad,                  // dv
-            t * t,                       // p
-            t * t,                       // dp
-            t * t,                       // ds
-            t * t,                       // dst
+            block_cols.saturating_mul(d),  // qt
+            block_cols.saturating_mul(dv), // dot
+            rows.saturating_mul(d_st),     // qr
+            rows.saturating_mul(dv_st),    // dor
+            rows.saturating_mul(d_st),     // dq
+            rows,                          // lse2
+            rows,                          // delta
+            kb * d * ts,                   // kt
+            kb * dv * ts,                  // vt
+            kb * t * d_st,                 // kr
+            kb * t * dv_st,                // vr
+            kb * t * d_st,                 // dk
+            kb * t * dv_st,                // dv
+            t * ts,                        // p
+            t * ts,                        // dp
+            t * ts,                        // ds
+            t * ts,                        // dst
         ]
     }
 
@@ -267,17 +305,17 @@ pub(crate) struct BwdScratch {
     lse2: Aligned,
     /// Per query head and row: `D = dO·O`.
     delta: Aligned,
-    /// `Kᵀ` of the key block (`d × tile`).
+    /// Per resident key block ([`resident_key_tiles`]): `Kᵀ` (`d × tile`).
     kt: Aligned,
-    /// `Vᵀ` of the key block (`d_v × tile`).
+    /// Per resident key block: `Vᵀ` (`d_v × tile`).
     vt: Aligned,
-    /// K rows of the key block (`tile × d` padded).
+    /// Per resident key block: K rows (`tile × d` padded).
     kr: Aligned,
-    /// V rows of the key block (`tile × d_v` padded).
+    /// Per resident key block: V rows (`tile × d_v` padded).
     vr: Aligned,
-    /// dK accumulator of the key block.
+    /// Per resident key block: the dK accumulator.
     dk: Aligned,
-    /// dV accumulator of the key block.
+    /// Per resident key block: the dV accumulator.
     dv: Aligned,
     /// `S`, then `P` (`[row][key]`).
     p: Aligned,
@@ -343,7 +381,9 @@ impl<T: Element, O: Element, G: Element> SimdTask for BackwardTask<'_, '_, T, O,
     #[inline(always)]
     unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) -> BwdStats {
         // SAFETY: A's features are present and PV/NR are A's sizes (the trait's contract).
-        unsafe { run_task::<A, NR, PV, T, O, G>(self.ctx, self.task, self.scratch) }
+        timed!(Phase::Task, unsafe {
+            run_task::<A, NR, PV, T, O, G>(self.ctx, self.task, self.scratch)
+        })
     }
 }
 
@@ -375,10 +415,35 @@ struct Geom {
     dv: usize,
     d_pad: usize,
     dv_pad: usize,
+    /// Row strides of the rows of `d_pad` and `dv_pad` floats ([`odd_lines`]).
+    d_st: usize,
+    dv_st: usize,
+    /// Row stride of the tile-wide buffers (`S`, `dP`, `dS`, `dSᵀ`, `Kᵀ`, `Vᵀ`, the `Qᵀ` and
+    /// `dOᵀ` blocks).
+    ts: usize,
     /// Rows per query head in the row buffers (`seqlen_q` rounded up to whole tiles).
     nq_pad: usize,
     /// Row blocks per query head.
     nqb: usize,
+}
+
+impl Geom {
+    /// Offset of resident key block `u` in `Kᵀ`.
+    fn kt_at(&self, u: usize) -> usize {
+        u * self.d * self.ts
+    }
+    /// Offset of resident key block `u` in `Vᵀ`.
+    fn vt_at(&self, u: usize) -> usize {
+        u * self.dv * self.ts
+    }
+    /// Offset of resident key block `u` in the K rows and the dK accumulator.
+    fn kr_at(&self, u: usize) -> usize {
+        u * self.tile * self.d_st
+    }
+    /// Offset of resident key block `u` in the V rows and the dV accumulator.
+    fn vr_at(&self, u: usize) -> usize {
+        u * self.tile * self.dv_st
+    }
 }
 
 /// Runs one task.
@@ -412,6 +477,9 @@ pub(crate) unsafe fn run_task<
         dv,
         d_pad: round_up(d, LINE),
         dv_pad: round_up(dv, LINE),
+        d_st: odd_lines(d),
+        dv_st: odd_lines(dv),
+        ts: odd_lines(tile),
         nq_pad: nqb * tile,
         nqb,
     };
@@ -424,62 +492,99 @@ pub(crate) unsafe fn run_task<
     // `BwdLens::elems` for this problem (`try_ensure` ran), per the layouts documented on the
     // buffers; A's features are present.
     unsafe {
-        for hl in 0..group {
-            pack_rows::<A, T, O, G>(ctx, task, task.head_kv * group + hl, hl, &g, s);
-        }
-        s.dq[..group * g.nq_pad * g.d_pad].fill(0.0);
+        timed!(Phase::PackRows, {
+            for hl in 0..group {
+                pack_rows::<A, T, O, G>(ctx, task, task.head_kv * group + hl, hl, &g, s);
+            }
+        });
+        s.dq[..group * g.nq_pad * g.d_st].fill(0.0);
 
-        for j0 in (0..nk).step_by(tile) {
-            let keys = tile.min(nk - j0);
-            pack_keys::<A, T, O, G>(ctx, task, j0, keys, &g, s);
-            s.dk[..tile * g.d_pad].fill(0.0);
-            s.dv[..tile * g.dv_pad].fill(0.0);
+        let kb = resident_key_tiles(tile, d, dv);
+        for jb in (0..nk).step_by(tile * kb) {
+            // The key blocks `jb + u·tile` for u < blocks, packed and zeroed together; then
+            // each row block meets all of them while its rows are in cache. Every sum keeps
+            // its order: dK/dV of a key block over (head, row block), dQ of a row block over
+            // ascending key blocks.
+            let blocks = (nk - jb).div_ceil(tile).min(kb);
+            for u in 0..blocks {
+                let j0 = jb + u * tile;
+                let keys = tile.min(nk - j0);
+                timed!(Phase::PackKeys, {
+                    pack_keys::<A, T, O, G>(ctx, task, j0, keys, u, &g, s)
+                });
+                s.dk[g.kr_at(u)..g.kr_at(u + 1)].fill(0.0);
+                s.dv[g.vr_at(u)..g.vr_at(u + 1)].fill(0.0);
+            }
             for hl in 0..group {
                 for ib in 0..nqb {
                     let i0 = ib * tile;
                     let rows = tile.min(nq - i0);
-                    let kind = mask.classify_tile(i0..i0 + rows, j0..j0 + keys, nq, nk);
-                    if kind == TileKind::Empty {
-                        stats.skipped += 1;
-                        continue;
+                    for u in 0..blocks {
+                        let j0 = jb + u * tile;
+                        let keys = tile.min(nk - j0);
+                        let kind = mask.classify_tile(i0..i0 + rows, j0..j0 + keys, nq, nk);
+                        if kind == TileKind::Empty {
+                            stats.skipped += 1;
+                            continue;
+                        }
+                        stats.computed += 1;
+                        // Each row's visible keys within the block (empty: the row sees none).
+                        let range = |r: usize| {
+                            let kr = mask.key_range(i0 + r, nq, nk);
+                            let lo = kr.start.clamp(j0, j0 + keys) - j0;
+                            let hi = kr.end.clamp(j0, j0 + keys) - j0;
+                            (lo, hi.max(lo))
+                        };
+                        tile_step::<A, NR, MR>(
+                            s,
+                            &g,
+                            scores,
+                            (hl, ib, rows),
+                            (keys, u),
+                            (kind == TileKind::Partial).then_some(&range),
+                        );
                     }
-                    stats.computed += 1;
-                    // Each row's visible keys within the block (empty: the row sees none).
-                    let range = |r: usize| {
-                        let kr = mask.key_range(i0 + r, nq, nk);
-                        let lo = kr.start.clamp(j0, j0 + keys) - j0;
-                        let hi = kr.end.clamp(j0, j0 + keys) - j0;
-                        (lo, hi.max(lo))
-                    };
-                    tile_step::<A, NR, MR>(
-                        s,
-                        &g,
-                        scores,
-                        (hl, ib, rows),
-                        keys,
-                        (kind == TileKind::Partial).then_some(&range),
-                    );
                 }
             }
-            for jj in 0..keys {
-                let ko = p.k_offset(task.batch, j0 + jj, task.head_kv);
-                let row = &s.dk[jj * g.d_pad..jj * g.d_pad + d];
-                ctx.dk.write_row(ko, row.iter().map(|&x| G::from_f32(x)));
-                let vo = p.v_offset(task.batch, j0 + jj, task.head_kv);
-                let row = &s.dv[jj * g.dv_pad..jj * g.dv_pad + dv];
-                ctx.dv.write_row(vo, row.iter().map(|&x| G::from_f32(x)));
-            }
+            timed!(
+                Phase::Write,
+                for jj in 0..nk.min(jb + blocks * tile) - jb {
+                    if jj + ROW_PREFETCH_AHEAD < nk - jb {
+                        let ja = jb + jj + ROW_PREFETCH_AHEAD;
+                        ctx.dk
+                            .prefetch_row::<A>(p.k_offset(task.batch, ja, task.head_kv), d);
+                        ctx.dv
+                            .prefetch_row::<A>(p.v_offset(task.batch, ja, task.head_kv), dv);
+                    }
+                    let (u, ju) = (jj / tile, jj % tile);
+                    let ko = p.k_offset(task.batch, jb + jj, task.head_kv);
+                    let at = g.kr_at(u) + ju * g.d_st;
+                    let row = &s.dk[at..at + d];
+                    ctx.dk.write_row(ko, row.iter().map(|&x| G::from_f32(x)));
+                    let vo = p.v_offset(task.batch, jb + jj, task.head_kv);
+                    let at = g.vr_at(u) + ju * g.dv_st;
+                    let row = &s.dv[at..at + dv];
+                    ctx.dv.write_row(vo, row.iter().map(|&x| G::from_f32(x)));
+                }
+            );
         }
 
-        for hl in 0..group {
-            let head = task.head_kv * group + hl;
-            for i in 0..nq {
-                let qo = p.q_offset(task.batch, i, head);
-                let at = (hl * g.nq_pad + i) * g.d_pad;
-                let row = &s.dq[at..at + d];
-                ctx.dq.write_row(qo, row.iter().map(|&x| G::from_f32(x)));
+        timed!(
+            Phase::Write,
+            for hl in 0..group {
+                let head = task.head_kv * group + hl;
+                for i in 0..nq {
+                    if i + ROW_PREFETCH_AHEAD < nq {
+                        let qa = p.q_offset(task.batch, i + ROW_PREFETCH_AHEAD, head);
+                        ctx.dq.prefetch_row::<A>(qa, d);
+                    }
+                    let qo = p.q_offset(task.batch, i, head);
+                    let at = (hl * g.nq_pad + i) * g.d_st;
+                    let row = &s.dq[at..at + d];
+                    ctx.dq.write_row(qo, row.iter().map(|&x| G::from_f32(x)));
+                }
             }
-        }
+        );
     }
     stats
 }
@@ -503,14 +608,22 @@ unsafe fn pack_rows<A: Arch, T: Element, O: Element, G: Element>(
     let nq = p.seq(task.batch).seqlen_q;
     let base = hl * g.nq_pad;
     for i in 0..g.nq_pad {
-        let qrow = &mut s.qr[(base + i) * g.d_pad..(base + i + 1) * g.d_pad];
-        let orow = &mut s.dor[(base + i) * g.dv_pad..(base + i + 1) * g.dv_pad];
+        let qrow = &mut s.qr[(base + i) * g.d_st..(base + i) * g.d_st + g.d_pad];
+        let orow = &mut s.dor[(base + i) * g.dv_st..(base + i) * g.dv_st + g.dv_pad];
         if i >= nq {
             qrow.fill(0.0);
             orow.fill(0.0);
             s.lse2[base + i] = f32::INFINITY;
             s.delta[base + i] = 0.0;
             continue;
+        }
+        // Rows of one head are a head stride apart (a page each, past the prefetchers' reach).
+        let ahead = i + ROW_PREFETCH_AHEAD;
+        if ahead < nq {
+            prefetch_row::<A, T>(ctx.q, p.q_offset(task.batch, ahead, head), g.d);
+            let oa = p.o_offset(task.batch, ahead, head);
+            prefetch_row::<A, O>(ctx.d_o, oa, g.dv);
+            prefetch_row::<A, O>(ctx.o, oa, g.dv);
         }
         // SAFETY: A available (caller); offsets validated against the buffers.
         unsafe {
@@ -519,11 +632,7 @@ unsafe fn pack_rows<A: Arch, T: Element, O: Element, G: Element>(
             widen::<A, O>(ctx.d_o, oo, g.dv, orow);
             qrow[g.d..].fill(0.0);
             orow[g.dv..].fill(0.0);
-            let mut dd = 0.0f32;
-            for (x, o) in orow[..g.dv].iter().zip(&ctx.o[oo..oo + g.dv]) {
-                dd += x * o.to_f32();
-            }
-            s.delta[base + i] = dd;
+            s.delta[base + i] = row_dot(&orow[..g.dv], &ctx.o[oo..oo + g.dv]);
         }
         let lse = ctx.lse[p.lse_offset(task.batch, head, i)];
         s.lse2[base + i] = if lse == f32::NEG_INFINITY {
@@ -534,31 +643,42 @@ unsafe fn pack_rows<A: Arch, T: Element, O: Element, G: Element>(
     }
     for ib in 0..g.nqb {
         let r0 = base + ib * g.tile;
-        let blk = (hl * g.nqb + ib) * g.tile;
+        let blk = (hl * g.nqb + ib) * g.ts;
         // SAFETY: a tile of rows of the padded row buffers into its `[c][row]` block.
         unsafe {
             transpose_region::<A>(
-                s.qr.as_ptr().add(r0 * g.d_pad),
-                g.d_pad,
+                s.qr.as_ptr().add(r0 * g.d_st),
+                g.d_st,
                 g.tile,
                 g.d,
                 s.qt.as_mut_ptr().add(blk * g.d),
-                g.tile,
+                g.ts,
             );
             transpose_region::<A>(
-                s.dor.as_ptr().add(r0 * g.dv_pad),
-                g.dv_pad,
+                s.dor.as_ptr().add(r0 * g.dv_st),
+                g.dv_st,
                 g.tile,
                 g.dv,
                 s.dot.as_mut_ptr().add(blk * g.dv),
-                g.tile,
+                g.ts,
             );
         }
     }
 }
 
-/// Packs keys `j0..j0+keys`: K and V rows (widened, padded with zero rows and columns) and
-/// their transposes.
+/// `Σ x·o`, one sum in element order (as before: eight interleaved partial sums were faster but
+/// moved a proptest case's dQ error from just under the 1e-5 bound to 1.03e-5).
+#[inline(always)]
+fn row_dot<O: Element>(x: &[f32], o: &[O]) -> f32 {
+    let mut dd = 0.0f32;
+    for (xv, ov) in x.iter().zip(o) {
+        dd += xv * ov.to_f32();
+    }
+    dd
+}
+
+/// Packs keys `j0..j0+keys` into resident key block `u`: K and V rows (widened, padded with
+/// zero rows and columns) and their transposes.
 ///
 /// # Safety
 /// A's features are present; `s` sized for the call.
@@ -568,17 +688,24 @@ unsafe fn pack_keys<A: Arch, T: Element, O: Element, G: Element>(
     task: &BwdTask,
     j0: usize,
     keys: usize,
+    u: usize,
     g: &Geom,
     s: &mut BwdScratch,
 ) {
     let p = ctx.problem;
+    let (kr0, vr0) = (g.kr_at(u), g.vr_at(u));
     for jj in 0..g.tile {
-        let krow = &mut s.kr[jj * g.d_pad..(jj + 1) * g.d_pad];
-        let vrow = &mut s.vr[jj * g.dv_pad..(jj + 1) * g.dv_pad];
+        let krow = &mut s.kr[kr0 + jj * g.d_st..kr0 + jj * g.d_st + g.d_pad];
+        let vrow = &mut s.vr[vr0 + jj * g.dv_st..vr0 + jj * g.dv_st + g.dv_pad];
         if jj >= keys {
             krow.fill(0.0);
             vrow.fill(0.0);
             continue;
+        }
+        if jj + ROW_PREFETCH_AHEAD < keys {
+            let ja = j0 + jj + ROW_PREFETCH_AHEAD;
+            prefetch_row::<A, T>(ctx.k, p.k_offset(task.batch, ja, task.head_kv), g.d);
+            prefetch_row::<A, T>(ctx.v, p.v_offset(task.batch, ja, task.head_kv), g.dv);
         }
         // SAFETY: A available (caller); offsets validated against the buffers.
         unsafe {
@@ -601,25 +728,26 @@ unsafe fn pack_keys<A: Arch, T: Element, O: Element, G: Element>(
     // SAFETY: the whole padded tile of rows into `[c][key]`.
     unsafe {
         transpose_region::<A>(
-            s.kr.as_ptr(),
-            g.d_pad,
+            s.kr.as_ptr().add(kr0),
+            g.d_st,
             g.tile,
             g.d,
-            s.kt.as_mut_ptr(),
-            g.tile,
+            s.kt.as_mut_ptr().add(g.kt_at(u)),
+            g.ts,
         );
         transpose_region::<A>(
-            s.vr.as_ptr(),
-            g.dv_pad,
+            s.vr.as_ptr().add(vr0),
+            g.dv_st,
             g.tile,
             g.dv,
-            s.vt.as_mut_ptr(),
-            g.tile,
+            s.vt.as_mut_ptr().add(g.vt_at(u)),
+            g.ts,
         );
     }
 }
 
-/// One (query block, key block) tile of query head `hl`: the five products and the
+/// One (query block, key block) tile of query head `hl`, against resident key block `u`: the
+/// five products and the
 /// element-wise step between them. `range(r)` gives row `r`'s visible keys within the block
 /// for a partly hidden tile (`None`: the tile is fully visible).
 ///
@@ -632,14 +760,15 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
     g: &Geom,
     scores: Scores,
     (hl, ib, rows): (usize, usize, usize),
-    keys: usize,
+    (keys, u): (usize, usize),
     range: Option<&dyn Fn(usize) -> (usize, usize)>,
 ) {
     let t = g.tile;
+    let ts = g.ts;
     // Rows and key columns rounded up to whole micro-kernel blocks and vectors (≤ tile).
     let rc = round_up(rows, lcm_unit(MR, A::W)).min(t);
     let kc = round_up(keys, lcm_unit(MR, A::W)).min(t);
-    let blk = (hl * g.nqb + ib) * t;
+    let blk = (hl * g.nqb + ib) * ts;
     let row0 = hl * g.nq_pad + ib * t;
     // A partly hidden tile: per block of MR rows or MR keys, what the products need (the
     // diagonal tiles of a causal mask then cost about half).
@@ -650,84 +779,105 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
         let qt = s.qt.as_ptr().add(blk * g.d);
         let dot = s.dot.as_ptr().add(blk * g.dv);
         // S = Q·Kᵀ, dP = dO·Vᵀ.
-        gemm::<A, MR, NR>(
-            Operands {
-                b: qt,
-                b_stride: t,
-                x: s.kt.as_ptr(),
-                x_stride: t,
-            },
-            g.d,
-            rc,
-            kc,
-            s.p.as_mut_ptr(),
-            t,
-            false,
-            sp.map(|m| &m.row_n[..]),
+        timed!(
+            Phase::S,
+            gemm::<A, MR, NR>(
+                Operands {
+                    b: qt,
+                    b_stride: ts,
+                    x: s.kt.as_ptr().add(g.kt_at(u)),
+                    x_stride: ts,
+                },
+                g.d,
+                rc,
+                kc,
+                s.p.as_mut_ptr(),
+                ts,
+                false,
+                sp.map(|m| &m.row_n[..]),
+            )
         );
-        gemm::<A, MR, NR>(
-            Operands {
-                b: dot,
-                b_stride: t,
-                x: s.vt.as_ptr(),
-                x_stride: t,
-            },
-            g.dv,
-            rc,
-            kc,
-            s.dp.as_mut_ptr(),
-            t,
-            false,
-            sp.map(|m| &m.row_n[..]),
+        timed!(
+            Phase::DP,
+            gemm::<A, MR, NR>(
+                Operands {
+                    b: dot,
+                    b_stride: ts,
+                    x: s.vt.as_ptr().add(g.vt_at(u)),
+                    x_stride: ts,
+                },
+                g.dv,
+                rc,
+                kc,
+                s.dp.as_mut_ptr(),
+                ts,
+                false,
+                sp.map(|m| &m.row_n[..]),
+            )
         );
-        probabilities::<A>(s, t, (rows, rc), (keys, kc), row0, scores, range);
+        timed!(
+            Phase::Probs,
+            probabilities::<A>(s, ts, (rows, rc), (keys, kc), row0, scores, range)
+        );
         // dV += Pᵀ·dO, dK += dSᵀ·Q (sums over this block's rows, in order).
-        gemm::<A, MR, NR>(
-            Operands {
-                b: s.p.as_ptr(),
-                b_stride: t,
-                x: s.dor.as_ptr().add(row0 * g.dv_pad),
-                x_stride: g.dv_pad,
-            },
-            rows,
-            kc,
-            g.dv_pad,
-            s.dv.as_mut_ptr(),
-            g.dv_pad,
-            true,
-            sp.map(|m| &m.key_k[..]),
+        timed!(
+            Phase::DV,
+            gemm::<A, MR, NR>(
+                Operands {
+                    b: s.p.as_ptr(),
+                    b_stride: ts,
+                    x: s.dor.as_ptr().add(row0 * g.dv_st),
+                    x_stride: g.dv_st,
+                },
+                rows,
+                kc,
+                g.dv_pad,
+                s.dv.as_mut_ptr().add(g.vr_at(u)),
+                g.dv_st,
+                true,
+                sp.map(|m| &m.key_k[..]),
+            )
         );
-        gemm::<A, MR, NR>(
-            Operands {
-                b: s.ds.as_ptr(),
-                b_stride: t,
-                x: s.qr.as_ptr().add(row0 * g.d_pad),
-                x_stride: g.d_pad,
-            },
-            rows,
-            kc,
-            g.d_pad,
-            s.dk.as_mut_ptr(),
-            g.d_pad,
-            true,
-            sp.map(|m| &m.key_k[..]),
+        timed!(
+            Phase::DK,
+            gemm::<A, MR, NR>(
+                Operands {
+                    b: s.ds.as_ptr(),
+                    b_stride: ts,
+                    x: s.qr.as_ptr().add(row0 * g.d_st),
+                    x_stride: g.d_st,
+                },
+                rows,
+                kc,
+                g.d_pad,
+                s.dk.as_mut_ptr().add(g.kr_at(u)),
+                g.d_st,
+                true,
+                sp.map(|m| &m.key_k[..]),
+            )
         );
         // dQ += dS·K, through dSᵀ (the contraction runs over keys).
-        transpose_region::<A>(s.ds.as_ptr(), t, rc, keys, s.dst.as_mut_ptr(), t);
-        gemm::<A, MR, NR>(
-            Operands {
-                b: s.dst.as_ptr(),
-                b_stride: t,
-                x: s.kr.as_ptr(),
-                x_stride: g.d_pad,
-            },
-            keys,
-            rc,
-            g.d_pad,
-            s.dq.as_mut_ptr().add(row0 * g.d_pad),
-            g.d_pad,
-            true,
-            sp.map(|m| &m.row_k[..]),
+        timed!(
+            Phase::DsT,
+            transpose_region::<A>(s.ds.as_ptr(), ts, rc, keys, s.dst.as_mut_ptr(), ts)
+        );
+        timed!(
+            Phase::DQ,
+            gemm::<A, MR, NR>(
+                Operands {
+                    b: s.dst.as_ptr(),
+                    b_stride: ts,
+                    x: s.kr.as_ptr().add(g.kr_at(u)),
+                    x_stride: g.d_st,
+                },
+                keys,
+                rc,
+                g.d_pad,
+                s.dq.as_mut_ptr().add(row0 * g.d_st),
+                g.d_st,
+                true,
+                sp.map(|m| &m.row_k[..]),
+            )
         );
     }
 }

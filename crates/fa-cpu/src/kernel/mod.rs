@@ -53,6 +53,7 @@ pub(crate) mod forward_task;
 pub(crate) mod mask;
 pub(crate) mod micro;
 pub(crate) mod pack;
+pub(crate) mod phase_timing;
 pub(crate) mod rows;
 pub(crate) mod scratch;
 pub(crate) mod softmax;
@@ -60,6 +61,7 @@ pub(crate) mod tiling;
 
 #[cfg(test)]
 mod amx_tests;
+mod backward_gemm_speed;
 #[cfg(test)]
 mod backward_twin_tests;
 #[cfg(test)]
