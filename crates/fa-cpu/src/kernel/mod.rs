@@ -61,6 +61,7 @@ pub(crate) mod tiling;
 
 #[cfg(test)]
 mod amx_tests;
+#[cfg(test)]
 mod backward_gemm_speed;
 #[cfg(test)]
 mod backward_twin_tests;
