@@ -17,7 +17,14 @@ the best backend. `--json FILE` also writes the document to FILE.
 
 Usage: python3 scripts/torch_sdpa_decode.py [--batches 1,16] [--caches 4096,16384,65536,131072]
        [--heads-q 64] [--heads-kv 8] [--hdim 128] [--queries 1] [--page-sizes 16,256]
-       [--dtype bf16|fp16] [--iters 50] [--max-gib 40] [--json FILE]
+       [--dtype bf16|fp16] [--iters 50] [--max-gib 40] [--flush read|write|none] [--json FILE]
+
+Each timed call follows a flush on the same stream (the GPU stays busy while the host queues
+the call, so the host's launch overhead is not timed): `read` (default) sums a 512 MiB buffer,
+leaving the L2 full of clean lines, as the previous layer's reads do in a decode step; `write`
+zeroes it, leaving up to the L2's size of dirty lines whose write-back then shares DRAM with
+the timed call (the method of docs/gpu-notes.md runs 49-52); `none` times back-to-back calls.
+decode_bench's `--flush read|copy|none` does the same on our side.
 """
 import argparse
 import json
@@ -42,14 +49,14 @@ def ints(s):
 _FLUSH = None
 
 
-def median_seconds(fn, iters, warmup=5, flush=True):
-    """Median of `iters` CUDA-event timings of fn (after `warmup` untimed calls). With `flush`,
-    each timed call follows a 512 MiB write on the same stream: the L2 cache (50 MiB on an
-    H200) holds none of the inputs, and the GPU is still busy with the write while the host
-    queues the start event and fn's launches, so the host's launch overhead is not timed
-    (decode_bench does the same)."""
+def median_seconds(fn, iters, warmup=5, flush="read"):
+    """Median of `iters` CUDA-event timings of fn (after `warmup` untimed calls). With `flush`
+    "read" or "write", each timed call follows a 512 MiB sum or write on the same stream: the
+    L2 cache (50 MiB on an H200) holds none of the inputs, and the GPU is still busy with the
+    flush while the host queues the start event and fn's launches, so the host's launch
+    overhead is not timed (decode_bench does the same)."""
     global _FLUSH
-    if flush and _FLUSH is None:
+    if flush != "none" and _FLUSH is None:
         _FLUSH = torch.empty(512 * 1024**2, dtype=torch.uint8, device="cuda")
     for _ in range(warmup):
         fn()
@@ -57,7 +64,9 @@ def median_seconds(fn, iters, warmup=5, flush=True):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):
-        if flush:
+        if flush == "read":
+            _FLUSH.sum()
+        elif flush == "write":
             _FLUSH.zero_()
         start.record()
         fn()
@@ -72,7 +81,7 @@ def copy_bandwidth(iters):
     """Device-to-device copy of 2 GiB, bytes read + written per second (GB/s)."""
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    t = median_seconds(lambda: y.copy_(x), iters, flush=False)
+    t = median_seconds(lambda: y.copy_(x), iters, flush="none")
     del x, y
     torch.cuda.empty_cache()
     return 2 * 2 * 1024**3 / t / 1e9
@@ -98,9 +107,12 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip caches larger than this")
     ap.add_argument("--json", metavar="FILE")
-    ap.add_argument("--no-flush", action="store_true",
-                    help="time without the L2 flush before each call (the host's launch overhead then counts)")
+    ap.add_argument("--flush", choices=["read", "write", "none"], default="read",
+                    help="the L2 flush before each timed call (see the module doc)")
+    ap.add_argument("--no-flush", action="store_true", help="the same as --flush none")
     args = ap.parse_args()
+    if args.no_flush:
+        args.flush = "none"
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     copy_gbs = copy_bandwidth(20)
@@ -128,7 +140,7 @@ def main():
                         t = median_seconds(
                             lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
                             args.iters,
-                            flush=not args.no_flush,
+                            flush=args.flush,
                         )
                     row[name + "_us"] = round(t * 1e6, 1)
                     row[name + "_gbs"] = round(kv_bytes / t / 1e9, 0)
@@ -156,7 +168,7 @@ def main():
         torch=torch.__version__,
         device=torch.cuda.get_device_name(),
         copy_gbs=round(copy_gbs, 0),
-        flush=not args.no_flush,
+        flush=args.flush,
         rows=rows,
     )
     text = json.dumps(doc, indent=1)

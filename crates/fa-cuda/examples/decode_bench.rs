@@ -10,16 +10,21 @@
 //! cargo run --release -p fa-cuda --example decode_bench -- [--batches 1,16]
 //!     [--caches 4096,16384,65536,131072] [--heads-q 64] [--heads-kv 8] [--hdim 128]
 //!     [--queries 1] [--layouts padded,paged16,paged256] [--splits plan,8,15,30]
-//!     [--stages plan,3,2] [--iters 50]
+//!     [--stages plan,3,2] [--l2-prefetch plan,0,256] [--flush read|copy|none] [--iters 50]
 //! ```
-//! Each timed call follows a 256 MiB device-to-device copy on the same stream (`--no-flush` turns it
-//! off): the L2 cache holds none of the cache, and the GPU is still busy with the copy while
-//! the host queues the call, so the host's launch overhead is not timed
-//! (`scripts/torch_sdpa_decode.py` does the same).
+//! Each timed call follows a flush on the same stream: the L2 cache holds none of the cache,
+//! and the GPU is still busy with the flush while the host queues the call, so the host's
+//! launch overhead is not timed (`scripts/torch_sdpa_decode.py` does the same). `--flush read`
+//! (the default) is a decode call over another 512 MiB cache: it leaves the L2 full of clean
+//! lines, as the previous layer's attention and weight reads do in a decode step; `--flush
+//! copy` a 256 MiB device-to-device copy, which leaves up to the L2's size of dirty lines whose
+//! write-back then shares DRAM with the timed call (the method of runs 49-52); `--flush none`
+//! (or `--no-flush`) times back-to-back calls.
 //!
 //! `--splits` lists split counts to time per shape (`plan`: the plan's own choice, the
 //! default), for tuning the split rule; `--stages` the K/V stage counts (fewer stages, more
-//! CTAs per SM), each with the plan's split count for it unless `--splits` forces one.
+//! CTAs per SM), each with the plan's split count for it unless `--splits` forces one;
+//! `--l2-prefetch` the K/V copies' L2 prefetch hints in bytes.
 //! The caches are filled with random bf16 values (a 32 MiB random chunk copied over them on
 //! the device); paged block tables are random permutations of the blocks.
 
@@ -88,11 +93,12 @@ fn main() {
     let mut layouts: Vec<String> = ["padded", "paged16", "paged256"].map(String::from).to_vec();
     let mut split_list: Vec<Option<u32>> = vec![None];
     let mut stage_list: Vec<Option<u32>> = vec![None];
-    let mut flush = true;
+    let mut prefetch_list: Vec<Option<u32>> = vec![None];
+    let mut flush = String::from("read");
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         if a == "--no-flush" {
-            flush = false;
+            flush = String::from("none");
             continue;
         }
         let v = args.next().unwrap_or_default();
@@ -117,6 +123,13 @@ fn main() {
                     .map(|x| (x != "plan").then(|| x.parse().expect("--stages plan,N,...")))
                     .collect()
             }
+            "--l2-prefetch" => {
+                prefetch_list = v
+                    .split(',')
+                    .map(|x| (x != "plan").then(|| x.parse().expect("--l2-prefetch plan,N,...")))
+                    .collect()
+            }
+            "--flush" => flush = v,
             other => panic!("unknown argument {other}"),
         }
     }
@@ -157,12 +170,56 @@ fn main() {
     };
     fill(&stream, &mut v, &chunk);
     eprintln!("device copy: {copy_gbs:.0} GB/s (read + write)");
-    // The flush: 256 MiB copied onto another 256 MiB before each timed call.
-    let mut flush_bufs = flush.then(|| {
+    // The flush buffers: 2 x 256 MiB, a copy's source and destination, or the K and V of a
+    // padded cache (batch 1, 131072 keys, the shape's heads) that a read flush decodes.
+    let mut flush_bufs = (flush != "none").then(|| {
         let a = stream.alloc_zeros::<u16>(128 << 20).expect("flush buffer");
         let b = stream.alloc_zeros::<u16>(128 << 20).expect("flush buffer");
         (a, b)
     });
+    let flush_keys = (128usize << 20) / (hk * d);
+    let flush_used_host = [flush_keys as u32];
+    let flush_problem = ProblemDesc::new(1, 1, flush_keys, hq, hk, d)
+        .padded_cache(&flush_used_host)
+        .validate(MAX_HEAD_DIM)
+        .expect("flush shape");
+    let flush_q = stream.alloc_zeros::<u16>(hq * d).expect("flush Q");
+    let flush_o = stream.alloc_zeros::<u16>(hq * d).expect("flush O");
+    let flush_used = stream.clone_htod(&[flush_keys as i32]).expect("upload");
+    let flush_ws = stream
+        .alloc_zeros::<f32>(
+            dev.decode_workspace_bytes(&flush_problem, DType::Bf16, &ForwardOptions::default())
+                .expect("workspace size")
+                .div_ceil(4)
+                .max(1),
+        )
+        .expect("flush workspace");
+    let mut flush_now = |stream: &Arc<CudaStream>| match (flush.as_str(), flush_bufs.as_mut()) {
+        ("copy", Some((a, b))) => stream.memcpy_dtod(&*a, b).expect("flush copy"),
+        ("read", Some((a, b))) => {
+            let tables = CacheTables {
+                seqused_k: raw(&flush_used, stream),
+                block_table: None,
+            };
+            let qkv = Qkv::new(
+                raw::<bf16, u16>(&flush_q, stream),
+                raw::<bf16, u16>(&*a, stream),
+                raw::<bf16, u16>(&*b, stream),
+            );
+            dev.forward_cache_on_stream(
+                &flush_problem,
+                tables,
+                Some(raw(&flush_ws, stream)),
+                qkv,
+                Out::new(raw::<bf16, u16>(&flush_o, stream)),
+                stream,
+                &ForwardOptions::default(),
+            )
+            .expect("flush decode");
+        }
+        ("none", _) => {}
+        (other, _) => panic!("--flush read|copy|none, not {other}"),
+    };
 
     let mut rows = Vec::new();
     for &batch in &batches {
@@ -204,13 +261,18 @@ fn main() {
                 let problem = desc.validate(MAX_HEAD_DIM).expect("valid shape");
                 let table_dev =
                     (!table.is_empty()).then(|| stream.clone_htod(&table).expect("upload"));
-                for (&splits, &decode_stages) in split_list
-                    .iter()
-                    .flat_map(|s| stage_list.iter().map(move |g| (s, g)))
+                for (&splits, &decode_stages, &decode_l2_prefetch) in
+                    split_list.iter().flat_map(|s| {
+                        stage_list.iter().flat_map({
+                            let prefetch_list = &prefetch_list;
+                            move |g| prefetch_list.iter().map(move |f| (s, g, f))
+                        })
+                    })
                 {
                     let opts = ForwardOptions {
                         splits,
                         decode_stages,
+                        decode_l2_prefetch,
                         time_kernel: true,
                         ..ForwardOptions::default()
                     };
@@ -242,9 +304,7 @@ fn main() {
                     let mut times = Vec::new();
                     let mut plan = None;
                     for it in 0..iters + 5 {
-                        if let Some((a, b)) = flush_bufs.as_mut() {
-                            stream.memcpy_dtod(&*a, b).expect("flush copy");
-                        }
+                        flush_now(&stream);
                         let stats = dev
                             .forward_cache_on_stream(
                                 &problem,
@@ -286,7 +346,7 @@ fn main() {
         }
     }
     println!(
-        "{{\"bench\":\"fa_cuda_decode\",\"device\":\"{}\",\"copy_gbs\":{copy_gbs:.0},\"flush\":{flush},\"rows\":[\n{}\n]}}",
+        "{{\"bench\":\"fa_cuda_decode\",\"device\":\"{}\",\"copy_gbs\":{copy_gbs:.0},\"flush\":\"{flush}\",\"rows\":[\n{}\n]}}",
         dev.name(),
         rows.join(",\n")
     );

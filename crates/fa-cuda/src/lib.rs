@@ -122,7 +122,7 @@ pub use device::{
     driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, DeviceOut, ForwardStats,
 };
 pub use error::CudaError;
-pub use kernels::decode::{num_splits_heuristic, DecodePlan};
+pub use kernels::decode::{num_splits_heuristic, DecodeOverrides, DecodePlan};
 pub use kernels::sm90::Pipeline as Sm90Pipeline;
 pub use kernels::{
     arch_for, DeviceProps, ForwardVariant, KernelFamilyChoice, LaunchShape, Tiles, Variant,

@@ -34,7 +34,7 @@ pub(super) fn check_decode(
     supports(problem, dtype)?;
     // P is stored as a 16-bit operand of the inputs' dtype and reaches 2^tau.
     opts.rescale.check(dtype.max_finite(), 0.0)?;
-    plan_decode(problem, dtype, opts.splits, opts.decode_stages, props)
+    plan_decode(problem, dtype, opts.into(), props)
 }
 
 /// Rejects a null or misaligned workspace and one shorter than `needed` bytes.
@@ -93,7 +93,7 @@ impl Device {
         opts: &ForwardOptions,
     ) -> Result<usize, CudaError> {
         supports(problem, dtype)?;
-        let plan = plan_decode(problem, dtype, opts.splits, opts.decode_stages, &self.props)?;
+        let plan = plan_decode(problem, dtype, opts.into(), &self.props)?;
         Ok(plan.map_or(0, |p| p.workspace_bytes))
     }
 

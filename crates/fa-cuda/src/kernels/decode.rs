@@ -81,6 +81,8 @@ pub struct DecodeVariant {
     pub dtype: DType,
     /// Softcap or a non-positive scale: scores transformed before the max.
     pub general_scores: bool,
+    /// L2 prefetch size hint of the K/V copies in bytes (0: none; 64, 128 or 256).
+    pub l2_prefetch: u32,
 }
 
 impl DecodeVariant {
@@ -116,12 +118,18 @@ impl DecodeVariant {
             format!("-DSTAGES={}", self.stages),
             format!("-DIS_BF16={}", u32::from(self.dtype == DType::Bf16)),
             format!("-DGENERAL_SCORES={}", u32::from(self.general_scores)),
+            format!("-DL2PF={}", self.l2_prefetch),
         ]
     }
-    /// A readable name, e.g. `decode_sm80_bf16_d128_m16_n64_w4_s4` (`_gen`: general scores).
+    /// A readable name, e.g. `decode_sm80_bf16_d128_m16_n64_w4_s4` (`_gen`: general scores;
+    /// `_pf256`: an L2 prefetch hint).
     pub fn name(&self) -> String {
+        let prefetch = match self.l2_prefetch {
+            0 => String::new(),
+            n => format!("_pf{n}"),
+        };
         format!(
-            "decode_sm80_{}_d{}_m{}_n{}_w{}_s{}{}",
+            "decode_sm80_{}_d{}_m{}_n{}_w{}_s{}{}{prefetch}",
             self.dtype.name(),
             self.hdp,
             self.block_m(),
@@ -153,6 +161,21 @@ impl DecodeVariant {
             stages,
             dtype,
             general_scores,
+            l2_prefetch: 0,
+        }
+    }
+    /// This variant with an L2 prefetch hint of `bytes` (0, 64, 128 or 256; other values
+    /// round down to the nearest of those).
+    pub fn with_l2_prefetch(self, bytes: u32) -> DecodeVariant {
+        let l2_prefetch = match bytes {
+            256.. => 256,
+            128..=255 => 128,
+            64..=127 => 64,
+            _ => 0,
+        };
+        DecodeVariant {
+            l2_prefetch,
+            ..self
         }
     }
     /// This variant with `stages` K/V tiles in flight (2 to [`MAX_DECODE_STAGES`]).
@@ -182,13 +205,23 @@ impl DecodeVariant {
                         // Tuning stage counts for the benchmarked kind only (bf16, plain
                         // scores): the others compile on first use.
                         let tuned = dtype == DType::Bf16 && !general;
-                        for v in std::iter::once(v).chain(
-                            DECODE_TUNING_STAGES
-                                .iter()
-                                .filter(|_| tuned)
-                                .map(|&s| v.with_stages(s))
-                                .filter(|t| t.smem_bytes() <= DeviceProps::a100().smem_optin_bytes),
-                        ) {
+                        for v in std::iter::once(v)
+                            .chain(
+                                DECODE_TUNING_STAGES
+                                    .iter()
+                                    .filter(|_| tuned)
+                                    .map(|&s| v.with_stages(s))
+                                    .filter(|t| {
+                                        t.smem_bytes() <= DeviceProps::a100().smem_optin_bytes
+                                    }),
+                            )
+                            .chain(
+                                DECODE_TUNING_L2_PREFETCH
+                                    .iter()
+                                    .filter(|_| tuned)
+                                    .map(|&b| v.with_l2_prefetch(b)),
+                            )
+                        {
                             if !all.contains(&v) {
                                 all.push(v);
                             }
@@ -341,11 +374,36 @@ pub struct DecodePlan {
     pub workspace_bytes: usize,
 }
 
+/// The tuning overrides of a decode plan ([`crate::ForwardOptions`]' `splits`,
+/// `decode_stages` and `decode_l2_prefetch`); `None` leaves each to the plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodeOverrides {
+    /// Force this many key splits (`Some(0)` is an error).
+    pub splits: Option<u32>,
+    /// K/V stages in flight (2 to [`MAX_DECODE_STAGES`]).
+    pub stages: Option<u32>,
+    /// L2 prefetch hint of the K/V copies in bytes (0, 64, 128, 256).
+    pub l2_prefetch: Option<u32>,
+}
+
+impl From<&crate::ForwardOptions> for DecodeOverrides {
+    fn from(opts: &crate::ForwardOptions) -> DecodeOverrides {
+        DecodeOverrides {
+            splits: opts.splits,
+            stages: opts.decode_stages,
+            l2_prefetch: opts.decode_l2_prefetch,
+        }
+    }
+}
+
 /// The most K/V stages a decode variant may keep in flight.
 pub const MAX_DECODE_STAGES: u32 = 8;
 /// The stage counts besides the default that tuning runs ([`crate::ForwardOptions`]'s
 /// `decode_stages`) and the compile check cover, where they fit an A100's shared memory.
 pub const DECODE_TUNING_STAGES: [u32; 3] = [2, 3, 4];
+/// The L2 prefetch hints besides the default that tuning runs (`decode_l2_prefetch`) and the
+/// compile check cover (bf16, plain scores, default stages).
+pub const DECODE_TUNING_L2_PREFETCH: [u32; 3] = [0, 128, 256];
 
 /// The fewest key tiles a split gets from the split rule: a split of fewer tiles spends most
 /// of its time in its prologue and partial write (run 49: 32 splits of 2 tiles at batch 1,
@@ -393,10 +451,14 @@ fn hdp_of(problem: &Problem) -> u32 {
 pub fn plan_decode(
     problem: &Problem,
     dtype: DType,
-    splits: Option<u32>,
-    stages: Option<u32>,
+    overrides: DecodeOverrides,
     props: &DeviceProps,
 ) -> Result<Option<DecodePlan>, ProblemError> {
+    let DecodeOverrides {
+        splits,
+        stages,
+        l2_prefetch,
+    } = overrides;
     let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
     if !problem.has_kv_cache() {
         return unsupported("the decode kernels read a KV cache");
@@ -413,6 +475,9 @@ pub fn plan_decode(
     let mut variant = DecodeVariant::for_shape(hdp_of(problem), rows, dtype, general);
     if let Some(stages) = stages {
         variant = variant.with_stages(stages);
+    }
+    if let Some(bytes) = l2_prefetch {
+        variant = variant.with_l2_prefetch(bytes);
     }
     if variant.smem_bytes() > props.smem_optin_bytes {
         return unsupported("the decode kernel's shared memory exceeds this device's limit");
@@ -600,6 +665,13 @@ mod tests {
     use super::*;
     use softmax_core::ProblemDesc;
 
+    fn forced_splits(splits: u32) -> DecodeOverrides {
+        DecodeOverrides {
+            splits: Some(splits),
+            ..DecodeOverrides::default()
+        }
+    }
+
     #[test]
     fn splits_follow_the_wave_rule() {
         // Already most of a wave: no split.
@@ -645,9 +717,14 @@ mod tests {
         let used = [1000u32, 7];
         let table: Vec<i32> = (0..2 * 63).map(|i| i % 64).collect();
         let problem = paged(&used, &table, 16, 1);
-        let plan = plan_decode(&problem, DType::Bf16, None, None, &DeviceProps::h200())
-            .expect("plan")
-            .expect("work");
+        let plan = plan_decode(
+            &problem,
+            DType::Bf16,
+            DecodeOverrides::default(),
+            &DeviceProps::h200(),
+        )
+        .expect("plan")
+        .expect("work");
         // 4 query heads per KV head, one query: one 16-row m-block per KV head.
         assert_eq!(plan.variant.mt, 1);
         assert_eq!(plan.grid.1, 2);
@@ -660,22 +737,49 @@ mod tests {
             plan.num_splits as usize * out_rows * (128 + 2) * 4
         );
         assert_eq!(plan.combine_blocks, 4);
-        let forced = plan_decode(&problem, DType::Bf16, Some(3), None, &DeviceProps::a100())
-            .expect("plan")
-            .expect("work");
+        let forced = plan_decode(
+            &problem,
+            DType::Bf16,
+            forced_splits(3),
+            &DeviceProps::a100(),
+        )
+        .expect("plan")
+        .expect("work");
         assert_eq!(forced.num_splits, 3);
-        let one = plan_decode(&problem, DType::Bf16, Some(1), None, &DeviceProps::a100())
-            .expect("plan")
-            .expect("work");
+        let one = plan_decode(
+            &problem,
+            DType::Bf16,
+            forced_splits(1),
+            &DeviceProps::a100(),
+        )
+        .expect("plan")
+        .expect("work");
         assert_eq!((one.workspace_bytes, one.combine_blocks), (0, 0));
-        assert!(plan_decode(&problem, DType::Bf16, Some(0), None, &DeviceProps::a100()).is_err());
+        assert!(plan_decode(
+            &problem,
+            DType::Bf16,
+            forced_splits(0),
+            &DeviceProps::a100()
+        )
+        .is_err());
         let dense = ProblemDesc::new(1, 1, 10, 8, 2, 128).validate(256).unwrap();
-        assert!(plan_decode(&dense, DType::Bf16, None, None, &DeviceProps::a100()).is_err());
+        assert!(plan_decode(
+            &dense,
+            DType::Bf16,
+            DecodeOverrides::default(),
+            &DeviceProps::a100()
+        )
+        .is_err());
         // 8 queries × 4 heads: 32 rows, two m-tiles.
         let multi = paged(&used, &table, 16, 8);
-        let plan = plan_decode(&multi, DType::F16, None, None, &DeviceProps::h200())
-            .expect("plan")
-            .expect("work");
+        let plan = plan_decode(
+            &multi,
+            DType::F16,
+            DecodeOverrides::default(),
+            &DeviceProps::h200(),
+        )
+        .expect("plan")
+        .expect("work");
         assert_eq!(plan.variant.mt, 2);
     }
 
@@ -695,10 +799,18 @@ mod tests {
             .padded_cache(&used)
             .validate(256)
             .expect("valid");
-        let one = plan_decode(&problem, DType::Bf16, None, Some(4), &h200)
-            .expect("plan")
-            .expect("work");
-        let two = plan_decode(&problem, DType::Bf16, None, None, &h200)
+        let one = plan_decode(
+            &problem,
+            DType::Bf16,
+            DecodeOverrides {
+                stages: Some(4),
+                ..DecodeOverrides::default()
+            },
+            &h200,
+        )
+        .expect("plan")
+        .expect("work");
+        let two = plan_decode(&problem, DType::Bf16, DecodeOverrides::default(), &h200)
             .expect("plan")
             .expect("work");
         assert_eq!(two.variant.stages, 3);
@@ -778,8 +890,7 @@ mod tests {
                 let plan = plan_decode(
                     &problem,
                     DType::Bf16,
-                    Some(splits),
-                    None,
+                    forced_splits(splits),
                     &DeviceProps::h200(),
                 )
                 .expect("plan")
