@@ -4,8 +4,12 @@ query tokens per sequence against a KV cache, GQA through `enable_gqa=True` (K/V
 repeated), the same shapes `fa bench --decode` times (default: Llama-3 70B's layer, 64 query /
 8 KV heads, head dim 128, bf16, batch 1 and 16, caches 4k-128k).
 
-SDPA has no paged cache: its K/V are contiguous `[batch, heads_kv, cache, head_dim]`, so its
-figure for a paged shape is the padded one (the paged rows repeat it with `"paged_as": "padded"`).
+K/V memory layouts (`--kv-layouts`): `bshd` stores the cache as FlashAttention's KV cache
+`[batch, cache, heads_kv, head_dim]` and hands SDPA the transposed view (rows with layout
+`padded`, the same memory as decode_bench's `padded`); `bhsd` stores it head-major
+`[batch, heads_kv, cache, head_dim]`, each head's keys contiguous (rows `padded_bhsd`, as
+decode_bench's `padded_bhsd`). SDPA has no paged cache, so its figure for a paged shape is the
+`bshd` one (the paged rows repeat it with `"paged_as": "padded"`).
 Several queries per sequence are causal bottom-right against the cache (decode with speculative
 tokens); SDPA's `is_causal` aligns top-left, so they go as an explicit boolean mask (which rules
 out the flash backend, as it does in PyTorch itself).
@@ -106,6 +110,7 @@ def main():
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip caches larger than this")
+    ap.add_argument("--kv-layouts", default="bshd,bhsd", help="bshd and/or bhsd (see the module doc)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--flush", choices=["read", "write", "none"], default="read",
                     help="the L2 flush before each timed call (see the module doc)")
@@ -126,42 +131,54 @@ def main():
                 print(f"skip batch {batch} cache {cache}: {kv_bytes / 1024**3:.0f} GiB", file=sys.stderr)
                 continue
             q = torch.randn(batch, hq, sq, d, device="cuda", dtype=dtype)
-            k = torch.randn(batch, hk, cache, d, device="cuda", dtype=dtype)
-            v = torch.randn(batch, hk, cache, d, device="cuda", dtype=dtype)
             mask = bottom_right_mask(sq, cache, "cuda") if sq > 1 else None
-            row = dict(
-                batch=batch, cache=cache, queries=sq, heads_q=hq, heads_kv=hk, hdim=d,
-                dtype=args.dtype, layout="padded", kv_gb=round(kv_bytes / 1e9, 4),
-                copy_gbs=round(copy_gbs, 0),
-            )
-            for name, backend in BACKENDS:
-                try:
-                    with sdpa_kernel([backend]):
-                        t = median_seconds(
-                            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-                            args.iters,
-                            flush=args.flush,
-                        )
-                    row[name + "_us"] = round(t * 1e6, 1)
-                    row[name + "_gbs"] = round(kv_bytes / t / 1e9, 0)
-                except Exception as ex:  # a backend that refuses the shape says why
-                    row[name + "_us"] = None
-                    row[name + "_err"] = str(ex).splitlines()[0][:120] if str(ex) else type(ex).__name__
-            timed = [(row[n + "_us"], n) for n, _ in BACKENDS if row.get(n + "_us")]
-            best = min(timed, default=None)
-            row["best_backend"] = best[1] if best else None
-            row["best_us"] = best[0] if best else None
-            row["best_frac_of_copy"] = round(kv_bytes / (best[0] / 1e6) / 1e9 / copy_gbs, 3) if best else None
-            rows.append(row)
-            for page in args.page_sizes:
-                rows.append(dict(row, layout=f"paged{page}", page_size=page, paged_as="padded"))
-            print(
-                f"batch {batch} cache {cache}: "
-                + " ".join(f"{n} {row[n + '_us']}" for n, _ in BACKENDS)
-                + f" us; best {row['best_backend']} ({row['best_frac_of_copy']} of copy)",
-                file=sys.stderr,
-            )
-            del q, k, v, mask
+            for kv_layout in args.kv_layouts.split(","):
+                if kv_layout == "bshd":
+                    # FlashAttention's cache layout; SDPA gets the [batch, heads_kv, cache, d] view.
+                    k = torch.randn(batch, cache, hk, d, device="cuda", dtype=dtype).transpose(1, 2)
+                    v = torch.randn(batch, cache, hk, d, device="cuda", dtype=dtype).transpose(1, 2)
+                    layout = "padded"
+                elif kv_layout == "bhsd":
+                    k = torch.randn(batch, hk, cache, d, device="cuda", dtype=dtype)
+                    v = torch.randn(batch, hk, cache, d, device="cuda", dtype=dtype)
+                    layout = "padded_bhsd"
+                else:
+                    raise SystemExit(f"--kv-layouts: bshd or bhsd, not {kv_layout}")
+                row = dict(
+                    batch=batch, cache=cache, queries=sq, heads_q=hq, heads_kv=hk, hdim=d,
+                    dtype=args.dtype, layout=layout, kv_gb=round(kv_bytes / 1e9, 4),
+                    copy_gbs=round(copy_gbs, 0),
+                )
+                for name, backend in BACKENDS:
+                    try:
+                        with sdpa_kernel([backend]):
+                            t = median_seconds(
+                                lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                                args.iters,
+                                flush=args.flush,
+                            )
+                        row[name + "_us"] = round(t * 1e6, 1)
+                        row[name + "_gbs"] = round(kv_bytes / t / 1e9, 0)
+                    except Exception as ex:  # a backend that refuses the shape says why
+                        row[name + "_us"] = None
+                        row[name + "_err"] = str(ex).splitlines()[0][:120] if str(ex) else type(ex).__name__
+                timed = [(row[n + "_us"], n) for n, _ in BACKENDS if row.get(n + "_us")]
+                best = min(timed, default=None)
+                row["best_backend"] = best[1] if best else None
+                row["best_us"] = best[0] if best else None
+                row["best_frac_of_copy"] = round(kv_bytes / (best[0] / 1e6) / 1e9 / copy_gbs, 3) if best else None
+                rows.append(row)
+                if kv_layout == "bshd":
+                    for page in args.page_sizes:
+                        rows.append(dict(row, layout=f"paged{page}", page_size=page, paged_as="padded"))
+                print(
+                    f"batch {batch} cache {cache} {layout}: "
+                    + " ".join(f"{n} {row[n + '_us']}" for n, _ in BACKENDS)
+                    + f" us; best {row['best_backend']} ({row['best_frac_of_copy']} of copy)",
+                    file=sys.stderr,
+                )
+                del k, v
+            del q, mask
             torch.cuda.empty_cache()
     doc = dict(
         peer="torch_sdpa_decode",

@@ -10,7 +10,7 @@
 //! cargo run --release -p fa-cuda --example decode_bench -- [--batches 1,16]
 //!     [--caches 4096,16384,65536,131072] [--heads-q 64] [--heads-kv 8] [--hdim 128]
 //!     [--queries 1] [--layouts padded,paged16,paged256] [--splits plan,8,15,30]
-//!     [--stages plan,3,2] [--l2-prefetch plan,0,256] [--flush read|copy|none] [--iters 50]
+//!     [--stages plan,3,2] [--flush read|copy|none] [--iters 50]
 //! ```
 //! Each timed call follows a flush on the same stream: the L2 cache holds none of the cache,
 //! and the GPU is still busy with the flush while the host queues the call, so the host's
@@ -23,8 +23,11 @@
 //!
 //! `--splits` lists split counts to time per shape (`plan`: the plan's own choice, the
 //! default), for tuning the split rule; `--stages` the K/V stage counts (fewer stages, more
-//! CTAs per SM), each with the plan's split count for it unless `--splits` forces one;
-//! `--l2-prefetch` the K/V copies' L2 prefetch hints in bytes.
+//! CTAs per SM), each with the plan's split count for it unless `--splits` forces one.
+//! Layouts: `padded` is FlashAttention's KV cache `[batch, cache, heads_kv, head_dim]` (one
+//! head's keys 2 KiB apart at 8 heads of 128), `padded_bhsd` the same cache stored head-major
+//! `[batch, heads_kv, cache, head_dim]` (one head's keys contiguous: the layout
+//! `torch_sdpa_decode.py` gives SDPA by default), `paged<N>` blocks of N keys.
 //! The caches are filled with random bf16 values (a 32 MiB random chunk copied over them on
 //! the device); paged block tables are random permutations of the blocks.
 
@@ -32,7 +35,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use fa_cuda::{CacheTables, DType, Device, ForwardOptions, RawTensor};
 use half::bf16;
-use softmax_core::{Out, ProblemDesc, Qkv, MAX_HEAD_DIM};
+use softmax_core::{Out, ProblemDesc, Qkv, Strides, Tensor, MAX_HEAD_DIM};
 use std::sync::Arc;
 
 /// xorshift64*: cheap reproducible host randomness.
@@ -93,7 +96,6 @@ fn main() {
     let mut layouts: Vec<String> = ["padded", "paged16", "paged256"].map(String::from).to_vec();
     let mut split_list: Vec<Option<u32>> = vec![None];
     let mut stage_list: Vec<Option<u32>> = vec![None];
-    let mut prefetch_list: Vec<Option<u32>> = vec![None];
     let mut flush = String::from("read");
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -121,12 +123,6 @@ fn main() {
                 stage_list = v
                     .split(',')
                     .map(|x| (x != "plan").then(|| x.parse().expect("--stages plan,N,...")))
-                    .collect()
-            }
-            "--l2-prefetch" => {
-                prefetch_list = v
-                    .split(',')
-                    .map(|x| (x != "plan").then(|| x.parse().expect("--l2-prefetch plan,N,...")))
                     .collect()
             }
             "--flush" => flush = v,
@@ -248,7 +244,18 @@ fn main() {
                         t
                     }
                 };
+                let head_major = Strides {
+                    batch: cache * hk * d,
+                    seq: d,
+                    head: cache * d,
+                };
                 let desc = match block_size {
+                    None if layout == "padded_bhsd" => {
+                        ProblemDesc::new(batch, sq, cache, hq, hk, d)
+                            .padded_cache(&used_host)
+                            .strides(Tensor::K, head_major)
+                            .strides(Tensor::V, head_major)
+                    }
                     None => ProblemDesc::new(batch, sq, cache, hq, hk, d).padded_cache(&used_host),
                     Some(bs) => ProblemDesc::new(batch, sq, 0, hq, hk, d).paged_cache(
                         &used_host,
@@ -261,18 +268,13 @@ fn main() {
                 let problem = desc.validate(MAX_HEAD_DIM).expect("valid shape");
                 let table_dev =
                     (!table.is_empty()).then(|| stream.clone_htod(&table).expect("upload"));
-                for (&splits, &decode_stages, &decode_l2_prefetch) in
-                    split_list.iter().flat_map(|s| {
-                        stage_list.iter().flat_map({
-                            let prefetch_list = &prefetch_list;
-                            move |g| prefetch_list.iter().map(move |f| (s, g, f))
-                        })
-                    })
+                for (&splits, &decode_stages) in split_list
+                    .iter()
+                    .flat_map(|s| stage_list.iter().map(move |g| (s, g)))
                 {
                     let opts = ForwardOptions {
                         splits,
                         decode_stages,
-                        decode_l2_prefetch,
                         time_kernel: true,
                         ..ForwardOptions::default()
                     };

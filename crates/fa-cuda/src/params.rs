@@ -28,9 +28,6 @@ pub struct ForwardOptions {
     /// and tuning, 2 to 8; `None`: the plan's choice). Fewer stages let more CTAs share an
     /// SM, and the split count follows the CTAs the device holds at once.
     pub decode_stages: Option<u32>,
-    /// KV-cache (decode) problems: override the L2 prefetch-size hint of the decode kernel's
-    /// K/V copies (tuning; 0, 64, 128 or 256 bytes; `None`: the plan's choice).
-    pub decode_l2_prefetch: Option<u32>,
 }
 
 /// The kernel's parameter block; the `.cu` source's `struct Params` has the same layout.

@@ -81,8 +81,6 @@ pub struct DecodeVariant {
     pub dtype: DType,
     /// Softcap or a non-positive scale: scores transformed before the max.
     pub general_scores: bool,
-    /// L2 prefetch size hint of the K/V copies in bytes (0: none; 64, 128 or 256).
-    pub l2_prefetch: u32,
 }
 
 impl DecodeVariant {
@@ -118,18 +116,12 @@ impl DecodeVariant {
             format!("-DSTAGES={}", self.stages),
             format!("-DIS_BF16={}", u32::from(self.dtype == DType::Bf16)),
             format!("-DGENERAL_SCORES={}", u32::from(self.general_scores)),
-            format!("-DL2PF={}", self.l2_prefetch),
         ]
     }
-    /// A readable name, e.g. `decode_sm80_bf16_d128_m16_n64_w4_s4` (`_gen`: general scores;
-    /// `_pf256`: an L2 prefetch hint).
+    /// A readable name, e.g. `decode_sm80_bf16_d128_m16_n64_w4_s4` (`_gen`: general scores).
     pub fn name(&self) -> String {
-        let prefetch = match self.l2_prefetch {
-            0 => String::new(),
-            n => format!("_pf{n}"),
-        };
         format!(
-            "decode_sm80_{}_d{}_m{}_n{}_w{}_s{}{}{prefetch}",
+            "decode_sm80_{}_d{}_m{}_n{}_w{}_s{}{}",
             self.dtype.name(),
             self.hdp,
             self.block_m(),
@@ -161,21 +153,6 @@ impl DecodeVariant {
             stages,
             dtype,
             general_scores,
-            l2_prefetch: 0,
-        }
-    }
-    /// This variant with an L2 prefetch hint of `bytes` (0, 64, 128 or 256; other values
-    /// round down to the nearest of those).
-    pub fn with_l2_prefetch(self, bytes: u32) -> DecodeVariant {
-        let l2_prefetch = match bytes {
-            256.. => 256,
-            128..=255 => 128,
-            64..=127 => 64,
-            _ => 0,
-        };
-        DecodeVariant {
-            l2_prefetch,
-            ..self
         }
     }
     /// This variant with `stages` K/V tiles in flight (2 to [`MAX_DECODE_STAGES`]).
@@ -205,23 +182,13 @@ impl DecodeVariant {
                         // Tuning stage counts for the benchmarked kind only (bf16, plain
                         // scores): the others compile on first use.
                         let tuned = dtype == DType::Bf16 && !general;
-                        for v in std::iter::once(v)
-                            .chain(
-                                DECODE_TUNING_STAGES
-                                    .iter()
-                                    .filter(|_| tuned)
-                                    .map(|&s| v.with_stages(s))
-                                    .filter(|t| {
-                                        t.smem_bytes() <= DeviceProps::a100().smem_optin_bytes
-                                    }),
-                            )
-                            .chain(
-                                DECODE_TUNING_L2_PREFETCH
-                                    .iter()
-                                    .filter(|_| tuned)
-                                    .map(|&b| v.with_l2_prefetch(b)),
-                            )
-                        {
+                        for v in std::iter::once(v).chain(
+                            DECODE_TUNING_STAGES
+                                .iter()
+                                .filter(|_| tuned)
+                                .map(|&s| v.with_stages(s))
+                                .filter(|t| t.smem_bytes() <= DeviceProps::a100().smem_optin_bytes),
+                        ) {
                             if !all.contains(&v) {
                                 all.push(v);
                             }
@@ -374,16 +341,14 @@ pub struct DecodePlan {
     pub workspace_bytes: usize,
 }
 
-/// The tuning overrides of a decode plan ([`crate::ForwardOptions`]' `splits`,
-/// `decode_stages` and `decode_l2_prefetch`); `None` leaves each to the plan.
+/// The tuning overrides of a decode plan ([`crate::ForwardOptions`]' `splits` and
+/// `decode_stages`); `None` leaves each to the plan.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DecodeOverrides {
     /// Force this many key splits (`Some(0)` is an error).
     pub splits: Option<u32>,
     /// K/V stages in flight (2 to [`MAX_DECODE_STAGES`]).
     pub stages: Option<u32>,
-    /// L2 prefetch hint of the K/V copies in bytes (0, 64, 128, 256).
-    pub l2_prefetch: Option<u32>,
 }
 
 impl From<&crate::ForwardOptions> for DecodeOverrides {
@@ -391,7 +356,6 @@ impl From<&crate::ForwardOptions> for DecodeOverrides {
         DecodeOverrides {
             splits: opts.splits,
             stages: opts.decode_stages,
-            l2_prefetch: opts.decode_l2_prefetch,
         }
     }
 }
@@ -401,9 +365,6 @@ pub const MAX_DECODE_STAGES: u32 = 8;
 /// The stage counts besides the default that tuning runs ([`crate::ForwardOptions`]'s
 /// `decode_stages`) and the compile check cover, where they fit an A100's shared memory.
 pub const DECODE_TUNING_STAGES: [u32; 3] = [2, 3, 4];
-/// The L2 prefetch hints besides the default that tuning runs (`decode_l2_prefetch`) and the
-/// compile check cover (bf16, plain scores, default stages).
-pub const DECODE_TUNING_L2_PREFETCH: [u32; 3] = [0, 128, 256];
 
 /// The fewest key tiles a split gets from the split rule: a split of fewer tiles spends most
 /// of its time in its prologue and partial write (run 49: 32 splits of 2 tiles at batch 1,
@@ -454,11 +415,7 @@ pub fn plan_decode(
     overrides: DecodeOverrides,
     props: &DeviceProps,
 ) -> Result<Option<DecodePlan>, ProblemError> {
-    let DecodeOverrides {
-        splits,
-        stages,
-        l2_prefetch,
-    } = overrides;
+    let DecodeOverrides { splits, stages } = overrides;
     let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
     if !problem.has_kv_cache() {
         return unsupported("the decode kernels read a KV cache");
@@ -475,9 +432,6 @@ pub fn plan_decode(
     let mut variant = DecodeVariant::for_shape(hdp_of(problem), rows, dtype, general);
     if let Some(stages) = stages {
         variant = variant.with_stages(stages);
-    }
-    if let Some(bytes) = l2_prefetch {
-        variant = variant.with_l2_prefetch(bytes);
     }
     if variant.smem_bytes() > props.smem_optin_bytes {
         return unsupported("the decode kernel's shared memory exceeds this device's limit");

@@ -20,22 +20,6 @@ static __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool
     const int n = pred ? 16 : 0; // 0 bytes read: the 16 destination bytes are zero-filled
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
-// cp_async16 with an L2 prefetch-size hint (PF: 0 none, 64, 128 or 256 bytes): on a miss the
-// L2 fetches the whole aligned PF-byte sector group, so a stream of 16-byte copies along
-// contiguous rows asks DRAM for fewer, larger requests.
-template <int PF>
-static __device__ __forceinline__ void cp_async16_pf(u32 dst, const void* src, bool pred) {
-    const int n = pred ? 16 : 0;
-    if constexpr (PF == 256) {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-    } else if constexpr (PF == 128) {
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-    } else if constexpr (PF == 64) {
-        asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-    } else {
-        cp_async16(dst, src, pred);
-    }
-}
 // 4-byte cp.async (through L1: the 16-byte-only .cg form does not take 4), zero-filling the
 // destination when `pred` is false.
 static __device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool pred) {

@@ -12,7 +12,6 @@
 //   STAGES      K/V tiles in flight (cp.async groups)
 //   IS_BF16     1: bf16, 0: fp16
 //   GENERAL_SCORES 1: scores transformed before the max (softcap or a non-positive scale)
-//   L2PF        L2 prefetch size of the K/V copies in bytes (0: no hint; 64, 128, 256)
 //
 // Grid: x = m_block * num_splits + split, y = KV head, z = sequence. A split takes a contiguous
 // range of the sequence's key tiles (those its rows can see); every warp keeps its own online
@@ -63,9 +62,6 @@ __device__ const int fa_compile_check_nonce = FA_COMPILE_CHECK_NONCE;
 #endif
 
 #define ELEM_BF16 (IS_BF16 != 0)
-#ifndef L2PF
-#define L2PF 0
-#endif
 
 // Waits until at most N cp.async groups of this thread are pending.
 template <int N>
@@ -198,8 +194,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
                 }
             }
             const u32 dst = (u32)swz(row, c) * 2u;
-            cp_async16_pf<L2PF>(k_base + dst, gk + (ok && k_col ? k_off + c * 8 : 0), ok && k_col);
-            cp_async16_pf<L2PF>(v_base + dst, gv + (ok && v_col ? v_off + c * 8 : 0), ok && v_col);
+            cp_async16(k_base + dst, gk + (ok && k_col ? k_off + c * 8 : 0), ok && k_col);
+            cp_async16(v_base + dst, gv + (ok && v_col ? v_off + c * 8 : 0), ok && v_col);
         }
     };
 
