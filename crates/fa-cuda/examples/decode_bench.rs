@@ -10,7 +10,7 @@
 //! cargo run --release -p fa-cuda --example decode_bench -- [--batches 1,16]
 //!     [--caches 4096,16384,65536,131072] [--heads-q 64] [--heads-kv 8] [--hdim 128]
 //!     [--queries 1] [--layouts padded,paged16,paged256] [--splits plan,8,15,30]
-//!     [--stages plan,3,2] [--flush read|copy|none] [--iters 50]
+//!     [--stages plan,3,2] [--block-n plan,128] [--flush read|copy|none] [--iters 50]
 //! ```
 //! Each timed call follows a flush on the same stream: the L2 cache holds none of the cache,
 //! and the GPU is still busy with the flush while the host queues the call, so the host's
@@ -96,6 +96,7 @@ fn main() {
     let mut layouts: Vec<String> = ["padded", "paged16", "paged256"].map(String::from).to_vec();
     let mut split_list: Vec<Option<u32>> = vec![None];
     let mut stage_list: Vec<Option<u32>> = vec![None];
+    let mut block_n_list: Vec<Option<u32>> = vec![None];
     let mut flush = String::from("read");
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -126,6 +127,12 @@ fn main() {
                     .collect()
             }
             "--flush" => flush = v,
+            "--block-n" => {
+                block_n_list = v
+                    .split(',')
+                    .map(|x| (x != "plan").then(|| x.parse().expect("--block-n plan,N,...")))
+                    .collect()
+            }
             other => panic!("unknown argument {other}"),
         }
     }
@@ -268,19 +275,28 @@ fn main() {
                 let problem = desc.validate(MAX_HEAD_DIM).expect("valid shape");
                 let table_dev =
                     (!table.is_empty()).then(|| stream.clone_htod(&table).expect("upload"));
-                for (&splits, &decode_stages) in split_list
-                    .iter()
-                    .flat_map(|s| stage_list.iter().map(move |g| (s, g)))
-                {
+                for (&splits, &decode_stages, &decode_block_n) in split_list.iter().flat_map(|s| {
+                    stage_list.iter().flat_map({
+                        let block_n_list = &block_n_list;
+                        move |g| block_n_list.iter().map(move |n| (s, g, n))
+                    })
+                }) {
                     let opts = ForwardOptions {
                         splits,
                         decode_stages,
+                        decode_block_n,
                         time_kernel: true,
                         ..ForwardOptions::default()
                     };
-                    let bytes = dev
-                        .decode_workspace_bytes(&problem, DType::Bf16, &opts)
-                        .expect("workspace size");
+                    // A tuning combination the plan refuses (e.g. more shared memory than the
+                    // device has) is skipped with its reason.
+                    let bytes = match dev.decode_workspace_bytes(&problem, DType::Bf16, &opts) {
+                        Ok(bytes) => bytes,
+                        Err(e) => {
+                            eprintln!("batch {batch:>2} cache {cache:>6} {layout:<9} skipped ({splits:?} splits, {decode_stages:?} stages, {decode_block_n:?} keys per tile): {e}");
+                            continue;
+                        }
+                    };
                     let ws = stream
                         .alloc_zeros::<f32>(bytes.div_ceil(4).max(1))
                         .expect("workspace");

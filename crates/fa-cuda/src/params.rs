@@ -28,6 +28,9 @@ pub struct ForwardOptions {
     /// and tuning, 2 to 8; `None`: the plan's choice). Fewer stages let more CTAs share an
     /// SM, and the split count follows the CTAs the device holds at once.
     pub decode_stages: Option<u32>,
+    /// KV-cache (decode) problems: override the decode kernel's keys per K/V tile (tests and
+    /// tuning; 64, 128 or 256; `None`: the plan's choice).
+    pub decode_block_n: Option<u32>,
 }
 
 /// The kernel's parameter block; the `.cu` source's `struct Params` has the same layout.

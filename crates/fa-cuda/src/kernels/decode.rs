@@ -155,6 +155,19 @@ impl DecodeVariant {
             general_scores,
         }
     }
+    /// This variant with tiles of `block_n` keys (a multiple of 16 × the warps, at most 256).
+    pub fn with_block_n(self, block_n: u32) -> Result<DecodeVariant, ProblemError> {
+        let per_warp = 16 * self.warps;
+        if block_n == 0 || block_n % per_warp != 0 || block_n > 256 {
+            return Err(ProblemError::Unsupported {
+                what: "decode tile keys must be a multiple of 16 per warp, at most 256",
+            });
+        }
+        Ok(DecodeVariant {
+            wn: block_n / self.warps,
+            ..self
+        })
+    }
     /// This variant with `stages` K/V tiles in flight (2 to [`MAX_DECODE_STAGES`]).
     pub fn with_stages(self, stages: u32) -> DecodeVariant {
         DecodeVariant {
@@ -349,6 +362,8 @@ pub struct DecodeOverrides {
     pub splits: Option<u32>,
     /// K/V stages in flight (2 to [`MAX_DECODE_STAGES`]).
     pub stages: Option<u32>,
+    /// Keys per K/V tile (a multiple of 16 × the warps: 64, 128 or 256 with 4 warps).
+    pub block_n: Option<u32>,
 }
 
 impl From<&crate::ForwardOptions> for DecodeOverrides {
@@ -356,6 +371,7 @@ impl From<&crate::ForwardOptions> for DecodeOverrides {
         DecodeOverrides {
             splits: opts.splits,
             stages: opts.decode_stages,
+            block_n: opts.decode_block_n,
         }
     }
 }
@@ -415,7 +431,11 @@ pub fn plan_decode(
     overrides: DecodeOverrides,
     props: &DeviceProps,
 ) -> Result<Option<DecodePlan>, ProblemError> {
-    let DecodeOverrides { splits, stages } = overrides;
+    let DecodeOverrides {
+        splits,
+        stages,
+        block_n,
+    } = overrides;
     let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
     if !problem.has_kv_cache() {
         return unsupported("the decode kernels read a KV cache");
@@ -432,6 +452,9 @@ pub fn plan_decode(
     let mut variant = DecodeVariant::for_shape(hdp_of(problem), rows, dtype, general);
     if let Some(stages) = stages {
         variant = variant.with_stages(stages);
+    }
+    if let Some(block_n) = block_n {
+        variant = variant.with_block_n(block_n)?;
     }
     if variant.smem_bytes() > props.smem_optin_bytes {
         return unsupported("the decode kernel's shared memory exceeds this device's limit");
