@@ -180,15 +180,16 @@ fn run_as<T: CudaElement + Element>(
     case: &CacheCase,
     splits: Option<u32>,
 ) -> (Vec<f64>, ForwardStats) {
-    run_with::<T>(case, splits, None)
+    run_with::<T>(case, splits, None, None)
 }
 
-/// Runs `case` through `forward_host` with `splits` and `stages` (poisoned outputs), checks
-/// it against the oracle and returns O (as f64) and the stats.
+/// Runs `case` through `forward_host` with `splits`, `stages` and `block_n` keys per tile
+/// (poisoned outputs), checks it against the oracle and returns O (as f64) and the stats.
 fn run_with<T: CudaElement + Element>(
     case: &CacheCase,
     splits: Option<u32>,
     stages: Option<u32>,
+    block_n: Option<u32>,
 ) -> (Vec<f64>, ForwardStats) {
     let problem = case.problem();
     let (q, k, v) = (to_t::<T>(&case.q), to_t::<T>(&case.k), to_t::<T>(&case.v));
@@ -200,9 +201,13 @@ fn run_with<T: CudaElement + Element>(
     let opts = ForwardOptions {
         splits,
         decode_stages: stages,
+        decode_block_n: block_n,
         ..ForwardOptions::default()
     };
-    let label = format!("{} splits {splits:?} stages {stages:?}", case.label());
+    let label = format!(
+        "{} splits {splits:?} stages {stages:?} block_n {block_n:?}",
+        case.label()
+    );
     let stats = device()
         .forward_host(
             &problem,
@@ -231,6 +236,9 @@ fn run_with<T: CudaElement + Element>(
     if let (Some(s), Some(plan)) = (stages, plan) {
         assert_eq!(plan.variant.stages, s, "{label}");
     }
+    if let (Some(n), Some(plan)) = (block_n, plan) {
+        assert_eq!(plan.variant.block_n(), n, "{label}");
+    }
     (out.iter().map(|x| x.to_f64()).collect(), stats)
 }
 
@@ -255,28 +263,30 @@ fn rel_diff(problem: &Problem, a: &[f64], b: &[f64]) -> f64 {
     }
 }
 
-/// The case with the plan's split count and with forced counts 1, 3 and 16, and with 2 and 4
-/// stages in flight (2 only at head dim 256): each against the oracle, and every result
-/// against the unsplit one.
+/// The case with the plan's split count and with forced counts 1, 3 and 16, with 2 and 4
+/// stages in flight (2 only at head dim 256), and with 128-key tiles (head dim ≤ 128): each
+/// against the oracle, and every result against the unsplit one.
 fn check_splits<T: CudaElement + Element>(case: &CacheCase) {
     let problem = case.problem();
     let (unsplit, _) = run_as::<T>(case, Some(1));
     // More than two stages of head dim 256 exceed an A100's shared memory and four an H200's
     // (the plan refuses them): head dim 256 forces its default 2.
     let deep = if case.head_dim <= 128 { 4 } else { 2 };
+    let wide = (case.head_dim <= 128).then_some(128);
     let runs = [
-        (None, None),
-        (Some(3), None),
-        (Some(16), None),
-        (None, Some(2)),
-        (Some(3), Some(deep)),
+        (None, None, None),
+        (Some(3), None, None),
+        (Some(16), None, None),
+        (None, Some(2), None),
+        (Some(3), Some(deep), None),
+        (Some(3), Some(2), wide),
     ];
-    for (splits, stages) in runs {
-        let (out, _) = run_with::<T>(case, splits, stages);
+    for (splits, stages, block_n) in runs {
+        let (out, _) = run_with::<T>(case, splits, stages, block_n);
         let d = rel_diff(&problem, &out, &unsplit);
         assert!(
             d <= REL_L2_BOUND,
-            "{} splits {splits:?} stages {stages:?}: {d:.2e} from the unsplit call",
+            "{} splits {splits:?} stages {stages:?} block_n {block_n:?}: {d:.2e} from the unsplit call",
             case.label()
         );
     }

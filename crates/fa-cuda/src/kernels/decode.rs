@@ -182,7 +182,8 @@ impl DecodeVariant {
         let by_threads = 2048 / self.threads();
         by_smem.min(by_threads).max(1)
     }
-    /// Every variant the plan picks by default, and the bf16 plain-score ones with the stage
+    /// Every variant the plan picks by default (three stages, and two for long caches over
+    /// many sequences at head dim ≤ 128), and the bf16 plain-score ones with the stage
     /// counts of [`DECODE_TUNING_STAGES`] that fit an A100 (what the CI compile check and
     /// `fa warmup` build; other overrides compile on first use).
     pub fn all() -> Vec<DecodeVariant> {
@@ -195,7 +196,9 @@ impl DecodeVariant {
                         // Tuning stage counts for the benchmarked kind only (bf16, plain
                         // scores): the others compile on first use.
                         let tuned = dtype == DType::Bf16 && !general;
-                        for v in std::iter::once(v).chain(
+                        // The plan's long-cache choice (STREAMING_STAGES) for every kind.
+                        let streaming = (hdp <= 128).then(|| v.with_stages(STREAMING_STAGES));
+                        for v in std::iter::once(v).chain(streaming).chain(
                             DECODE_TUNING_STAGES
                                 .iter()
                                 .filter(|_| tuned)
@@ -412,6 +415,29 @@ pub fn num_splits_heuristic(ctas: u32, slots: u32, n_tiles: u32) -> u32 {
     (1..=cap).rev().find(|&s| eligible(s)).unwrap_or(1)
 }
 
+/// The stage count for long caches over many sequences: two stages, three CTAs per SM at
+/// head dim ≤ 128.
+pub const STREAMING_STAGES: u32 = 2;
+
+/// Whether a call streams long caches over enough CTAs that [`STREAMING_STAGES`] (more CTAs
+/// per SM, fewer tiles in flight each) reads faster than the default three stages: unsplit
+/// CTAs for at least half the SMs, and a longest cache of at least 16k keys, at head dim
+/// ≤ 128. H200, bf16, Llama-3 70B
+/// layer at batch 16 (docs/gpu-notes.md run 57): 16k keys 254.9 → 249.7 µs, 64k 985.7 →
+/// 955.5 µs; at 4k keys 72.6 → 73.4 µs and at batch 1 (8 unsplit CTAs, 43-49 splits)
+/// 1.04-1.14× slower, so those keep three stages.
+fn use_streaming_stages(
+    variant: &DecodeVariant,
+    ctas: usize,
+    longest_keys: usize,
+    props: &DeviceProps,
+) -> bool {
+    variant.hdp <= 128
+        && variant.stages > STREAMING_STAGES
+        && 2 * ctas >= props.sm_count as usize
+        && longest_keys >= 16 * 1024
+}
+
 /// Padded head dim of the tiles.
 fn hdp_of(problem: &Problem) -> u32 {
     match problem.head_dim().max(problem.head_dim_v()) {
@@ -450,14 +476,8 @@ pub fn plan_decode(
     let rows = problem.group_size() * seqlen_q;
     let general = problem.softcap().is_some() || problem.softmax_scale() <= 0.0;
     let mut variant = DecodeVariant::for_shape(hdp_of(problem), rows, dtype, general);
-    if let Some(stages) = stages {
-        variant = variant.with_stages(stages);
-    }
     if let Some(block_n) = block_n {
         variant = variant.with_block_n(block_n)?;
-    }
-    if variant.smem_bytes() > props.smem_optin_bytes {
-        return unsupported("the decode kernel's shared memory exceeds this device's limit");
     }
     let m_blocks = rows.div_ceil(variant.block_m() as usize);
     let ctas = m_blocks
@@ -467,6 +487,16 @@ pub fn plan_decode(
         .map(|b| problem.seq(b).seqlen_k)
         .max()
         .unwrap_or(0);
+    match stages {
+        Some(stages) => variant = variant.with_stages(stages),
+        None if use_streaming_stages(&variant, ctas, longest, props) => {
+            variant = variant.with_stages(STREAMING_STAGES)
+        }
+        None => {}
+    }
+    if variant.smem_bytes() > props.smem_optin_bytes {
+        return unsupported("the decode kernel's shared memory exceeds this device's limit");
+    }
     let n_tiles = longest.div_ceil(variant.block_n() as usize);
     let num_splits = match splits {
         Some(s) => s.min(1024),
@@ -797,6 +827,48 @@ mod tests {
             two.num_splits,
             one.num_splits
         );
+    }
+
+    #[test]
+    fn long_caches_over_many_sequences_take_the_streaming_stages() {
+        let h200 = DeviceProps::h200();
+        let plan = |batch: usize, keys: usize, hdim: usize| {
+            let used = vec![keys as u32; batch];
+            let problem = ProblemDesc::new(batch, 1, keys, 64, 8, hdim)
+                .padded_cache(&used)
+                .validate(256)
+                .expect("valid");
+            plan_decode(&problem, DType::Bf16, DecodeOverrides::default(), &h200)
+                .expect("plan")
+                .expect("work")
+        };
+        // Batch 16: 128 unsplit CTAs; from 16k keys three CTAs per SM, three splits.
+        let long = plan(16, 16384, 128);
+        assert_eq!(long.variant.stages, STREAMING_STAGES);
+        assert_eq!(long.num_splits, 3);
+        assert_eq!(plan(16, 4096, 128).variant.stages, 3);
+        // Batch 1 (8 CTAs) keeps three stages at any length; head dim 256 keeps its two.
+        assert_eq!(plan(1, 131072, 128).variant.stages, 3);
+        assert_eq!(plan(16, 16384, 256).variant.stages, 2);
+        // The tile override: 128 keys per tile, and a refused count.
+        let used = [4096u32];
+        let problem = ProblemDesc::new(1, 1, 4096, 64, 8, 128)
+            .padded_cache(&used)
+            .validate(256)
+            .expect("valid");
+        let wide = DecodeOverrides {
+            block_n: Some(128),
+            ..DecodeOverrides::default()
+        };
+        let p = plan_decode(&problem, DType::Bf16, wide, &h200)
+            .expect("plan")
+            .expect("work");
+        assert_eq!(p.variant.block_n(), 128);
+        let odd = DecodeOverrides {
+            block_n: Some(72),
+            ..DecodeOverrides::default()
+        };
+        assert!(plan_decode(&problem, DType::Bf16, odd, &h200).is_err());
     }
 
     #[test]
