@@ -10,7 +10,8 @@
 //! cargo run --release -p fa-cuda --example decode_bench -- [--batches 1,16]
 //!     [--caches 4096,16384,65536,131072] [--heads-q 64] [--heads-kv 8] [--hdim 128]
 //!     [--queries 1] [--layouts padded,paged16,paged256] [--splits plan,8,15,30]
-//!     [--stages plan,3,2] [--block-n plan,128] [--flush read|copy|none] [--iters 50]
+//!     [--stages plan,3,2] [--block-n plan,128] [--warps plan,2] [--flush read|copy|none]
+//!     [--iters 50]
 //! ```
 //! Each timed call follows a flush on the same stream: the L2 cache holds none of the cache,
 //! and the GPU is still busy with the flush while the host queues the call, so the host's
@@ -97,6 +98,7 @@ fn main() {
     let mut split_list: Vec<Option<u32>> = vec![None];
     let mut stage_list: Vec<Option<u32>> = vec![None];
     let mut block_n_list: Vec<Option<u32>> = vec![None];
+    let mut warps: Option<u32> = None;
     let mut flush = String::from("read");
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -127,6 +129,7 @@ fn main() {
                     .collect()
             }
             "--flush" => flush = v,
+            "--warps" => warps = (v != "plan").then(|| v.parse().expect("--warps plan|N")),
             "--block-n" => {
                 block_n_list = v
                     .split(',')
@@ -285,6 +288,7 @@ fn main() {
                         splits,
                         decode_stages,
                         decode_block_n,
+                        decode_warps: warps,
                         time_kernel: true,
                         ..ForwardOptions::default()
                     };

@@ -31,6 +31,9 @@ pub struct ForwardOptions {
     /// KV-cache (decode) problems: override the decode kernel's keys per K/V tile (tests and
     /// tuning; 64, 128 or 256; `None`: the plan's choice).
     pub decode_block_n: Option<u32>,
+    /// KV-cache (decode) problems: override the decode kernel's warps per CTA (tests and
+    /// tuning; 1 to 8; `None`: the plan's choice).
+    pub decode_warps: Option<u32>,
 }
 
 /// The kernel's parameter block; the `.cu` source's `struct Params` has the same layout.

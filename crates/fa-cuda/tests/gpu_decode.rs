@@ -175,21 +175,26 @@ fn to_t<T: Element>(x: &[f32]) -> Vec<T> {
     x.iter().map(|&v| T::from_f64(v as f64)).collect()
 }
 
-/// [`run_with`] with the plan's stage count.
+/// [`run_with`] with `splits` and the plan's tiles and stages.
 fn run_as<T: CudaElement + Element>(
     case: &CacheCase,
     splits: Option<u32>,
 ) -> (Vec<f64>, ForwardStats) {
-    run_with::<T>(case, splits, None, None)
+    run_with::<T>(
+        case,
+        ForwardOptions {
+            splits,
+            ..ForwardOptions::default()
+        },
+    )
 }
 
-/// Runs `case` through `forward_host` with `splits`, `stages` and `block_n` keys per tile
-/// (poisoned outputs), checks it against the oracle and returns O (as f64) and the stats.
+/// Runs `case` through `forward_host` with `opts` (its split, stage and tile overrides;
+/// poisoned outputs), checks it against the oracle and that the plan took the overrides, and
+/// returns O (as f64) and the stats.
 fn run_with<T: CudaElement + Element>(
     case: &CacheCase,
-    splits: Option<u32>,
-    stages: Option<u32>,
-    block_n: Option<u32>,
+    opts: ForwardOptions,
 ) -> (Vec<f64>, ForwardStats) {
     let problem = case.problem();
     let (q, k, v) = (to_t::<T>(&case.q), to_t::<T>(&case.k), to_t::<T>(&case.v));
@@ -198,15 +203,13 @@ fn run_with<T: CudaElement + Element>(
     poison(&mut out);
     let mut lse = vec![0.0f32; problem.lse_len()];
     poison(&mut lse);
-    let opts = ForwardOptions {
-        splits,
-        decode_stages: stages,
-        decode_block_n: block_n,
-        ..ForwardOptions::default()
-    };
     let label = format!(
-        "{} splits {splits:?} stages {stages:?} block_n {block_n:?}",
-        case.label()
+        "{} splits {:?} stages {:?} block_n {:?} warps {:?}",
+        case.label(),
+        opts.splits,
+        opts.decode_stages,
+        opts.decode_block_n,
+        opts.decode_warps
     );
     let stats = device()
         .forward_host(
@@ -230,14 +233,17 @@ fn run_with<T: CudaElement + Element>(
         report.within(REL_L2_BOUND, LSE_BOUND),
         "{label}: {report:?} exceeds rel_l2 {REL_L2_BOUND} / lse {LSE_BOUND}"
     );
-    if let Some(s) = splits {
+    if let Some(s) = opts.splits {
         assert_eq!(plan.expect("a launch").num_splits, s, "{label}");
     }
-    if let (Some(s), Some(plan)) = (stages, plan) {
-        assert_eq!(plan.variant.stages, s, "{label}");
-    }
-    if let (Some(n), Some(plan)) = (block_n, plan) {
-        assert_eq!(plan.variant.block_n(), n, "{label}");
+    if let Some(plan) = plan {
+        let v = plan.variant;
+        assert!(opts.decode_stages.is_none_or(|s| v.stages == s), "{label}");
+        assert!(
+            opts.decode_block_n.is_none_or(|n| v.block_n() == n),
+            "{label}"
+        );
+        assert!(opts.decode_warps.is_none_or(|w| v.warps == w), "{label}");
     }
     (out.iter().map(|x| x.to_f64()).collect(), stats)
 }
@@ -264,29 +270,38 @@ fn rel_diff(problem: &Problem, a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// The case with the plan's split count and with forced counts 1, 3 and 16, with 2 and 4
-/// stages in flight (2 only at head dim 256), and with 128-key tiles (head dim ≤ 128): each
-/// against the oracle, and every result against the unsplit one.
+/// stages in flight (2 only at head dim 256), and with 128-key tiles of 4 warps and 32-key
+/// tiles of 2 warps (head dim ≤ 128): each against the oracle, and every result against the
+/// unsplit one.
 fn check_splits<T: CudaElement + Element>(case: &CacheCase) {
     let problem = case.problem();
     let (unsplit, _) = run_as::<T>(case, Some(1));
     // More than two stages of head dim 256 exceed an A100's shared memory and four an H200's
     // (the plan refuses them): head dim 256 forces its default 2.
     let deep = if case.head_dim <= 128 { 4 } else { 2 };
-    let wide = (case.head_dim <= 128).then_some(128);
+    let small = case.head_dim <= 128;
     let runs = [
-        (None, None, None),
-        (Some(3), None, None),
-        (Some(16), None, None),
-        (None, Some(2), None),
-        (Some(3), Some(deep), None),
-        (Some(3), Some(2), wide),
+        (None, None, None, None),
+        (Some(3), None, None, None),
+        (Some(16), None, None, None),
+        (None, Some(2), None, None),
+        (Some(3), Some(deep), None, None),
+        (Some(3), Some(2), small.then_some(128), None),
+        (Some(5), Some(3), small.then_some(32), small.then_some(2)),
     ];
-    for (splits, stages, block_n) in runs {
-        let (out, _) = run_with::<T>(case, splits, stages, block_n);
+    for (splits, decode_stages, decode_block_n, decode_warps) in runs {
+        let opts = ForwardOptions {
+            splits,
+            decode_stages,
+            decode_block_n,
+            decode_warps,
+            ..ForwardOptions::default()
+        };
+        let (out, _) = run_with::<T>(case, opts);
         let d = rel_diff(&problem, &out, &unsplit);
         assert!(
             d <= REL_L2_BOUND,
-            "{} splits {splits:?} stages {stages:?} block_n {block_n:?}: {d:.2e} from the unsplit call",
+            "{} {opts:?}: {d:.2e} from the unsplit call",
             case.label()
         );
     }

@@ -155,16 +155,25 @@ impl DecodeVariant {
             general_scores,
         }
     }
-    /// This variant with tiles of `block_n` keys (a multiple of 16 × the warps, at most 256).
-    pub fn with_block_n(self, block_n: u32) -> Result<DecodeVariant, ProblemError> {
-        let per_warp = 16 * self.warps;
-        if block_n == 0 || block_n % per_warp != 0 || block_n > 256 {
+    /// This variant with `warps` warps per CTA and tiles of `block_n` keys (each warp a
+    /// multiple of 16 keys; at most 256 keys and 8 warps, and at least 16 output columns
+    /// per thread in the final merge).
+    pub fn with_tile(self, warps: u32, block_n: u32) -> Result<DecodeVariant, ProblemError> {
+        let merge_cols = (self.hdp * self.mt).checked_div(2 * warps).unwrap_or(0);
+        if !(1..=8).contains(&warps)
+            || block_n == 0
+            || block_n % (16 * warps) != 0
+            || block_n > 256
+            || merge_cols < 8
+            || merge_cols % 8 != 0
+        {
             return Err(ProblemError::Unsupported {
-                what: "decode tile keys must be a multiple of 16 per warp, at most 256",
+                what: "decode tiles take 1-8 warps of a multiple of 16 keys each, at most 256 keys",
             });
         }
         Ok(DecodeVariant {
-            wn: block_n / self.warps,
+            warps,
+            wn: block_n / warps,
             ..self
         })
     }
@@ -367,6 +376,8 @@ pub struct DecodeOverrides {
     pub stages: Option<u32>,
     /// Keys per K/V tile (a multiple of 16 × the warps: 64, 128 or 256 with 4 warps).
     pub block_n: Option<u32>,
+    /// Warps per CTA (1 to 8; the tile keeps its keys unless `block_n` says otherwise).
+    pub warps: Option<u32>,
 }
 
 impl From<&crate::ForwardOptions> for DecodeOverrides {
@@ -375,6 +386,7 @@ impl From<&crate::ForwardOptions> for DecodeOverrides {
             splits: opts.splits,
             stages: opts.decode_stages,
             block_n: opts.decode_block_n,
+            warps: opts.decode_warps,
         }
     }
 }
@@ -461,6 +473,7 @@ pub fn plan_decode(
         splits,
         stages,
         block_n,
+        warps,
     } = overrides;
     let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
     if !problem.has_kv_cache() {
@@ -476,8 +489,11 @@ pub fn plan_decode(
     let rows = problem.group_size() * seqlen_q;
     let general = problem.softcap().is_some() || problem.softmax_scale() <= 0.0;
     let mut variant = DecodeVariant::for_shape(hdp_of(problem), rows, dtype, general);
-    if let Some(block_n) = block_n {
-        variant = variant.with_block_n(block_n)?;
+    if block_n.is_some() || warps.is_some() {
+        variant = variant.with_tile(
+            warps.unwrap_or(variant.warps),
+            block_n.unwrap_or(variant.block_n()),
+        )?;
     }
     let m_blocks = rows.div_ceil(variant.block_m() as usize);
     let ctas = m_blocks
@@ -869,6 +885,16 @@ mod tests {
             ..DecodeOverrides::default()
         };
         assert!(plan_decode(&problem, DType::Bf16, odd, &h200).is_err());
+        // Two warps of 16 keys; nine warps, or too few merge columns, are refused.
+        let v = DecodeVariant::for_shape(128, 8, DType::Bf16, false);
+        let two = v.with_tile(2, 32).expect("2 warps x 16 keys");
+        assert_eq!((two.warps, two.block_n(), two.threads()), (2, 32, 64));
+        assert!(v.with_tile(9, 144).is_err());
+        assert!(v.with_tile(4, 32).is_err());
+        assert!(v.with_tile(8, 128).is_ok());
+        assert!(DecodeVariant::for_shape(64, 8, DType::Bf16, false)
+            .with_tile(8, 128)
+            .is_err());
     }
 
     #[test]
