@@ -235,18 +235,18 @@ fn masked_tiles_are_skipped() {
     let mut rng = Rng::new(45);
     let case = Case::dense(&mut rng, 1, 256, 256, 1, 1, 8).causal();
     let d_o = draw_d_o(&case, &mut rng, Rounding::F32);
-    // Every level's tiles are 96 × 96.
+    // The scalar level's tiles are 64 × 64 (AVX2's are 96).
     let opts = BackwardOptions {
         threads: None,
         simd: SimdLevel::Scalar,
     };
     let r = run_backward::<f32, f32>(&case, &d_o, &opts);
-    // 3 × 3 tiles (96, 96, 64): 6 on or below the diagonal, 3 above.
+    // 4 × 4 tiles of 64: 10 on or below the diagonal, 6 above.
     assert_eq!(
         r.stats,
         BackwardStats {
-            tiles_computed: 6,
-            tiles_skipped: 3
+            tiles_computed: 10,
+            tiles_skipped: 6
         }
     );
 }

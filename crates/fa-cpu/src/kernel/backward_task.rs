@@ -51,13 +51,11 @@ use softmax_core::{Problem, TileKind, LOG2_E};
 const LINE: usize = 16;
 
 /// The tile edge for micro-kernels of `mr` broadcasts and `w` lanes (`w` divides [`LINE`]):
-/// the smallest multiple of `mr` and of a cache line that is at least 96, so no product needs
-/// a row or column tail and every tile row is whole lines (96 on every level). Against 64 on
-/// AVX-512: the score products' 96 columns are two whole 48-wide panels, and the dV, dK, dQ
-/// products sum 96 terms per load and store of their accumulators.
+/// the smallest multiple of `mr` and of a cache line that is at least 64, so no product needs
+/// a row or column tail and every tile row is whole lines (AVX-512 64, AVX2 96, scalar 64).
 pub(crate) const fn bwd_tile(mr: usize, w: usize) -> usize {
     let lcm = lcm_unit(mr, if w > LINE { w } else { LINE });
-    96usize.div_ceil(lcm) * lcm
+    64usize.div_ceil(lcm) * lcm
 }
 
 /// The row stride for rows of `n` floats: whole lines, an odd number of them. An even count

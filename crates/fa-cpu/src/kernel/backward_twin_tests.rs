@@ -248,9 +248,9 @@ fn spans_skip_exact_zeros_bitwise() {
 
 #[test]
 fn tiles_are_whole_blocks_of_every_architecture() {
-    assert_eq!(bwd_tile(8, 16), 96);
+    assert_eq!(bwd_tile(8, 16), 64);
     assert_eq!(bwd_tile(6, 8), 96);
-    assert_eq!(bwd_tile(4, 8), 96);
+    assert_eq!(bwd_tile(4, 8), 64);
     for (mr, w) in [(8, 16), (6, 8), (4, 8), (3, 4)] {
         let t = bwd_tile(mr, w);
         assert!(
