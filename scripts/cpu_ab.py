@@ -9,6 +9,10 @@ alike. Prints, per shape and variant, the median over rounds of PyTorch time / v
 the first variant.
 
     python3 scripts/cpu_ab.py --variants /tmp/base,/tmp/try --rounds 4 --threads 2
+
+--backward: the backward pass instead; the variants are then `fa` binaries (`fa bench
+--backward`), PyTorch is SDPA's autograd backward, both timed as cpu_peer.py --backward times
+them (the backward's median), GFLOP/s with the backward's FLOP count.
 """
 import argparse
 import json
@@ -16,7 +20,7 @@ import os
 import statistics
 import sys
 
-from cpu_peer import add_shape_args, flops, run_ours, run_peer
+from cpu_peer import add_shape_args, backward_flops, flops, run_ours, run_peer, run_peer_backward
 
 
 def main():
@@ -26,6 +30,8 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     add_shape_args(p)
     p.add_argument("--json-out")
+    p.add_argument("--backward", action="store_true",
+                   help="the backward pass: variants are `fa` binaries (`fa bench --backward`)")
     a = p.parse_args()
 
     import torch
@@ -40,12 +46,21 @@ def main():
 
     # The two sides are timed exactly as cpu_peer.py times them (its `bench_forward` mode).
     def ours(path, n, d, causal):
+        if a.backward:
+            side = argparse.Namespace(ours="fa", fa=path, threads=a.threads, iters=reps(n),
+                                      warmup=1, backward=True)
+            return run_ours(side, "f32", 1, a.heads, n, d, causal)["backward_ms_median"]
         side = argparse.Namespace(ours="example", example=path, threads=a.threads,
-                                  iters=reps(n), warmup=1)
+                                  iters=reps(n), warmup=1, backward=False)
         return run_ours(side, "f32", 1, a.heads, n, d, causal)["time_ms_median"]
 
     def peer(n, d, causal):
+        if a.backward:
+            return run_peer_backward(torch, "f32", 1, a.heads, n, d, causal, reps(n), 1)[0]
         return run_peer(torch, "f32", 1, a.heads, n, d, causal, reps(n), 1)[0]
+
+    def work(n, d, causal):
+        return (backward_flops if a.backward else flops)(1, a.heads, n, d, causal)
 
     res = {s: {nm: [] for nm in names} for s in shapes}
     for rnd in range(a.rounds):
@@ -67,8 +82,8 @@ def main():
             vs_torch[nm].append(r)
             vs_first[nm].append(statistics.median(
                 f / o for f, o in zip(res[s][names[0]], res[s][nm])))
-            cells.append(f"{r:.2f} ({flops(1, a.heads, *s) / statistics.median(res[s][nm]) / 1e6:.0f})")
-        torch_gflops = flops(1, a.heads, *s) / statistics.median(res[s]["torch"]) / 1e6
+            cells.append(f"{r:.2f} ({work(*s) / statistics.median(res[s][nm]) / 1e6:.0f})")
+        torch_gflops = work(*s) / statistics.median(res[s]["torch"]) / 1e6
         print(f"| {s[0]} | {s[1]} | {'yes' if s[2] else 'no'} | " + " | ".join(cells)
               + f" | {torch_gflops:.0f} |")
     for nm in names[:-1]:

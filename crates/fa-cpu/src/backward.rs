@@ -128,7 +128,8 @@ fn check_len(tensor: Tensor, len: usize, needed: usize) -> Result<(), ProblemErr
 ///
 /// The probabilities are recomputed tile by tile from Q, K and the LSE (no N×N storage;
 /// scratch per worker: [`backward_scratch_bytes_per_thread`], linear in the sequence);
-/// `D = rowsum(dO ∘ O)`, `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)` (times `1 − tanh²`
+/// `D = rowsum(dO ∘ O)` (with the arithmetic of `dP`'s sums, so a one-hot row's `dP_j − D` is
+/// exactly 0), `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)` (times `1 − tanh²`
 /// under a softcap), `dQ = dS·K·scale`, `dK = dSᵀ·Q·scale`, masks and scores as the forward
 /// (`softmax-core`'s `Mask` and `ScoreTransform`), every product on the SIMD micro-kernels of
 /// the chosen level. dK and dV are summed over the query heads of a GQA group. Inputs

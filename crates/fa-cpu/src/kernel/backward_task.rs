@@ -24,6 +24,12 @@
 //!    softcap, else 1), hidden pairs 0 (`softmax-core`'s `Mask::key_range`),
 //! 3. `dV += Pᵀ·dO`, `dK += dSᵀ·Q`, `dQ += dS·K`.
 //!
+//! `D = dO·O` per row is one chain of A's multiply-adds in channel order, as each `dP` element
+//! is in the product: where a row's softmax is one-hot (one visible key), `O = V_j` exactly and
+//! `dP_j − D = 0` exactly, so `dS`, dQ and dK are exactly 0 as in exact arithmetic. (A plain
+//! sum against the fused `dP` left a residue there of ~1e-5 normwise against an all-zero
+//! reference: the error of the proptest's regression cases, which was not the softcap's.)
+//!
 //! Every product is the one register-blocked shape of [`super::backward_gemm::gemm`]:
 //! `C[m][n] += Σ_k B[k][m]·X[k][n]`, with the contraction index as the row index of both
 //! operands. That fixes the layouts: `Qᵀ`/`dOᵀ` (per block `[c][row]`) and `Kᵀ`/`Vᵀ`
@@ -632,7 +638,7 @@ unsafe fn pack_rows<A: Arch, T: Element, O: Element, G: Element>(
             widen::<A, O>(ctx.d_o, oo, g.dv, orow);
             qrow[g.d..].fill(0.0);
             orow[g.dv..].fill(0.0);
-            s.delta[base + i] = row_dot(&orow[..g.dv], &ctx.o[oo..oo + g.dv]);
+            s.delta[base + i] = row_dot::<A, O>(&orow[..g.dv], &ctx.o[oo..oo + g.dv]);
         }
         let lse = ctx.lse[p.lse_offset(task.batch, head, i)];
         s.lse2[base + i] = if lse == f32::NEG_INFINITY {
@@ -666,15 +672,24 @@ unsafe fn pack_rows<A: Arch, T: Element, O: Element, G: Element>(
     }
 }
 
-/// `Σ x·o`, one sum in element order (as before: eight interleaved partial sums were faster but
-/// moved a proptest case's dQ error from just under the 1e-5 bound to 1.03e-5).
+/// `Σ x·o`, one sum in element order with A's multiply-add (fused where A fuses), the very
+/// arithmetic of `dP = dO·Vᵀ` in [`gemm`] (a chain from 0 in channel order): a row whose
+/// softmax is one-hot has `O = V_j` exactly, so `dP_j − D` is exactly 0 as in exact arithmetic.
+///
+/// # Safety
+/// A's features are present.
 #[inline(always)]
-fn row_dot<O: Element>(x: &[f32], o: &[O]) -> f32 {
-    let mut dd = 0.0f32;
-    for (xv, ov) in x.iter().zip(o) {
-        dd += xv * ov.to_f32();
+unsafe fn row_dot<A: Arch, O: Element>(x: &[f32], o: &[O]) -> f32 {
+    // SAFETY: A available (caller); `lane` holds W ≥ 1 floats.
+    unsafe {
+        let mut acc = A::splat(0.0);
+        for (xv, ov) in x.iter().zip(o) {
+            acc = A::fma(A::splat(*xv), A::splat(ov.to_f32()), acc);
+        }
+        let mut lane = [0.0f32; 16];
+        A::store(lane.as_mut_ptr(), acc);
+        lane[0]
     }
-    dd
 }
 
 /// Packs keys `j0..j0+keys` into resident key block `u`: K and V rows (widened, padded with
