@@ -34,7 +34,7 @@ use super::backward_gemm::{gemm, Operands, Span};
 use super::pack::{prefetch_row, transpose_region, widen, ROW_PREFETCH_AHEAD};
 use super::phase_timing::{timed, Phase};
 use super::scratch::SharedOut;
-use crate::arch::{exp2_exact, tanh, Arch, SimdLevel};
+use crate::arch::{exp2_exact, tanh, Arch, Simd, SimdLevel};
 use crate::dispatch::{with_arch, ArchFn, Entry, SimdTask};
 use crate::element::Element;
 use softmax_core::{Problem, TileKind, LOG2_E};
@@ -390,14 +390,15 @@ impl<T: Element, O: Element, G: Element> SimdTask for BackwardTask<'_, '_, T, O,
 /// The score factors: `x = s·pre` (log2 domain), or with a softcap `x = tanh(s·pre)·post`;
 /// `scale` turns `∂L/∂x`-side slopes into `∂L/∂(q·k)`.
 #[derive(Clone, Copy)]
-struct Scores {
+pub(crate) struct Scores {
     pre: f32,
     post: Option<f32>,
     scale: f32,
 }
 
 impl Scores {
-    fn new(problem: &Problem) -> Scores {
+    /// The factors of `problem`'s score transform and scale.
+    pub(crate) fn new(problem: &Problem) -> Scores {
         let t = problem.score_transform::<f32>();
         Scores {
             pre: t.pre_factor(),
@@ -669,7 +670,7 @@ unsafe fn pack_rows<A: Arch, T: Element, O: Element, G: Element>(
 /// `Σ x·o`, one sum in element order (as before: eight interleaved partial sums were faster but
 /// moved a proptest case's dQ error from just under the 1e-5 bound to 1.03e-5).
 #[inline(always)]
-fn row_dot<O: Element>(x: &[f32], o: &[O]) -> f32 {
+pub(crate) fn row_dot<O: Element>(x: &[f32], o: &[O]) -> f32 {
     let mut dd = 0.0f32;
     for (xv, ov) in x.iter().zip(o) {
         dd += xv * ov.to_f32();
@@ -817,7 +818,20 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
         );
         timed!(
             Phase::Probs,
-            probabilities::<A>(s, ts, (rows, rc), (keys, kc), row0, scores, range)
+            probabilities::<A>(
+                TileRows {
+                    p: &mut s.p[..],
+                    dp: &s.dp[..],
+                    ds: &mut s.ds[..],
+                    stride: ts,
+                    lse2: &s.lse2[row0..],
+                    delta: &s.delta[row0..],
+                },
+                (rows, rc),
+                (keys, kc),
+                scores,
+                range
+            )
         );
         // dV += Pᵀ·dO, dK += dSᵀ·Q (sums over this block's rows, in order).
         timed!(
@@ -950,34 +964,53 @@ const fn lcm_unit(mr: usize, w: usize) -> usize {
     mr / a * w
 }
 
-/// The element-wise step of a tile, in place: `p` holds `S` and becomes `P`, `ds` gets
+/// One tile's buffers for [`probabilities`], all `[row][key]` with row stride `stride`: `p`
+/// holds `S` (becomes `P`), `dp` holds `dP`, `ds` receives `dS`; `lse2` and `delta` are the
+/// tile's rows' `lse·log2 e` and `D` (from its first row).
+pub(crate) struct TileRows<'s> {
+    /// `S` in, `P` out.
+    pub p: &'s mut [f32],
+    /// `dP`.
+    pub dp: &'s [f32],
+    /// `dS` out.
+    pub ds: &'s mut [f32],
+    /// Row stride of `p`, `dp` and `ds` (floats).
+    pub stride: usize,
+    /// Per row: `lse·log2 e` (`+∞` for a row that sees no key).
+    pub lse2: &'s [f32],
+    /// Per row: `D = dO·O`.
+    pub delta: &'s [f32],
+}
+
+/// The element-wise step of a tile, in place (the one both backward kernels use, the f32
+/// SIMD tiles and the bf16 AMX tiles): `p` holds `S` and becomes `P`, `ds` gets
 /// `dS = P·(dP − D)·scale·t'`, for rows `< rows` and key columns `< kc`; rows `rows..rc` are
 /// zeroed; hidden pairs (outside `range(r)`, or past `keys`) get 0 in both.
 ///
 /// # Safety
-/// A's features are present; `s` sized for the call; `rc`, `kc` ≤ `t`, multiples of W.
+/// A's features are present; `rc`, `kc` ≤ `stride`, multiples of W; the buffers hold `rc`
+/// rows of `stride` (the last one `kc` at least), `lse2`/`delta` `rows` values.
 #[inline(always)]
-unsafe fn probabilities<A: Arch>(
-    s: &mut BwdScratch,
-    t: usize,
+pub(crate) unsafe fn probabilities<A: Simd>(
+    tile: TileRows<'_>,
     (rows, rc): (usize, usize),
     (keys, kc): (usize, usize),
-    row0: usize,
     scores: Scores,
     range: Option<&dyn Fn(usize) -> (usize, usize)>,
 ) {
     let w = A::W;
+    let t = tile.stride;
     for r in 0..rc {
-        let prow = &mut s.p[r * t..r * t + kc];
-        let dsrow = &mut s.ds[r * t..r * t + kc];
+        let prow = &mut tile.p[r * t..r * t + kc];
+        let dsrow = &mut tile.ds[r * t..r * t + kc];
         if r >= rows {
             prow.fill(0.0);
             dsrow.fill(0.0);
             continue;
         }
-        let dprow = &s.dp[r * t..r * t + kc];
-        let lse2 = s.lse2[row0 + r];
-        let delta = s.delta[row0 + r];
+        let dprow = &tile.dp[r * t..r * t + kc];
+        let lse2 = tile.lse2[r];
+        let delta = tile.delta[r];
         // SAFETY: c + W ≤ kc (a multiple of W) in every row slice; A available.
         unsafe {
             let (lse2v, deltav) = (A::splat(lse2), A::splat(delta));
