@@ -3,9 +3,9 @@
 
 use crate::arch::SimdLevel;
 use crate::dispatch::dispatch;
+use crate::dispatch::Isa;
 use crate::forward::{check_level_and_threads, ensure_pool, AmxTiles};
 use crate::kernel::amx_backward_task::{AmxBackwardTask, AmxBwdLens, AmxBwdScratch, Bf16Qkv};
-use crate::dispatch::Isa;
 use crate::kernel::backward_task::{
     backward_tasks, BackwardTask, BwdCtx, BwdLens, BwdScratch, BwdStats, BwdTask,
 };
@@ -285,12 +285,16 @@ pub(crate) fn backward_on<T: Element, O: Element, G: Element>(
         )?;
     } else {
         let lens = BwdLens::new(problem, isa.level());
-        ensure_slots(&mut ws.slots, workers, &lens, BwdScratch::try_ensure, || {
-            ProblemError::OutOfMemory {
+        ensure_slots(
+            &mut ws.slots,
+            workers,
+            &lens,
+            BwdScratch::try_ensure,
+            || ProblemError::OutOfMemory {
                 what: "backward scratch",
                 bytes: lens.bytes(),
-            }
-        })?;
+            },
+        )?;
     }
 
     let Grads { dq, dk, dv } = grads;
@@ -423,7 +427,9 @@ fn run_amx_tasks<T: Element, O: Element, G: Element>(
         #[cfg(target_arch = "x86_64")]
         AmxTiles::Hardware => {
             let mut tiles = crate::arch::amx::HwTiles::configure()?;
-            Some(drain(isa, &mut tiles, ctx, inputs, task_list, next, scratch))
+            Some(drain(
+                isa, &mut tiles, ctx, inputs, task_list, next, scratch,
+            ))
         }
         #[cfg(not(target_arch = "x86_64"))]
         AmxTiles::Hardware => {

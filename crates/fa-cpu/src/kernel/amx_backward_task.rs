@@ -40,6 +40,7 @@
 
 use super::backward_task::{probabilities, row_dot, BwdCtx, BwdStats, BwdTask, Scores, TileRows};
 use super::pack::{prefetch_row, widen, ROW_PREFETCH_AHEAD};
+use super::phase_timing::{timed, Phase};
 use crate::arch::amx::Tiles;
 use crate::arch::{Arch, Simd};
 use crate::dispatch::SimdTask;
@@ -248,7 +249,10 @@ impl AmxBwdScratch {
         {
             try_grow(buf, n)?;
         }
-        let (dsb, dsa) = (AMX_BWD_ROWS / 2 * AMX_BWD_KEYS, AMX_BWD_ROWS * AMX_BWD_KEYS / 2);
+        let (dsb, dsa) = (
+            AMX_BWD_ROWS / 2 * AMX_BWD_KEYS,
+            AMX_BWD_ROWS * AMX_BWD_KEYS / 2,
+        );
         debug_assert_eq!(b[6], dsb + dsa);
         for (buf, n) in [
             &mut self.qta,
@@ -291,7 +295,13 @@ impl AmxBwdScratch {
             + self.krows.capacity()
             + self.vrows.capacity())
             + 4 * [
-                &self.qta, &self.dota, &self.kb, &self.vb, &self.kp, &self.pb, &self.ds16,
+                &self.qta,
+                &self.dota,
+                &self.kb,
+                &self.vb,
+                &self.kp,
+                &self.pb,
+                &self.ds16,
                 &self.pairs,
             ]
             .iter()
@@ -340,7 +350,9 @@ impl<T: Element, O: Element, G: Element, M: Tiles> SimdTask
         // SAFETY: A available (the trait's contract); the context comes from the backward
         // (problem validated, buffers checked), `inputs` are its Q, K, V; the scratch was
         // sized for this problem.
-        unsafe { run_task::<A, T, O, G, M>(self.ctx, self.inputs, self.task, self.scratch, self.tiles) }
+        timed!(Phase::Task, unsafe {
+            run_task::<A, T, O, G, M>(self.ctx, self.inputs, self.task, self.scratch, self.tiles)
+        })
     }
 }
 
@@ -389,16 +401,22 @@ unsafe fn run_task<S: Simd, T: Element, O: Element, G: Element, M: Tiles>(
     let mask = p.mask();
     let mut stats = BwdStats::default();
 
-    for hl in 0..group {
-        // SAFETY: S available; the scratch holds `group` heads of `nq_pad` rows.
-        unsafe { pack_rows::<S, T, O, G>(ctx, inputs.q, task, task.head_kv * group + hl, hl, &g, s) };
-    }
+    timed!(Phase::PackRows, {
+        for hl in 0..group {
+            // SAFETY: S available; the scratch holds `group` heads of `nq_pad` rows.
+            unsafe {
+                pack_rows::<S, T, O, G>(ctx, inputs.q, task, task.head_kv * group + hl, hl, &g, s)
+            };
+        }
+    });
     s.dq[..group * g.nq_pad * g.d32].fill(0.0);
 
     for j0 in (0..nk).step_by(bc) {
         let keys = bc.min(nk - j0);
         // SAFETY: S available; the key-block buffers hold one block of `bc` keys.
-        unsafe { pack_keys::<S>(ctx.problem, inputs, task, j0, keys, &g, s) };
+        timed!(Phase::PackKeys, unsafe {
+            pack_keys::<S>(ctx.problem, inputs, task, j0, keys, &g, s)
+        });
         s.dkt[..g.d32 * bc].fill(0.0);
         s.dvt[..g.dv32 * bc].fill(0.0);
         for hl in 0..group {
@@ -527,8 +545,18 @@ unsafe fn pack_rows<S: Simd, T: Element, O: Element, G: Element>(
         // SAFETY: the block's rows lie in qa/doa; `pairs` holds br/2 rows of max(d32, dv32);
         // the destinations hold d32 (dv32) rows of br/2 dwords at blk·d32 (blk·dv32).
         unsafe {
-            pair_rows_transposed::<S>(&s.qa[r0 * d32..(r0 + br) * d32], d32, &mut s.pairs, &mut s.qta[blk * d32..(blk + br / 2) * d32]);
-            pair_rows_transposed::<S>(&s.doa[r0 * dv32..(r0 + br) * dv32], dv32, &mut s.pairs, &mut s.dota[blk * dv32..(blk + br / 2) * dv32]);
+            pair_rows_transposed::<S>(
+                &s.qa[r0 * d32..(r0 + br) * d32],
+                d32,
+                &mut s.pairs,
+                &mut s.qta[blk * d32..(blk + br / 2) * d32],
+            );
+            pair_rows_transposed::<S>(
+                &s.doa[r0 * dv32..(r0 + br) * dv32],
+                dv32,
+                &mut s.pairs,
+                &mut s.dota[blk * dv32..(blk + br / 2) * dv32],
+            );
         }
     }
 }
@@ -541,7 +569,12 @@ unsafe fn pack_rows<S: Simd, T: Element, O: Element, G: Element>(
 /// S available; `rows` holds `AMX_BWD_ROWS·width`, `pairs` at least `AMX_BWD_ROWS/2·width`,
 /// `dst` `width·AMX_BWD_ROWS/2`; `width` a multiple of 32.
 #[inline(always)]
-unsafe fn pair_rows_transposed<S: Simd>(rows: &[u16], width: usize, pairs: &mut [u32], dst: &mut [u32]) {
+unsafe fn pair_rows_transposed<S: Simd>(
+    rows: &[u16],
+    width: usize,
+    pairs: &mut [u32],
+    dst: &mut [u32],
+) {
     let half = AMX_BWD_ROWS / 2;
     interleave_rows(rows, width, AMX_BWD_ROWS, &mut pairs[..half * width]);
     // SAFETY: `pairs` holds half rows of `width` dwords, `dst` width rows of half; both
@@ -644,26 +677,33 @@ unsafe fn tile_step<S: Simd, M: Tiles>(
     // block's packs, the tile buffers of br × bc.
     unsafe {
         // S = Q·Kᵀ, dP = dO·Vᵀ.
-        tile_gemm(
-            t,
-            s.qa.as_ptr().add(row0 * d32) as *const u8,
-            2 * d32,
-            s.kb.as_ptr() as *const u8,
-            4 * bc,
-            (s.s.as_mut_ptr(), bc),
-            (br, bc, d32),
-            false,
+        timed!(
+            Phase::S,
+            tile_gemm(
+                t,
+                s.qa.as_ptr().add(row0 * d32) as *const u8,
+                2 * d32,
+                s.kb.as_ptr() as *const u8,
+                4 * bc,
+                (s.s.as_mut_ptr(), bc),
+                (br, bc, d32),
+                false,
+            )
         );
-        tile_gemm(
-            t,
-            s.doa.as_ptr().add(row0 * dv32) as *const u8,
-            2 * dv32,
-            s.vb.as_ptr() as *const u8,
-            4 * bc,
-            (s.dp.as_mut_ptr(), bc),
-            (br, bc, dv32),
-            false,
+        timed!(
+            Phase::DP,
+            tile_gemm(
+                t,
+                s.doa.as_ptr().add(row0 * dv32) as *const u8,
+                2 * dv32,
+                s.vb.as_ptr() as *const u8,
+                4 * bc,
+                (s.dp.as_mut_ptr(), bc),
+                (br, bc, dv32),
+                false,
+            )
         );
+        let probs_start = phase_start();
         probabilities::<S>(
             TileRows {
                 p: &mut s.s[..br * bc],
@@ -678,7 +718,10 @@ unsafe fn tile_step<S: Simd, M: Tiles>(
             scores,
             range,
         );
-        // P and dS rounded to bf16: rows paired for dVᵀ and dKᵀ, keys paired for dQ.
+        phase_end(Phase::Probs, probs_start);
+        // P and dS rounded to bf16: rows paired for dVᵀ and dKᵀ, keys paired for dQ (counted
+        // as the phase `dS_T`, the SIMD path's transpose of dS).
+        let pairs_start = phase_start();
         let (dsb, dsa) = s.ds16.split_at_mut(br / 2 * bc);
         pair_f32_rows::<S>(&s.s, bc, &mut s.pb);
         pair_f32_rows::<S>(&s.ds, bc, dsb);
@@ -691,37 +734,47 @@ unsafe fn tile_step<S: Simd, M: Tiles>(
                 }
             }
         }
+        phase_end(Phase::DsT, pairs_start);
         // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS (sums over this block's rows).
-        tile_gemm(
-            t,
-            s.dota.as_ptr().add(blk * dv32) as *const u8,
-            2 * br,
-            s.pb.as_ptr() as *const u8,
-            4 * bc,
-            (s.dvt.as_mut_ptr(), bc),
-            (dv32, bc, br),
-            true,
+        timed!(
+            Phase::DV,
+            tile_gemm(
+                t,
+                s.dota.as_ptr().add(blk * dv32) as *const u8,
+                2 * br,
+                s.pb.as_ptr() as *const u8,
+                4 * bc,
+                (s.dvt.as_mut_ptr(), bc),
+                (dv32, bc, br),
+                true,
+            )
         );
-        tile_gemm(
-            t,
-            s.qta.as_ptr().add(blk * d32) as *const u8,
-            2 * br,
-            dsb.as_ptr() as *const u8,
-            4 * bc,
-            (s.dkt.as_mut_ptr(), bc),
-            (d32, bc, br),
-            true,
+        timed!(
+            Phase::DK,
+            tile_gemm(
+                t,
+                s.qta.as_ptr().add(blk * d32) as *const u8,
+                2 * br,
+                dsb.as_ptr() as *const u8,
+                4 * bc,
+                (s.dkt.as_mut_ptr(), bc),
+                (d32, bc, br),
+                true,
+            )
         );
         // dQ += dS·K (sums over this block's keys).
-        tile_gemm(
-            t,
-            dsa.as_ptr() as *const u8,
-            2 * bc,
-            s.kp.as_ptr() as *const u8,
-            4 * d32,
-            (s.dq.as_mut_ptr().add(row0 * d32), d32),
-            (br, d32, bc),
-            true,
+        timed!(
+            Phase::DQ,
+            tile_gemm(
+                t,
+                dsa.as_ptr() as *const u8,
+                2 * bc,
+                s.kp.as_ptr() as *const u8,
+                4 * d32,
+                (s.dq.as_mut_ptr().add(row0 * d32), d32),
+                (br, d32, bc),
+                true,
+            )
         );
     }
 }
@@ -853,4 +906,31 @@ unsafe fn tile_gemm<M: Tiles>(
             }
         }
     }
+}
+
+/// The start of a phase that `timed!` cannot wrap (it spans statements): an instant with the
+/// feature `phase-timing`, nothing without.
+#[inline(always)]
+fn phase_start() -> PhaseStart {
+    #[cfg(feature = "phase-timing")]
+    return std::time::Instant::now();
+    #[cfg(not(feature = "phase-timing"))]
+    PhaseStart
+}
+
+/// What [`phase_start`] returns.
+#[cfg(feature = "phase-timing")]
+type PhaseStart = std::time::Instant;
+/// What [`phase_start`] returns (nothing to record without the feature).
+#[cfg(not(feature = "phase-timing"))]
+#[derive(Clone, Copy)]
+struct PhaseStart;
+
+/// Adds the time since `start` to `phase` (with the feature `phase-timing`).
+#[inline(always)]
+fn phase_end(phase: Phase, start: PhaseStart) {
+    #[cfg(feature = "phase-timing")]
+    super::phase_timing::add(phase, start.elapsed());
+    #[cfg(not(feature = "phase-timing"))]
+    let _ = (phase, start);
 }

@@ -307,7 +307,11 @@ fn hardware_amx_backward_matches_the_reference_and_the_emulation() {
             ..hw
         };
         let ge = run_backward::<f32>(case, &d_o, &emu, AmxTiles::Emulated);
-        for (name, x, y) in [("dQ", &g.dq, &ge.dq), ("dK", &g.dk, &ge.dk), ("dV", &g.dv, &ge.dv)] {
+        for (name, x, y) in [
+            ("dQ", &g.dq, &ge.dq),
+            ("dK", &g.dk, &ge.dk),
+            ("dV", &g.dv, &ge.dv),
+        ] {
             let r = rel(x, y);
             assert!(r <= 1e-3, "{what}: hardware vs emulated {name} {r:e}");
             worst_emu = worst_emu.max(r);
