@@ -5,7 +5,8 @@ use crate::arch::SimdLevel;
 use crate::dispatch::dispatch;
 use crate::dispatch::Isa;
 use crate::forward::{check_level_and_threads, ensure_pool, AmxTiles};
-use crate::kernel::amx_backward_task::{AmxBackwardTask, AmxBwdLens, AmxBwdScratch, Bf16Qkv};
+use crate::kernel::amx_backward_task::{AmxBackwardTask, AmxBwdLens, AmxBwdScratch};
+use crate::kernel::amx_task::Bf16Inputs;
 use crate::kernel::backward_task::{
     backward_tasks, BackwardTask, BwdCtx, BwdLens, BwdScratch, BwdStats, BwdTask,
 };
@@ -85,24 +86,20 @@ impl BackwardWorkspace {
 
     /// Bytes of scratch currently held (all workers).
     pub fn scratch_bytes(&mut self) -> usize {
-        let simd: usize = self
-            .slots
-            .iter_mut()
-            .map(|s| match s.get_mut() {
-                Ok(s) => s.bytes(),
-                Err(poisoned) => poisoned.into_inner().bytes(),
-            })
-            .sum();
-        let amx: usize = self
-            .amx_slots
-            .iter_mut()
-            .map(|s| match s.get_mut() {
-                Ok(s) => s.bytes(),
-                Err(poisoned) => poisoned.into_inner().bytes(),
-            })
-            .sum();
-        simd + amx
+        held_bytes(&mut self.slots, BwdScratch::bytes)
+            + held_bytes(&mut self.amx_slots, |s: &mut AmxBwdScratch| s.bytes())
     }
+}
+
+/// Bytes held by the scratch in `slots` (`bytes` of each).
+fn held_bytes<S>(slots: &mut [Mutex<S>], bytes: impl Fn(&mut S) -> usize) -> usize {
+    slots
+        .iter_mut()
+        .map(|s| match s.get_mut() {
+            Ok(s) => bytes(s),
+            Err(poisoned) => bytes(poisoned.into_inner()),
+        })
+        .sum()
 }
 
 /// Bytes of scratch one worker of the backward needs for `problem` at a SIMD level (the
@@ -269,7 +266,7 @@ pub(crate) fn backward_on<T: Element, O: Element, G: Element>(
     // emulated tiles in tests. Everything else runs the SIMD kernel of the level.
     let amx_inputs = match amx_tiles {
         AmxTiles::Hardware if isa.level() != SimdLevel::Amx => None,
-        _ => Bf16Qkv::of(qkv.q, qkv.k, qkv.v),
+        _ => Bf16Inputs::of(qkv.q, qkv.k, qkv.v),
     };
     if amx_inputs.is_some() {
         let lens = AmxBwdLens::new(problem);
@@ -391,7 +388,7 @@ fn run_amx_tasks<T: Element, O: Element, G: Element>(
     isa: Isa,
     amx_tiles: AmxTiles,
     ctx: &BwdCtx<'_, T, O, G>,
-    inputs: Bf16Qkv<'_>,
+    inputs: Bf16Inputs<'_>,
     task_list: &[BwdTask],
     next: &AtomicUsize,
     scratch: &mut AmxBwdScratch,
@@ -401,7 +398,7 @@ fn run_amx_tasks<T: Element, O: Element, G: Element>(
         isa: Isa,
         tiles: &mut M,
         ctx: &BwdCtx<'_, T, O, G>,
-        inputs: Bf16Qkv<'_>,
+        inputs: Bf16Inputs<'_>,
         task_list: &[BwdTask],
         next: &AtomicUsize,
         scratch: &mut AmxBwdScratch,

@@ -38,13 +38,16 @@
 //! several resident key blocks per pass over the rows is not done here (one key block at a
 //! time).
 
-use super::backward_task::{probabilities, row_dot, BwdCtx, BwdStats, BwdTask, Scores, TileRows};
+use super::amx_task::Bf16Inputs;
+use super::backward_task::{
+    probabilities, row_dot, write_dq, BwdCtx, BwdStats, BwdTask, Scores, TileRows,
+};
 use super::pack::{prefetch_row, widen, ROW_PREFETCH_AHEAD};
 use super::phase_timing::{timed, Phase};
 use crate::arch::amx::Tiles;
 use crate::arch::{Arch, Simd};
 use crate::dispatch::SimdTask;
-use crate::element::{sealed, Element};
+use crate::element::Element;
 use half::bf16;
 use softmax_core::{Problem, TileKind, LOG2_E};
 
@@ -58,33 +61,6 @@ const STEP: usize = 32;
 /// `n` rounded up to a multiple of 32.
 const fn pad32(n: usize) -> usize {
     n.div_ceil(STEP) * STEP
-}
-
-/// Q, K and V as bf16 (the same buffers as the context's).
-#[derive(Clone, Copy)]
-pub(crate) struct Bf16Qkv<'a> {
-    /// Q.
-    pub q: &'a [bf16],
-    /// K.
-    pub k: &'a [bf16],
-    /// V.
-    pub v: &'a [bf16],
-}
-
-impl<'a> Bf16Qkv<'a> {
-    /// The inputs, if they are bf16.
-    pub fn of<T: Element>(q: &'a [T], k: &'a [T], v: &'a [T]) -> Option<Self> {
-        match (
-            <T as sealed::Sealed>::view(q),
-            <T as sealed::Sealed>::view(k),
-            <T as sealed::Sealed>::view(v),
-        ) {
-            (sealed::Slice::Bf16(q), sealed::Slice::Bf16(k), sealed::Slice::Bf16(v)) => {
-                Some(Bf16Qkv { q, k, v })
-            }
-            _ => None,
-        }
-    }
 }
 
 /// The sizes an AMX backward worker's scratch depends on.
@@ -331,7 +307,7 @@ pub(crate) struct AmxBackwardTask<'t, 'a, T, O, G, M> {
     /// The call's inputs and outputs.
     pub ctx: &'t BwdCtx<'a, T, O, G>,
     /// Q, K, V as bf16 (the context's buffers).
-    pub inputs: Bf16Qkv<'t>,
+    pub inputs: Bf16Inputs<'t>,
     /// The work.
     pub task: &'t BwdTask,
     /// The worker's scratch, sized by [`AmxBwdScratch::try_ensure`] for the call.
@@ -377,7 +353,7 @@ struct Geom {
 #[inline(always)]
 unsafe fn run_task<S: Simd, T: Element, O: Element, G: Element, M: Tiles>(
     ctx: &BwdCtx<'_, T, O, G>,
-    inputs: Bf16Qkv<'_>,
+    inputs: Bf16Inputs<'_>,
     task: &BwdTask,
     s: &mut AmxBwdScratch,
     t: &mut M,
@@ -463,19 +439,10 @@ unsafe fn run_task<S: Simd, T: Element, O: Element, G: Element, M: Tiles>(
         }
     }
 
-    for hl in 0..group {
-        let head = task.head_kv * group + hl;
-        for i in 0..nq {
-            if i + ROW_PREFETCH_AHEAD < nq {
-                let qa = p.q_offset(task.batch, i + ROW_PREFETCH_AHEAD, head);
-                ctx.dq.prefetch_row::<S>(qa, d);
-            }
-            let qo = p.q_offset(task.batch, i, head);
-            let at = (hl * g.nq_pad + i) * g.d32;
-            let row = &s.dq[at..at + d];
-            ctx.dq.write_row(qo, row.iter().map(|&x| G::from_f32(x)));
-        }
-    }
+    timed!(
+        Phase::Write,
+        write_dq::<S, T, O, G>(ctx, task, g.nq_pad, g.d32, &s.dq)
+    );
     stats
 }
 
@@ -606,7 +573,7 @@ fn interleave_rows(rows: &[u16], width: usize, n: usize, out: &mut [u32]) {
 #[inline(always)]
 unsafe fn pack_keys<S: Simd>(
     p: &Problem,
-    inputs: Bf16Qkv<'_>,
+    inputs: Bf16Inputs<'_>,
     task: &BwdTask,
     j0: usize,
     keys: usize,
@@ -819,7 +786,7 @@ unsafe fn transpose_dwords<S: Simd>(
     dst: *mut u32,
     dst_stride: usize,
 ) {
-    debug_assert!(rows % 16 == 0 && cols % 16 == 0);
+    debug_assert!(rows.is_multiple_of(16) && cols.is_multiple_of(16));
     for r0 in (0..rows).step_by(16) {
         for c0 in (0..cols).step_by(16) {
             // SAFETY: the 16 × 16 block (r0, c0) lies inside both regions (caller).

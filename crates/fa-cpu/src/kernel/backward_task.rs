@@ -572,22 +572,39 @@ pub(crate) unsafe fn run_task<
 
         timed!(
             Phase::Write,
-            for hl in 0..group {
-                let head = task.head_kv * group + hl;
-                for i in 0..nq {
-                    if i + ROW_PREFETCH_AHEAD < nq {
-                        let qa = p.q_offset(task.batch, i + ROW_PREFETCH_AHEAD, head);
-                        ctx.dq.prefetch_row::<A>(qa, d);
-                    }
-                    let qo = p.q_offset(task.batch, i, head);
-                    let at = (hl * g.nq_pad + i) * g.d_st;
-                    let row = &s.dq[at..at + d];
-                    ctx.dq.write_row(qo, row.iter().map(|&x| G::from_f32(x)));
-                }
-            }
+            write_dq::<A, T, O, G>(ctx, task, g.nq_pad, g.d_st, &s.dq)
         );
     }
     stats
+}
+
+/// Writes dQ of the task's rows (rounded to `G`) from the f32 accumulator `dq`: per query head
+/// of the group `nq_pad` rows of `stride` floats, the first `head_dim` of each used. Both
+/// backward kernels' last step.
+#[inline(always)]
+pub(crate) fn write_dq<S: Simd, T, O, G: Element>(
+    ctx: &BwdCtx<'_, T, O, G>,
+    task: &BwdTask,
+    nq_pad: usize,
+    stride: usize,
+    dq: &[f32],
+) {
+    let p = ctx.problem;
+    let (d, group) = (p.head_dim(), p.group_size());
+    let nq = p.seq(task.batch).seqlen_q;
+    for hl in 0..group {
+        let head = task.head_kv * group + hl;
+        for i in 0..nq {
+            if i + ROW_PREFETCH_AHEAD < nq {
+                let qa = p.q_offset(task.batch, i + ROW_PREFETCH_AHEAD, head);
+                ctx.dq.prefetch_row::<S>(qa, d);
+            }
+            let qo = p.q_offset(task.batch, i, head);
+            let at = (hl * nq_pad + i) * stride;
+            let row = &dq[at..at + d];
+            ctx.dq.write_row(qo, row.iter().map(|&x| G::from_f32(x)));
+        }
+    }
 }
 
 /// Packs query head `head` (the `hl`-th of the group): Q and dO rows (widened, padded with
