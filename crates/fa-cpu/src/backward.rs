@@ -59,7 +59,7 @@ impl Default for BackwardOptions {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BackwardStats {
     /// (query tile, key tile) pairs computed, per query head (the tile edge is the
-    /// architecture's: 64, or 96 on AVX2; the AMX kernel's tiles are 64 rows × 64 keys).
+    /// architecture's: 64, or 96 on AVX2; the AMX kernel's tiles are 128 rows × 128 keys).
     pub tiles_computed: u64,
     /// (query tile, key tile) pairs skipped because the mask hides them entirely.
     pub tiles_skipped: u64,
