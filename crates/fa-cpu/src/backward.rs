@@ -3,14 +3,17 @@
 
 use crate::arch::SimdLevel;
 use crate::dispatch::dispatch;
-use crate::forward::{check_level_and_threads, ensure_pool};
+use crate::dispatch::Isa;
+use crate::forward::{check_level_and_threads, ensure_pool, AmxTiles};
+use crate::kernel::amx_backward_task::{AmxBackwardTask, AmxBwdLens, AmxBwdScratch};
+use crate::kernel::amx_task::Bf16Inputs;
 use crate::kernel::backward_task::{
-    backward_tasks, BackwardTask, BwdCtx, BwdLens, BwdScratch, BwdStats,
+    backward_tasks, BackwardTask, BwdCtx, BwdLens, BwdScratch, BwdStats, BwdTask,
 };
 use crate::kernel::SharedOut;
 use crate::{supports, Element};
 use softmax_core::{BufferLens, Grads, Problem, ProblemError, Qkv, Tensor};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// What the backward pass reads besides Q, K and V: the forward's output O and its LSE, and
@@ -56,7 +59,7 @@ impl Default for BackwardOptions {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BackwardStats {
     /// (query tile, key tile) pairs computed, per query head (the tile edge is the
-    /// architecture's: 64, or 96 on AVX2).
+    /// architecture's: 64, or 96 on AVX2; the AMX kernel's tiles are 128 rows × 128 keys).
     pub tiles_computed: u64,
     /// (query tile, key tile) pairs skipped because the mask hides them entirely.
     pub tiles_skipped: u64,
@@ -69,6 +72,8 @@ pub struct BackwardStats {
 #[derive(Debug, Default)]
 pub struct BackwardWorkspace {
     slots: Vec<Mutex<BwdScratch>>,
+    /// The AMX kernel's per-worker buffers (bf16 inputs on [`SimdLevel::Amx`]).
+    amx_slots: Vec<Mutex<AmxBwdScratch>>,
     /// The thread count the pool was built for, and the pool (`None` for one thread).
     pool: Option<(usize, Option<rayon::ThreadPool>)>,
 }
@@ -81,22 +86,35 @@ impl BackwardWorkspace {
 
     /// Bytes of scratch currently held (all workers).
     pub fn scratch_bytes(&mut self) -> usize {
-        self.slots
-            .iter_mut()
-            .map(|s| match s.get_mut() {
-                Ok(s) => s.bytes(),
-                Err(poisoned) => poisoned.into_inner().bytes(),
-            })
-            .sum()
+        held_bytes(&mut self.slots, BwdScratch::bytes)
+            + held_bytes(&mut self.amx_slots, |s: &mut AmxBwdScratch| s.bytes())
     }
+}
+
+/// Bytes held by the scratch in `slots` (`bytes` of each).
+fn held_bytes<S>(slots: &mut [Mutex<S>], bytes: impl Fn(&mut S) -> usize) -> usize {
+    slots
+        .iter_mut()
+        .map(|s| match s.get_mut() {
+            Ok(s) => bytes(s),
+            Err(poisoned) => bytes(poisoned.into_inner()),
+        })
+        .sum()
 }
 
 /// Bytes of scratch one worker of the backward needs for `problem` at a SIMD level (the
 /// scratch-size companion of [`BackwardWorkspace`]): the rows of Q and dO of one GQA group
 /// (row-major and transposed), its dQ accumulator in f32 and a few tiles, so linear in the
 /// longest query sequence and independent of the batch; the total is this times the workers.
+/// At [`SimdLevel::Amx`] (which runs bf16 inputs on AMX tiles with buffers of its own, other
+/// inputs on the AVX-512 kernel) the larger of the two kernels' needs.
 pub fn backward_scratch_bytes_per_thread(problem: &Problem, level: SimdLevel) -> usize {
-    BwdLens::new(problem, level).bytes()
+    let simd = BwdLens::new(problem, level).bytes();
+    if level.resolve() == SimdLevel::Amx {
+        simd.max(AmxBwdLens::new(problem).bytes())
+    } else {
+        simd
+    }
 }
 
 /// What the backward runs: what the forward does ([`crate::supports`]) but KV caches (decode
@@ -132,7 +150,9 @@ fn check_len(tensor: Tensor, len: usize, needed: usize) -> Result<(), ProblemErr
 /// exactly 0), `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)` (times `1 − tanh²`
 /// under a softcap), `dQ = dS·K·scale`, `dK = dSᵀ·Q·scale`, masks and scores as the forward
 /// (`softmax-core`'s `Mask` and `ScoreTransform`), every product on the SIMD micro-kernels of
-/// the chosen level. dK and dV are summed over the query heads of a GQA group. Inputs
+/// the chosen level (at [`SimdLevel::Amx`], bf16 inputs run all five products on AMX tiles:
+/// P and dS are rounded to bf16 before the three gradient products, see
+/// `kernel::amx_backward_task`). dK and dV are summed over the query heads of a GQA group. Inputs
 /// f32/bf16/f16 (`T` for Q/K/V, `O` for O and dO), f32 arithmetic, gradients written as `G`
 /// (the input dtype or f32). Gradients are written for every element of Q, K and V (0 for
 /// rows that see no key and keys no row sees); padding between elements is not touched.
@@ -183,6 +203,46 @@ pub fn backward_with_workspace<T: Element, O: Element, G: Element>(
     opts: &BackwardOptions,
     ws: &mut BackwardWorkspace,
 ) -> Result<BackwardStats, ProblemError> {
+    backward_on(problem, qkv, inputs, grads, opts, ws, AmxTiles::Hardware)
+}
+
+/// Makes sure the first `workers` slots exist and hold scratch of `lens` (`ensure(scratch,
+/// lens)`), failing with `oom` instead of aborting.
+fn ensure_slots<S: Default, L>(
+    slots: &mut Vec<Mutex<S>>,
+    workers: usize,
+    lens: &L,
+    ensure: impl Fn(&mut S, &L) -> Result<(), std::collections::TryReserveError>,
+    oom: impl Fn() -> ProblemError,
+) -> Result<(), ProblemError> {
+    slots
+        .try_reserve(workers.saturating_sub(slots.len()))
+        .map_err(|_| oom())?;
+    while slots.len() < workers {
+        slots.push(Mutex::new(S::default()));
+    }
+    for slot in &mut slots[..workers] {
+        let scratch = match slot.get_mut() {
+            Ok(s) => s,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        ensure(scratch, lens).map_err(|_| oom())?;
+    }
+    Ok(())
+}
+
+/// [`backward_with_workspace`] with the AMX tiles chosen ([`AmxTiles`]): `Hardware` runs bf16
+/// inputs on the CPU's tiles when the level is [`SimdLevel::Amx`]; `Emulated` (tests) runs
+/// bf16 inputs on software tiles at any level.
+pub(crate) fn backward_on<T: Element, O: Element, G: Element>(
+    problem: &Problem,
+    qkv: Qkv<&[T]>,
+    inputs: BackwardInputs<'_, O>,
+    grads: HostGrads<'_, G>,
+    opts: &BackwardOptions,
+    ws: &mut BackwardWorkspace,
+    amx_tiles: AmxTiles,
+) -> Result<BackwardStats, ProblemError> {
     supports_backward(problem)?;
     problem.check_buffers(BufferLens {
         q: qkv.q.len(),
@@ -203,23 +263,36 @@ pub fn backward_with_workspace<T: Element, O: Element, G: Element>(
     let workers = threads
         .unwrap_or_else(|| rayon::current_num_threads().max(1))
         .min(task_list.len().max(1));
-    let scratch_lens = BwdLens::new(problem, isa.level());
-    let oom = || ProblemError::OutOfMemory {
-        what: "backward scratch",
-        bytes: scratch_lens.bytes(),
+    // The AMX kernel: bf16 Q, K and V (any O/dO and gradient type) on the AMX level, or on
+    // emulated tiles in tests. Everything else runs the SIMD kernel of the level.
+    let amx_inputs = match amx_tiles {
+        AmxTiles::Hardware if isa.level() != SimdLevel::Amx => None,
+        _ => Bf16Inputs::of(qkv.q, qkv.k, qkv.v),
     };
-    ws.slots
-        .try_reserve(workers.saturating_sub(ws.slots.len()))
-        .map_err(|_| oom())?;
-    while ws.slots.len() < workers {
-        ws.slots.push(Mutex::new(BwdScratch::default()));
-    }
-    for slot in &mut ws.slots[..workers] {
-        let scratch = match slot.get_mut() {
-            Ok(s) => s,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        scratch.try_ensure(&scratch_lens).map_err(|_| oom())?;
+    if amx_inputs.is_some() {
+        let lens = AmxBwdLens::new(problem);
+        ensure_slots(
+            &mut ws.amx_slots,
+            workers,
+            &lens,
+            AmxBwdScratch::try_ensure,
+            || ProblemError::OutOfMemory {
+                what: "backward scratch (AMX)",
+                bytes: lens.bytes(),
+            },
+        )?;
+    } else {
+        let lens = BwdLens::new(problem, isa.level());
+        ensure_slots(
+            &mut ws.slots,
+            workers,
+            &lens,
+            BwdScratch::try_ensure,
+            || ProblemError::OutOfMemory {
+                what: "backward scratch",
+                bytes: lens.bytes(),
+            },
+        )?;
     }
 
     let Grads { dq, dk, dv } = grads;
@@ -235,28 +308,40 @@ pub fn backward_with_workspace<T: Element, O: Element, G: Element>(
         dk: SharedOut::new(dk),
         dv: SharedOut::new(dv),
     };
-    let slots = &ws.slots;
+    let (slots, amx_slots) = (&ws.slots, &ws.amx_slots);
     let next = AtomicUsize::new(0);
     let totals = Mutex::new(BwdStats::default());
+    let tiles_lost = AtomicBool::new(false);
     // Each worker takes the next task from one shared counter; which worker runs a task never
     // changes its arithmetic (each task owns the elements it writes and starts its sums at 0).
     let work = |slot: usize| {
-        let mut guard = match slots[slot].lock() {
-            Ok(g) => g,
-            Err(poisoned) => poisoned.into_inner(),
-        };
         let mut mine = BwdStats::default();
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(task) = task_list.get(i) else { break };
-            mine = mine.add(dispatch(
-                isa,
-                BackwardTask {
-                    ctx: &ctx,
-                    task,
-                    scratch: &mut guard,
-                },
-            ));
+        if let Some(amx) = amx_inputs {
+            let mut guard = match amx_slots[slot].lock() {
+                Ok(g) => g,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            match run_amx_tasks(isa, amx_tiles, &ctx, amx, &task_list, &next, &mut guard) {
+                Some(stats) => mine = stats,
+                None => tiles_lost.store(true, Ordering::Relaxed),
+            }
+        } else {
+            let mut guard = match slots[slot].lock() {
+                Ok(g) => g,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(task) = task_list.get(i) else { break };
+                mine = mine.add(dispatch(
+                    isa,
+                    BackwardTask {
+                        ctx: &ctx,
+                        task,
+                        scratch: &mut guard,
+                    },
+                ));
+            }
         }
         let mut t = match totals.lock() {
             Ok(g) => g,
@@ -272,6 +357,11 @@ pub fn backward_with_workspace<T: Element, O: Element, G: Element>(
         (Some(_), Some(pool)) => pool.in_place_scope(|s| run_workers(s, workers, &work)),
         (Some(_), None) => work(0),
         (None, _) => rayon::in_place_scope(|s| run_workers(s, workers, &work)),
+    }
+    if tiles_lost.into_inner() {
+        return Err(ProblemError::Unsupported {
+            what: "the AMX tiles could not be configured on a worker thread",
+        });
     }
     let stats = match totals.into_inner() {
         Ok(s) => s,
@@ -289,4 +379,70 @@ fn run_workers<'s, F: Fn(usize) + Sync>(scope: &rayon::Scope<'s>, workers: usize
         scope.spawn(move |_| work(slot));
     }
     work(0);
+}
+
+/// Runs tasks from the shared counter `next` on AMX tiles (configured here, once, on the
+/// worker's thread) until none is left. `None` when the hardware tiles cannot be configured,
+/// which does not happen: [`SimdLevel::Amx`] passed `Isa::new`, so AMX is available and the
+/// permission granted process-wide (`arch::amx::available`).
+fn run_amx_tasks<T: Element, O: Element, G: Element>(
+    isa: Isa,
+    amx_tiles: AmxTiles,
+    ctx: &BwdCtx<'_, T, O, G>,
+    inputs: Bf16Inputs<'_>,
+    task_list: &[BwdTask],
+    next: &AtomicUsize,
+    scratch: &mut AmxBwdScratch,
+) -> Option<BwdStats> {
+    /// The loop over tasks with tiles `M`.
+    fn drain<T: Element, O: Element, G: Element, M: crate::arch::amx::Tiles>(
+        isa: Isa,
+        tiles: &mut M,
+        ctx: &BwdCtx<'_, T, O, G>,
+        inputs: Bf16Inputs<'_>,
+        task_list: &[BwdTask],
+        next: &AtomicUsize,
+        scratch: &mut AmxBwdScratch,
+    ) -> BwdStats {
+        let mut mine = BwdStats::default();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(task) = task_list.get(i) else { break };
+            mine = mine.add(dispatch(
+                isa,
+                AmxBackwardTask {
+                    ctx,
+                    inputs,
+                    task,
+                    scratch: &mut *scratch,
+                    tiles: &mut *tiles,
+                },
+            ));
+        }
+        mine
+    }
+    match amx_tiles {
+        #[cfg(target_arch = "x86_64")]
+        AmxTiles::Hardware => {
+            let mut tiles = crate::arch::amx::HwTiles::configure()?;
+            Some(drain(
+                isa, &mut tiles, ctx, inputs, task_list, next, scratch,
+            ))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        AmxTiles::Hardware => {
+            let _ = (isa, ctx, inputs, task_list, next, scratch);
+            None
+        }
+        #[cfg(test)]
+        AmxTiles::Emulated => Some(drain(
+            isa,
+            &mut crate::arch::amx::EmuTiles::new(),
+            ctx,
+            inputs,
+            task_list,
+            next,
+            scratch,
+        )),
+    }
 }

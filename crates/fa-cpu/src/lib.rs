@@ -19,7 +19,8 @@
 //! - Memory: per-thread scratch sized by the head dims and the tiling only
 //!   ([`scratch_bytes_per_thread`]), reusable through a [`Workspace`].
 //! - [`backward`]: the gradients dQ, dK, dV with recomputation from the saved LSE, bitwise
-//!   identical for any thread count (a plain f32 implementation so far, not tuned for speed).
+//!   identical for any thread count (f32 arithmetic on the SIMD micro-kernels; bf16 inputs at
+//!   [`SimdLevel::Amx`] run the five products on AMX tiles).
 //! - Decode: problems with a KV cache (padded with `seqused_k`, or paged through a block
 //!   table) run split-KV: each task's keys are cut into splits computed in parallel into
 //!   partial rows (O unnormalised + the online-softmax state), merged in split order by
@@ -33,8 +34,10 @@
 //!   [`SimdLevel::Auto`] resolves to [`SimdLevel::Amx`] and bf16 forward calls run both
 //!   products on AMX tiles (P rounded to bf16 before `P·V`: ~2e-3 normwise against the f64
 //!   reference, inside the bf16 contract of 1e-2); `FA_CPU_AMX=0` in the environment, or
-//!   `simd: SimdLevel::Avx512f`, keeps it off. f16, split-KV decode, probability hooks and the
-//!   backward still run through f32 FMAs.
+//!   `simd: SimdLevel::Avx512f`, keeps it off. bf16 backward calls run all five products on
+//!   AMX tiles too (P and dS rounded to bf16 before the gradient products: ~2e-3 normwise
+//!   against the f64 reference, inside the bf16 contract of 2e-2). f16, split-KV decode and
+//!   probability hooks still run through f32 FMAs.
 //!
 //! # Example
 //! ```

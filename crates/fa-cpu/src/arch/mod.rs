@@ -25,7 +25,8 @@ pub enum SimdLevel {
     #[default]
     Auto,
     /// AVX-512F plus Intel AMX tiles: bf16 inputs run their two products on AMX
-    /// (`tdpbf16ps`, probabilities rounded to bf16 before `P·V`); everything else, and
+    /// (`tdpbf16ps`, probabilities rounded to bf16 before `P·V`), and the backward's five
+    /// (P and dS rounded to bf16 before the gradient products); everything else, and
     /// whatever the AMX kernel does not cover, runs as [`SimdLevel::Avx512f`]. `Auto` picks it
     /// where the CPU has AMX-BF16 and Linux grants the tile-data permission, unless the
     /// environment variable `FA_CPU_AMX` is `0`; ask for `Avx512f` to keep AMX off.

@@ -40,7 +40,7 @@ use super::backward_gemm::{gemm, Operands, Span};
 use super::pack::{prefetch_row, transpose_region, widen, ROW_PREFETCH_AHEAD};
 use super::phase_timing::{timed, Phase};
 use super::scratch::SharedOut;
-use crate::arch::{exp2_exact, tanh, Arch, SimdLevel};
+use crate::arch::{exp2_exact, tanh, Arch, Simd, SimdLevel};
 use crate::dispatch::{with_arch, ArchFn, Entry, SimdTask};
 use crate::element::Element;
 use softmax_core::{Problem, TileKind, LOG2_E};
@@ -396,14 +396,15 @@ impl<T: Element, O: Element, G: Element> SimdTask for BackwardTask<'_, '_, T, O,
 /// The score factors: `x = s·pre` (log2 domain), or with a softcap `x = tanh(s·pre)·post`;
 /// `scale` turns `∂L/∂x`-side slopes into `∂L/∂(q·k)`.
 #[derive(Clone, Copy)]
-struct Scores {
+pub(crate) struct Scores {
     pre: f32,
     post: Option<f32>,
     scale: f32,
 }
 
 impl Scores {
-    fn new(problem: &Problem) -> Scores {
+    /// The factors of `problem`'s score transform and scale.
+    pub(crate) fn new(problem: &Problem) -> Scores {
         let t = problem.score_transform::<f32>();
         Scores {
             pre: t.pre_factor(),
@@ -577,22 +578,39 @@ pub(crate) unsafe fn run_task<
 
         timed!(
             Phase::Write,
-            for hl in 0..group {
-                let head = task.head_kv * group + hl;
-                for i in 0..nq {
-                    if i + ROW_PREFETCH_AHEAD < nq {
-                        let qa = p.q_offset(task.batch, i + ROW_PREFETCH_AHEAD, head);
-                        ctx.dq.prefetch_row::<A>(qa, d);
-                    }
-                    let qo = p.q_offset(task.batch, i, head);
-                    let at = (hl * g.nq_pad + i) * g.d_st;
-                    let row = &s.dq[at..at + d];
-                    ctx.dq.write_row(qo, row.iter().map(|&x| G::from_f32(x)));
-                }
-            }
+            write_dq::<A, T, O, G>(ctx, task, g.nq_pad, g.d_st, &s.dq)
         );
     }
     stats
+}
+
+/// Writes dQ of the task's rows (rounded to `G`) from the f32 accumulator `dq`: per query head
+/// of the group `nq_pad` rows of `stride` floats, the first `head_dim` of each used. Both
+/// backward kernels' last step.
+#[inline(always)]
+pub(crate) fn write_dq<S: Simd, T, O, G: Element>(
+    ctx: &BwdCtx<'_, T, O, G>,
+    task: &BwdTask,
+    nq_pad: usize,
+    stride: usize,
+    dq: &[f32],
+) {
+    let p = ctx.problem;
+    let (d, group) = (p.head_dim(), p.group_size());
+    let nq = p.seq(task.batch).seqlen_q;
+    for hl in 0..group {
+        let head = task.head_kv * group + hl;
+        for i in 0..nq {
+            if i + ROW_PREFETCH_AHEAD < nq {
+                let qa = p.q_offset(task.batch, i + ROW_PREFETCH_AHEAD, head);
+                ctx.dq.prefetch_row::<S>(qa, d);
+            }
+            let qo = p.q_offset(task.batch, i, head);
+            let at = (hl * nq_pad + i) * stride;
+            let row = &dq[at..at + d];
+            ctx.dq.write_row(qo, row.iter().map(|&x| G::from_f32(x)));
+        }
+    }
 }
 
 /// Packs query head `head` (the `hl`-th of the group): Q and dO rows (widened, padded with
@@ -679,7 +697,7 @@ unsafe fn pack_rows<A: Arch, T: Element, O: Element, G: Element>(
 /// # Safety
 /// A's features are present.
 #[inline(always)]
-unsafe fn row_dot<A: Arch, O: Element>(x: &[f32], o: &[O]) -> f32 {
+pub(crate) unsafe fn row_dot<A: Simd, O: Element>(x: &[f32], o: &[O]) -> f32 {
     // SAFETY: A available (caller); `lane` holds W ≥ 1 floats.
     unsafe {
         let mut acc = A::splat(0.0);
@@ -832,7 +850,20 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
         );
         timed!(
             Phase::Probs,
-            probabilities::<A>(s, ts, (rows, rc), (keys, kc), row0, scores, range)
+            probabilities::<A>(
+                TileRows {
+                    p: &mut s.p[..],
+                    dp: &s.dp[..],
+                    ds: &mut s.ds[..],
+                    stride: ts,
+                    lse2: &s.lse2[row0..],
+                    delta: &s.delta[row0..],
+                },
+                (rows, rc),
+                (keys, kc),
+                scores,
+                range
+            )
         );
         // dV += Pᵀ·dO, dK += dSᵀ·Q (sums over this block's rows, in order).
         timed!(
@@ -965,34 +996,53 @@ const fn lcm_unit(mr: usize, w: usize) -> usize {
     mr / a * w
 }
 
-/// The element-wise step of a tile, in place: `p` holds `S` and becomes `P`, `ds` gets
+/// One tile's buffers for [`probabilities`], all `[row][key]` with row stride `stride`: `p`
+/// holds `S` (becomes `P`), `dp` holds `dP`, `ds` receives `dS`; `lse2` and `delta` are the
+/// tile's rows' `lse·log2 e` and `D` (from its first row).
+pub(crate) struct TileRows<'s> {
+    /// `S` in, `P` out.
+    pub p: &'s mut [f32],
+    /// `dP`.
+    pub dp: &'s [f32],
+    /// `dS` out.
+    pub ds: &'s mut [f32],
+    /// Row stride of `p`, `dp` and `ds` (floats).
+    pub stride: usize,
+    /// Per row: `lse·log2 e` (`+∞` for a row that sees no key).
+    pub lse2: &'s [f32],
+    /// Per row: `D = dO·O`.
+    pub delta: &'s [f32],
+}
+
+/// The element-wise step of a tile, in place (the one both backward kernels use, the f32
+/// SIMD tiles and the bf16 AMX tiles): `p` holds `S` and becomes `P`, `ds` gets
 /// `dS = P·(dP − D)·scale·t'`, for rows `< rows` and key columns `< kc`; rows `rows..rc` are
 /// zeroed; hidden pairs (outside `range(r)`, or past `keys`) get 0 in both.
 ///
 /// # Safety
-/// A's features are present; `s` sized for the call; `rc`, `kc` ≤ `t`, multiples of W.
+/// A's features are present; `rc`, `kc` ≤ `stride`, multiples of W; the buffers hold `rc`
+/// rows of `stride` (the last one `kc` at least), `lse2`/`delta` `rows` values.
 #[inline(always)]
-unsafe fn probabilities<A: Arch>(
-    s: &mut BwdScratch,
-    t: usize,
+pub(crate) unsafe fn probabilities<A: Simd>(
+    tile: TileRows<'_>,
     (rows, rc): (usize, usize),
     (keys, kc): (usize, usize),
-    row0: usize,
     scores: Scores,
     range: Option<&dyn Fn(usize) -> (usize, usize)>,
 ) {
     let w = A::W;
+    let t = tile.stride;
     for r in 0..rc {
-        let prow = &mut s.p[r * t..r * t + kc];
-        let dsrow = &mut s.ds[r * t..r * t + kc];
+        let prow = &mut tile.p[r * t..r * t + kc];
+        let dsrow = &mut tile.ds[r * t..r * t + kc];
         if r >= rows {
             prow.fill(0.0);
             dsrow.fill(0.0);
             continue;
         }
-        let dprow = &s.dp[r * t..r * t + kc];
-        let lse2 = s.lse2[row0 + r];
-        let delta = s.delta[row0 + r];
+        let dprow = &tile.dp[r * t..r * t + kc];
+        let lse2 = tile.lse2[r];
+        let delta = tile.delta[r];
         // SAFETY: c + W ≤ kc (a multiple of W) in every row slice; A available.
         unsafe {
             let (lse2v, deltav) = (A::splat(lse2), A::splat(delta));

@@ -39,10 +39,15 @@
 //! - [`decode_stream`]: split-KV decode's own inner loop for few rows per KV head (decode
 //!   proper): K/V rows streamed straight from the cache, a run of KV heads per item;
 //! - [`backward_task`]: the tasks of the backward pass (dK/dV per key block, dQ per query
-//!   block), with probabilities recomputed from the saved LSE.
+//!   block), with probabilities recomputed from the saved LSE;
+//! - [`amx_backward_task`]: the same tasks for bf16 inputs with the five products on AMX
+//!   tiles (its own packing: bf16 rows, pair layouts), the element-wise step shared with
+//!   `backward_task`.
 
 // Only x86_64 has AMX tiles: elsewhere the kernel is compiled (and tested on emulated tiles)
 // but never run.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) mod amx_backward_task;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) mod amx_task;
 pub(crate) mod backward_gemm;
@@ -59,6 +64,8 @@ pub(crate) mod scratch;
 pub(crate) mod softmax;
 pub(crate) mod tiling;
 
+#[cfg(test)]
+mod amx_backward_tests;
 #[cfg(test)]
 mod amx_tests;
 #[cfg(test)]

@@ -1,0 +1,909 @@
+//! The bf16 backward on AMX tiles ([`AmxBackwardTask`]): the backward task's plan (one task per
+//! (sequence, KV head), every gradient element with one writer, sums in an order fixed by the
+//! problem alone: bitwise identical results for any thread count) with its five products on
+//! tiles ([`crate::arch::amx::Tiles`]) and the element-wise step between them shared with the
+//! f32 backward ([`probabilities`]: `P = exp2(x − lse·log2 e)`, `dS = P ∘ (dP − D)·scale·t'`,
+//! hidden pairs 0, on AVX-512 — softmax-core's score transform and masks).
+//!
+//! # Blocks and layouts
+//! A tile is [`AMX_BWD_ROWS`] query rows × [`AMX_BWD_KEYS`] keys; head dims are padded to
+//! multiples of 32 (`d32`, `dv32`) with zeros. Every product is the one shape of [`tile_gemm`],
+//! `C[m][n] (+)= Σ_k A[m][k]·B[k][n]` with `A` row-major bf16 and `B` in the pair layout
+//! (`B[k/2][n]` a dword holding `B[k][n]`, `B[k+1][n]`), 2 × 2 C tiles of 16 × 16 f32. The
+//! contraction order inside a 32-wide chunk is free (each `A` row and `B` column only has to
+//! agree on it), so "pairs" are sometimes elements `t` and `t + 16` of a chunk instead of
+//! neighbours: then both operands are a plain interleave of two rows, no 16-bit transpose.
+//! - `S = Q·Kᵀ`: `A` = Q rows (`[i][c]`, bf16, packed once per task), `B` = K's channel pairs
+//!   by key (`[c/2][j]`: a dword transpose of K's rows, once per key block).
+//! - `dP = dO·Vᵀ`: the same with dO (rounded to bf16 when O's type is wider) and V.
+//! - `P`, `dS` (f32, `[i][j]`): [`probabilities`], the f32 backward's own code.
+//! - `dVᵀ += dOᵀ·P`: `A` = `dOᵀ` (`[c][i]`, rows `t`/`t+16` of each 32-row chunk paired, once per
+//!   task), `B` = P's rows paired the same way ([`Simd::bf16_pairs`] of two f32 rows). The
+//!   accumulator `dVᵀ[c][j]` (f32) is transposed once per key block when written.
+//! - `dKᵀ += Qᵀ·dS`: the same with Q and dS.
+//! - `dQ += dS·K`: `A` = dS rounded to bf16 with keys `t`/`t+16` of each 32-key chunk paired,
+//!   `B` = K's rows paired the same way (`[j/2][c]`, once per key block); the accumulator (f32,
+//!   the whole sequence of the group's rows) is loaded and stored per tile.
+//!
+//! # Error
+//! Products accumulate in f32; beyond the f32 path's rounding, P and dS are rounded to bf16
+//! before the three gradient products (relative 2⁻⁹ each), and dO too when O is wider than
+//! bf16. Measured against the f64 reference: see the tests (`amx_backward_tests`); the bf16
+//! contract is 2e-2 normwise.
+//!
+//! # What is not on AMX
+//! This kernel takes bf16 Q, K and V (any O/dO and gradient type); f32 and f16 inputs run the
+//! SIMD backward (`backward_task`). Partly masked tiles run whole (the hidden pairs are exact
+//! zeros of P and dS) instead of the SIMD path's per-block spans; the SIMD path's grouping of
+//! several resident key blocks per pass over the rows is not done here (one key block at a
+//! time).
+
+use super::amx_task::Bf16Inputs;
+use super::backward_task::{
+    probabilities, row_dot, write_dq, BwdCtx, BwdStats, BwdTask, Scores, TileRows,
+};
+use super::pack::{prefetch_row, widen, ROW_PREFETCH_AHEAD};
+use super::phase_timing::{timed, Phase};
+use crate::arch::amx::Tiles;
+use crate::arch::{Arch, Simd};
+use crate::dispatch::SimdTask;
+use crate::element::Element;
+use half::bf16;
+use softmax_core::{Problem, TileKind, LOG2_E};
+
+/// Query rows per tile of the AMX backward (a multiple of 32). 128 rows × 128 keys against 64
+/// × 64: each C tile of dK/dV (contraction over the rows) and of dQ (over the keys) is loaded
+/// and stored half as often per product; on the development VM (AMX, loaded, 2 threads, B=1
+/// H=8, N ∈ {1024, 2048}, D ∈ {64, 128}, causal and not, 3 alternating rounds) the backward
+/// took 1.14× less time (geometric mean; 0.95–1.30 per shape, slower only at N=1024 D=128
+/// causal, where the diagonal tiles waste more).
+pub(crate) const AMX_BWD_ROWS: usize = 128;
+/// Keys per tile of the AMX backward (a multiple of 32; see [`AMX_BWD_ROWS`]).
+pub(crate) const AMX_BWD_KEYS: usize = 128;
+/// bf16 elements per A-tile row: the contraction chunk of one `tdpbf16ps`.
+const STEP: usize = 32;
+
+/// `n` rounded up to a multiple of 32.
+const fn pad32(n: usize) -> usize {
+    n.div_ceil(STEP) * STEP
+}
+
+/// The sizes an AMX backward worker's scratch depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AmxBwdLens {
+    /// Query heads per KV head.
+    pub group: usize,
+    /// Longest `seqlen_q` of the batch.
+    pub max_seqlen_q: usize,
+    /// Head dim of Q and K.
+    pub head_dim: usize,
+    /// Head dim of V.
+    pub head_dim_v: usize,
+}
+
+impl AmxBwdLens {
+    /// The sizes for `problem`.
+    pub fn new(problem: &Problem) -> AmxBwdLens {
+        AmxBwdLens {
+            group: problem.group_size(),
+            max_seqlen_q: (0..problem.batch())
+                .map(|b| problem.seq(b).seqlen_q)
+                .max()
+                .unwrap_or(0),
+            head_dim: problem.head_dim(),
+            head_dim_v: problem.head_dim_v(),
+        }
+    }
+
+    /// Elements of each buffer: `[u16 buffers; 2]`, `[u32 buffers; 8]`, `[f32 buffers; 9]` in
+    /// [`AmxBwdScratch`]'s field order (saturating: an absurd size fails to allocate).
+    fn elems(&self) -> ([usize; 4], [usize; 8], [usize; 9]) {
+        let (br, bc) = (AMX_BWD_ROWS, AMX_BWD_KEYS);
+        let (d32, dv32) = (pad32(self.head_dim), pad32(self.head_dim_v));
+        let rows = self
+            .group
+            .saturating_mul(self.max_seqlen_q.div_ceil(br).max(1))
+            .saturating_mul(br);
+        let wide = d32.max(dv32);
+        (
+            [
+                rows.saturating_mul(d32),  // qa
+                rows.saturating_mul(dv32), // doa
+                bc * d32,                  // krows
+                bc * dv32,                 // vrows
+            ],
+            [
+                rows.saturating_mul(d32 / 2),  // qta
+                rows.saturating_mul(dv32 / 2), // dota
+                d32 / 2 * bc,                  // kb
+                dv32 / 2 * bc,                 // vb
+                bc / 2 * d32,                  // kp
+                br / 2 * bc,                   // pb
+                br / 2 * bc + br * bc / 2,     // dsb, dsa
+                (br / 2).max(bc) * wide,       // pairs
+            ],
+            [
+                rows,                     // lse2
+                rows,                     // delta
+                rows.saturating_mul(d32), // dq
+                d32 * bc,                 // dkt
+                dv32 * bc,                // dvt
+                br * bc,                  // s
+                br * bc,                  // dp
+                br * bc,                  // ds
+                wide,                     // row
+            ],
+        )
+    }
+
+    /// Bytes of one worker's scratch.
+    pub fn bytes(&self) -> usize {
+        let (a, b, c) = self.elems();
+        let sum = |x: &[usize], size: usize| {
+            x.iter()
+                .fold(0usize, |acc, &n| acc.saturating_add(n.saturating_mul(size)))
+        };
+        sum(&a, 2)
+            .saturating_add(sum(&b, 4))
+            .saturating_add(sum(&c, 4))
+    }
+}
+
+/// A worker's buffers for the AMX backward, sized by [`AmxBwdLens`] (reserved once per call,
+/// typed error when that fails; reused across tasks and calls).
+#[derive(Debug, Default)]
+pub(crate) struct AmxBwdScratch {
+    /// Per query head: Q rows as bf16 (`[i][c]`, `d32` per row): the A operand of `S`.
+    qa: Vec<u16>,
+    /// Per query head: dO rows as bf16 (`dv32` per row): the A operand of `dP`.
+    doa: Vec<u16>,
+    /// The key block's K rows as bf16 (`[j][c]`, `d32` per row, zero rows past the keys).
+    krows: Vec<u16>,
+    /// The key block's V rows as bf16 (`dv32` per row).
+    vrows: Vec<u16>,
+    /// Per query head and row block: `Qᵀ` pairs, `[c][chunk·16 + t]` = rows `(t, t + 16)` of
+    /// each 32-row chunk (`d32` rows of `rows/2` dwords): the A operand of `dKᵀ`.
+    qta: Vec<u32>,
+    /// Per query head and row block: `dOᵀ` pairs, as `qta`: the A operand of `dVᵀ`.
+    dota: Vec<u32>,
+    /// K's channel pairs by key, `[c/2][j]`: the B operand of `S`.
+    kb: Vec<u32>,
+    /// V's channel pairs by key, `[c/2][j]`: the B operand of `dP`.
+    vb: Vec<u32>,
+    /// K's rows `(t, t + 16)` of each 32-key chunk paired, `[chunk·16 + t][c]`: the B operand
+    /// of dQ.
+    kp: Vec<u32>,
+    /// P's rows paired as `qta`'s, `[chunk·16 + t][j]`: the B operand of `dVᵀ`.
+    pb: Vec<u32>,
+    /// dS's rows paired the same way (the B operand of `dKᵀ`), then dS with keys `(t, t + 16)`
+    /// of each 32-key chunk paired, `[i][chunk·16 + t]` (the A operand of dQ).
+    ds16: Vec<u32>,
+    /// Rows on their way into a dword transpose.
+    pairs: Vec<u32>,
+    /// Per query head and row: `lse·log2 e` (`+∞` for a row that sees no key).
+    lse2: Vec<f32>,
+    /// Per query head and row: `D = dO·O`.
+    delta: Vec<f32>,
+    /// Per query head: the dQ accumulator (`[i][c]`, `d32` per row).
+    dq: Vec<f32>,
+    /// The key block's `dKᵀ` accumulator (`[c][j]`, `d32` rows of the block's keys).
+    dkt: Vec<f32>,
+    /// The key block's `dVᵀ` accumulator (`dv32` rows).
+    dvt: Vec<f32>,
+    /// `S`, then `P` (`[i][j]`).
+    s: Vec<f32>,
+    /// `dP`.
+    dp: Vec<f32>,
+    /// `dS` (f32).
+    ds: Vec<f32>,
+    /// One row of dO widened (for `D`).
+    row: Vec<f32>,
+}
+
+/// Grows `buf` to `n` elements (zeros), failing instead of aborting.
+fn try_grow<E: Copy + Default>(
+    buf: &mut Vec<E>,
+    n: usize,
+) -> Result<(), std::collections::TryReserveError> {
+    if buf.len() < n {
+        buf.try_reserve_exact(n - buf.len())?;
+        buf.resize(n, E::default());
+    }
+    Ok(())
+}
+
+impl AmxBwdScratch {
+    /// Grows every buffer to `lens`, failing instead of aborting when memory runs out.
+    pub fn try_ensure(
+        &mut self,
+        lens: &AmxBwdLens,
+    ) -> Result<(), std::collections::TryReserveError> {
+        let (a, b, c) = lens.elems();
+        for (buf, n) in [
+            &mut self.qa,
+            &mut self.doa,
+            &mut self.krows,
+            &mut self.vrows,
+        ]
+        .into_iter()
+        .zip(a)
+        {
+            try_grow(buf, n)?;
+        }
+        let (dsb, dsa) = (
+            AMX_BWD_ROWS / 2 * AMX_BWD_KEYS,
+            AMX_BWD_ROWS * AMX_BWD_KEYS / 2,
+        );
+        debug_assert_eq!(b[6], dsb + dsa);
+        for (buf, n) in [
+            &mut self.qta,
+            &mut self.dota,
+            &mut self.kb,
+            &mut self.vb,
+            &mut self.kp,
+            &mut self.pb,
+            &mut self.ds16,
+            &mut self.pairs,
+        ]
+        .into_iter()
+        .zip(b)
+        {
+            try_grow(buf, n)?;
+        }
+        for (buf, n) in [
+            &mut self.lse2,
+            &mut self.delta,
+            &mut self.dq,
+            &mut self.dkt,
+            &mut self.dvt,
+            &mut self.s,
+            &mut self.dp,
+            &mut self.ds,
+            &mut self.row,
+        ]
+        .into_iter()
+        .zip(c)
+        {
+            try_grow(buf, n)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        2 * (self.qa.capacity()
+            + self.doa.capacity()
+            + self.krows.capacity()
+            + self.vrows.capacity())
+            + 4 * [
+                &self.qta,
+                &self.dota,
+                &self.kb,
+                &self.vb,
+                &self.kp,
+                &self.pb,
+                &self.ds16,
+                &self.pairs,
+            ]
+            .iter()
+            .map(|v| v.capacity())
+            .sum::<usize>()
+            + 4 * [
+                &self.lse2,
+                &self.delta,
+                &self.dq,
+                &self.dkt,
+                &self.dvt,
+                &self.s,
+                &self.dp,
+                &self.ds,
+                &self.row,
+            ]
+            .iter()
+            .map(|v| v.capacity())
+            .sum::<usize>()
+    }
+}
+
+/// One backward task on AMX tiles `M` with its worker's scratch: the [`SimdTask`] the
+/// backward dispatches for bf16 inputs on [`crate::SimdLevel::Amx`] (and, in tests, on
+/// emulated tiles at any level).
+pub(crate) struct AmxBackwardTask<'t, 'a, T, O, G, M> {
+    /// The call's inputs and outputs.
+    pub ctx: &'t BwdCtx<'a, T, O, G>,
+    /// Q, K, V as bf16 (the context's buffers).
+    pub inputs: Bf16Inputs<'t>,
+    /// The work.
+    pub task: &'t BwdTask,
+    /// The worker's scratch, sized by [`AmxBwdScratch::try_ensure`] for the call.
+    pub scratch: &'t mut AmxBwdScratch,
+    /// The tiles, configured on this thread.
+    pub tiles: &'t mut M,
+}
+
+impl<T: Element, O: Element, G: Element, M: Tiles> SimdTask
+    for AmxBackwardTask<'_, '_, T, O, G, M>
+{
+    type Output = BwdStats;
+
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) -> BwdStats {
+        // SAFETY: A available (the trait's contract); the context comes from the backward
+        // (problem validated, buffers checked), `inputs` are its Q, K, V; the scratch was
+        // sized for this problem.
+        timed!(Phase::Task, unsafe {
+            run_task::<A, T, O, G, M>(self.ctx, self.inputs, self.task, self.scratch, self.tiles)
+        })
+    }
+}
+
+/// Per-task geometry.
+#[derive(Clone, Copy)]
+struct Geom {
+    d: usize,
+    dv: usize,
+    d32: usize,
+    dv32: usize,
+    /// Rows per query head in the row buffers (`seqlen_q` rounded up to whole row blocks).
+    nq_pad: usize,
+    /// Row blocks per query head.
+    nqb: usize,
+}
+
+/// Runs one task.
+///
+/// # Safety
+/// S available; the context's problem validated and its buffers checked; `inputs` are the
+/// context's Q, K, V; `s` sized by [`AmxBwdScratch::try_ensure`] for the problem.
+#[inline(always)]
+unsafe fn run_task<S: Simd, T: Element, O: Element, G: Element, M: Tiles>(
+    ctx: &BwdCtx<'_, T, O, G>,
+    inputs: Bf16Inputs<'_>,
+    task: &BwdTask,
+    s: &mut AmxBwdScratch,
+    t: &mut M,
+) -> BwdStats {
+    let (br, bc) = (AMX_BWD_ROWS, AMX_BWD_KEYS);
+    let p = ctx.problem;
+    let (d, dv) = (p.head_dim(), p.head_dim_v());
+    let seq = p.seq(task.batch);
+    let (nq, nk) = (seq.seqlen_q, seq.seqlen_k);
+    let nqb = nq.div_ceil(br);
+    let g = Geom {
+        d,
+        dv,
+        d32: pad32(d),
+        dv32: pad32(dv),
+        nq_pad: nqb * br,
+        nqb,
+    };
+    let group = p.group_size();
+    let scores = Scores::new(p);
+    let mask = p.mask();
+    let mut stats = BwdStats::default();
+
+    timed!(Phase::PackRows, {
+        for hl in 0..group {
+            // SAFETY: S available; the scratch holds `group` heads of `nq_pad` rows.
+            unsafe {
+                pack_rows::<S, T, O, G>(ctx, inputs.q, task, task.head_kv * group + hl, hl, &g, s)
+            };
+        }
+    });
+    s.dq[..group * g.nq_pad * g.d32].fill(0.0);
+
+    for j0 in (0..nk).step_by(bc) {
+        let keys = bc.min(nk - j0);
+        // SAFETY: S available; the key-block buffers hold one block of `bc` keys.
+        timed!(Phase::PackKeys, unsafe {
+            pack_keys::<S>(ctx.problem, inputs, task, j0, keys, &g, s)
+        });
+        s.dkt[..g.d32 * bc].fill(0.0);
+        s.dvt[..g.dv32 * bc].fill(0.0);
+        for hl in 0..group {
+            for ib in 0..nqb {
+                let i0 = ib * br;
+                let rows = br.min(nq - i0);
+                let kind = mask.classify_tile(i0..i0 + rows, j0..j0 + keys, nq, nk);
+                if kind == TileKind::Empty {
+                    stats.skipped += 1;
+                    continue;
+                }
+                stats.computed += 1;
+                let range = |r: usize| {
+                    let kr = mask.key_range(i0 + r, nq, nk);
+                    let lo = kr.start.clamp(j0, j0 + keys) - j0;
+                    let hi = kr.end.clamp(j0, j0 + keys) - j0;
+                    (lo, hi.max(lo))
+                };
+                // SAFETY: S available; the scratch is packed for this head's rows and this
+                // key block.
+                unsafe {
+                    tile_step::<S, M>(
+                        t,
+                        s,
+                        &g,
+                        scores,
+                        (hl, ib, rows),
+                        keys,
+                        (kind == TileKind::Partial).then_some(&range),
+                    )
+                };
+            }
+        }
+        // dK, dV of the block's keys, from their transposed accumulators.
+        for jj in 0..keys {
+            let ko = p.k_offset(task.batch, j0 + jj, task.head_kv);
+            let dk = &s.dkt[..d * bc];
+            ctx.dk
+                .write_row(ko, (0..d).map(|c| G::from_f32(dk[c * bc + jj])));
+            let vo = p.v_offset(task.batch, j0 + jj, task.head_kv);
+            let dvt = &s.dvt[..dv * bc];
+            ctx.dv
+                .write_row(vo, (0..dv).map(|c| G::from_f32(dvt[c * bc + jj])));
+        }
+    }
+
+    timed!(
+        Phase::Write,
+        write_dq::<S, T, O, G>(ctx, task, g.nq_pad, g.d32, &s.dq)
+    );
+    stats
+}
+
+/// Packs query head `head` (the `hl`-th of the group): Q and dO rows as bf16 (zeros past `d`,
+/// `dv` and past the sequence), their paired transposes per row block, `lse·log2 e` and
+/// `D = dO·O` per row (pad rows: `+∞` and 0, so their `P` is 0).
+///
+/// # Safety
+/// S available; `s` sized for the call.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_rows<S: Simd, T: Element, O: Element, G: Element>(
+    ctx: &BwdCtx<'_, T, O, G>,
+    q: &[bf16],
+    task: &BwdTask,
+    head: usize,
+    hl: usize,
+    g: &Geom,
+    s: &mut AmxBwdScratch,
+) {
+    let p = ctx.problem;
+    let nq = p.seq(task.batch).seqlen_q;
+    let base = hl * g.nq_pad;
+    let (d, dv, d32, dv32) = (g.d, g.dv, g.d32, g.dv32);
+    for i in 0..g.nq_pad {
+        let qrow = &mut s.qa[(base + i) * d32..(base + i + 1) * d32];
+        let orow = &mut s.doa[(base + i) * dv32..(base + i + 1) * dv32];
+        if i >= nq {
+            qrow.fill(0);
+            orow.fill(0);
+            s.lse2[base + i] = f32::INFINITY;
+            s.delta[base + i] = 0.0;
+            continue;
+        }
+        let ahead = i + ROW_PREFETCH_AHEAD;
+        if ahead < nq {
+            prefetch_row::<S, bf16>(q, p.q_offset(task.batch, ahead, head), d);
+            let oa = p.o_offset(task.batch, ahead, head);
+            prefetch_row::<S, O>(ctx.d_o, oa, dv);
+            prefetch_row::<S, O>(ctx.o, oa, dv);
+        }
+        let qo = p.q_offset(task.batch, i, head);
+        for (x, y) in qrow.iter_mut().zip(&q[qo..qo + d]) {
+            *x = y.to_bits();
+        }
+        qrow[d..].fill(0);
+        let oo = p.o_offset(task.batch, i, head);
+        let wide = &mut s.row[..dv];
+        // SAFETY: S available (caller); the offset was validated against dO.
+        unsafe { widen::<S, O>(ctx.d_o, oo, dv, wide) };
+        for (x, &y) in orow.iter_mut().zip(wide.iter()) {
+            *x = bf16::from_f32(y).to_bits();
+        }
+        orow[dv..].fill(0);
+        // SAFETY: S available (caller).
+        s.delta[base + i] = unsafe { row_dot::<S, O>(wide, &ctx.o[oo..oo + dv]) };
+        let lse = ctx.lse[p.lse_offset(task.batch, head, i)];
+        s.lse2[base + i] = if lse == f32::NEG_INFINITY {
+            f32::INFINITY
+        } else {
+            lse * LOG2_E as f32
+        };
+    }
+    let br = AMX_BWD_ROWS;
+    for ib in 0..g.nqb {
+        let r0 = base + ib * br;
+        let blk = (hl * g.nqb + ib) * br / 2;
+        // SAFETY: the block's rows lie in qa/doa; `pairs` holds br/2 rows of max(d32, dv32);
+        // the destinations hold d32 (dv32) rows of br/2 dwords at blk·d32 (blk·dv32).
+        unsafe {
+            pair_rows_transposed::<S>(
+                &s.qa[r0 * d32..(r0 + br) * d32],
+                d32,
+                &mut s.pairs,
+                &mut s.qta[blk * d32..(blk + br / 2) * d32],
+            );
+            pair_rows_transposed::<S>(
+                &s.doa[r0 * dv32..(r0 + br) * dv32],
+                dv32,
+                &mut s.pairs,
+                &mut s.dota[blk * dv32..(blk + br / 2) * dv32],
+            );
+        }
+    }
+}
+
+/// `rows` (bf16, `AMX_BWD_ROWS` rows of `width` channels) into `[c][chunk·16 + t]` dwords,
+/// each the pair (row `chunk·32 + t`, row `chunk·32 + 16 + t`) of channel `c`: the rows are
+/// interleaved into `pairs` (`[chunk·16 + t][c]`), then transposed by dwords.
+///
+/// # Safety
+/// S available; `rows` holds `AMX_BWD_ROWS·width`, `pairs` at least `AMX_BWD_ROWS/2·width`,
+/// `dst` `width·AMX_BWD_ROWS/2`; `width` a multiple of 32.
+#[inline(always)]
+unsafe fn pair_rows_transposed<S: Simd>(
+    rows: &[u16],
+    width: usize,
+    pairs: &mut [u32],
+    dst: &mut [u32],
+) {
+    let half = AMX_BWD_ROWS / 2;
+    interleave_rows(rows, width, AMX_BWD_ROWS, &mut pairs[..half * width]);
+    // SAFETY: `pairs` holds half rows of `width` dwords, `dst` width rows of half; both
+    // multiples of 16; S available (caller).
+    unsafe { transpose_dwords::<S>(pairs.as_ptr(), width, half, width, dst.as_mut_ptr(), half) };
+}
+
+/// `out[(chunk·16 + t)·width + c] = rows[chunk·32 + t][c] | rows[chunk·32 + 16 + t][c] << 16`
+/// for the `n` rows (a multiple of 32) of `width` bf16 in `rows`.
+#[inline(always)]
+fn interleave_rows(rows: &[u16], width: usize, n: usize, out: &mut [u32]) {
+    for chunk in 0..n / STEP {
+        for t in 0..16 {
+            let lo = &rows[(chunk * STEP + t) * width..][..width];
+            let hi = &rows[(chunk * STEP + 16 + t) * width..][..width];
+            let dst = &mut out[(chunk * 16 + t) * width..][..width];
+            for ((x, &l), &h) in dst.iter_mut().zip(lo).zip(hi) {
+                *x = l as u32 | (h as u32) << 16;
+            }
+        }
+    }
+}
+
+/// Packs keys `j0..j0 + keys` (zero rows up to `AMX_BWD_KEYS`): K and V rows as bf16, their
+/// channel pairs by key (`kb`, `vb`) and K's key pairs (`kp`).
+///
+/// # Safety
+/// S available; `s` sized for the call.
+#[inline(always)]
+unsafe fn pack_keys<S: Simd>(
+    p: &Problem,
+    inputs: Bf16Inputs<'_>,
+    task: &BwdTask,
+    j0: usize,
+    keys: usize,
+    g: &Geom,
+    s: &mut AmxBwdScratch,
+) {
+    let bc = AMX_BWD_KEYS;
+    let (d, dv, d32, dv32) = (g.d, g.dv, g.d32, g.dv32);
+    for jj in 0..bc {
+        let krow = &mut s.krows[jj * d32..(jj + 1) * d32];
+        let vrow = &mut s.vrows[jj * dv32..(jj + 1) * dv32];
+        if jj >= keys {
+            krow.fill(0);
+            vrow.fill(0);
+            continue;
+        }
+        if jj + ROW_PREFETCH_AHEAD < keys {
+            let ja = j0 + jj + ROW_PREFETCH_AHEAD;
+            prefetch_row::<S, bf16>(inputs.k, p.k_offset(task.batch, ja, task.head_kv), d);
+            prefetch_row::<S, bf16>(inputs.v, p.v_offset(task.batch, ja, task.head_kv), dv);
+        }
+        let ko = p.k_offset(task.batch, j0 + jj, task.head_kv);
+        for (x, y) in krow.iter_mut().zip(&inputs.k[ko..ko + d]) {
+            *x = y.to_bits();
+        }
+        krow[d..].fill(0);
+        let vo = p.v_offset(task.batch, j0 + jj, task.head_kv);
+        for (x, y) in vrow.iter_mut().zip(&inputs.v[vo..vo + dv]) {
+            *x = y.to_bits();
+        }
+        vrow[dv..].fill(0);
+    }
+    // Channel pairs by key: the rows' dwords (`[j][c/2]`) transposed.
+    for (rows, width, dst) in [(&s.krows, d32, &mut s.kb), (&s.vrows, dv32, &mut s.vb)] {
+        let half = width / 2;
+        let pairs = &mut s.pairs[..bc * half];
+        for (x, pair) in pairs.iter_mut().zip(rows[..bc * width].chunks_exact(2)) {
+            *x = pair[0] as u32 | (pair[1] as u32) << 16;
+        }
+        // SAFETY: `pairs` holds bc rows of half dwords, `dst` half rows of bc; multiples of
+        // 16; S available (caller).
+        unsafe { transpose_dwords::<S>(pairs.as_ptr(), half, bc, half, dst.as_mut_ptr(), bc) };
+    }
+    interleave_rows(&s.krows, d32, bc, &mut s.kp[..bc / 2 * d32]);
+}
+
+/// One (row block, key block) tile of query head `hl`: `S` and `dP` on tiles, `P` and `dS` by
+/// [`probabilities`], the three gradient products on tiles.
+///
+/// # Safety
+/// S available; `s` sized for the call and packed for this head's rows and this key block.
+#[inline(always)]
+unsafe fn tile_step<S: Simd, M: Tiles>(
+    t: &mut M,
+    s: &mut AmxBwdScratch,
+    g: &Geom,
+    scores: Scores,
+    (hl, ib, rows): (usize, usize, usize),
+    keys: usize,
+    range: Option<&dyn Fn(usize) -> (usize, usize)>,
+) {
+    let (br, bc) = (AMX_BWD_ROWS, AMX_BWD_KEYS);
+    let (d32, dv32) = (g.d32, g.dv32);
+    let row0 = hl * g.nq_pad + ib * br;
+    let blk = (hl * g.nqb + ib) * br / 2;
+    // SAFETY: every operand below lies inside its buffer (sizes: `AmxBwdLens::elems`): the
+    // row block's rows `row0..row0 + br` of qa/doa/dq, its paired transposes at blk, the key
+    // block's packs, the tile buffers of br × bc.
+    unsafe {
+        // S = Q·Kᵀ, dP = dO·Vᵀ.
+        timed!(
+            Phase::S,
+            tile_gemm(
+                t,
+                s.qa.as_ptr().add(row0 * d32) as *const u8,
+                2 * d32,
+                s.kb.as_ptr() as *const u8,
+                4 * bc,
+                (s.s.as_mut_ptr(), bc),
+                (br, bc, d32),
+                false,
+            )
+        );
+        timed!(
+            Phase::DP,
+            tile_gemm(
+                t,
+                s.doa.as_ptr().add(row0 * dv32) as *const u8,
+                2 * dv32,
+                s.vb.as_ptr() as *const u8,
+                4 * bc,
+                (s.dp.as_mut_ptr(), bc),
+                (br, bc, dv32),
+                false,
+            )
+        );
+        let probs_start = phase_start();
+        probabilities::<S>(
+            TileRows {
+                p: &mut s.s[..br * bc],
+                dp: &s.dp[..br * bc],
+                ds: &mut s.ds[..br * bc],
+                stride: bc,
+                lse2: &s.lse2[row0..row0 + br],
+                delta: &s.delta[row0..row0 + br],
+            },
+            (rows, br),
+            (keys, bc),
+            scores,
+            range,
+        );
+        phase_end(Phase::Probs, probs_start);
+        // P and dS rounded to bf16: rows paired for dVᵀ and dKᵀ, keys paired for dQ (counted
+        // as the phase `dS_T`, the SIMD path's transpose of dS).
+        let pairs_start = phase_start();
+        let (dsb, dsa) = s.ds16.split_at_mut(br / 2 * bc);
+        pair_f32_rows::<S>(&s.s, bc, &mut s.pb);
+        pair_f32_rows::<S>(&s.ds, bc, dsb);
+        for r in 0..br {
+            for c0 in (0..bc).step_by(STEP) {
+                let src = s.ds.as_ptr().add(r * bc + c0);
+                let dst = dsa.as_mut_ptr().add(r * bc / 2 + c0 / 2);
+                for v in (0..16).step_by(S::W) {
+                    S::bf16_pairs(src.add(v), src.add(16 + v), dst.add(v));
+                }
+            }
+        }
+        phase_end(Phase::DsT, pairs_start);
+        // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS (sums over this block's rows).
+        timed!(
+            Phase::DV,
+            tile_gemm(
+                t,
+                s.dota.as_ptr().add(blk * dv32) as *const u8,
+                2 * br,
+                s.pb.as_ptr() as *const u8,
+                4 * bc,
+                (s.dvt.as_mut_ptr(), bc),
+                (dv32, bc, br),
+                true,
+            )
+        );
+        timed!(
+            Phase::DK,
+            tile_gemm(
+                t,
+                s.qta.as_ptr().add(blk * d32) as *const u8,
+                2 * br,
+                dsb.as_ptr() as *const u8,
+                4 * bc,
+                (s.dkt.as_mut_ptr(), bc),
+                (d32, bc, br),
+                true,
+            )
+        );
+        // dQ += dS·K (sums over this block's keys).
+        timed!(
+            Phase::DQ,
+            tile_gemm(
+                t,
+                dsa.as_ptr() as *const u8,
+                2 * bc,
+                s.kp.as_ptr() as *const u8,
+                4 * d32,
+                (s.dq.as_mut_ptr().add(row0 * d32), d32),
+                (br, d32, bc),
+                true,
+            )
+        );
+    }
+}
+
+/// The f32 rows of a tile (`AMX_BWD_ROWS` rows of `width`) rounded to bf16 and paired as
+/// [`interleave_rows`] pairs bf16 rows: `out[(chunk·16 + t)·width + j]` = (row `chunk·32 + t`,
+/// row `chunk·32 + 16 + t`) of column `j`.
+///
+/// # Safety
+/// S available; `x` holds `AMX_BWD_ROWS·width` floats, `out` `AMX_BWD_ROWS/2·width` dwords;
+/// `width` a multiple of `S::W`.
+#[inline(always)]
+unsafe fn pair_f32_rows<S: Simd>(x: &[f32], width: usize, out: &mut [u32]) {
+    assert!(x.len() >= AMX_BWD_ROWS * width && out.len() >= AMX_BWD_ROWS / 2 * width);
+    for chunk in 0..AMX_BWD_ROWS / STEP {
+        for t in 0..16 {
+            let lo = x[(chunk * STEP + t) * width..].as_ptr();
+            let hi = x[(chunk * STEP + 16 + t) * width..].as_ptr();
+            let dst = out[(chunk * 16 + t) * width..].as_mut_ptr();
+            for j in (0..width).step_by(S::W) {
+                // SAFETY: j + W ≤ width inside each row (asserted lengths); S available.
+                unsafe { S::bf16_pairs(lo.add(j), hi.add(j), dst.add(j)) };
+            }
+        }
+    }
+}
+
+/// `dst[c·dst_stride + r] = src[r·src_stride + c]` for `r < rows`, `c < cols` (multiples of
+/// 16), dwords moved unchanged: 16 × 16 blocks through the architecture's float transposes
+/// where its width divides 16 and is at least 8 (loads, shuffles and stores: bits unchanged),
+/// else dword by dword.
+///
+/// # Safety
+/// `src` readable for `rows` rows of stride `src_stride` (`cols` used), `dst` writable for
+/// `cols` rows of stride `dst_stride` (`rows` used), not overlapping; S available.
+#[inline(always)]
+unsafe fn transpose_dwords<S: Simd>(
+    src: *const u32,
+    src_stride: usize,
+    rows: usize,
+    cols: usize,
+    dst: *mut u32,
+    dst_stride: usize,
+) {
+    debug_assert!(rows.is_multiple_of(16) && cols.is_multiple_of(16));
+    for r0 in (0..rows).step_by(16) {
+        for c0 in (0..cols).step_by(16) {
+            // SAFETY: the 16 × 16 block (r0, c0) lies inside both regions (caller).
+            unsafe {
+                let (s0, d0) = (src.add(r0 * src_stride + c0), dst.add(c0 * dst_stride + r0));
+                if S::W >= 8 && 16 % S::W == 0 {
+                    for rr in (0..16).step_by(S::W) {
+                        for cc in (0..16).step_by(S::W) {
+                            S::transpose(
+                                s0.add(rr * src_stride + cc) as *const f32,
+                                src_stride,
+                                d0.add(cc * dst_stride + rr) as *mut f32,
+                                dst_stride,
+                            );
+                        }
+                    }
+                } else {
+                    for r in 0..16 {
+                        for c in 0..16 {
+                            *d0.add(c * dst_stride + r) = *s0.add(r * src_stride + c);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `C (+)= A·B` on tiles: `C` is `m × n` f32 (row stride `c.1` floats), `A` `m × k` bf16
+/// row-major (`a_stride` bytes per row), `B` the pair layout of a `k × n` matrix (`k/2` rows
+/// of `n` dwords, `b_stride` bytes per row); `m`, `n`, `k` multiples of 32. Per 32 × 32 block
+/// of C, four C tiles (loaded when `accumulate`, else zeroed) over the `k/32` chunks, in
+/// order, then stored: the sums' order is fixed by the shapes alone.
+///
+/// # Safety
+/// The three regions are valid for the shapes (C writable, `A`/`B` readable); tile numbers
+/// and pointers as [`Tiles`] requires.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_gemm<M: Tiles>(
+    t: &mut M,
+    a: *const u8,
+    a_stride: usize,
+    b: *const u8,
+    b_stride: usize,
+    (c, c_stride): (*mut f32, usize),
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    let cs = 4 * c_stride;
+    for m0 in (0..m).step_by(32) {
+        for n0 in (0..n).step_by(32) {
+            // SAFETY: rows m0..m0 + 32 ≤ m and columns n0..n0 + 32 ≤ n of C; rows m0.. of A
+            // and the chunk's bytes; rows k0/2..k0/2 + 16 of B, columns n0.. (caller).
+            unsafe {
+                let c0 = c.add(m0 * c_stride + n0);
+                if accumulate {
+                    t.load::<0>(c0 as *const u8, cs);
+                    t.load::<1>(c0.add(16) as *const u8, cs);
+                    t.load::<2>(c0.add(16 * c_stride) as *const u8, cs);
+                    t.load::<3>(c0.add(16 * c_stride + 16) as *const u8, cs);
+                } else {
+                    t.zero::<0>();
+                    t.zero::<1>();
+                    t.zero::<2>();
+                    t.zero::<3>();
+                }
+                for k0 in (0..k).step_by(STEP) {
+                    let a0 = a.add(m0 * a_stride + 2 * k0);
+                    t.load::<4>(a0, a_stride);
+                    t.load::<5>(a0.add(16 * a_stride), a_stride);
+                    let b0 = b.add(k0 / 2 * b_stride + 4 * n0);
+                    t.load::<6>(b0, b_stride);
+                    t.load::<7>(b0.add(64), b_stride);
+                    t.dot::<0, 4, 6>();
+                    t.dot::<1, 4, 7>();
+                    t.dot::<2, 5, 6>();
+                    t.dot::<3, 5, 7>();
+                }
+                t.store::<0>(c0 as *mut u8, cs);
+                t.store::<1>(c0.add(16) as *mut u8, cs);
+                t.store::<2>(c0.add(16 * c_stride) as *mut u8, cs);
+                t.store::<3>(c0.add(16 * c_stride + 16) as *mut u8, cs);
+            }
+        }
+    }
+}
+
+/// The start of a phase that `timed!` cannot wrap (it spans statements): an instant with the
+/// feature `phase-timing`, nothing without.
+#[inline(always)]
+fn phase_start() -> PhaseStart {
+    #[cfg(feature = "phase-timing")]
+    return std::time::Instant::now();
+    #[cfg(not(feature = "phase-timing"))]
+    PhaseStart
+}
+
+/// What [`phase_start`] returns.
+#[cfg(feature = "phase-timing")]
+type PhaseStart = std::time::Instant;
+/// What [`phase_start`] returns (nothing to record without the feature).
+#[cfg(not(feature = "phase-timing"))]
+#[derive(Clone, Copy)]
+struct PhaseStart;
+
+/// Adds the time since `start` to `phase` (with the feature `phase-timing`).
+#[inline(always)]
+fn phase_end(phase: Phase, start: PhaseStart) {
+    #[cfg(feature = "phase-timing")]
+    super::phase_timing::add(phase, start.elapsed());
+    #[cfg(not(feature = "phase-timing"))]
+    let _ = (phase, start);
+}
