@@ -49,6 +49,12 @@ if [ "${DECODE:-0}" = 1 ]; then
                 --heads 32 --heads-kv 8 --head-dim 128 --threads 2 --rounds "${PF_ROUNDS:-5}" \
                 --copy-mib 1024 --pf "$modes"
         done 2>&1 | tee "$out/pf-sweep.txt"
+        # The small cache (bf16 B1 4k: 16 MiB) with fewer, larger splits than the rule's 32.
+        for n in 32 16 8; do
+            taskset -c "$cpus" ./bench_decode --dtype bf16 --batch 1 --cache 4096 --heads 32 \
+                --heads-kv 8 --head-dim 128 --threads 2 --rounds "${PF_ROUNDS:-5}" --copy-mib 1024 \
+                --splits "$n"
+        done 2>&1 | tee "$out/split-sweep.txt"
         best=$(python3 - "$out/pf-sweep.txt" <<'PY'
 import math, re, sys
 score = {}
