@@ -150,9 +150,14 @@ impl CopyProbe {
     }
 }
 
-/// A sum of `bytes` as 64-byte blocks of eight little-endian u64 lanes (a read-only stream
-/// the compiler vectorises; its value only keeps the loads alive).
+/// A sum of `bytes` as 64-byte blocks (a read-only stream; its value only keeps the loads
+/// alive): AVX2 loads where the CPU has them, else eight u64 lanes.
 fn read_sum(bytes: &[u8]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present (checked just above).
+        return unsafe { read_sum_avx2(bytes) };
+    }
     let mut lanes = [0u64; 8];
     let mut blocks = bytes.chunks_exact(64);
     for block in &mut blocks {
@@ -163,6 +168,37 @@ fn read_sum(bytes: &[u8]) -> u64 {
         }
     }
     let tail: u64 = blocks.remainder().iter().map(|&b| u64::from(b)).sum();
+    lanes.iter().fold(tail, |a, &b| a.wrapping_add(b))
+}
+
+/// [`read_sum`] with two 32-byte loads per 64-byte block into four independent sums (the
+/// compiler's baseline x86-64 build would read 8 bytes at a time, below what the cores
+/// stream: 17–20 GB/s against a C AVX-512 loop's 28 on the Xeon, docs/gpu-notes.md).
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn read_sum_avx2(bytes: &[u8]) -> u64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_si256(); 4];
+    let mut pairs = bytes.chunks_exact(128);
+    for pair in &mut pairs {
+        let p = pair.as_ptr() as *const __m256i;
+        for (i, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `pair` holds 128 bytes, so p.add(i) (i < 4) is 32 readable bytes;
+            // unaligned loads.
+            *a = _mm256_add_epi64(*a, unsafe { _mm256_loadu_si256(p.add(i)) });
+        }
+    }
+    let mut lanes = [0u64; 4];
+    let sum = _mm256_add_epi64(
+        _mm256_add_epi64(acc[0], acc[1]),
+        _mm256_add_epi64(acc[2], acc[3]),
+    );
+    // SAFETY: `lanes` is 32 writable bytes; unaligned store.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, sum) };
+    let tail: u64 = pairs.remainder().iter().map(|&b| u64::from(b)).sum();
     lanes.iter().fold(tail, |a, &b| a.wrapping_add(b))
 }
 

@@ -53,8 +53,11 @@ pub(crate) const ITEM_QO_BYTES: usize = 32 << 10;
 /// batch × runs of heads is small. A rule of the problem alone (never the thread count).
 pub(crate) const TARGET_ITEMS: usize = 32;
 /// Fewest K+V bytes per split under the automatic rule: below this a split's fixed costs
-/// (loading Q, writing its partial rows, the combine) start to show.
-pub(crate) const MIN_SPLIT_BYTES: usize = 256 << 10;
+/// (loading Q, the cold start of its K/V streams, writing its partial rows, the combine)
+/// start to show. Measured on the GPU machine's Xeon (2 pinned cores, bf16, B=1, 4k keys =
+/// 16 MiB, 5 rounds each, docs/gpu-notes.md run 5x (dec2)): 32 splits of 512 KiB 1.57 ms,
+/// 16 of 1 MiB 1.27 ms, 8 of 2 MiB 1.09 ms. Larger caches keep [`TARGET_ITEMS`] splits.
+pub(crate) const MIN_SPLIT_BYTES: usize = 2 << 20;
 /// Query rows per dot-product / `P·V` block (register blocking).
 pub(crate) const ROW_BLOCK: usize = 4;
 /// Keys per `Q·Kᵀ` step.
