@@ -94,6 +94,21 @@ impl Gpu {
     fn raw_stream(&self) -> *mut c_void {
         self.stream.cu_stream() as *mut c_void
     }
+
+    /// Waits for the stream, then compares O and the LSE on the device with the f64
+    /// reference of `problem` over the host inputs.
+    fn report(
+        &self,
+        problem: &softmax_core::Problem,
+        [q, k, v]: [&[f32]; 3],
+        o: &cudarc::driver::CudaSlice<u16>,
+        lse: &cudarc::driver::CudaSlice<f32>,
+    ) -> fa_reference::ErrorReport {
+        self.stream.synchronize().expect("synchronise");
+        let lse_host = self.stream.clone_dtoh(lse).expect("download");
+        let oracle = fa_reference::attention_f64(problem, q, k, v);
+        fa_reference::compare(problem, &self.down(o), Some(&lse_host), &oracle)
+    }
 }
 
 impl Drop for Gpu {
@@ -108,7 +123,7 @@ impl Drop for Gpu {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn forward_on_a_caller_stream_matches_the_reference() {
-    use fa_reference::{compare, Case, Rng, Rounding};
+    use fa_reference::{Case, Rng, Rounding};
 
     let gpu = Gpu::open();
     let mut rng = Rng::new(21);
@@ -149,10 +164,7 @@ fn forward_on_a_caller_stream_matches_the_reference() {
             )
         };
         assert_eq!(code, FA_OK, "{}", last_error());
-        gpu.stream.synchronize().expect("synchronise");
-        let lse_host = gpu.stream.clone_dtoh(&lse).expect("download");
-        let oracle = fa_reference::attention_f64(&problem, &case.q, &case.k, &case.v);
-        let report = compare(&problem, &gpu.down(&o), Some(&lse_host), &oracle);
+        let report = gpu.report(&problem, [&case.q, &case.k, &case.v], &o, &lse);
         assert!(report.within(1e-2, 1e-3), "causal={causal}: {report:?}");
     }
 }
@@ -167,7 +179,6 @@ fn check_cache_forward(
     splits: u32,
     caller_workspace: bool,
 ) {
-    use fa_reference::compare;
     let problem = case.desc().validate(256).expect("valid");
     let (sq, hq, hk, d) = (case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim);
     let q = gpu.up(&case.q);
@@ -240,10 +251,7 @@ fn check_cache_forward(
         )
     };
     assert_eq!(code, FA_OK, "{}", last_error());
-    gpu.stream.synchronize().expect("synchronise");
-    let lse_host = gpu.stream.clone_dtoh(&lse).expect("download");
-    let oracle = fa_reference::attention_f64(&problem, &case.q, &case.k, &case.v);
-    let report = compare(&problem, &gpu.down(&o), Some(&lse_host), &oracle);
+    let report = gpu.report(&problem, [&case.q, &case.k, &case.v], &o, &lse);
     assert!(
         report.within(1e-2, 1e-2),
         "{:?} splits {splits}: {report:?}",
