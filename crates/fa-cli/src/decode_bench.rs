@@ -171,9 +171,10 @@ fn read_sum(bytes: &[u8]) -> u64 {
     lanes.iter().fold(tail, |a, &b| a.wrapping_add(b))
 }
 
-/// [`read_sum`] with two 32-byte loads per 64-byte block into four independent sums (the
-/// compiler's baseline x86-64 build would read 8 bytes at a time, below what the cores
-/// stream: 17–20 GB/s against a C AVX-512 loop's 28 on the Xeon, docs/gpu-notes.md).
+/// [`read_sum`] with 32-byte loads into four independent sums. Known gap: the probe (with
+/// the baseline loop on the Xeon, 17–20 GB/s; with this one on the development VM) reads
+/// about half to two thirds of what `scripts/readbw.c` reads on the same cores; the cause
+/// is not found yet (docs/benchmarks.md), so `fraction_of_read` overstates.
 ///
 /// # Safety
 /// The CPU must have AVX2.
