@@ -28,9 +28,10 @@
 // descriptor or entry point is added; a caller passes the version it was compiled against in
 // [`FaOptions::version`] (and [`FaKvCache::version`]). Version 1: the forward entries;
 // version 2 adds [`FaKvCache`] and the KV-cache entries (`fa_forward_cache_cpu`,
-// `fa_forward_cache_cuda`, `fa_forward_cache_cuda_workspace_bytes`). A library accepts
-// descriptors of every version up to its own.
-#define FA_API_VERSION 2
+// `fa_forward_cache_cuda`, `fa_forward_cache_cuda_workspace_bytes`); version 3 adds the
+// in-place appends `fa_append_kv_cpu` and `fa_append_kv_cuda` (no descriptor changed). A
+// library accepts descriptors of every version up to its own.
+#define FA_API_VERSION 3
 
 // Success.
 #define FA_OK 0
@@ -283,6 +284,39 @@ int32_t fa_forward_cache_cpu(const struct FaProblem *problem,
                              float *lse,
                              const struct FaOptions *options);
 
+// Appends new keys and values to a KV cache in host memory, in place (what
+// FlashAttention's `flash_attn_with_kvcache` does with its `k`/`v` arguments before it
+// attends): token `i` of sequence `b` in `k_new`/`v_new` is written at position
+// `cache->seqused_k[b] + i` of that sequence's cache, padded or paged as [`FaKvCache`]
+// describes (block `block_table[b · blocks_per_seq + t / block_size]`, row
+// `t % block_size`). The lengths are not changed: the attention call that follows
+// (`fa_forward_cache_cpu` with the same `problem`) passes `seqused_k[b] + problem.seqlen_q`.
+//
+// `problem` is the cache call's (`FA_SEQLENS_FIXED`): `batch`, `heads_kv`, `head_dim`,
+// `head_dim_v` and, for a padded cache, `seqlen_k` (the capacity) describe the cache, and
+// `seqlen_q` is the number of new tokens per sequence: `k_new`/`v_new` are
+// `[batch, seqlen_q, heads_kv, head_dim(_v)]`, any strides with a contiguous head dim.
+// `heads_q`, the masks, the scale and the softcap are not read; `cache->num_splits` neither.
+// The four tensors share one dtype (f32, bf16, f16). Everything is checked before anything
+// is written: a sequence without room for its new tokens, a block index of a new position
+// outside `0..num_blocks`, a table too short, cache strides that map two elements to one
+// address, buffers that overlap are `FA_ERR_INVALID_ARGUMENT` with the cache untouched.
+//
+// # Safety
+// Every non-null pointer must point to what its type says: the descriptors to initialised
+// structs (`cache` of at least `cache->size` bytes, its `seqused_k` to `batch` readable
+// int32s, its non-null `block_table` to `batch · blocks_per_seq` int32s); `k_new`/`v_new`'s
+// `data` to host memory holding every element their strides reach, `k_cache`/`v_cache`'s to
+// writable host memory holding the whole cache (`batch` sequences of `seqlen_k` rows when
+// padded, `num_blocks` blocks of `block_size` rows when paged). Nobody else may access the
+// memory during the call.
+int32_t fa_append_kv_cpu(const struct FaProblem *problem,
+                         const struct FaKvCache *cache,
+                         const struct FaTensor *k_new,
+                         const struct FaTensor *v_new,
+                         const struct FaTensor *k_cache,
+                         const struct FaTensor *v_cache);
+
 // Opens CUDA device `ordinal` in its primary context (the one the CUDA runtime, and so
 // PyTorch, uses) and stores a handle in `*out` (null on failure). Without a driver, NVRTC or
 // such a device: `FA_ERR_NO_DEVICE`. Free the handle with `fa_cuda_device_destroy`.
@@ -390,6 +424,35 @@ int32_t fa_forward_cache_cuda(const struct FaCudaDevice *device,
                               size_t workspace_bytes,
                               void *stream,
                               const struct FaOptions *options);
+
+// Appends new keys and values to a KV cache in device memory the caller owns, in place,
+// queued on the caller's `stream` without waiting (as [`fa_forward_cuda`]): token `i` of
+// sequence `b` in `k_new`/`v_new` goes to position `seqused_k[b] + i` of the padded or paged
+// cache (see [`FaKvCache`] and `fa_append_kv_cpu`, whose arguments these are: `problem.seqlen_q`
+// new tokens per sequence, `heads_q`, masks, scale, softcap and `num_splits` not read). The
+// lengths are not changed: the attention call that follows adds `seqlen_q` to `seqused_k`.
+//
+// The cache and the new tokens share one dtype, bf16 or f16; `k_new`/`v_new` are dense
+// `[batch, seqlen_q, heads_kv, head_dim(_v)]`. The cache's tables are **device** memory and
+// never read by the host: the host checks that the capacity holds `seqlen_q` new tokens and
+// everything it can see (null, alignment: 16 bytes for tensors, 4 for tables; overflow;
+// overlaps) before anything is queued; the kernel skips, rather than writes, a position past
+// the capacity or a block index outside `0..num_blocks`, so wrong device values lose tokens,
+// never write outside the cache.
+//
+// # Safety
+// `device` a live handle; the descriptors as in `fa_append_kv_cpu`, with every `data` and the
+// cache's tables device memory of the device's context holding what their shapes and strides
+// reach, not used by other work until `stream` (a stream of that context, or null for the
+// legacy default stream) has passed the call.
+int32_t fa_append_kv_cuda(const struct FaCudaDevice *device,
+                          const struct FaProblem *problem,
+                          const struct FaKvCache *cache,
+                          const struct FaTensor *k_new,
+                          const struct FaTensor *v_new,
+                          const struct FaTensor *k_cache,
+                          const struct FaTensor *v_cache,
+                          void *stream);
 
 #ifdef __cplusplus
 }  // extern "C"

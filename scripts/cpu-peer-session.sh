@@ -4,7 +4,8 @@
 # BACKWARD=1: the backward pass instead (issue 17's grid: D 64,128; results in
 # $OUT/peer-backward-<dtype>.md/.json); DECODE=1: decode over a KV cache instead (issue 15's
 # CPU target: batches 1,4, caches 4k-64k, 32/8 heads, D 128; PAGE_SIZE=0 padded, 16 paged on
-# our side only; results in $OUT/peer-decode-<dtype>.md/.json); TESTS=0 skips the test binaries.
+# our side only; results in $OUT/peer-decode-<dtype>.md/.json; first the read probe `readbw`
+# (READBW=0 skips it) and, with PF_SWEEP=1, the prefetch sweep); TESTS=0 skips the test binaries.
 set -u
 out="${OUT:-/tmp/cpu-peer-out}"; mkdir -p "$out"
 cd "$(dirname "$0")"
@@ -32,6 +33,44 @@ if [ "${BACKWARD:-0}" = 1 ]; then
     exit 0
 fi
 if [ "${DECODE:-0}" = 1 ]; then
+    # The read ceiling of these cores: plain and software-prefetched read loops, copies at the
+    # old and new probe sizes (scripts/readbw.c).
+    if [ -x ./readbw ] && [ "${READBW:-1}" = 1 ]; then
+        taskset -c "$cpus" ./readbw 2 1024 3 16 2>&1 | tee "$out/readbw.txt"
+    fi
+    # PF_SWEEP=1: the streaming loop's prefetch schedules alternated per round on a few shapes
+    # (examples/bench_decode --pf), then the best (geometric mean of per-round decode/copy
+    # ratios) is exported as FA_CPU_DECODE_PREFETCH for the peer runs below.
+    if [ -x ./bench_decode ] && [ "${PF_SWEEP:-0}" = 1 ]; then
+        modes="${PF_MODES:-phase,off,ahead:4,ahead:16,phase+ahead:8}"
+        for s in "bf16 1 4096 0" "bf16 1 65536 0" "f32 4 16384 0" "bf16 1 16384 16"; do
+            set -- $s
+            taskset -c "$cpus" ./bench_decode --dtype "$1" --batch "$2" --cache "$3" --page "$4" \
+                --heads 32 --heads-kv 8 --head-dim 128 --threads 2 --rounds "${PF_ROUNDS:-5}" \
+                --copy-mib 1024 --pf "$modes"
+        done 2>&1 | tee "$out/pf-sweep.txt"
+        # The small cache (bf16 B1 4k: 16 MiB) with fewer, larger splits than the rule's 32.
+        for n in 32 16 8; do
+            taskset -c "$cpus" ./bench_decode --dtype bf16 --batch 1 --cache 4096 --heads 32 \
+                --heads-kv 8 --head-dim 128 --threads 2 --rounds "${PF_ROUNDS:-5}" --copy-mib 1024 \
+                --splits "$n"
+        done 2>&1 | tee "$out/split-sweep.txt"
+        best=$(python3 - "$out/pf-sweep.txt" <<'PY'
+import math, re, sys
+score = {}
+for line in open(sys.argv[1]):
+    m = re.search(r"prefetch (\S+): .* ratio ([0-9.]+)", line)
+    if m:
+        score.setdefault(m.group(1), []).append(math.log(float(m.group(2))))
+name = max(score, key=lambda k: sum(score[k]) / len(score[k]))
+m = re.fullmatch(r"(Phase|Off|Ahead|PhaseAhead)(?:\((\d+)\))?", name)
+kind, n = m.group(1), m.group(2)
+print({"Phase": "phase", "Off": "off", "Ahead": f"ahead:{n}", "PhaseAhead": f"phase+ahead:{n}"}[kind])
+PY
+)
+        echo "prefetch schedule for the peer runs: ${best:-default}"
+        [ -n "$best" ] && export FA_CPU_DECODE_PREFETCH="$best" && echo "$best" > "$out/pf-best.txt"
+    fi
     PYTHONUNBUFFERED=1 taskset -c "$cpus" python3 cpu_peer.py --ours fa --fa ./fa --threads 2 \
         --decode --batches "${BATCHES:-1,4}" --cache-lens "${CACHE_LENS:-4096,16384,65536}" \
         --page-size "${PAGE_SIZE:-0}" \

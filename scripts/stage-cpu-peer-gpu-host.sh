@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Stages into .gpucpu/ (git-ignored) what measures fa-cpu against PyTorch's CPU SDPA on the GPU
 # machine's CPU (an AVX-512 Xeon: the machine issue 5's targets were written for): the release
-# `fa`, the fa-cpu test binaries, scripts/cpu_peer.py, cpu_ab.py and cpu_bwd_ab.py, the FMA
-# peak probe and the session script. Then, with the device tool: run `bash .gpucpu/cpu-peer-session.sh` carrying
+# `fa`, the fa-cpu test binaries, scripts/cpu_peer.py, cpu_ab.py and cpu_bwd_ab.py, the FMA peak
+# probe, the read probe `readbw`, fa-cpu's bench_decode example and the session script. Then,
+# with the device tool: run `bash .gpucpu/cpu-peer-session.sh` carrying
 # [".gpucpu"] (env: ROUNDS, ITERS, DTYPES, CPUS, BACKWARD=1, DECODE=1; results in
 # $OUT/peer[-backward|-decode]-<dtype>.md/.json).
 set -euo pipefail
@@ -21,6 +22,9 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
         shutil.copy2(m["executable"], ".gpucpu/tests/" + m["target"]["name"] + "-" + m["target"]["kind"][0])'
 gcc -O2 -mavx512f -o .gpucpu/fma_peak scripts/fma_peak.c
+gcc -O2 -mavx512f -pthread -o .gpucpu/readbw scripts/readbw.c
+cargo build --release -p fa-cpu --example bench_decode
+strip -o .gpucpu/bench_decode "${CARGO_TARGET_DIR:-target}/release/examples/bench_decode"
 cp scripts/cpu_peer.py scripts/cpu_ab.py scripts/cpu_bwd_ab.py scripts/cpu-peer-session.sh .gpucpu/
 git rev-parse --short HEAD > .gpucpu/REVISION
 git diff --quiet -- crates || echo "+uncommitted" >> .gpucpu/REVISION

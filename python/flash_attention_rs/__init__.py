@@ -14,7 +14,8 @@ Variable-length batches: packed ``(total_tokens, heads, head_dim)`` tensors with
 ``cu_seqlens_q``/``cu_seqlens_k`` prefix sums. KV-cache decode: ``k``/``v`` are a padded cache
 ``(batch, capacity, heads_kv, head_dim)`` with per-sequence used lengths ``seqused_k``, or a
 paged cache ``(num_blocks, block_size, heads_kv, head_dim)`` addressed through an int32
-``block_table`` ``(batch, max_blocks)``.
+``block_table`` ``(batch, max_blocks)``. ``append_kv`` (or ``attention(..., k_new=, v_new=)``,
+as FlashAttention's ``flash_attn_with_kvcache``) writes new tokens into such a cache in place.
 
 Errors carry the library's message: ``ValueError`` for shapes, dtypes, strides and options it
 refuses, ``RuntimeError`` where CUDA is not usable or a device call fails, ``TypeError`` for
@@ -31,7 +32,7 @@ import numpy as np
 
 from . import _native
 
-__all__ = ["attention", "version", "cuda_device"]
+__all__ = ["attention", "append_kv", "version", "cuda_device"]
 
 #: NumPy dtype names the library takes (``bfloat16`` is ml_dtypes' NumPy dtype).
 _NUMPY_DTYPES = ("float32", "float16", "bfloat16")
@@ -164,6 +165,72 @@ def _device_int32(x, name, device):
     return x.contiguous()
 
 
+def _lengths_plus(seqused_k, n):
+    """``seqused_k + n`` where it lives: a new int32 CUDA tensor (queued on the current
+    stream, never read by the host), else a host int32 array."""
+    if _is_torch(seqused_k) and seqused_k.device.type == "cuda":
+        return (seqused_k + operator.index(n)).to(_torch_module().int32)
+    return (_host_int32(seqused_k, "seqused_k").astype(np.int64) + operator.index(n)).astype(np.int32)
+
+
+def append_kv(k_cache, v_cache, k_new, v_new, seqused_k, *, block_table=None):
+    """Writes new keys and values into a KV cache in place (no copy of the cache).
+
+    Token ``i`` of sequence ``b`` in ``k_new``/``v_new`` ``(batch, seqlen_new, heads_kv,
+    head_dim)`` goes to position ``seqused_k[b] + i`` of that sequence's cache: row
+    ``seqused_k[b] + i`` of the padded cache ``(batch, capacity, heads_kv, head_dim)``, or with
+    ``block_table`` ``(batch, max_blocks)`` row ``t % block_size`` of block
+    ``block_table[b, t // block_size]`` of the paged cache ``(num_blocks, block_size, heads_kv,
+    head_dim)``. ``seqused_k`` is not changed: pass ``seqused_k + seqlen_new`` to the
+    ``attention`` call that follows (or use ``attention(..., k_new=, v_new=)``, which does).
+
+    The tables follow ``attention``'s rules: host integers (checked: a sequence without room,
+    a block index outside the cache raise ``ValueError`` with the cache untouched) or int32
+    CUDA tensors on the cache's device (never read by the host; the kernel skips positions
+    past the capacity and block indices outside the cache). On CUDA (bfloat16 or float16,
+    ``k_new``/``v_new`` contiguous) the copy is queued on ``torch.cuda.current_stream()``.
+    Returns ``None``.
+    """
+    tensors = ((k_new, "k_new"), (v_new, "v_new"), (k_cache, "k_cache"), (v_cache, "v_cache"))
+    if len({_is_torch(x) for x, _ in tensors}) > 1:
+        raise TypeError("k_cache, v_cache, k_new and v_new must all be NumPy arrays or all torch tensors")
+    descs = []
+    devices = []
+    for x, name in tensors:
+        desc, device = _describe(x, name)
+        descs.append(desc)
+        devices.append(device)
+    if len(set(devices)) > 1:
+        raise ValueError(
+            "the cache and the new tokens are in different places: "
+            + ", ".join(_where(d) for d in devices)
+        )
+    for x, name in tensors[2:]:
+        if isinstance(x, np.ndarray) and not x.flags.writeable:
+            raise ValueError(f"{name} is a read-only array")
+    device = devices[0]
+    if device is None:
+        used = _host_int32(seqused_k, "seqused_k")
+        table = None if block_table is None else _host_int32(block_table, "block_table")
+        _native.append_kv(
+            *descs,
+            _describe(used, "seqused_k")[0],
+            None if table is None else _describe(table, "block_table")[0],
+        )
+    else:
+        used = _device_int32(seqused_k, "seqused_k", device)
+        table = None if block_table is None else _device_int32(block_table, "block_table", device)
+        stream = _torch_module().cuda.current_stream(device).cuda_stream
+        _native.append_kv(
+            *descs,
+            _describe(used, "seqused_k")[0],
+            None if table is None else _describe(table, "block_table")[0],
+            device=cuda_device(device),
+            stream=stream,
+        )
+    del used, table
+
+
 def attention(
     q,
     k,
@@ -182,6 +249,8 @@ def attention(
     seqused_k=None,
     block_table=None,
     num_splits=None,
+    k_new=None,
+    v_new=None,
     out=None,
 ):
     """Exact attention ``softmax(q k^T * scale) v``; returns ``out`` (and the log-sum-exp).
@@ -226,6 +295,12 @@ def attention(
         num_splits: KV-cache decode: force this many key splits (merged by their
             log-sum-exp; results agree with one split to rounding). None: the library's
             choice from the problem and the machine.
+        k_new, v_new: KV-cache decode: new keys and values ``(batch, seqlen_new, heads_kv,
+            head_dim)`` written into the cache ``k``/``v`` in place first (``append_kv``), at
+            positions ``seqused_k[b]`` onwards; the attention then sees
+            ``seqused_k[b] + seqlen_new`` keys, as FlashAttention's ``flash_attn_with_kvcache``
+            with ``k``/``v``. ``seqused_k`` itself is not changed (add ``seqlen_new`` for the
+            next step).
         out: where to write (shape of ``q`` with ``head_dim_v``; same framework and device;
             on the CPU its dtype may also be float32). Allocated when None.
 
@@ -246,6 +321,13 @@ def attention(
         raise ValueError("num_splits applies to KV-cache calls (seqused_k) only")
     if cached and varlen:
         raise ValueError("seqused_k (a KV cache) takes a fixed-length batch of queries: no cu_seqlens")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("give both k_new and v_new, or neither")
+    if k_new is not None:
+        if not cached:
+            raise ValueError("k_new/v_new append to a KV cache: they need seqused_k")
+        append_kv(k, v, k_new, v_new, seqused_k, block_table=block_table)
+        seqused_k = _lengths_plus(seqused_k, k_new.shape[1])
     if cached and len(q.shape) != 4:
         raise ValueError(
             f"q has shape {tuple(q.shape)}: with seqused_k it is (batch, seqlen_q, heads_q, head_dim)"

@@ -1,5 +1,6 @@
 //! The native half of the Python package `flash_attention_rs` (module
-//! `flash_attention_rs._native`): one call, [`forward`], that takes what the Python shim
+//! `flash_attention_rs._native`): one call, [`forward`] (and [`append_kv`], new tokens into a
+//! KV cache in place), that takes what the Python shim
 //! gathered from NumPy arrays or PyTorch tensors (address, shape, element strides, dtype name)
 //! and runs the library through its C ABI (`fa-capi`): `fa_forward_cpu` on host memory with the
 //! GIL released, `fa_forward_cuda` on the tensors' device memory, queued on the caller's stream.
@@ -12,11 +13,11 @@
 //! `ValueError` (invalid or unsupported input) or `RuntimeError` (no device, a CUDA fault).
 
 use fa_capi::{
-    fa_cuda_device_create, fa_cuda_device_destroy, fa_forward_cache_cpu, fa_forward_cache_cuda,
-    fa_forward_cpu, fa_forward_cuda, fa_last_error_message, FaCudaDevice, FaKvCache, FaOptions,
-    FaProblem, FaTensor, FA_DTYPE_BF16, FA_DTYPE_F16, FA_DTYPE_F32, FA_ERR_INVALID_ARGUMENT,
-    FA_ERR_UNSUPPORTED, FA_ERR_VERSION, FA_OK, FA_SEQLENS_FIXED, FA_SEQLENS_VARLEN_DEVICE,
-    FA_SEQLENS_VARLEN_HOST,
+    fa_append_kv_cpu, fa_append_kv_cuda, fa_cuda_device_create, fa_cuda_device_destroy,
+    fa_forward_cache_cpu, fa_forward_cache_cuda, fa_forward_cpu, fa_forward_cuda,
+    fa_last_error_message, FaCudaDevice, FaKvCache, FaOptions, FaProblem, FaTensor, FA_DTYPE_BF16,
+    FA_DTYPE_F16, FA_DTYPE_F32, FA_ERR_INVALID_ARGUMENT, FA_ERR_UNSUPPORTED, FA_ERR_VERSION, FA_OK,
+    FA_SEQLENS_FIXED, FA_SEQLENS_VARLEN_DEVICE, FA_SEQLENS_VARLEN_HOST,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -227,6 +228,42 @@ fn check_table(arg: &TensorArg, name: &str, expected: &[i64], layout: &str) -> P
         dense *= n;
     }
     Ok(*addr)
+}
+
+/// The C descriptor of a KV cache of `batch` sequences whose K tensor has dims `k_dims`:
+/// `seqused_k` `(batch,)` and, for a paged cache, the block table `(batch, max_blocks)` (then
+/// K's leading dims are `(num_blocks, block_size)`); tables int32, dense.
+fn cache_desc(
+    seqused_k: &TensorArg,
+    block_table: Option<&TensorArg>,
+    batch: i64,
+    k_dims: &[i64; 4],
+) -> PyResult<FaKvCache> {
+    let used = check_table(seqused_k, "seqused_k", &[batch], "(batch,)")?;
+    let mut desc = FaKvCache {
+        seqused_k: used as usize as *const i32,
+        ..FaKvCache::default()
+    };
+    if let Some(table) = block_table {
+        if table.1.len() != 2 {
+            return Err(value_error(format!(
+                "block_table has shape {}: expected 2 dimensions (batch, max_blocks)",
+                shape_text(&table.1)
+            )));
+        }
+        let max_blocks = table.1[1];
+        let addr = check_table(
+            table,
+            "block_table",
+            &[batch, max_blocks],
+            "(batch, max_blocks)",
+        )?;
+        desc.block_table = addr as usize as *const i32;
+        desc.blocks_per_seq = max_blocks;
+        desc.block_size = k_dims[1];
+        desc.num_blocks = k_dims[0];
+    }
+    Ok(desc)
 }
 
 /// A CUDA device handle of the C ABI: the primary context of one ordinal (PyTorch's).
@@ -476,35 +513,15 @@ fn forward(
     let cache = match &cache {
         None => None,
         Some((seqused_k, block_table, num_splits)) => {
-            let batch = cq.dims[0];
-            let used = check_table(seqused_k, "seqused_k", &[batch], "(batch,)")?;
-            let mut desc = FaKvCache {
-                seqused_k: used as usize as *const i32,
-                num_splits: *num_splits,
-                ..FaKvCache::default()
-            };
-            if let Some(table) = block_table {
-                if table.1.len() != 2 {
-                    return Err(value_error(format!(
-                        "block_table has shape {}: expected 2 dimensions (batch, max_blocks)",
-                        shape_text(&table.1)
-                    )));
-                }
-                let max_blocks = table.1[1];
-                let addr = check_table(
-                    table,
-                    "block_table",
-                    &[batch, max_blocks],
-                    "(batch, max_blocks)",
-                )?;
-                desc.block_table = addr as usize as *const i32;
-                desc.blocks_per_seq = max_blocks;
-                desc.block_size = ck.dims[1];
-                desc.num_blocks = ck.dims[0];
+            let desc = cache_desc(seqused_k, block_table.as_ref(), cq.dims[0], &ck.dims)?;
+            if !desc.block_table.is_null() {
                 // The paged cache has no capacity per sequence of its own.
                 problem.seqlen_k = 0;
             }
-            Some(desc)
+            Some(FaKvCache {
+                num_splits: *num_splits,
+                ..desc
+            })
         }
     };
     let lse = match &lse {
@@ -549,6 +566,134 @@ fn forward(
     result.map_err(|(code, message)| library_error(code, message))
 }
 
+/// Everything one append takes, plain data only (run with the GIL released).
+struct AppendCall {
+    problem: FaProblem,
+    cache: FaKvCache,
+    /// New K, new V, K cache, V cache.
+    tensors: [FaTensor; 4],
+}
+
+// SAFETY: as for `Call`: the addresses point to memory the Python caller keeps alive for the
+// whole call, shared with no other thread meanwhile.
+unsafe impl Send for AppendCall {}
+
+impl AppendCall {
+    fn run(&self, device: Option<(&CudaDevice, u64)>) -> i32 {
+        let [kn, vn, kc, vc] = &self.tensors;
+        match device {
+            // SAFETY: host arrays of the checked shapes and strides (the library checks null,
+            // alignment, overflow, overlap, room and block indices itself).
+            None => unsafe { fa_append_kv_cpu(&self.problem, &self.cache, kn, vn, kc, vc) },
+            // SAFETY: device tensors of the handle's device, of the checked shapes, kept
+            // alive by the caller; PyTorch orders later uses after its stream's work.
+            Some((device, stream)) => unsafe {
+                fa_append_kv_cuda(
+                    device.handle.0,
+                    &self.problem,
+                    &self.cache,
+                    kn,
+                    vn,
+                    kc,
+                    vc,
+                    stream as usize as *mut c_void,
+                )
+            },
+        }
+    }
+}
+
+/// Appends new tokens to a KV cache in place: `k_new`/`v_new` `(batch, seqlen_new, heads_kv,
+/// head_dim)` go into `k_cache`/`v_cache` at positions `seqused_k[b] + i` (a padded cache
+/// `(batch, capacity, heads_kv, head_dim)`, or with a block table `(batch, max_blocks)` a paged
+/// one `(num_blocks, block_size, heads_kv, head_dim)`). Without `device` on the CPU with the
+/// GIL released; with one, queued on `stream` without waiting. The lengths are not changed.
+#[pyfunction]
+#[pyo3(signature = (k_new, v_new, k_cache, v_cache, seqused_k, block_table=None, *,
+    device=None, stream=0))]
+#[allow(clippy::too_many_arguments)]
+fn append_kv(
+    py: Python<'_>,
+    k_new: TensorArg,
+    v_new: TensorArg,
+    k_cache: TensorArg,
+    v_cache: TensorArg,
+    seqused_k: TensorArg,
+    block_table: Option<TensorArg>,
+    device: Option<PyRef<'_, CudaDevice>>,
+    stream: u64,
+) -> PyResult<()> {
+    let [kn, vn, kc, vc] = [
+        (&k_new, "k_new"),
+        (&v_new, "v_new"),
+        (&k_cache, "k_cache"),
+        (&v_cache, "v_cache"),
+    ]
+    .map(|(t, name)| check_tensor(t, name, false));
+    let (kn, vn, kc, vc) = (kn?, vn?, kc?, vc?);
+    let text = |d: &[i64; 4]| shape_text(d);
+    if kn.dims[..3] != vn.dims[..3] || kc.dims[..3] != vc.dims[..3] {
+        return Err(value_error(format!(
+            "k_new {} and v_new {}, k_cache {} and v_cache {} must agree in all but head_dim",
+            text(&kn.dims),
+            text(&vn.dims),
+            text(&kc.dims),
+            text(&vc.dims)
+        )));
+    }
+    if kn.dims[2..] != kc.dims[2..] || vn.dims[3] != vc.dims[3] {
+        return Err(value_error(format!(
+            "k_new {} / v_new {} and the cache {} / {} differ in heads_kv or head_dim",
+            text(&kn.dims),
+            text(&vn.dims),
+            text(&kc.dims),
+            text(&vc.dims)
+        )));
+    }
+    let [batch, seqlen_new, heads_kv, head_dim] = kn.dims;
+    let cache = cache_desc(&seqused_k, block_table.as_ref(), batch, &kc.dims)?;
+    if block_table.is_none() && kc.dims[0] != batch {
+        return Err(value_error(format!(
+            "k_new has batch {batch} but the padded cache k_cache has batch {}",
+            kc.dims[0]
+        )));
+    }
+    let problem = FaProblem {
+        batch,
+        seqlen_q: seqlen_new,
+        seqlen_k: if block_table.is_some() { 0 } else { kc.dims[1] },
+        heads_q: heads_kv,
+        heads_kv,
+        head_dim,
+        head_dim_v: vn.dims[3],
+        seqlens: FA_SEQLENS_FIXED,
+        causal: 0,
+        cu_seqlens_q: core::ptr::null(),
+        cu_seqlens_k: core::ptr::null(),
+        total_q: 0,
+        total_k: 0,
+        max_seqlen_q: 0,
+        max_seqlen_k: 0,
+        window_left: -1,
+        window_right: -1,
+        softmax_scale: 0.0,
+        softcap: 0.0,
+    };
+    let call = AppendCall {
+        problem,
+        cache,
+        tensors: [kn.tensor, vn.tensor, kc.tensor, vc.tensor],
+    };
+    let result = match device {
+        None => py.detach(move || call_c(|| call.run(None))),
+        Some(device) => {
+            let device: &CudaDevice = &device;
+            py.detach(move || call_c(|| call.run(Some((device, stream)))))
+        }
+    };
+    result.map_err(|(code, message)| library_error(code, message))
+}
+
 /// The library's version (`MAJOR.MINOR.PATCH`).
 #[pyfunction]
 fn version() -> String {
@@ -562,6 +707,7 @@ fn version() -> String {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward, m)?)?;
+    m.add_function(wrap_pyfunction!(append_kv, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_class::<CudaDevice>()?;
     Ok(())

@@ -201,3 +201,46 @@ def test_seqused_k_of_the_right_length_only():
         ref, ref_lse = cache_f64(q, k, v, used, table, causal=True)
         assert normwise_error(got, ref) <= 1e-5
         check_lse(lse, ref_lse, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("block_size", [None, 1, 7, 64], ids=lambda b: "padded" if b is None else f"paged{b}")
+def test_append_kv_in_place_then_attention_with_k_new(dtype, block_size):
+    # append_kv puts token i of sequence b at position used[b] + i (padded, or paged through
+    # the table) and writes nothing else; attention(..., k_new=, v_new=) does the same, then
+    # attends over used + seqlen_new keys, against the f64 reference over the expected cache.
+    rng = np.random.default_rng(zlib.crc32(repr(("append", dtype.name, block_size)).encode()))
+    used, n_new = [0, 1, 13, 70], 2
+    k0, v0, table = make_cache(rng, [u + n_new for u in used], 2, 24, dtype, block_size)
+    k_new, v_new = randn(rng, (4, n_new, 2, 24), dtype), randn(rng, (4, n_new, 2, 24), dtype)
+    k_want, v_want = k0.copy(), v0.copy()
+    for b, u in enumerate(used):
+        for i in range(n_new):
+            t = u + i
+            at = (b, t) if table is None else (table[b, t // block_size], t % block_size)
+            k_want[at], v_want[at] = k_new[b, i], v_new[b, i]
+    k, v = k0.copy(), v0.copy()
+    fa.append_kv(k, v, k_new, v_new, np.array(used, dtype=np.int32), block_table=table)
+    assert k.tobytes() == k_want.tobytes() and v.tobytes() == v_want.tobytes()
+    k, v = k0.copy(), v0.copy()
+    q = randn(rng, (4, n_new, 8, 24), dtype)
+    got = fa.attention(q, k, v, seqused_k=used, block_table=table, causal=True, k_new=k_new, v_new=v_new)
+    assert k.tobytes() == k_want.tobytes() and v.tobytes() == v_want.tobytes()
+    ref, _ = cache_f64(q.astype(np.float64), k_want.astype(np.float64), v_want.astype(np.float64),
+                       [u + n_new for u in used], table, causal=True)
+    err = normwise_error(got.astype(np.float64), ref)
+    assert err <= BOUNDS[dtype.name], f"normwise error {err:.3e}"
+
+
+def test_append_kv_without_room_raises_and_leaves_the_cache():
+    rng = np.random.default_rng(3)
+    k, v, _ = make_cache(rng, [4, 4], 1, 8, np.float32, capacity=5)
+    before = k.copy(), v.copy()
+    new = randn(rng, (2, 2, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="the KV cache holds"):
+        fa.append_kv(k, v, new, new, [3, 4])
+    assert np.array_equal(k, before[0]) and np.array_equal(v, before[1])
+    frozen = k.copy()
+    frozen.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        fa.append_kv(frozen, v, new, new, [0, 0])

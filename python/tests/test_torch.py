@@ -11,27 +11,11 @@ import pytest
 
 from reference import visible
 
-torch = pytest.importorskip("torch", reason="torch is not installed: PyTorch tests NOT run")
+from torch_common import BOUND, DEVICES, HAS_CUDA, dtypes_for, needs_cuda, torch  # noqa: E402
+
 F = torch.nn.functional
 
 import flash_attention_rs as fa  # noqa: E402
-
-HAS_CUDA = torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU: PyTorch CUDA tests NOT run")
-
-#: Normwise bounds: the CPU path (float32 1e-5, bf16/f16 2e-2) and CUDA (bf16/f16 1e-2).
-BOUND = {
-    ("cpu", torch.float32): 1e-5,
-    ("cpu", torch.bfloat16): 2e-2,
-    ("cpu", torch.float16): 2e-2,
-    ("cuda", torch.bfloat16): 1e-2,
-    ("cuda", torch.float16): 1e-2,
-}
-
-
-def dtypes_for(device):
-    return [torch.bfloat16, torch.float16] + ([torch.float32] if device == "cpu" else [])
 
 
 def sdpa_f64(q, k, v, causal=False, window=(-1, -1), scale=None):

@@ -12,26 +12,9 @@ import pytest
 
 from reference import cache_f64, normwise_error
 
-torch = pytest.importorskip("torch", reason="torch is not installed: PyTorch tests NOT run")
+from torch_common import BOUND, DEVICES, HAS_CUDA, dtypes_for, needs_cuda, torch  # noqa: E402
 
 import flash_attention_rs as fa  # noqa: E402
-
-HAS_CUDA = torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU: PyTorch CUDA tests NOT run")
-
-#: Normwise bounds: the CPU path (float32 1e-5, bf16/f16 2e-2) and CUDA (bf16/f16 1e-2).
-BOUND = {
-    ("cpu", torch.float32): 1e-5,
-    ("cpu", torch.bfloat16): 2e-2,
-    ("cpu", torch.float16): 2e-2,
-    ("cuda", torch.bfloat16): 1e-2,
-    ("cuda", torch.float16): 1e-2,
-}
-
-
-def dtypes_for(device):
-    return [torch.bfloat16, torch.float16] + ([torch.float32] if device == "cpu" else [])
 
 
 def randn(shape, dtype, device, gen):
@@ -181,3 +164,76 @@ def test_cuda_cache_tables_stay_on_the_device_and_the_stream():
     assert err <= BOUND[("cuda", torch.bfloat16)], f"side stream: normwise error {err:.3e}"
     torch.cuda.synchronize()
     assert torch.equal(out, first), "same inputs, same plan: bitwise equal results"
+
+
+def put_tokens(cache, new, used, table):
+    """The cache with token ``i`` of sequence ``b`` of ``new`` at position ``used[b] + i``,
+    written by Python (padded, or paged through ``table``): what an append must leave."""
+    out = cache.clone()
+    for b, u in enumerate(used):
+        for i in range(new.shape[1]):
+            t = u + i
+            if table is None:
+                out[b, t] = new[b, i]
+            else:
+                bs = cache.shape[1]
+                out[int(table[b, t // bs]), t % bs] = new[b, i]
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [None, 1, 16, 256], ids=lambda b: "padded" if b is None else f"paged{b}")
+def test_append_in_place_then_attend_matches_f64(device, block_size):
+    # append_kv writes each sequence's new tokens at its position, in place and nowhere else;
+    # attention(..., k_new=, v_new=) (FlashAttention's flash_attn_with_kvcache) appends the
+    # same way, then attends over the lengths plus the new tokens.
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("append", device, block_size)).encode()))
+    used, n_new = [0, 1, 37, 300], 3
+    for dtype in dtypes_for(device):
+        # The cache (and a paged table) holds room for the new tokens; seqused_k = used.
+        k0, v0, table = make_cache(gen, [u + n_new for u in used], 2, 64, dtype, device, block_size)
+        seqused = torch.tensor(used, dtype=torch.int32, device=device)
+        k_new = randn((len(used), n_new, 2, 64), dtype, device, gen)
+        v_new = randn((len(used), n_new, 2, 64), dtype, device, gen)
+        t = None if table is None else table.cpu()
+        k_want = put_tokens(k0.cpu(), k_new.cpu(), used, t)
+        v_want = put_tokens(v0.cpu(), v_new.cpu(), used, t)
+
+        k, v = k0.clone(), v0.clone()
+        assert fa.append_kv(k, v, k_new, v_new, seqused, block_table=table) is None
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(k.cpu(), k_want) and torch.equal(v.cpu(), v_want), f"{dtype}: append"
+        assert torch.equal(seqused.cpu(), torch.tensor(used, dtype=torch.int32)), "lengths unchanged"
+
+        k, v = k0.clone(), v0.clone()
+        q = randn((len(used), n_new, 8, 64), dtype, device, gen)
+        got = fa.attention(q, k, v, seqused_k=seqused, block_table=table, causal=True, k_new=k_new, v_new=v_new)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(k.cpu(), k_want) and torch.equal(v.cpu(), v_want), f"{dtype}: k_new/v_new"
+        ref, _ = reference(q, k_want, v_want, [u + n_new for u in used], t, causal=True)
+        err = normwise_error(host64(got), ref)
+        assert err <= BOUND[(device, dtype)], f"{dtype}: normwise error {err:.3e}"
+
+
+def test_append_refusals_leave_the_cache_untouched():
+    gen = torch.Generator().manual_seed(12)
+    used = [5, 9]
+    k, v, table = make_cache(gen, [u + 2 for u in used], 2, 32, torch.float32, "cpu", 4)
+    k_new = randn((2, 2, 2, 32), torch.float32, "cpu", gen)
+    v_new = randn((2, 2, 2, 32), torch.float32, "cpu", gen)
+    k_before, v_before = k.clone(), v.clone()
+    bad = table.clone()
+    bad[1, 2] = 10_000  # the block of sequence 1's first new position (9 // 4)
+    with pytest.raises(ValueError, match="outside the cache"):
+        fa.append_kv(k, v, k_new, v_new, used, block_table=bad)
+    with pytest.raises(ValueError):  # no room: the table covers 11 keys, not 11 + 2
+        fa.append_kv(k, v, k_new, v_new, [5, 11], block_table=table)
+    with pytest.raises(ValueError, match="share one dtype"):
+        fa.append_kv(k, v, k_new.to(torch.bfloat16), v_new.to(torch.bfloat16), used, block_table=table)
+    with pytest.raises(ValueError, match="both k_new and v_new"):
+        fa.attention(k_new, k, v, seqused_k=used, block_table=table, k_new=k_new)
+    with pytest.raises(ValueError, match="need seqused_k"):
+        fa.attention(k_new, k, v, k_new=k_new, v_new=v_new)
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)

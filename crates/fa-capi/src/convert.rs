@@ -7,7 +7,7 @@
 use crate::error::Failure;
 use crate::types::*;
 use core::ops::Range;
-use softmax_core::{DType, Mask, ProblemDesc, Sequences, Strides, Tensor};
+use softmax_core::{DType, KvCache, Mask, ProblemDesc, Sequences, Strides, Tensor};
 
 /// Reads a `T` the caller points at, refusing null and misaligned pointers.
 ///
@@ -157,7 +157,8 @@ pub(crate) fn dtype(t: &FaTensor, name: &str) -> Result<DType, Failure> {
     }
 }
 
-fn strides(t: &FaTensor, name: &str) -> Result<Strides, Failure> {
+/// A tensor's strides as sizes (negative ones refused).
+pub(crate) fn strides(t: &FaTensor, name: &str) -> Result<Strides, Failure> {
     Ok(Strides {
         batch: size(t.stride_batch, &format!("{name}.stride_batch"))?,
         seq: size(t.stride_seq, &format!("{name}.stride_seq"))?,
@@ -335,21 +336,29 @@ impl HostCache {
         Ok(HostCache { seqused_k, paged })
     }
 
+    /// The cache these tables describe.
+    pub fn kv_cache(&self) -> KvCache<'_> {
+        match &self.paged {
+            None => KvCache::Padded {
+                seqused_k: &self.seqused_k,
+            },
+            Some((table, blocks_per_seq, block_size, num_blocks)) => KvCache::Paged {
+                seqused_k: &self.seqused_k,
+                block_table: table,
+                blocks_per_seq: *blocks_per_seq,
+                block_size: *block_size,
+                num_blocks: *num_blocks,
+            },
+        }
+    }
+
     /// `desc` reading K/V from this cache.
-    pub fn apply<'a>(&'a self, desc: ProblemDesc<'a>) -> Result<ProblemDesc<'a>, Failure> {
-        Ok(match &self.paged {
-            None => desc.padded_cache(&self.seqused_k),
-            Some((table, blocks_per_seq, block_size, num_blocks)) => {
-                check_block_rows(&desc, *block_size)?;
-                desc.paged_cache(
-                    &self.seqused_k,
-                    table,
-                    *blocks_per_seq,
-                    *block_size,
-                    *num_blocks,
-                )
-            }
-        })
+    pub fn apply<'a>(&'a self, mut desc: ProblemDesc<'a>) -> Result<ProblemDesc<'a>, Failure> {
+        if let Some((_, _, block_size, _)) = &self.paged {
+            check_block_rows(&desc, *block_size)?;
+        }
+        desc.kv_cache = self.kv_cache();
+        Ok(desc)
     }
 }
 

@@ -1,5 +1,6 @@
 //! `fa_forward_cpu` and `fa_forward_cache_cpu`: forward attention on host memory with fa-cpu
-//! (through flash-attention), over dense/packed K/V or a KV cache.
+//! (through flash-attention), over dense/packed K/V or a KV cache; `fa_append_kv_cpu`: new
+//! tokens into a host KV cache, in place.
 
 use crate::convert::*;
 use crate::error::{guard, Failure};
@@ -249,4 +250,116 @@ pub unsafe extern "C" fn fa_forward_cache_cpu(
         // SAFETY: the tensors and `lse` follow this function's contract.
         unsafe { run_host(&call, &problem, lse, &opts) }
     })
+}
+
+/// Appends new keys and values to a KV cache in host memory, in place (what
+/// FlashAttention's `flash_attn_with_kvcache` does with its `k`/`v` arguments before it
+/// attends): token `i` of sequence `b` in `k_new`/`v_new` is written at position
+/// `cache->seqused_k[b] + i` of that sequence's cache, padded or paged as [`FaKvCache`]
+/// describes (block `block_table[b · blocks_per_seq + t / block_size]`, row
+/// `t % block_size`). The lengths are not changed: the attention call that follows
+/// (`fa_forward_cache_cpu` with the same `problem`) passes `seqused_k[b] + problem.seqlen_q`.
+///
+/// `problem` is the cache call's (`FA_SEQLENS_FIXED`): `batch`, `heads_kv`, `head_dim`,
+/// `head_dim_v` and, for a padded cache, `seqlen_k` (the capacity) describe the cache, and
+/// `seqlen_q` is the number of new tokens per sequence: `k_new`/`v_new` are
+/// `[batch, seqlen_q, heads_kv, head_dim(_v)]`, any strides with a contiguous head dim.
+/// `heads_q`, the masks, the scale and the softcap are not read; `cache->num_splits` neither.
+/// The four tensors share one dtype (f32, bf16, f16). Everything is checked before anything
+/// is written: a sequence without room for its new tokens, a block index of a new position
+/// outside `0..num_blocks`, a table too short, cache strides that map two elements to one
+/// address, buffers that overlap are `FA_ERR_INVALID_ARGUMENT` with the cache untouched.
+///
+/// # Safety
+/// Every non-null pointer must point to what its type says: the descriptors to initialised
+/// structs (`cache` of at least `cache->size` bytes, its `seqused_k` to `batch` readable
+/// int32s, its non-null `block_table` to `batch · blocks_per_seq` int32s); `k_new`/`v_new`'s
+/// `data` to host memory holding every element their strides reach, `k_cache`/`v_cache`'s to
+/// writable host memory holding the whole cache (`batch` sequences of `seqlen_k` rows when
+/// padded, `num_blocks` blocks of `block_size` rows when paged). Nobody else may access the
+/// memory during the call.
+#[no_mangle]
+pub unsafe extern "C" fn fa_append_kv_cpu(
+    problem: *const FaProblem,
+    cache: *const FaKvCache,
+    k_new: *const FaTensor,
+    v_new: *const FaTensor,
+    k_cache: *const FaTensor,
+    v_cache: *const FaTensor,
+) -> i32 {
+    guard(|| {
+        // SAFETY: the descriptor pointers follow this function's contract.
+        let (p, cache, tensors) = unsafe {
+            let p: FaProblem = read_struct(problem, "problem")?;
+            let cache: FaKvCache = read_versioned(cache)?;
+            let tensors: [FaTensor; 4] = [
+                read_struct(k_new, "k_new")?,
+                read_struct(v_new, "v_new")?,
+                read_struct(k_cache, "k_cache")?,
+                read_struct(v_cache, "v_cache")?,
+            ];
+            (p, cache, tensors)
+        };
+        // SAFETY: the tables follow this function's contract.
+        let host = unsafe { HostCache::read(&p, &cache) }?;
+        let names = ["k_new", "v_new", "k_cache", "v_cache"];
+        let dtype = append_dtype(&tensors, names)?;
+        let head_dim = size(p.head_dim, "problem.head_dim")?;
+        let [kn, vn, kc, vc] = &tensors;
+        let append = softmax_core::AppendDesc {
+            cache: host.kv_cache(),
+            batch: size(p.batch, "problem.batch")?,
+            seqlen_k: match host.paged {
+                Some(_) => 0,
+                None => size(p.seqlen_k, "problem.seqlen_k")?,
+            },
+            seqlen_new: size(p.seqlen_q, "problem.seqlen_q")?,
+            heads_kv: size(p.heads_kv, "problem.heads_kv")?,
+            head_dim,
+            head_dim_v: match p.head_dim_v {
+                0 => head_dim,
+                dv => size(dv, "problem.head_dim_v")?,
+            },
+            k_cache_strides: Some(strides(kc, "k_cache")?),
+            v_cache_strides: Some(strides(vc, "v_cache")?),
+            k_new_strides: Some(strides(kn, "k_new")?),
+            v_new_strides: Some(strides(vn, "v_new")?),
+        }
+        .validate()?;
+        let lens = append.min_buffer_lens();
+        let lens = [lens.k_new, lens.v_new, lens.k_cache, lens.v_cache];
+        let mut spans = Vec::with_capacity(4);
+        for (i, t) in tensors.iter().enumerate() {
+            let span = host_span(names[i], t.data as usize, lens[i], dtype.size())?;
+            spans.push((names[i], span, i >= 2));
+        }
+        check_disjoint(&spans)?;
+        // SAFETY: each address passed host_span for the dtype and its length, the caches
+        // overlap nothing (check_disjoint), and the memory is what the contract promises.
+        let (k_new, v_new, k_cache, v_cache) = unsafe {
+            (
+                view_ref(dtype, kn.data as usize, lens[0])?,
+                view_ref(dtype, vn.data as usize, lens[1])?,
+                view_mut(dtype, kc.data as usize, lens[2])?,
+                view_mut(dtype, vc.data as usize, lens[3])?,
+            )
+        };
+        flash_attention::append_kv(&append, k_new, v_new, k_cache, v_cache)?;
+        Ok(())
+    })
+}
+
+/// The one dtype of an append's four tensors (new keys, new values, K cache, V cache).
+pub(crate) fn append_dtype(tensors: &[FaTensor; 4], names: [&str; 4]) -> Result<DType, Failure> {
+    let first = dtype(&tensors[0], names[0])?;
+    for (t, name) in tensors.iter().zip(names).skip(1) {
+        let d = dtype(t, name)?;
+        if d != first {
+            return Err(Failure::unsupported(format!(
+                "{name} is {d} but {} is {first}: the cache and the new tokens share one dtype",
+                names[0]
+            )));
+        }
+    }
+    Ok(first)
 }

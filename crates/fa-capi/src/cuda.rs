@@ -293,7 +293,10 @@ struct CacheCall {
 }
 
 impl CacheCall {
-    /// Reads and checks every descriptor of a cache call (nothing on the device is read).
+    /// Reads and checks every descriptor of a cache call (nothing on the device is read). The
+    /// host side describes the cache by capacity: every sequence full for an attention call,
+    /// every sequence empty for an append (`append`: room for `seqlen_q` new tokens is then
+    /// the capacity's; the kernel reads the device lengths and skips positions past it).
     ///
     /// # Safety
     /// Each non-null, aligned pointer must point to an initialised struct (`cache` and
@@ -303,6 +306,7 @@ impl CacheCall {
         cache: *const FaKvCache,
         tensors: [*const FaTensor; 4],
         options: *const FaOptions,
+        append: bool,
     ) -> Result<CacheCall, Failure> {
         let [q, k, v, o] = tensors;
         // SAFETY: this function's contract.
@@ -311,7 +315,10 @@ impl CacheCall {
         let cache: FaKvCache = unsafe { read_versioned(cache) }?;
         // SAFETY: as above (validated for its size and version; no field applies here).
         unsafe { read_options(options) }?;
-        let host = HostCache::by_capacity(&call.problem, &cache)?;
+        let mut host = HostCache::by_capacity(&call.problem, &cache)?;
+        if append {
+            host.seqused_k.fill(0);
+        }
         if host.paged.is_some() {
             call.problem.seqlen_k = 0;
         }
@@ -322,9 +329,11 @@ impl CacheCall {
         }
         let input = dtypes[0];
         if dtypes.iter().any(|&d| d != input) || input == DType::F32 {
-            return Err(Failure::unsupported(
-                "fa_forward_cache_cuda takes q, k, v and o of one dtype, bf16 or f16",
-            ));
+            return Err(Failure::unsupported(if append {
+                "fa_append_kv_cuda takes a cache and new tokens of one dtype, bf16 or f16"
+            } else {
+                "fa_forward_cache_cuda takes q, k, v and o of one dtype, bf16 or f16"
+            }));
         }
         let opts = ForwardOptions {
             splits: (cache.num_splits != 0).then_some(cache.num_splits),
@@ -338,6 +347,28 @@ impl CacheCall {
             opts,
             dtype: input,
         })
+    }
+
+    /// The cache's tables on the device (`seqused_k`: `batch` entries; the block table:
+    /// `batch · blocks_per_seq`).
+    ///
+    /// # Safety
+    /// The tables must be device memory of the device's context holding that many int32s,
+    /// valid until the stream passes the call's kernels.
+    unsafe fn device_tables(&self, problem: &Problem) -> CacheTables {
+        let batch = problem.batch();
+        let table_len = match problem.kv_cache() {
+            softmax_core::KvCache::Paged { blocks_per_seq, .. } => batch * blocks_per_seq,
+            _ => 0,
+        };
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            CacheTables {
+                seqused_k: raw::<i32>(self.cache.seqused_k as usize as u64, batch),
+                block_table: (!self.cache.block_table.is_null())
+                    .then(|| raw::<i32>(self.cache.block_table as usize as u64, table_len)),
+            }
+        }
     }
 
     /// The validated problem (described by capacity).
@@ -379,7 +410,7 @@ pub unsafe extern "C" fn fa_forward_cache_cuda_workspace_bytes(
         // SAFETY: this function's contract.
         let device = &unsafe { device_ref(device) }?.device;
         // SAFETY: as above.
-        let call = unsafe { CacheCall::read(problem, cache, [q, k, v, o], options) }?;
+        let call = unsafe { CacheCall::read(problem, cache, [q, k, v, o], options, false) }?;
         let problem = call.problem()?;
         let needed = device.decode_workspace_bytes(&problem, call.dtype, &call.opts)?;
         // SAFETY: non-null, aligned (checked), writable (contract).
@@ -406,14 +437,11 @@ unsafe fn launch_cache<T: CudaElement>(
     let lens = problem.min_buffer_lens();
     let [tq, tk, tv, to] = &call.call.tensors;
     let addr = |t: &FaTensor| t.data as usize as u64;
-    let batch = problem.batch();
-    let table_len = match problem.kv_cache() {
-        softmax_core::KvCache::Paged { blocks_per_seq, .. } => batch * blocks_per_seq,
-        _ => 0,
-    };
     // SAFETY: the caller's contract (fa_forward_cache_cuda's): device memory of this context
     // that stays valid until `stream` passes the kernels.
-    let (qkv, out, tables, caller_ws) = unsafe {
+    let tables = unsafe { call.device_tables(problem) };
+    // SAFETY: as above.
+    let (qkv, out, caller_ws) = unsafe {
         (
             Qkv::new(
                 raw::<T>(addr(tq), lens.q),
@@ -423,11 +451,6 @@ unsafe fn launch_cache<T: CudaElement>(
             Out {
                 o: raw::<T>(addr(to), lens.o),
                 lse: lse.map(|(p, n)| raw::<f32>(p, n)),
-            },
-            CacheTables {
-                seqused_k: raw::<i32>(call.cache.seqused_k as usize as u64, batch),
-                block_table: (!call.cache.block_table.is_null())
-                    .then(|| raw::<i32>(call.cache.block_table as usize as u64, table_len)),
             },
             workspace.map(|(p, bytes)| raw::<f32>(p, bytes / 4)),
         )
@@ -512,7 +535,7 @@ pub unsafe extern "C" fn fa_forward_cache_cuda(
         // SAFETY: this function's contract.
         let device = &unsafe { device_ref(device) }?.device;
         // SAFETY: as above.
-        let call = unsafe { CacheCall::read(problem, cache, [q, k, v, o], options) }?;
+        let call = unsafe { CacheCall::read(problem, cache, [q, k, v, o], options, false) }?;
         if call.cache.seqused_k.is_null() {
             return Err(Failure::invalid("cache.seqused_k is a null pointer"));
         }
@@ -551,4 +574,165 @@ pub unsafe extern "C" fn fa_forward_cache_cuda(
             }
         }
     })
+}
+
+/// Appends new keys and values to a KV cache in device memory the caller owns, in place,
+/// queued on the caller's `stream` without waiting (as [`fa_forward_cuda`]): token `i` of
+/// sequence `b` in `k_new`/`v_new` goes to position `seqused_k[b] + i` of the padded or paged
+/// cache (see [`FaKvCache`] and `fa_append_kv_cpu`, whose arguments these are: `problem.seqlen_q`
+/// new tokens per sequence, `heads_q`, masks, scale, softcap and `num_splits` not read). The
+/// lengths are not changed: the attention call that follows adds `seqlen_q` to `seqused_k`.
+///
+/// The cache and the new tokens share one dtype, bf16 or f16; `k_new`/`v_new` are dense
+/// `[batch, seqlen_q, heads_kv, head_dim(_v)]`. The cache's tables are **device** memory and
+/// never read by the host: the host checks that the capacity holds `seqlen_q` new tokens and
+/// everything it can see (null, alignment: 16 bytes for tensors, 4 for tables; overflow;
+/// overlaps) before anything is queued; the kernel skips, rather than writes, a position past
+/// the capacity or a block index outside `0..num_blocks`, so wrong device values lose tokens,
+/// never write outside the cache.
+///
+/// # Safety
+/// `device` a live handle; the descriptors as in `fa_append_kv_cpu`, with every `data` and the
+/// cache's tables device memory of the device's context holding what their shapes and strides
+/// reach, not used by other work until `stream` (a stream of that context, or null for the
+/// legacy default stream) has passed the call.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fa_append_kv_cuda(
+    device: *const FaCudaDevice,
+    problem: *const FaProblem,
+    cache: *const FaKvCache,
+    k_new: *const FaTensor,
+    v_new: *const FaTensor,
+    k_cache: *const FaTensor,
+    v_cache: *const FaTensor,
+    stream: *mut c_void,
+) -> i32 {
+    guard(|| {
+        // SAFETY: this function's contract.
+        let device = &unsafe { device_ref(device) }?.device;
+        // SAFETY: as above.
+        let (p, new) = unsafe {
+            (
+                read_struct::<FaProblem>(problem, "problem")?,
+                [read_struct(k_new, "k_new")?, read_struct(v_new, "v_new")?],
+            )
+        };
+        // The attention call's Q and O, as the problem states them (never accessed): the
+        // cache call's description then validates the cache exactly as it does there.
+        let dense = |dim: i64| -> Result<FaTensor, Failure> {
+            let overflow = || Failure::invalid("problem sizes overflow");
+            let seq = p.heads_q.checked_mul(dim).ok_or_else(overflow)?;
+            Ok(FaTensor {
+                data: core::ptr::null_mut(),
+                dtype: new[0].dtype,
+                stride_batch: p.seqlen_q.checked_mul(seq).ok_or_else(overflow)?,
+                stride_seq: seq,
+                stride_head: dim,
+            })
+        };
+        let dv = if p.head_dim_v == 0 {
+            p.head_dim
+        } else {
+            p.head_dim_v
+        };
+        let (q, o) = (dense(p.head_dim)?, dense(dv)?);
+        // SAFETY: as above; `q` and `o` are locals.
+        let call = unsafe {
+            CacheCall::read(
+                problem,
+                cache,
+                [&q, k_cache, v_cache, &o],
+                core::ptr::null(),
+                true,
+            )
+        }?;
+        if call.cache.seqused_k.is_null() {
+            return Err(Failure::invalid("cache.seqused_k is a null pointer"));
+        }
+        let problem = call.problem()?;
+        let names = ["k_new", "v_new", "k_cache", "v_cache"];
+        let [_, tk, tv, _] = &call.call.tensors;
+        let dtype = crate::cpu::append_dtype(&[new[0], new[1], *tk, *tv], names)?;
+        let seqlen_new = size(p.seqlen_q, "problem.seqlen_q")?;
+        let (batch, heads_kv) = (problem.batch(), problem.heads_kv());
+        let mut lens = [0usize; 4];
+        for (i, (t, d)) in new
+            .iter()
+            .zip([problem.head_dim(), problem.head_dim_v()])
+            .enumerate()
+        {
+            // Dense rows: a stride counts only where its dimension is stepped over.
+            let want = [
+                (batch, seqlen_new * heads_kv * d, t.stride_batch),
+                (seqlen_new, heads_kv * d, t.stride_seq),
+                (heads_kv, d, t.stride_head),
+            ];
+            if want
+                .iter()
+                .any(|&(n, s, got)| n > 1 && i64::try_from(s).ok() != Some(got))
+            {
+                return Err(Failure::unsupported(format!(
+                    "{} must be dense [batch, seqlen_q, heads_kv, head_dim] on CUDA",
+                    names[i]
+                )));
+            }
+            lens[i] = batch
+                .checked_mul(seqlen_new)
+                .and_then(|n| n.checked_mul(heads_kv * d))
+                .ok_or_else(|| Failure::invalid("new-token sizes overflow"))?;
+        }
+        let min = problem.min_buffer_lens();
+        (lens[2], lens[3]) = (min.k, min.v);
+        let datas = [new[0].data, new[1].data, tk.data, tv.data];
+        let mut spans = Vec::with_capacity(4);
+        for i in 0..4 {
+            let span = host_span(names[i], datas[i] as usize, lens[i], dtype.size())?;
+            spans.push((names[i], span, i >= 2));
+        }
+        check_disjoint(&spans)?;
+        let stream = stream as sys::CUstream;
+        // SAFETY: the addresses and the stream follow this function's contract.
+        unsafe {
+            match dtype {
+                DType::Bf16 => {
+                    append_on::<bf16>(device, &call, &problem, seqlen_new, datas, lens, stream)
+                }
+                _ => append_on::<f16>(device, &call, &problem, seqlen_new, datas, lens, stream),
+            }
+        }
+    })
+}
+
+/// Queues an append for element type `T` on `stream`.
+///
+/// # Safety
+/// As [`fa_append_kv_cuda`]: `datas` (new K, new V, K cache, V cache) device memory of
+/// `lens` elements each, the cache's tables and `stream` of the device's context.
+unsafe fn append_on<T: CudaElement>(
+    device: &Device,
+    call: &CacheCall,
+    problem: &Problem,
+    seqlen_new: usize,
+    datas: [*mut c_void; 4],
+    lens: [usize; 4],
+    stream: sys::CUstream,
+) -> Result<(), Failure> {
+    let t = |i: usize| {
+        // SAFETY: the caller's contract.
+        unsafe { raw::<T>(datas[i] as usize as u64, lens[i]) }
+    };
+    // SAFETY: the caller's contract.
+    let (tables, stream) = unsafe { (call.device_tables(problem), device.borrow_stream(stream)) };
+    device.append_kv_on_stream(
+        problem,
+        seqlen_new,
+        Some(tables),
+        t(0),
+        t(1),
+        t(2),
+        t(3),
+        &stream,
+    )?;
+    Ok(())
 }

@@ -5,7 +5,8 @@
 //! with `fa_forward_cache_cpu` (host tables, every entry checked) and `fa_forward_cache_cuda`
 //! (device tables never read by the host: planned by capacity, clamped by the kernels; the
 //! split workspace from the caller, sized by `fa_forward_cache_cuda_workspace_bytes`, or
-//! allocated on the stream).
+//! allocated on the stream); new tokens go into a cache in place with `fa_append_kv_cpu` /
+//! `fa_append_kv_cuda` (API version 3).
 //!
 //! The header is `include/flash_attention_rs.h`, generated from this crate by cbindgen (the
 //! test `header_is_current` fails when it is stale; `FA_CAPI_BLESS=1 cargo test -p fa-capi`
@@ -22,7 +23,7 @@
 //! - `FaOptions` and `FaKvCache` start with their size and the API version: older layouts
 //!   are read as far as they go, newer ones refused (`FA_ERR_VERSION`); a new capability is
 //!   a new field at the end or a new descriptor and function (API version 2 added the KV
-//!   cache), never a changed layout.
+//!   cache, 3 the append entries), never a changed layout.
 //!
 //! `unsafe` lives in small named functions (`convert::read_struct`, `slice_ref`, …), each
 //! with the contract it relies on; the entry points' own contracts are in their docs.
@@ -33,10 +34,11 @@ mod cuda;
 mod error;
 mod types;
 
-pub use cpu::{fa_forward_cache_cpu, fa_forward_cpu};
+pub use cpu::{fa_append_kv_cpu, fa_forward_cache_cpu, fa_forward_cpu};
 pub use cuda::{
-    fa_cuda_device_create, fa_cuda_device_create_from_context, fa_cuda_device_destroy,
-    fa_forward_cache_cuda, fa_forward_cache_cuda_workspace_bytes, fa_forward_cuda,
+    fa_append_kv_cuda, fa_cuda_device_create, fa_cuda_device_create_from_context,
+    fa_cuda_device_destroy, fa_forward_cache_cuda, fa_forward_cache_cuda_workspace_bytes,
+    fa_forward_cuda,
 };
 pub use types::*;
 

@@ -8,9 +8,10 @@ use core::ffi::c_void;
 /// descriptor or entry point is added; a caller passes the version it was compiled against in
 /// [`FaOptions::version`] (and [`FaKvCache::version`]). Version 1: the forward entries;
 /// version 2 adds [`FaKvCache`] and the KV-cache entries (`fa_forward_cache_cpu`,
-/// `fa_forward_cache_cuda`, `fa_forward_cache_cuda_workspace_bytes`). A library accepts
-/// descriptors of every version up to its own.
-pub const FA_API_VERSION: u32 = 2;
+/// `fa_forward_cache_cuda`, `fa_forward_cache_cuda_workspace_bytes`); version 3 adds the
+/// in-place appends `fa_append_kv_cpu` and `fa_append_kv_cuda` (no descriptor changed). A
+/// library accepts descriptors of every version up to its own.
+pub const FA_API_VERSION: u32 = 3;
 
 /// Success.
 pub const FA_OK: i32 = 0;

@@ -1,6 +1,6 @@
 //! The CUDA entry points: without a GPU every device call is `FA_ERR_NO_DEVICE`; on a GPU
-//! (ignored here) `fa_forward_cuda` runs on a caller's stream on cudarc allocations and
-//! matches the f64 reference.
+//! (ignored here) `fa_forward_cuda`, `fa_forward_cache_cuda` and `fa_append_kv_cuda` run on a
+//! caller's stream on cudarc allocations and match the f64 reference.
 
 mod common;
 
@@ -50,20 +50,82 @@ fn bad_handles_and_out_pointers_are_refused() {
     assert!(last_error().contains("device"), "{}", last_error());
 }
 
+/// A caller's stream on device 0 and the library's handle on its primary context (bound to
+/// this thread), with bf16 transfers; the handle is destroyed on drop.
+struct Gpu {
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    handle: *mut FaCudaDevice,
+}
+
+impl Gpu {
+    fn open() -> Gpu {
+        let ctx = cudarc::driver::CudaContext::new(0).expect("device 0");
+        let stream = ctx.new_stream().expect("a caller stream");
+        let mut handle = null_mut();
+        // SAFETY: the primary context is current on this thread (CudaContext::new binds it).
+        let code = unsafe { fa_cuda_device_create_from_context(null_mut(), &mut handle) };
+        assert_eq!(code, FA_OK, "{}", last_error());
+        Gpu { stream, handle }
+    }
+
+    /// `x` rounded to bf16, on the device.
+    fn up(&self, x: &[f32]) -> cudarc::driver::CudaSlice<u16> {
+        let bits: Vec<u16> = x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        self.stream.clone_htod(&bits).expect("upload")
+    }
+
+    fn up_i32(&self, x: &[i32]) -> cudarc::driver::CudaSlice<i32> {
+        self.stream.clone_htod(x).expect("upload")
+    }
+
+    fn down(&self, x: &cudarc::driver::CudaSlice<u16>) -> Vec<half::bf16> {
+        let bits = self.stream.clone_dtoh(x).expect("download");
+        bits.into_iter().map(half::bf16::from_bits).collect()
+    }
+
+    fn addr<T>(&self, x: &cudarc::driver::CudaSlice<T>) -> *mut c_void {
+        use cudarc::driver::DevicePtr;
+        x.device_ptr(&self.stream).0 as usize as *mut c_void
+    }
+
+    fn raw_stream(&self) -> *mut c_void {
+        self.stream.cu_stream() as *mut c_void
+    }
+
+    /// Waits for the stream, then compares O and the LSE on the device with the f64
+    /// reference of `problem` over the host inputs.
+    fn report(
+        &self,
+        problem: &softmax_core::Problem,
+        [q, k, v]: [&[f32]; 3],
+        o: &cudarc::driver::CudaSlice<u16>,
+        lse: &cudarc::driver::CudaSlice<f32>,
+    ) -> fa_reference::ErrorReport {
+        self.stream.synchronize().expect("synchronise");
+        let lse_host = self.stream.clone_dtoh(lse).expect("download");
+        let oracle = fa_reference::attention_f64(problem, q, k, v);
+        fa_reference::compare(problem, &self.down(o), Some(&lse_host), &oracle)
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // The work is finished (or abandoned by a failed assertion) before the handle goes.
+        let _ = self.stream.synchronize();
+        // SAFETY: the handle came from fa_cuda_device_create_from_context, destroyed once.
+        unsafe { fa_cuda_device_destroy(self.handle) };
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn forward_on_a_caller_stream_matches_the_reference() {
-    use cudarc::driver::{CudaContext, DevicePtr};
-    use fa_reference::{compare, Case, Rng, Rounding};
-    use half::bf16;
+    use fa_reference::{Case, Rng, Rounding};
 
-    let ctx = CudaContext::new(0).expect("device 0");
-    let stream = ctx.new_stream().expect("a caller stream");
-    let mut handle = null_mut();
-    // SAFETY: the primary context is current on this thread (CudaContext::new binds it).
-    let code = unsafe { fa_cuda_device_create_from_context(null_mut(), &mut handle) };
-    assert_eq!(code, FA_OK, "{}", last_error());
-
+    let gpu = Gpu::open();
     let mut rng = Rng::new(21);
     for causal in [false, true] {
         let mut case = Case::dense(&mut rng, 2, 100, 130, 8, 2, 64).round(Rounding::Bf16);
@@ -71,184 +133,223 @@ fn forward_on_a_caller_stream_matches_the_reference() {
             case = case.causal();
         }
         let problem = case.desc().validate(256).expect("valid");
-        let up = |x: &[f32]| {
-            let bits: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-            stream.clone_htod(&bits).expect("upload")
-        };
-        let (q, k, v) = (up(&case.q), up(&case.k), up(&case.v));
-        let o = stream
+        let (q, k, v) = (gpu.up(&case.q), gpu.up(&case.k), gpu.up(&case.v));
+        let o = gpu
+            .stream
             .alloc_zeros::<u16>(problem.min_buffer_lens().o)
             .expect("alloc");
-        let lse = stream.alloc_zeros::<f32>(problem.lse_len()).expect("alloc");
+        let lse = gpu
+            .stream
+            .alloc_zeros::<f32>(problem.lse_len())
+            .expect("alloc");
         let mut p = dense(2, 100, 130, 8, 2, 64);
         p.causal = causal as u32;
-        let addr =
-            |s: &cudarc::driver::CudaSlice<u16>| s.device_ptr(&stream).0 as usize as *mut c_void;
-        let tq = bshd(addr(&q), FA_DTYPE_BF16, 100, 8, 64);
-        let tk = bshd(addr(&k), FA_DTYPE_BF16, 130, 2, 64);
-        let tv = bshd(addr(&v), FA_DTYPE_BF16, 130, 2, 64);
-        let to = bshd(addr(&o), FA_DTYPE_BF16, 100, 8, 64);
-        let lse_ptr = lse.device_ptr(&stream).0 as usize as *mut f32;
+        let tq = bshd(gpu.addr(&q), FA_DTYPE_BF16, 100, 8, 64);
+        let tk = bshd(gpu.addr(&k), FA_DTYPE_BF16, 130, 2, 64);
+        let tv = bshd(gpu.addr(&v), FA_DTYPE_BF16, 130, 2, 64);
+        let to = bshd(gpu.addr(&o), FA_DTYPE_BF16, 100, 8, 64);
         // SAFETY: allocations of this context sized for the problem, alive until the
-        // stream is synchronised below; `stream` is a stream of the same context.
+        // stream is synchronised below; the stream is of the same context.
         let code = unsafe {
             fa_forward_cuda(
-                handle,
+                gpu.handle,
                 &p,
                 &tq,
                 &tk,
                 &tv,
                 &to,
-                lse_ptr,
-                stream.cu_stream() as *mut c_void,
+                gpu.addr(&lse).cast(),
+                gpu.raw_stream(),
                 null(),
             )
         };
         assert_eq!(code, FA_OK, "{}", last_error());
-        stream.synchronize().expect("synchronise");
-        let o_host: Vec<bf16> = stream
-            .clone_dtoh(&o)
-            .expect("download")
-            .into_iter()
-            .map(bf16::from_bits)
-            .collect();
-        let lse_host = stream.clone_dtoh(&lse).expect("download");
-        let oracle = fa_reference::attention_f64(&problem, &case.q, &case.k, &case.v);
-        let report = compare(&problem, &o_host, Some(&lse_host), &oracle);
+        let report = gpu.report(&problem, [&case.q, &case.k, &case.v], &o, &lse);
         assert!(report.within(1e-2, 1e-3), "causal={causal}: {report:?}");
     }
-    // SAFETY: the handle came from fa_cuda_device_create_from_context; work is finished.
-    unsafe { fa_cuda_device_destroy(handle) };
+}
+
+/// Runs `fa_forward_cache_cuda` on a decode case whose cache is on the device (`k`, `v`),
+/// tables uploaded here, and compares with the f64 reference over `case`'s host cache.
+fn check_cache_forward(
+    gpu: &Gpu,
+    case: &fa_reference::DecodeCase,
+    k: &cudarc::driver::CudaSlice<u16>,
+    v: &cudarc::driver::CudaSlice<u16>,
+    splits: u32,
+    caller_workspace: bool,
+) {
+    let problem = case.desc().validate(256).expect("valid");
+    let (sq, hq, hk, d) = (case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim);
+    let q = gpu.up(&case.q);
+    let o = gpu
+        .stream
+        .alloc_zeros::<u16>(problem.min_buffer_lens().o)
+        .expect("alloc");
+    let lse = gpu
+        .stream
+        .alloc_zeros::<f32>(problem.lse_len())
+        .expect("alloc");
+    let used: Vec<i32> = case.seqused_k.iter().map(|&x| x as i32).collect();
+    let used_dev = gpu.up_i32(&used);
+    let table_dev = gpu.up_i32(if case.block_table.is_empty() {
+        &[0]
+    } else {
+        &case.block_table
+    });
+    let (p, mut cache, rows) = cache_descriptors(
+        case,
+        gpu.addr(&used_dev).cast(),
+        gpu.addr(&table_dev).cast(),
+    );
+    cache.num_splits = splits;
+    let tq = bshd(gpu.addr(&q), FA_DTYPE_BF16, sq, hq, d);
+    let tk = bshd(gpu.addr(k), FA_DTYPE_BF16, rows, hk, d);
+    let tv = bshd(gpu.addr(v), FA_DTYPE_BF16, rows, hk, d);
+    let to = bshd(gpu.addr(&o), FA_DTYPE_BF16, sq, hq, d);
+    let mut ws_bytes = 0usize;
+    // SAFETY: descriptors of live locals; nothing on the device is read.
+    let code = unsafe {
+        fa_forward_cache_cuda_workspace_bytes(
+            gpu.handle,
+            &p,
+            &cache,
+            &tq,
+            &tk,
+            &tv,
+            &to,
+            null(),
+            &mut ws_bytes,
+        )
+    };
+    assert_eq!(code, FA_OK, "{}", last_error());
+    if splits > 1 {
+        assert!(ws_bytes > 0, "forced splits need a workspace");
+    }
+    let ws = caller_workspace.then(|| {
+        gpu.stream
+            .alloc_zeros::<u8>(ws_bytes.max(16))
+            .expect("workspace")
+    });
+    let ws_ptr = ws.as_ref().map_or(null_mut(), |w| gpu.addr(w));
+    // SAFETY: allocations of this context sized for the problem and the workspace, alive
+    // until the stream is synchronised below; the stream is of the same context.
+    let code = unsafe {
+        fa_forward_cache_cuda(
+            gpu.handle,
+            &p,
+            &cache,
+            &tq,
+            &tk,
+            &tv,
+            &to,
+            gpu.addr(&lse).cast(),
+            ws_ptr,
+            ws_bytes.max(16),
+            gpu.raw_stream(),
+            null(),
+        )
+    };
+    assert_eq!(code, FA_OK, "{}", last_error());
+    let report = gpu.report(&problem, [&case.q, &case.k, &case.v], &o, &lse);
+    assert!(
+        report.within(1e-2, 1e-2),
+        "{:?} splits {splits}: {report:?}",
+        case.layout
+    );
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cache_forward_with_device_tables_matches_the_reference() {
-    use cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
-    use fa_reference::{compare, CacheLayout, DecodeCase, Rng, Rounding};
-    use half::bf16;
+    use fa_reference::{CacheLayout, DecodeCase, Rng, Rounding};
 
-    let ctx = CudaContext::new(0).expect("device 0");
-    let stream = ctx.new_stream().expect("a caller stream");
-    let mut handle = null_mut();
-    // SAFETY: the primary context is current on this thread (CudaContext::new binds it).
-    let code = unsafe { fa_cuda_device_create_from_context(null_mut(), &mut handle) };
-    assert_eq!(code, FA_OK, "{}", last_error());
-
+    let gpu = Gpu::open();
     let mut rng = Rng::new(22);
     let used = [0u32, 1, 77, 300, 129];
-    let (sq, hq, hk, d) = (2, 8, 2, 128);
     for (layout, splits, caller_workspace) in [
         (CacheLayout::Padded { capacity: 301 }, 0, false),
         (DecodeCase::paged_layout(&used, 16), 0, true),
         (DecodeCase::paged_layout(&used, 64), 3, false),
     ] {
-        let case = DecodeCase::new(&mut rng, &used, sq, hq, hk, d, layout, Rounding::Bf16).causal();
-        let problem = case.desc().validate(256).expect("valid");
-        let up = |x: &[f32]| {
-            let bits: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-            stream.clone_htod(&bits).expect("upload")
-        };
-        let (q, k, v) = (up(&case.q), up(&case.k), up(&case.v));
-        let o = stream
-            .alloc_zeros::<u16>(problem.min_buffer_lens().o)
-            .expect("alloc");
-        let lse = stream.alloc_zeros::<f32>(problem.lse_len()).expect("alloc");
-        let used_dev = stream.clone_htod(&used.map(|x| x as i32)).expect("upload");
-        let table_dev = (!case.block_table.is_empty())
-            .then(|| stream.clone_htod(&case.block_table).expect("upload"));
-        let addr = |s: &CudaSlice<u16>| s.device_ptr(&stream).0 as usize as *mut c_void;
-        let mut p = dense(5, sq as i64, 0, hq as i64, hk as i64, d as i64);
-        p.causal = 1;
-        let mut cache = FaKvCache {
-            seqused_k: used_dev.device_ptr(&stream).0 as usize as *const i32,
-            num_splits: splits,
-            ..FaKvCache::default()
-        };
-        let rows = match layout {
-            CacheLayout::Padded { capacity } => {
-                p.seqlen_k = capacity as i64;
-                capacity
-            }
-            CacheLayout::Paged {
-                block_size,
-                blocks_per_seq,
-                num_blocks,
-            } => {
-                let t = table_dev.as_ref().expect("a table");
-                cache.block_table = t.device_ptr(&stream).0 as usize as *const i32;
-                cache.blocks_per_seq = blocks_per_seq as i64;
-                cache.block_size = block_size as i64;
-                cache.num_blocks = num_blocks as i64;
-                block_size
-            }
-        };
-        let tq = bshd(addr(&q), FA_DTYPE_BF16, sq, hq, d);
-        let tk = bshd(addr(&k), FA_DTYPE_BF16, rows, hk, d);
-        let tv = bshd(addr(&v), FA_DTYPE_BF16, rows, hk, d);
-        let to = bshd(addr(&o), FA_DTYPE_BF16, sq, hq, d);
-        let mut ws_bytes = 0usize;
-        // SAFETY: descriptors of live locals; nothing on the device is read.
-        let code = unsafe {
-            fa_forward_cache_cuda_workspace_bytes(
-                handle,
-                &p,
-                &cache,
-                &tq,
-                &tk,
-                &tv,
-                &to,
-                null(),
-                &mut ws_bytes,
-            )
-        };
-        assert_eq!(code, FA_OK, "{}", last_error());
-        if splits > 1 {
-            assert!(ws_bytes > 0, "forced splits need a workspace");
-        }
-        let ws = caller_workspace.then(|| {
-            stream
-                .alloc_zeros::<u8>(ws_bytes.max(16))
-                .expect("workspace")
-        });
-        let ws_ptr = ws.as_ref().map_or(null_mut(), |w| {
-            w.device_ptr(&stream).0 as usize as *mut c_void
-        });
-        let lse_ptr = lse.device_ptr(&stream).0 as usize as *mut f32;
-        // SAFETY: allocations of this context sized for the problem and the workspace, alive
-        // until the stream is synchronised below; `stream` is a stream of the same context.
-        let code = unsafe {
-            fa_forward_cache_cuda(
-                handle,
-                &p,
-                &cache,
-                &tq,
-                &tk,
-                &tv,
-                &to,
-                lse_ptr,
-                ws_ptr,
-                ws_bytes.max(16),
-                stream.cu_stream() as *mut c_void,
-                null(),
-            )
-        };
-        assert_eq!(code, FA_OK, "{}", last_error());
-        stream.synchronize().expect("synchronise");
-        let o_host: Vec<bf16> = stream
-            .clone_dtoh(&o)
-            .expect("download")
-            .into_iter()
-            .map(bf16::from_bits)
-            .collect();
-        let lse_host = stream.clone_dtoh(&lse).expect("download");
-        let oracle = fa_reference::attention_f64(&problem, &case.q, &case.k, &case.v);
-        let report = compare(&problem, &o_host, Some(&lse_host), &oracle);
-        assert!(
-            report.within(1e-2, 1e-2),
-            "{layout:?} splits {splits}: {report:?}"
-        );
+        let case = DecodeCase::new(&mut rng, &used, 2, 8, 2, 128, layout, Rounding::Bf16).causal();
+        let (k, v) = (gpu.up(&case.k), gpu.up(&case.v));
+        check_cache_forward(&gpu, &case, &k, &v, splits, caller_workspace);
     }
-    // SAFETY: the handle came from fa_cuda_device_create_from_context; work is finished.
-    unsafe { fa_cuda_device_destroy(handle) };
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn append_with_device_tables_then_the_cache_call_matches_the_reference() {
+    use fa_reference::{CacheLayout, DecodeCase, Rng, Rounding};
+
+    let gpu = Gpu::open();
+    let mut rng = Rng::new(23);
+    let new = 2;
+    // The case's lengths count the new tokens; the append starts at `after − new`.
+    let after = [2u32, 3, 78, 301, 130];
+    let before: Vec<i32> = after.iter().map(|&u| (u - new as u32) as i32).collect();
+    for layout in [
+        CacheLayout::Padded { capacity: 305 },
+        DecodeCase::paged_layout(&after, 16),
+        DecodeCase::paged_layout(&after, 1),
+    ] {
+        let mut case =
+            DecodeCase::new(&mut rng, &after, new, 8, 2, 128, layout, Rounding::Bf16).causal();
+        let hk = case.heads_kv;
+        let bf = |x: f64| half::bf16::from_f64(x).to_f32();
+        let k_new: Vec<f32> = (0..5 * new * hk * 128).map(|_| bf(rng.normal())).collect();
+        let v_new: Vec<f32> = (0..5 * new * hk * 128).map(|_| bf(rng.normal())).collect();
+        let (k_want, v_want) = appended(&case, new, &k_new, &v_new);
+        let (k, v, kn, vn) = (
+            gpu.up(&case.k),
+            gpu.up(&case.v),
+            gpu.up(&k_new),
+            gpu.up(&v_new),
+        );
+        let used_dev = gpu.up_i32(&before);
+        let table_dev = gpu.up_i32(if case.block_table.is_empty() {
+            &[0]
+        } else {
+            &case.block_table
+        });
+        let (p, cache, rows) = cache_descriptors(
+            &case,
+            gpu.addr(&used_dev).cast(),
+            gpu.addr(&table_dev).cast(),
+        );
+        let t = [
+            bshd(gpu.addr(&kn), FA_DTYPE_BF16, new, hk, 128),
+            bshd(gpu.addr(&vn), FA_DTYPE_BF16, new, hk, 128),
+            bshd(gpu.addr(&k), FA_DTYPE_BF16, rows, hk, 128),
+            bshd(gpu.addr(&v), FA_DTYPE_BF16, rows, hk, 128),
+        ];
+        // SAFETY: allocations of this context sized for the cache and the new tokens, alive
+        // until the stream is synchronised; the stream is of the same context.
+        let code = unsafe {
+            fa_append_kv_cuda(
+                gpu.handle,
+                &p,
+                &cache,
+                &t[0],
+                &t[1],
+                &t[2],
+                &t[3],
+                gpu.raw_stream(),
+            )
+        };
+        assert_eq!(code, FA_OK, "{}", last_error());
+        gpu.stream.synchronize().expect("synchronise");
+        let want = |x: &[f32]| {
+            x.iter()
+                .map(|&v| half::bf16::from_f32(v))
+                .collect::<Vec<_>>()
+        };
+        assert!(
+            gpu.down(&k) == want(&k_want) && gpu.down(&v) == want(&v_want),
+            "{layout:?}: the append"
+        );
+        (case.k, case.v) = (k_want, v_want);
+        check_cache_forward(&gpu, &case, &k, &v, 0, false);
+    }
 }

@@ -1,7 +1,8 @@
 //! `fa_forward_cache_cpu` called as C would: padded and paged caches (shuffled block tables,
 //! used lengths 0, 1 and odd, several queries per sequence with causal, GQA and MQA, forced
-//! split counts, f32 and bf16) against the f64 reference; bad caches refused with their code
-//! and message and the outputs untouched; the CUDA entries' host-side refusals.
+//! split counts, f32 and bf16) against the f64 reference; `fa_append_kv_cpu` (new tokens in
+//! place, then the cache call over the new lengths); bad caches refused with their code and
+//! message and the outputs untouched; the CUDA entries' host-side refusals.
 
 mod common;
 
@@ -25,38 +26,12 @@ fn descriptors(
     dtype: u32,
     [q, k, v, o]: [*mut c_void; 4],
 ) -> (FaProblem, FaKvCache, [FaTensor; 4]) {
-    let (batch, sq, hq, hk, d) = (
-        case.batch,
-        case.seqlen_q,
-        case.heads_q,
-        case.heads_kv,
-        case.head_dim,
+    let (sq, hq, hk, d) = (case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim);
+    let (problem, cache, rows) = cache_descriptors(
+        case,
+        case.seqused_k.as_ptr().cast(),
+        case.block_table.as_ptr(),
     );
-    let mut problem = dense(batch as i64, sq as i64, 0, hq as i64, hk as i64, d as i64);
-    problem.causal = u32::from(case.mask.right == Some(0));
-    let mut cache = FaKvCache {
-        seqused_k: case.seqused_k.as_ptr().cast(),
-        ..FaKvCache::default()
-    };
-    let rows = match case.layout {
-        CacheLayout::Padded { capacity } => {
-            problem.seqlen_k = capacity as i64;
-            capacity
-        }
-        CacheLayout::Paged {
-            block_size,
-            blocks_per_seq,
-            num_blocks,
-        } => {
-            cache.block_table = case.block_table.as_ptr();
-            cache.blocks_per_seq = blocks_per_seq as i64;
-            cache.block_size = block_size as i64;
-            cache.num_blocks = num_blocks as i64;
-            // Ignored for a paged cache: a value that would be wrong if it were read.
-            problem.seqlen_k = 12345;
-            block_size
-        }
-    };
     let tensors = [
         bshd(q, dtype, sq, hq, d),
         bshd(k, dtype, rows, hk, d),
@@ -479,4 +454,117 @@ fn cuda_cache_entries_refuse_bad_handles() {
         )
     };
     assert_eq!(code, FA_ERR_INVALID_ARGUMENT);
+}
+
+/// Calls `fa_append_kv_cpu`.
+fn append(p: &FaProblem, cache: &FaKvCache, t: &[FaTensor; 4]) -> i32 {
+    // SAFETY: every pointer is a live local or a buffer of the case of the right size (the
+    // tests make them bad only in ways the library must refuse).
+    unsafe { fa_append_kv_cpu(p, cache, &t[0], &t[1], &t[2], &t[3]) }
+}
+
+#[test]
+fn append_in_place_then_the_cache_call_matches_the_reference() {
+    let mut rng = Rng::new(1516);
+    let new = 3;
+    for block_size in [0, 1, 7, 16] {
+        let (hq, hk, d) = (8, 2, 40);
+        // The case's lengths count the new tokens; the append starts at `used − new`.
+        let after = [new as u32, 4, 99, 203, 17];
+        let before: Vec<u32> = after.iter().map(|&u| u - new as u32).collect();
+        let layout = match block_size {
+            0 => CacheLayout::Padded { capacity: 210 },
+            bs => DecodeCase::paged_layout(&after, bs),
+        };
+        let mut case =
+            DecodeCase::new(&mut rng, &after, new, hq, hk, d, layout, Rounding::F32).causal();
+        let k_new: Vec<f32> = (0..5 * new * hk * d).map(|_| rng.normal() as f32).collect();
+        let v_new: Vec<f32> = (0..5 * new * hk * d).map(|_| rng.normal() as f32).collect();
+        let (k_want, v_want) = appended(&case, new, &k_new, &v_new);
+        let (mut k, mut v) = (case.k.clone(), case.v.clone());
+        let (p, cache, rows) =
+            cache_descriptors(&case, before.as_ptr().cast(), case.block_table.as_ptr());
+        let ptr = |x: &[f32]| x.as_ptr() as *mut c_void;
+        let t = [
+            bshd(ptr(&k_new), FA_DTYPE_F32, new, hk, d),
+            bshd(ptr(&v_new), FA_DTYPE_F32, new, hk, d),
+            bshd(k.as_mut_ptr().cast(), FA_DTYPE_F32, rows, hk, d),
+            bshd(v.as_mut_ptr().cast(), FA_DTYPE_F32, rows, hk, d),
+        ];
+        assert_eq!(append(&p, &cache, &t), FA_OK, "{}", last_error());
+        assert!(
+            k == k_want && v == v_want,
+            "block size {block_size}: the append"
+        );
+        // The cache call over the new lengths sees the new tokens.
+        (case.k, case.v) = (k, v);
+        let report = check_f32(&case, 0);
+        assert!(
+            report.within(F32_BOUND, LSE_BOUND),
+            "block size {block_size}: {report:?}"
+        );
+    }
+}
+
+#[test]
+fn append_refusals_leave_the_cache_untouched() {
+    let mut rng = Rng::new(1517);
+    let after = [5u32, 9];
+    let case = DecodeCase::new(
+        &mut rng,
+        &after,
+        2,
+        4,
+        2,
+        16,
+        DecodeCase::paged_layout(&after, 4),
+        Rounding::F32,
+    );
+    let new: Vec<f32> = (0..2 * 2 * 2 * 16).map(|_| rng.normal() as f32).collect();
+    let (mut k, mut v) = (case.k.clone(), case.v.clone());
+    let ptr = |x: &[f32]| x.as_ptr() as *mut c_void;
+    let before = [3i32, 7];
+    let (p, cache, rows) = cache_descriptors(&case, before.as_ptr(), case.block_table.as_ptr());
+    let t = [
+        bshd(ptr(&new), FA_DTYPE_F32, 2, 2, 16),
+        bshd(ptr(&new), FA_DTYPE_F32, 2, 2, 16),
+        bshd(k.as_mut_ptr().cast(), FA_DTYPE_F32, rows, 2, 16),
+        bshd(v.as_mut_ptr().cast(), FA_DTYPE_F32, rows, 2, 16),
+    ];
+    // No room: sequence 1 would end at 17 keys; its table row holds 4 blocks of 4.
+    let long = [3i32, 15];
+    let c = FaKvCache {
+        seqused_k: long.as_ptr(),
+        ..cache
+    };
+    assert_eq!(append(&p, &c, &t), FA_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("holds 16"), "{}", last_error());
+    // A block index outside the cache at a new position.
+    let mut table = case.block_table.clone();
+    table[1] = 10_000;
+    let c = FaKvCache {
+        block_table: table.as_ptr(),
+        ..cache
+    };
+    assert_eq!(append(&p, &c, &t), FA_ERR_INVALID_ARGUMENT);
+    assert!(
+        last_error().contains("outside the cache"),
+        "{}",
+        last_error()
+    );
+    // The new tokens overlap the cache.
+    let mut bad = t;
+    bad[0].data = t[2].data;
+    assert_eq!(append(&p, &cache, &bad), FA_ERR_INVALID_ARGUMENT);
+    // Mixed dtypes.
+    let mut bad = t;
+    bad[1].dtype = FA_DTYPE_BF16;
+    assert_eq!(append(&p, &cache, &bad), FA_ERR_UNSUPPORTED);
+    assert!(
+        k == case.k && v == case.v,
+        "a refused append wrote the cache"
+    );
+    // And the same call, valid, does write.
+    assert_eq!(append(&p, &cache, &t), FA_OK, "{}", last_error());
+    assert!(k != case.k);
 }

@@ -1171,6 +1171,8 @@ fn bench_decode_json_lines_have_the_documented_keys() {
             "kv_gbps",
             "copy_gbps",
             "fraction_of_copy",
+            "read_gbps",
+            "fraction_of_read",
             "kv_splits",
         ] {
             assert!(line.get(key).is_some(), "{key} missing: {line}");

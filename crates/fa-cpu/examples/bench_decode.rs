@@ -12,9 +12,13 @@
 //! `--heads-kv`, `--head-dim`, `--queries` (per sequence, default 1), `--page` (block size;
 //! 0: padded cache), `--threads` (default: all cores), `--splits` (default: the library's
 //! rule), `--rounds` (default 9), `--copy-mib` (copy buffer size; default the K/V bytes
-//! within 256 MiB..1 GiB; 0: a token copy, to profile the decode alone).
+//! within 256 MiB..1 GiB; 0: a token copy, to profile the decode alone), `--pf` (prefetch
+//! schedules to alternate, e.g. `phase,ahead:4,off`; see `fa_cpu::DecodePrefetch::parse`).
 
-use fa_cpu::{forward_with_workspace, Element, ForwardOptions, Workspace};
+use fa_cpu::{
+    decode_prefetch, forward_with_workspace, set_decode_prefetch, DecodePrefetch, Element,
+    ForwardOptions, Workspace,
+};
 use softmax_core::{Out, ProblemDesc, Qkv};
 use std::time::Instant;
 
@@ -111,32 +115,56 @@ fn run<T: Element>(args: &[String]) {
         .expect("decode runs");
         (t.elapsed().as_secs_f64(), stats.kv_splits)
     };
+    // `--pf a,b,..`: prefetch schedules alternated within each round (DecodePrefetch::parse).
+    let modes: Vec<Option<DecodePrefetch>> = match args.iter().position(|a| a == "--pf") {
+        Some(i) => args[i + 1]
+            .split(',')
+            .map(|m| Some(DecodePrefetch::parse(m).unwrap_or_else(|| panic!("--pf {m}?"))))
+            .collect(),
+        None => vec![None],
+    };
     let (_, split_count) = call();
     copy();
-    let (mut times, mut copies, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..rounds.max(1) {
-        let c = copy();
-        let (t, _) = call();
-        times.push(t);
-        copies.push(c);
-        ratios.push(kv_bytes / t / 1e9 / c);
+    let mut times = vec![Vec::new(); modes.len()];
+    let (mut copies, mut ratios) = (times.clone(), times.clone());
+    for round in 0..rounds.max(1) {
+        for k in 0..modes.len() {
+            // The order flips every round.
+            let m = if round % 2 == 0 {
+                k
+            } else {
+                modes.len() - 1 - k
+            };
+            if let Some(mode) = modes[m] {
+                set_decode_prefetch(mode);
+            }
+            let c = copy();
+            let (t, _) = call();
+            times[m].push(t);
+            copies[m].push(c);
+            ratios[m].push(kv_bytes / t / 1e9 / c);
+        }
     }
-    let t = median(&mut times);
-    println!(
-        "{} b{b} cache {n} h{h}/{hkv} d{d} q{sq} page {} threads {threads} splits {split_count}: \
-         {:.3} ms, K/V {:.2} GB/s, copy {:.2} GB/s, ratio {:.3} (median of {} rounds)",
-        T::NAME,
-        if page == 0 {
-            "pad".to_string()
-        } else {
-            page.to_string()
-        },
-        t * 1e3,
-        kv_bytes / t / 1e9,
-        median(&mut copies),
-        median(&mut ratios),
-        rounds.max(1)
-    );
+    for m in 0..modes.len() {
+        let t = median(&mut times[m]);
+        println!(
+            "{} b{b} cache {n} h{h}/{hkv} d{d} q{sq} page {} threads {threads} splits {split_count} \
+             prefetch {:?}: {:.3} ms, K/V {:.2} GB/s, copy {:.2} GB/s, ratio {:.3} (median of {} \
+             rounds)",
+            T::NAME,
+            if page == 0 {
+                "pad".to_string()
+            } else {
+                page.to_string()
+            },
+            modes[m].unwrap_or_else(decode_prefetch),
+            t * 1e3,
+            kv_bytes / t / 1e9,
+            median(&mut copies[m]),
+            median(&mut ratios[m]),
+            rounds.max(1)
+        );
+    }
 }
 
 fn main() {

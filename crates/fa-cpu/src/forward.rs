@@ -21,6 +21,27 @@ pub struct Workspace {
     slots: Vec<Mutex<Scratch>>,
     /// The thread count the pool was built for, and the pool (`None` for one thread).
     pool: Option<(usize, Option<rayon::ThreadPool>)>,
+    /// Split-KV's partial rows, kept across calls (a warm decode step allocates nothing).
+    partials: PartialBufs,
+}
+
+/// Split-KV's partial rows: unnormalised O rows and their online-softmax states.
+#[derive(Debug, Default)]
+struct PartialBufs {
+    acc: Vec<f32>,
+    states: Vec<RowState<f32>>,
+}
+
+/// `v` as `n` copies of `fill`, reusing its allocation; a typed error when it cannot grow.
+fn reset<E: Clone>(v: &mut Vec<E>, n: usize, fill: E) -> Result<(), ProblemError> {
+    v.clear();
+    v.try_reserve_exact(n)
+        .map_err(|_| ProblemError::OutOfMemory {
+            what: "the split-KV partial results",
+            bytes: n.saturating_mul(std::mem::size_of::<E>()),
+        })?;
+    v.resize(n, fill);
+    Ok(())
 }
 
 impl Workspace {
@@ -251,36 +272,79 @@ pub(crate) fn forward_on<T: Element, O: Element>(
     // Split-KV: every split of every task, then the combines (which read what the splits
     // wrote, so the two phases run one after the other).
     let plan = decode_task::plan(problem, &tiling, &task_list, opts.kv_splits)?;
-    let dv = problem.head_dim_v();
-    let mut acc = try_vec(plan.partial_rows.saturating_mul(dv), 0.0f32)?;
-    let mut states = try_vec(plan.partial_rows, RowState::new())?;
-    let partials = Partials {
-        acc: SharedOut::new(&mut acc),
-        states: SharedOut::new(&mut states),
-    };
-    let stats = run_items(ws, threads, workers, plan.splits.len(), |scratch, i| {
-        dispatch(
-            isa,
-            DecodeTask {
-                ctx: &ctx,
-                split: &plan.splits[i],
-                partials,
-                scratch,
-            },
-        )
-    });
-    let (acc, states) = (&acc[..], &states[..]);
-    run_items(ws, threads, workers, plan.combines.len(), |scratch, i| {
-        let acc_row = ensure(&mut scratch.row, dv, 0.0);
-        decode_task::combine(&ctx, &plan.combines[i], acc, states, acc_row);
-        TaskStats::default()
-    });
+    let stats = run_split_kv(
+        ws,
+        threads,
+        workers,
+        plan.partial_rows,
+        problem.head_dim_v(),
+        plan.items.len(),
+        |scratch, i, partials| {
+            dispatch(
+                isa,
+                DecodeTask {
+                    ctx: &ctx,
+                    split: &plan.items[i],
+                    partials,
+                    scratch,
+                },
+            )
+        },
+        plan.combines.len(),
+        |i, acc, states, acc_row| {
+            decode_task::combine(&ctx, &plan.combines[i], acc, states, acc_row)
+        },
+    )?;
     Ok(ForwardStats {
         rescale: stats.rescale,
         tiles_computed: stats.computed,
         tiles_skipped: stats.skipped,
         kv_splits: plan.max_splits,
     })
+}
+
+/// Split-KV's two phases, for the tiled splits and the streaming kernel alike: `split(scratch,
+/// i, partials)` for every item (each writes its partial rows, or O when unsplit), then
+/// `combine(i, acc, states, acc_row)` for every combine (which reads what the items wrote, so
+/// the phases run one after the other). The `rows` partial rows of `dv` floats live in the
+/// workspace across calls.
+#[allow(clippy::too_many_arguments)]
+fn run_split_kv<F, G>(
+    ws: &mut Workspace,
+    threads: Option<usize>,
+    workers: usize,
+    rows: usize,
+    dv: usize,
+    items: usize,
+    split: F,
+    combines: usize,
+    combine: G,
+) -> Result<TaskStats, ProblemError>
+where
+    F: Fn(&mut Scratch, usize, Partials) -> TaskStats + Sync,
+    G: Fn(usize, &[f32], &[RowState<f32>], &mut [f32]) + Sync,
+{
+    let mut bufs = std::mem::take(&mut ws.partials);
+    reset(
+        &mut bufs.acc,
+        rows.checked_mul(dv).ok_or(ProblemError::Overflow)?,
+        0.0,
+    )?;
+    reset(&mut bufs.states, rows, RowState::new())?;
+    let partials = Partials {
+        acc: SharedOut::new(&mut bufs.acc),
+        states: SharedOut::new(&mut bufs.states),
+    };
+    let stats = run_items(ws, threads, workers, items, |scratch, i| {
+        split(scratch, i, partials)
+    });
+    let (acc, states) = (&bufs.acc[..], &bufs.states[..]);
+    run_items(ws, threads, workers, combines, |scratch, i| {
+        combine(i, acc, states, ensure(&mut scratch.row, dv, 0.0));
+        TaskStats::default()
+    });
+    ws.partials = bufs;
+    Ok(stats)
 }
 
 /// Runs one task on AMX tiles (configured here, on the worker's thread); `None` when the
@@ -347,48 +411,35 @@ fn forward_stream<T: Element, O: Element>(
     };
     let bytes = 4 * lens.rows * (lens.d_pad + lens.dv_pad + decode_stream::TILE_KEYS);
     ws.ensure_slots(workers, bytes, |scratch| scratch.try_reserve_stream(lens))?;
-    let dv = problem.head_dim_v();
-    let mut acc = try_vec(plan.partial_rows.saturating_mul(dv), 0.0f32)?;
-    let mut states = try_vec(plan.partial_rows, RowState::new())?;
-    let partials = Partials {
-        acc: SharedOut::new(&mut acc),
-        states: SharedOut::new(&mut states),
-    };
-    let stats = run_items(ws, threads, workers, plan.items.len(), |scratch, i| {
-        dispatch(
-            isa,
-            StreamTask {
-                ctx,
-                item: &plan.items[i],
-                partials,
-                scratch,
-            },
-        )
-    });
-    let (acc, states) = (&acc[..], &states[..]);
-    run_items(ws, threads, workers, plan.combines.len(), |scratch, i| {
-        let acc_row = ensure(&mut scratch.row, dv, 0.0);
-        decode_stream::combine(ctx, &plan.combines[i], acc, states, acc_row);
-        TaskStats::default()
-    });
+    let stats = run_split_kv(
+        ws,
+        threads,
+        workers,
+        plan.partial_rows,
+        problem.head_dim_v(),
+        plan.items.len(),
+        |scratch, i, partials| {
+            dispatch(
+                isa,
+                StreamTask {
+                    ctx,
+                    item: &plan.items[i],
+                    partials,
+                    scratch,
+                },
+            )
+        },
+        plan.combines.len(),
+        |i, acc, states, acc_row| {
+            decode_stream::combine(ctx, &plan.combines[i], acc, states, acc_row)
+        },
+    )?;
     Ok(ForwardStats {
         rescale: stats.rescale,
         tiles_computed: stats.computed,
         tiles_skipped: 0,
         kv_splits: plan.max_splits,
     })
-}
-
-/// A vector of `n` copies of `fill`, or a typed error when it cannot be allocated.
-fn try_vec<E: Clone>(n: usize, fill: E) -> Result<Vec<E>, ProblemError> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|_| ProblemError::OutOfMemory {
-            what: "the split-KV partial results",
-            bytes: n.saturating_mul(std::mem::size_of::<E>()),
-        })?;
-    v.resize(n, fill);
-    Ok(v)
 }
 
 /// Runs `item(scratch, i)` for every `i < n` on `workers` workers (the calling thread and the

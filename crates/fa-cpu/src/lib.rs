@@ -80,6 +80,7 @@ pub use element::Element;
 pub use forward::{
     forward_with_workspace, scratch_bytes_per_thread, supports, Workspace, MAX_THREADS,
 };
+pub use kernel::decode_stream::{decode_prefetch, set_decode_prefetch, DecodePrefetch};
 #[cfg(feature = "phase-timing")]
 pub use kernel::phase_timing::{take_backward_phases, PHASE_NAMES as BACKWARD_PHASE_NAMES};
 

@@ -214,9 +214,10 @@ fn forced_splits_agree_with_the_unsplit_call() {
 #[test]
 fn bitwise_identical_for_any_thread_count() {
     let mut rng = Rng::new(1504);
-    let used = [3000u32, 17, 1500];
+    // Long enough that the automatic rule splits it (2 MiB of K+V per split at least).
+    let used = [20000u32, 17, 9000];
     for layout in [
-        CacheLayout::Padded { capacity: 3001 },
+        CacheLayout::Padded { capacity: 20001 },
         DecodeCase::paged_layout(&used, 16),
     ] {
         let case = DecodeCase::new(&mut rng, &used, 1, 8, 2, 64, layout, Rounding::Bf16);

@@ -27,7 +27,7 @@
 //! sequence's visible keys into splits (problem-only rule, so results never depend on the
 //! thread count); [`combine`] merges a run's splits with `softmax_core::merge_into`.
 
-use super::decode_task::{merge_rows, Partials};
+use super::decode_task::{merge_rows, split_units, Partials, SplitPlan};
 use super::forward_task::{Ctx, KvRows, TaskStats};
 use super::pack::{prefetch_row, widen};
 use super::scratch::{ensure, ensure_aligned, Scratch};
@@ -38,6 +38,7 @@ use crate::element::{sealed, Element};
 use crate::Exp2Impl;
 use softmax_core::{Problem, ProblemError, RescalePolicy, RescaleStats, RowState};
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Keys per tile: the scores of a tile (rows × 64 floats) stay in L1, and the per-row softmax
 /// bookkeeping is paid once per 64 keys.
@@ -52,22 +53,119 @@ pub(crate) const ITEM_QO_BYTES: usize = 32 << 10;
 /// batch × runs of heads is small. A rule of the problem alone (never the thread count).
 pub(crate) const TARGET_ITEMS: usize = 32;
 /// Fewest K+V bytes per split under the automatic rule: below this a split's fixed costs
-/// (loading Q, writing its partial rows, the combine) start to show.
-pub(crate) const MIN_SPLIT_BYTES: usize = 256 << 10;
-/// Most splits per (sequence, run of heads) under the automatic rule.
-pub(crate) const MAX_AUTO_SPLITS: usize = 128;
+/// (loading Q, the cold start of its K/V streams, writing its partial rows, the combine)
+/// start to show. Measured on the GPU machine's Xeon (2 pinned cores, bf16, B=1, 4k keys =
+/// 16 MiB, 5 rounds each, docs/gpu-notes.md run 5x (dec2)): 32 splits of 512 KiB 1.57 ms,
+/// 16 of 1 MiB 1.27 ms, 8 of 2 MiB 1.09 ms. Larger caches keep [`TARGET_ITEMS`] splits.
+pub(crate) const MIN_SPLIT_BYTES: usize = 2 << 20;
 /// Query rows per dot-product / `P·V` block (register blocking).
 pub(crate) const ROW_BLOCK: usize = 4;
 /// Keys per `Q·Kᵀ` step.
 const QK_KEYS: usize = 2;
 /// Keys per `P·V` step.
 const PV_KEYS: usize = 4;
-/// Whether the tile loops prefetch into L2: this tile's V rows during `Q·Kᵀ`, the next
-/// tile's K rows during `P·V` (each stream one phase ahead of its use). Measured on the
-/// 2-core Xeon VM (bf16, B=1, 16k keys, one thread, 9 rounds after a cache-evicting copy):
-/// K/V read 0.33–0.38 of the copy bandwidth with it, 0.24–0.31 without; prefetching K or V
-/// 8–32 keys ahead in its own stream instead did no better.
-const PREFETCH: bool = true;
+/// The software prefetch schedule of the tile loops (all into L2, `prefetcht1`; see
+/// [`DecodePrefetch`]). History: measured on the 2-core Xeon VM (bf16, B=1, 16k keys, one
+/// thread, 9 rounds after a cache-evicting copy): K/V read 0.33–0.38 of the copy bandwidth
+/// with `Phase`, 0.24–0.31 without.
+const DEFAULT_PREFETCH: DecodePrefetch = DecodePrefetch::Phase;
+
+/// The software prefetch schedule of the streaming decode loop: a tuning knob for benchmarks
+/// (`FA_CPU_DECODE_PREFETCH` in the environment, or [`set_decode_prefetch`]); results never
+/// depend on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodePrefetch {
+    /// No software prefetch (the hardware prefetchers alone).
+    Off,
+    /// One phase ahead: this tile's V rows during `Q·Kᵀ`, the next tile's K rows during
+    /// `P·V`, and an item's first K rows before its Q rows are loaded.
+    Phase,
+    /// A fixed distance ahead in each stream: K rows `n` keys (all the item's heads) ahead of
+    /// `Q·Kᵀ`, V rows `n` keys ahead of `P·V` (`n` at most [`TILE_KEYS`]).
+    Ahead(usize),
+    /// Both [`DecodePrefetch::Phase`] and [`DecodePrefetch::Ahead`].
+    PhaseAhead(usize),
+}
+
+impl DecodePrefetch {
+    /// Parses `off`, `phase`, `ahead:N` or `phase+ahead:N`.
+    pub fn parse(s: &str) -> Option<DecodePrefetch> {
+        let ahead = |n: &str| {
+            n.parse::<usize>()
+                .ok()
+                .filter(|&n| (1..=TILE_KEYS).contains(&n))
+        };
+        match s {
+            "off" => Some(DecodePrefetch::Off),
+            "phase" => Some(DecodePrefetch::Phase),
+            _ => {
+                if let Some(n) = s.strip_prefix("phase+ahead:") {
+                    ahead(n).map(DecodePrefetch::PhaseAhead)
+                } else {
+                    s.strip_prefix("ahead:")
+                        .and_then(ahead)
+                        .map(DecodePrefetch::Ahead)
+                }
+            }
+        }
+    }
+
+    fn encode(self) -> usize {
+        match self {
+            DecodePrefetch::Off => 1,
+            DecodePrefetch::Phase => 2,
+            DecodePrefetch::Ahead(n) => 4 | n << 3,
+            DecodePrefetch::PhaseAhead(n) => 6 | n << 3,
+        }
+    }
+
+    fn decode(code: usize) -> DecodePrefetch {
+        let n = (code >> 3).clamp(1, TILE_KEYS);
+        match code & 7 {
+            1 => DecodePrefetch::Off,
+            4 => DecodePrefetch::Ahead(n),
+            6 => DecodePrefetch::PhaseAhead(n),
+            _ => DecodePrefetch::Phase,
+        }
+    }
+
+    /// Whether the phase-ahead streams run.
+    fn phase(self) -> bool {
+        matches!(self, DecodePrefetch::Phase | DecodePrefetch::PhaseAhead(_))
+    }
+
+    /// Keys of the fixed-distance streams (0: none).
+    fn ahead(self) -> usize {
+        match self {
+            DecodePrefetch::Ahead(n) | DecodePrefetch::PhaseAhead(n) => n,
+            _ => 0,
+        }
+    }
+}
+
+/// The schedule in force: 0 until first read (then the environment's, or the default).
+static PREFETCH_MODE: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets the streaming decode loop's prefetch schedule for the process (benchmarks).
+pub fn set_decode_prefetch(mode: DecodePrefetch) {
+    PREFETCH_MODE.store(mode.encode(), Ordering::Relaxed);
+}
+
+/// The streaming decode loop's prefetch schedule: the last [`set_decode_prefetch`], else
+/// `FA_CPU_DECODE_PREFETCH` (see [`DecodePrefetch::parse`]), else the default.
+pub fn decode_prefetch() -> DecodePrefetch {
+    let code = PREFETCH_MODE.load(Ordering::Relaxed);
+    if code != 0 {
+        return DecodePrefetch::decode(code);
+    }
+    let mode = std::env::var("FA_CPU_DECODE_PREFETCH")
+        .ok()
+        .and_then(|s| DecodePrefetch::parse(s.trim()))
+        .unwrap_or(DEFAULT_PREFETCH);
+    // A racing first reader stores the same value.
+    PREFETCH_MODE.store(mode.encode(), Ordering::Relaxed);
+    mode
+}
 
 /// Whether the streaming kernel takes a split-KV problem: few rows per KV head, and no
 /// probability hook (which wants the tiled forward's panels).
@@ -104,19 +202,7 @@ pub(crate) struct Combine {
 }
 
 /// The streaming plan of a call.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Plan {
-    /// Work items of the first phase.
-    pub items: Vec<Item>,
-    /// Work items of the second phase.
-    pub combines: Vec<Combine>,
-    /// Rows of the partial buffers.
-    pub partial_rows: usize,
-    /// The largest split count.
-    pub max_splits: usize,
-    /// The most rows of any item.
-    pub max_rows: usize,
-}
+pub(crate) type Plan = SplitPlan<Item, Combine>;
 
 /// `n` rounded up to whole chunks of `2·lanes` (what the kernels load per step).
 pub(crate) fn padded(n: usize, lanes: usize) -> usize {
@@ -138,7 +224,8 @@ fn row_of(head_kv: usize, group: usize, sq: usize, r: usize) -> (usize, usize) {
 /// Cuts the work (see the module doc): KV heads into runs of at most [`ITEM_QO_BYTES`] of Q
 /// and O rows (balanced), each run's visible keys into splits of whole tiles: `forced` when
 /// given (at most one per tile), else [`TARGET_ITEMS`] items spread over the runs with at
-/// least [`MIN_SPLIT_BYTES`] of K+V per split and at most [`MAX_AUTO_SPLITS`] splits.
+/// least [`MIN_SPLIT_BYTES`] of K+V per split and at most
+/// [`super::decode_task::MAX_AUTO_SPLITS`] splits.
 /// `lanes` is the architecture's vector width, `elem_bytes` the K/V element's size.
 pub(crate) fn plan(
     p: &Problem,
@@ -167,16 +254,10 @@ pub(crate) fn plan(
     let wanted = TARGET_ITEMS.div_ceil(units.max(1));
     let cut = |per_run: usize, visible: &Range<usize>| {
         let n = visible.len();
-        let tiles = n.div_ceil(TILE_KEYS);
         let key_bytes = (per_run * (d + dv) * elem_bytes).max(1);
         let min_keys = MIN_SPLIT_BYTES.div_ceil(key_bytes).max(1);
-        let splits = match forced {
-            Some(s) => s,
-            None => wanted.min(n / min_keys).min(MAX_AUTO_SPLITS),
-        }
-        .clamp(1, tiles.max(1));
-        let per_split = n.div_ceil(splits).div_ceil(TILE_KEYS).max(1) * TILE_KEYS;
-        (per_split, n.div_ceil(per_split).max(1))
+        let (tiles, splits) = split_units(n.div_ceil(TILE_KEYS), forced, wanted, n / min_keys);
+        (tiles * TILE_KEYS, splits)
     };
     // Two passes: count, then fill, so the lists are allocated with `try_reserve`.
     let (mut n_items, mut n_combines) = (0usize, 0usize);
@@ -190,51 +271,33 @@ pub(crate) fn plan(
             n_combines += if splits > 1 { runs } else { 0 };
         }
     }
-    let oom = |what, n: usize, size: usize| ProblemError::OutOfMemory {
-        what,
-        bytes: n.saturating_mul(size),
-    };
-    let mut plan = Plan {
-        max_splits: 1,
-        ..Plan::default()
-    };
-    plan.items
-        .try_reserve_exact(n_items)
-        .map_err(|_| oom("the split list", n_items, std::mem::size_of::<Item>()))?;
-    plan.combines.try_reserve_exact(n_combines).map_err(|_| {
-        oom(
-            "the combine list",
-            n_combines,
-            std::mem::size_of::<Combine>(),
-        )
-    })?;
+    let mut plan = Plan::with_capacity(n_items, n_combines)?;
+    let mut first_rows: Vec<usize> = Vec::new();
     for b in 0..p.batch() {
         let Some((per_run, runs, visible, rph)) = layout(b) else {
             continue;
         };
         let (per_split, splits) = cut(per_run, &visible);
         let run_heads = |r: usize| r * per_run..((r + 1) * per_run).min(heads_kv);
-        let mut first_rows: Vec<usize> = Vec::new();
+        first_rows.clear();
         if splits > 1 {
             first_rows
                 .try_reserve_exact(runs)
-                .map_err(|_| oom("the combine list", runs, 8))?;
+                .map_err(|_| ProblemError::OutOfMemory {
+                    what: "the combine list",
+                    bytes: runs.saturating_mul(8),
+                })?;
             for r in 0..runs {
                 let heads = run_heads(r);
-                let rows = heads.len() * rph;
-                first_rows.push(plan.partial_rows);
+                let first_row = plan.take_rows(splits, heads.len() * rph)?;
+                first_rows.push(first_row);
                 plan.combines.push(Combine {
                     batch: b,
                     heads,
-                    first_row: plan.partial_rows,
+                    first_row,
                     splits,
                 });
-                plan.partial_rows = splits
-                    .checked_mul(rows)
-                    .and_then(|n| n.checked_add(plan.partial_rows))
-                    .ok_or(ProblemError::Overflow)?;
             }
-            plan.max_splits = plan.max_splits.max(splits);
         }
         // Work order: a sequence's splits in key order, the runs of heads of one split
         // together (neighbouring items read neighbouring memory).
@@ -516,6 +579,10 @@ unsafe fn pv_step<S: Simd, T: Element, const R: usize, const U: usize>(
     }
 }
 
+/// One prefetch stream of a tile loop: the buffer, the row offsets (entry `j` is prefetched
+/// at the loop's key `j`, for every head of the item), elements between heads, row length.
+type PfStream<'a, T> = (&'a [T], &'a [usize], usize, usize);
+
 /// The sizes of one item, fixed while it runs.
 #[derive(Clone, Copy)]
 struct Shape {
@@ -550,7 +617,7 @@ unsafe fn qk_tile<S: Simd, T: Element>(
     sh: &Shape,
     q: &[f32],
     s: &mut [f32],
-    prefetch: (&[T], &[usize], usize, usize),
+    prefetch: [PfStream<'_, T>; 2],
 ) {
     let Shape {
         d,
@@ -566,9 +633,10 @@ unsafe fn qk_tile<S: Simd, T: Element>(
     while j < nk {
         let u = (nk - j).min(QK_KEYS);
         for h in 0..heads {
-            let (pf_src, pf_offs, pf_head, pf_len) = prefetch;
-            for &off in pf_offs.iter().skip(j).take(u) {
-                prefetch_row::<S, T>(pf_src, off + h * pf_head, pf_len);
+            for &(pf_src, pf_offs, pf_head, pf_len) in &prefetch {
+                for &off in pf_offs.iter().skip(j).take(u) {
+                    prefetch_row::<S, T>(pf_src, off + h * pf_head, pf_len);
+                }
             }
             // Bounds-checked once per row: the kernels load inside these slices.
             let row = |jj: usize| {
@@ -615,7 +683,7 @@ unsafe fn pv_tile<S: Simd, T: Element>(
     sh: &Shape,
     s: &[f32],
     o: &mut [f32],
-    prefetch: (&[T], &[usize], usize, usize),
+    prefetch: [PfStream<'_, T>; 2],
 ) {
     let Shape {
         dv,
@@ -631,9 +699,10 @@ unsafe fn pv_tile<S: Simd, T: Element>(
     while j < nk {
         let u = if nk - j >= PV_KEYS { PV_KEYS } else { 1 };
         for h in 0..heads {
-            let (pf_src, pf_offs, pf_head, pf_len) = prefetch;
-            for &off in pf_offs.iter().skip(j).take(u) {
-                prefetch_row::<S, T>(pf_src, off + h * pf_head, pf_len);
+            for &(pf_src, pf_offs, pf_head, pf_len) in &prefetch {
+                for &off in pf_offs.iter().skip(j).take(u) {
+                    prefetch_row::<S, T>(pf_src, off + h * pf_head, pf_len);
+                }
             }
             let row = |jj: usize| {
                 let at = v_offs[jj] + h * v_head;
@@ -792,6 +861,26 @@ unsafe fn run_item<S: Simd, T: Element, O: Element>(
     o.fill(0.0);
     states.fill(RowState::new());
 
+    let kv = KvRows::new(p, b, h0);
+    let pf = decode_prefetch();
+    let ahead = pf.ahead();
+    let end = item.keys.end.min(sk);
+    // The item's first K rows (the first tile's under `Phase`, the first `ahead` keys' under
+    // `Ahead`) start on their way while the Q rows are loaded.
+    let first = match (pf.phase(), ahead) {
+        (true, _) => TILE_KEYS,
+        (false, n) => n,
+    }
+    .min(end.saturating_sub(item.keys.start));
+    if first > 0 {
+        kv.offsets(item.keys.start, &mut k_offs[..first], &mut v_offs[..first]);
+        for &off in &k_offs[..first] {
+            for h in 0..sh.heads {
+                prefetch_row::<S, T>(ctx.k, off + h * sh.k_head, d);
+            }
+        }
+    }
+
     // Q rows, pre-multiplied (scale·log2 e, or scale/cap), in register order, zero-padded.
     let transform = p.score_transform::<f32>();
     let (pre, post) = (transform.pre_factor(), transform.softcap_post_factor());
@@ -807,27 +896,42 @@ unsafe fn run_item<S: Simd, T: Element, O: Element>(
         }
     }
 
-    let kv = KvRows::new(p, b, h0);
     let mask = p.mask();
     let mut stats = TaskStats::default();
-    let end = item.keys.end.min(sk);
     let mut j0 = item.keys.start;
     while j0 < end {
         let nk = TILE_KEYS.min(end - j0);
         let nk_w = nk.div_ceil(w) * w;
         let next = TILE_KEYS.min(end - j0 - nk);
         kv.offsets(j0, &mut k_offs[..nk + next], &mut v_offs[..nk + next]);
-        // Prefetch (into L2): this tile's V rows during Q·Kᵀ, the next tile's K rows during
-        // P·V.
-        let none: (&[T], &[usize], usize, usize) = (ctx.k, &[], 0, 0);
-        let (qk_pf, pv_pf) = if PREFETCH {
-            (
-                (ctx.v, &v_offs[..nk], sh.v_head, dv),
-                (ctx.k, &k_offs[nk..nk + next], sh.k_head, d),
-            )
-        } else {
-            (none, none)
-        };
+        // Prefetch (into L2), per the schedule: one phase ahead (this tile's V rows during
+        // Q·Kᵀ, the next tile's K rows during P·V) and/or `ahead` keys ahead in each stream.
+        let none: PfStream<'_, T> = (ctx.k, &[], 0, 0);
+        let ahead_from = ahead.min(nk + next);
+        let qk_pf = [
+            if pf.phase() {
+                (ctx.v, &v_offs[..nk], sh.v_head, dv)
+            } else {
+                none
+            },
+            if ahead > 0 {
+                (ctx.k, &k_offs[ahead_from..nk + next], sh.k_head, d)
+            } else {
+                none
+            },
+        ];
+        let pv_pf = [
+            if pf.phase() {
+                (ctx.k, &k_offs[nk..nk + next], sh.k_head, d)
+            } else {
+                none
+            },
+            if ahead > 0 {
+                (ctx.v, &v_offs[ahead_from..nk + next], sh.v_head, dv)
+            } else {
+                none
+            },
+        ];
         // SAFETY: S available (caller); q, s sized above for `rows`; the offsets are those
         // of keys j0..j0 + nk < sk, rows of the checked buffers.
         unsafe { qk_tile::<S, T>(ctx.k, &k_offs[..nk], &sh, q, s, qk_pf) };

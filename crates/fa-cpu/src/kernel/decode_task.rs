@@ -25,7 +25,7 @@ pub(crate) const TARGET_ITEMS: usize = 64;
 /// Fewest key tiles per split under the automatic rule (≈ 256 keys): below this a split's
 /// fixed costs (packing Q, writing its partial rows, the combine) outweigh its keys.
 pub(crate) const MIN_SPLIT_TILES: usize = 4;
-/// Most splits per task under the automatic rule (FlashAttention-2's cap).
+/// Most splits per task under either planner's automatic rule (FlashAttention-2's cap).
 pub(crate) const MAX_AUTO_SPLITS: usize = 128;
 
 /// One split of one task: its keys, and where its rows go.
@@ -52,17 +52,76 @@ pub(crate) struct Combine {
     pub splits: usize,
 }
 
-/// The split-KV plan of a call.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Plan {
-    /// Work items of the first phase (every split of every task).
-    pub splits: Vec<Split>,
-    /// Work items of the second phase.
-    pub combines: Vec<Combine>,
+/// The split-KV plan of a call: [`SplitPlan`] over this module's splits.
+pub(crate) type Plan = SplitPlan<Split, Combine>;
+
+/// What both split-KV planners (this module's over the tiled forward's tasks, and
+/// `decode_stream`'s) build: the two phases' work lists and the partial rows they need.
+#[derive(Clone, Debug)]
+pub(crate) struct SplitPlan<I, C> {
+    /// Work items of the first phase (every split).
+    pub items: Vec<I>,
+    /// Work items of the second phase (one per split task or run of heads).
+    pub combines: Vec<C>,
     /// Rows of the partial buffers.
     pub partial_rows: usize,
-    /// The largest split count of any task.
+    /// The largest split count.
     pub max_splits: usize,
+    /// The most query rows of any item.
+    pub max_rows: usize,
+}
+
+impl<I, C> SplitPlan<I, C> {
+    /// An empty plan with room for `items` and `combines` (a typed error when there is none).
+    pub(crate) fn with_capacity(items: usize, combines: usize) -> Result<Self, ProblemError> {
+        let oom = |what, n: usize, size: usize| ProblemError::OutOfMemory {
+            what,
+            bytes: n.saturating_mul(size),
+        };
+        let mut plan = SplitPlan {
+            items: Vec::new(),
+            combines: Vec::new(),
+            partial_rows: 0,
+            max_splits: 1,
+            max_rows: 0,
+        };
+        plan.items
+            .try_reserve_exact(items)
+            .map_err(|_| oom("the split list", items, std::mem::size_of::<I>()))?;
+        plan.combines
+            .try_reserve_exact(combines)
+            .map_err(|_| oom("the combine list", combines, std::mem::size_of::<C>()))?;
+        Ok(plan)
+    }
+
+    /// Takes `splits × rows` partial rows for one combine (split `s`'s row `r` at
+    /// `first + s·rows + r`); returns `first`.
+    pub(crate) fn take_rows(&mut self, splits: usize, rows: usize) -> Result<usize, ProblemError> {
+        let first = self.partial_rows;
+        self.partial_rows = splits
+            .checked_mul(rows)
+            .and_then(|n| n.checked_add(first))
+            .ok_or(ProblemError::Overflow)?;
+        self.max_splits = self.max_splits.max(splits);
+        Ok(first)
+    }
+}
+
+/// The split rule both planners share, over `units` (key tiles) of one task: `forced` splits
+/// when given, else `wanted` capped by `by_size` (the most splits that keep each split's
+/// minimum of work) and [`MAX_AUTO_SPLITS`]; at least one split, at most one per unit.
+/// Returns (units per split, splits).
+pub(crate) fn split_units(
+    units: usize,
+    forced: Option<usize>,
+    wanted: usize,
+    by_size: usize,
+) -> (usize, usize) {
+    let splits = forced
+        .unwrap_or_else(|| wanted.min(by_size).min(MAX_AUTO_SPLITS))
+        .clamp(1, units.max(1));
+    let per_split = units.div_ceil(splits).max(1);
+    (per_split, units.div_ceil(per_split).max(1))
 }
 
 /// Cuts each task's visible keys into splits of whole key tiles: `forced` splits when given
@@ -77,10 +136,6 @@ pub(crate) fn plan(
     let bc = tiling.keys_for(p.head_dim(), p.head_dim_v(), !p.mask().is_none());
     let mask = p.mask();
     let wanted = TARGET_ITEMS.div_ceil(tasks.len().max(1));
-    let oom = |what, n: usize, size: usize| ProblemError::OutOfMemory {
-        what,
-        bytes: n.saturating_mul(size),
-    };
     // Two passes: count, then fill, so the lists are allocated with `try_reserve`.
     let ranges = |task: &Task| {
         let seq = p.seq(task.batch);
@@ -91,13 +146,7 @@ pub(crate) fn plan(
             visible.start / bc..visible.end.div_ceil(bc)
         };
         let n_tiles = tiles.len();
-        let splits = match forced {
-            Some(n) => n,
-            None => wanted.min(n_tiles / MIN_SPLIT_TILES).min(MAX_AUTO_SPLITS),
-        }
-        .clamp(1, n_tiles.max(1));
-        let per_split = n_tiles.div_ceil(splits).max(1);
-        let splits = n_tiles.div_ceil(per_split).max(1);
+        let (per_split, splits) = split_units(n_tiles, forced, wanted, n_tiles / MIN_SPLIT_TILES);
         (tiles.start, per_split, splits, seq.seqlen_k)
     };
     let mut n_splits = 0usize;
@@ -107,36 +156,24 @@ pub(crate) fn plan(
         n_splits = n_splits.checked_add(splits).ok_or(ProblemError::Overflow)?;
         n_combines += usize::from(splits > 1);
     }
-    let mut plan = Plan {
-        max_splits: 1,
-        ..Plan::default()
-    };
-    plan.splits
-        .try_reserve_exact(n_splits)
-        .map_err(|_| oom("the split list", n_splits, std::mem::size_of::<Split>()))?;
-    plan.combines.try_reserve_exact(n_combines).map_err(|_| {
-        oom(
-            "the combine list",
-            n_combines,
-            std::mem::size_of::<Combine>(),
-        )
-    })?;
+    let mut plan = Plan::with_capacity(n_splits, n_combines)?;
     for task in tasks {
         let (first_tile, per_split, splits, seqlen_k) = ranges(task);
         let rows = task.heads * task.len;
+        plan.max_rows = plan.max_rows.max(rows);
         if splits == 1 {
-            plan.splits.push(Split {
+            plan.items.push(Split {
                 task: *task,
                 keys: 0..seqlen_k,
                 first_row: None,
             });
             continue;
         }
-        let first_row = plan.partial_rows;
+        let first_row = plan.take_rows(splits, rows)?;
         for s in 0..splits {
             let start = (first_tile + s * per_split) * bc;
             let end = ((first_tile + (s + 1) * per_split) * bc).min(seqlen_k);
-            plan.splits.push(Split {
+            plan.items.push(Split {
                 task: *task,
                 keys: start..end,
                 first_row: Some(first_row + s * rows),
@@ -147,18 +184,13 @@ pub(crate) fn plan(
             first_row,
             splits,
         });
-        plan.partial_rows = splits
-            .checked_mul(rows)
-            .and_then(|n| n.checked_add(plan.partial_rows))
-            .ok_or(ProblemError::Overflow)?;
-        plan.max_splits = plan.max_splits.max(splits);
     }
     // Work order (never the arithmetic): a sequence's KV heads over the same key range one
     // after another, so that the workers walk each stretch of the cache together. A head's
     // rows are a head stride apart (4 KiB at 8 KV heads × 128 × f32), one page per key;
     // heads in turn reuse those pages' TLB entries and DRAM rows instead of each head
     // sweeping the whole cache on its own.
-    plan.splits.sort_by_key(|s| {
+    plan.items.sort_by_key(|s| {
         (
             s.task.batch,
             s.keys.start,
