@@ -297,7 +297,7 @@ fn run_amx<T: Element, O: Element>(
         #[cfg(target_arch = "x86_64")]
         AmxTiles::Hardware => {
             let tiles = crate::arch::amx::HwTiles::configure()?;
-            Some(dispatch(
+            Some(crate::dispatch::dispatch_amx(
                 isa,
                 crate::kernel::amx_task::AmxForwardTask {
                     ctx,

@@ -24,14 +24,15 @@ use super::forward_task::{
 };
 use super::mask::MAX_PANEL;
 use super::scratch::{ensure, ensure_aligned, Scratch};
-use super::softmax::{softcap_slice, softmax_panel};
+use super::softmax::{add_panel_sums, panel_maxima, panel_offsets, softcap_slice};
 use super::tiling::Task;
 use crate::arch::amx::Tiles;
-use crate::arch::{Arch, Simd};
+use crate::arch::{exp2_cubic, exp2_exact, Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::{sealed, Element};
 use half::bf16;
-use softmax_core::{RowState, TileKind};
+use crate::Exp2Impl;
+use softmax_core::{RescalePolicy, RescaleStats, RowState, TileKind};
 
 /// Keys per key tile of the AMX kernel: 128 with or without a mask. Per tile, each panel
 /// loads and stores its `Oᵀ` accumulator tiles once, and on the development VM (a Xeon with
@@ -234,36 +235,45 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             // SAFETY: `q_panel` holds the panel's two row blocks of d32/32 tiles, `kb` nk32
             // rows of d32, `st` bc ≥ nk32 rows of `panel` floats.
             unsafe { scores(tiles, q_panel, kb, st, d32, nk32, panel) };
-            // SAFETY: S available (caller); st holds nk32·panel floats, a multiple of W.
-            unsafe {
-                scale_slice::<S>(st.as_mut_ptr(), nk * panel, pre);
-                if let Some(post) = post {
-                    softcap_slice::<S>(st.as_mut_ptr(), nk * panel, post);
+            // The score transform: a positive scale is folded into the softmax's first FMA
+            // (`factor`); a softcap (or a scale ≤ 0, which would turn maxima into minima)
+            // is applied in place first, and the softmax takes the scores as they are.
+            let factor = if post.is_none() && pre > 0.0 {
+                pre
+            } else {
+                // SAFETY: S available (caller); st holds nk·panel floats, a multiple of W.
+                unsafe {
+                    scale_slice::<S>(st.as_mut_ptr(), nk * panel, pre);
+                    if let Some(post) = post {
+                        softcap_slice::<S>(st.as_mut_ptr(), nk * panel, post);
+                    }
                 }
-            }
+                1.0
+            };
             if kind == TileKind::Partial {
+                // Only writes −∞ (which any factor keeps −∞).
                 // SAFETY: S available; st holds nk rows of `panel`; rv0 < rows.
                 unsafe { mask_scores::<S, NR>(&mask, task, &dims, st, rv0, j0, nk) };
             }
-            // SAFETY: st holds nk rows of `panel` floats; states and corr hold br ≥ rv0 +
-            // panel rows; S available.
+            // SAFETY: st holds nk rows of `panel` floats, pb nk32/2 rows of `panel` dwords;
+            // states and corr hold br ≥ rv0 + panel rows; S available (caller), and with
+            // hardware tiles AVX512-BF16 and AVX512-BW (`Tiles::HARDWARE`).
             unsafe {
-                softmax_panel::<S, NR>(
-                    st.as_mut_ptr(),
-                    panel,
-                    nk,
+                let softmax = PanelSoftmax {
                     rv0,
                     rows,
-                    states,
-                    corr,
-                    &ctx.policy,
-                    &mut stats.rescale,
-                    ctx.exp2,
-                );
+                    policy: &ctx.policy,
+                    factor,
+                };
+                let args = (st.as_ptr(), nk, nk32, pb.as_mut_ptr());
+                let (s, c, r) = (&mut *states, &mut *corr, &mut stats.rescale);
+                match (ctx.exp2, M::HARDWARE) {
+                    (Exp2Impl::Exact, true) => softmax.run::<S, NR, false, true>(args, s, c, r),
+                    (Exp2Impl::Exact, false) => softmax.run::<S, NR, false, false>(args, s, c, r),
+                    (Exp2Impl::Cubic, true) => softmax.run::<S, NR, true, true>(args, s, c, r),
+                    (Exp2Impl::Cubic, false) => softmax.run::<S, NR, true, false>(args, s, c, r),
+                }
             }
-            // SAFETY: S available; st holds nk rows of `panel` (S::W · NR), pb nk32/2 rows of
-            // `panel` dwords.
-            unsafe { pack_p::<S>(st, nk, nk32, panel, pb) };
             let o_panel = &mut ot[rv0 * dv32..(rv0 + panel) * dv32];
             let corr_panel = &corr[rv0..rv0 + panel];
             if corr_panel.iter().any(|&c| c != 1.0) {
@@ -468,38 +478,92 @@ unsafe fn scale_slice<S: Simd>(x: *mut f32, n: usize, factor: f32) {
     }
 }
 
-/// P (the panel's probabilities, `st[j·panel + r]` for keys `j < nk`) rounded to bf16 in the
+/// The online softmax of one panel's score tile, fused with P's packing: block maxima of
+/// `factor·S` (`factor > 0`, so they are `factor` times the maxima of S: rounding is
+/// monotonic), softmax-core's block step per row ([`panel_offsets`]), then per pair of keys
+/// `exp2(factor·s − offset)` (one FMA), the row sums, and P rounded to bf16 straight into the
 /// B-tile pair layout: key pair `jp`, row `r` of block `rb` at dword `((jp/16)·2 + rb)·256 +
-/// (jp%16)·16 + r`; keys `nk..nk32` are zeros.
-///
-/// # Safety
-/// S available; `st` holds `nk` rows of `panel` floats, `pb` `nk32/2` rows of `panel` dwords;
-/// `panel` = 32, a multiple of `W`.
-#[inline(always)]
-unsafe fn pack_p<S: Simd>(st: &[f32], nk: usize, nk32: usize, panel: usize, pb: &mut [u32]) {
-    let zeros = [0.0f32; AMX_PANEL];
-    for jp in 0..nk32 / 2 {
-        let (lo, hi) = (2 * jp, 2 * jp + 1);
-        let row_of = |j: usize| {
-            if j < nk {
-                st[j * panel..(j + 1) * panel].as_ptr()
-            } else {
-                zeros.as_ptr()
+/// (jp%16)·16 + r%16`; keys `nk..nk32` are zeros. S is read twice from L1 and P never goes
+/// back to f32 memory.
+struct PanelSoftmax<'p> {
+    /// First row of the panel.
+    rv0: usize,
+    /// Real rows of the task (the panel's rows past them are padding).
+    rows: usize,
+    /// The rescale policy.
+    policy: &'p RescalePolicy<f32>,
+    /// The positive factor applied to the scores.
+    factor: f32,
+}
+
+impl PanelSoftmax<'_> {
+    /// Runs it on `(st, nk, nk32, pb)`: `st` holds `nk` rows of `NR·W` (= [`AMX_PANEL`])
+    /// scores, `pb` gets `nk32/2` rows of pair dwords; `states` and `corr` are the task's.
+    /// `CUBIC`: [`exp2_cubic`], else [`exp2_exact`]; `NATIVE`: the CPU's bf16 conversion.
+    ///
+    /// # Safety
+    /// S available (and with `NATIVE` AVX512-BF16 and AVX512-BW); `st` readable for `nk·NR·W`
+    /// floats, `pb` writable for `nk32/2·NR·W` dwords; `states` and `corr` hold `rv0 +
+    /// NR·W` entries; `nk ≤ nk32`, `nk32` even; `NR·W == AMX_PANEL`.
+    #[inline(always)]
+    unsafe fn run<S: Simd, const NR: usize, const CUBIC: bool, const NATIVE: bool>(
+        &self,
+        (st, nk, nk32, pb): (*const f32, usize, usize, *mut u32),
+        states: &mut [RowState<f32>],
+        corr: &mut [f32],
+        stats: &mut RescaleStats,
+    ) {
+        let w = S::W;
+        let panel = NR * w;
+        // SAFETY: bounds are the caller's contract.
+        unsafe {
+            let mut mx = panel_maxima::<S, NR>(st, panel, nk);
+            let f = S::splat(self.factor);
+            for m in mx.iter_mut() {
+                *m = S::mul(*m, f);
             }
-        };
-        let (lo, hi) = (row_of(lo), row_of(hi));
-        for rb in 0..panel / 16 {
-            let dst = &mut pb[((jp / 16) * 2 + rb) * 256 + (jp % 16) * 16..][..16];
-            for v in (0..16).step_by(S::W) {
-                // SAFETY: rb·16 + v + W ≤ panel floats at lo and hi; W dwords in dst.
-                unsafe {
-                    S::bf16_pairs(
-                        lo.add(rb * 16 + v),
-                        hi.add(rb * 16 + v),
-                        dst.as_mut_ptr().add(v),
-                    )
-                };
+            let offset =
+                panel_offsets::<S, NR>(&mx, self.rv0, self.rows, states, corr, self.policy, stats);
+            let neg: [S::V; NR] = std::array::from_fn(|n| S::sub(S::splat(0.0), offset[n]));
+            let exp = |j: usize, n: usize| {
+                let x = S::fma(S::load(st.add(j * panel + n * w)), f, neg[n]);
+                if CUBIC {
+                    exp2_cubic::<S>(x)
+                } else {
+                    exp2_exact::<S>(x)
+                }
+            };
+            // The dword of key pair `jp`, row vector `n`.
+            let dst = |jp: usize, n: usize| {
+                let r = n * w;
+                pb.add(((jp / 16) * 2 + r / 16) * 256 + (jp % 16) * 16 + r % 16)
+            };
+            let mut sum = [S::splat(0.0); NR];
+            for jp in 0..nk / 2 {
+                for (n, total) in sum.iter_mut().enumerate() {
+                    let lo = exp(2 * jp, n);
+                    let hi = exp(2 * jp + 1, n);
+                    *total = S::add(S::add(*total, lo), hi);
+                    S::bf16_pairs_v::<NATIVE>(lo, hi, dst(jp, n));
+                }
             }
+            let zero = S::splat(0.0);
+            let mut jp = nk / 2;
+            if nk % 2 == 1 {
+                for (n, total) in sum.iter_mut().enumerate() {
+                    let lo = exp(nk - 1, n);
+                    *total = S::add(*total, lo);
+                    S::bf16_pairs_v::<NATIVE>(lo, zero, dst(jp, n));
+                }
+                jp += 1;
+            }
+            while jp < nk32 / 2 {
+                for n in 0..NR {
+                    S::bf16_pairs_v::<NATIVE>(zero, zero, dst(jp, n));
+                }
+                jp += 1;
+            }
+            add_panel_sums::<S, NR>(&sum, self.rv0, self.rows, states);
         }
     }
 }
