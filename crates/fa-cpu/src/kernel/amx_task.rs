@@ -20,7 +20,8 @@
 //! (relative 2⁻⁹ per probability), inside the bf16 contract (1e-2 normwise).
 
 use super::forward_task::{
-    classify_panels, mask_scores, run_task, write_back, Ctx, Dims, KvRows, Sink, TaskStats,
+    classify_panels, mask_scores, run_task, write_back, Ctx, Dims, KvRows, NextTile, Sink,
+    TaskStats,
 };
 use super::mask::MAX_PANEL;
 use super::scratch::{ensure, ensure_aligned, Scratch};
@@ -192,8 +193,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let corr = ensure(corr, br, 1.0);
     let states = ensure(states, br, RowState::new());
     let kinds = ensure(kinds, br / panel, TileKind::Full);
-    let kv_offsets = ensure(kv_offsets, 2 * bc, 0);
-    let (k_offs, v_offs) = kv_offsets.split_at_mut(bc);
+    let kv_offsets = ensure(kv_offsets, 4 * bc, 0);
+    let (k_offs, v_offs) = kv_offsets.split_at_mut(2 * bc);
     let qv = ensure(amx_q, br * d32 / 2, 0);
     let kb = ensure(amx_k, bc * d32, 0);
     let vb = ensure(amx_v, dv32 * bc / 2, 0);
@@ -212,7 +213,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let q_rows = task.i0..task.i0 + task.len;
     let sk = dims.sk;
     let total_tiles = sk.div_ceil(bc) as u64;
-    for tile in mask.key_tile_range(q_rows.clone(), bc, dims.sq, sk) {
+    let key_tiles = mask.key_tile_range(q_rows.clone(), bc, dims.sq, sk);
+    for tile in key_tiles.clone() {
         let j0 = tile * bc;
         let nk = bc.min(sk - j0);
         let kind = mask.classify_tile(q_rows.clone(), j0..j0 + nk, dims.sq, sk);
@@ -220,11 +222,32 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             continue;
         }
         let nk32 = nk.div_ceil(STEP) * STEP;
-        kv.offsets(j0, &mut k_offs[..nk], &mut v_offs[..nk]);
+        // This tile's K/V rows and the next tile's, which the panels prefetch (rows a head
+        // stride apart are beyond the hardware prefetchers).
+        let next_rows = if tile + 1 < key_tiles.end {
+            bc.min(sk.saturating_sub(j0 + bc))
+        } else {
+            0
+        };
+        kv.offsets(
+            j0,
+            &mut k_offs[..nk + next_rows],
+            &mut v_offs[..nk + next_rows],
+        );
         pack_k(inputs.k, &k_offs[..nk], d, d32, nk32, kb);
         // SAFETY: S available; vb holds dv32·nk32/2 dwords, pairs nk32/2·dv32.
         unsafe { pack_vt::<S>(inputs.v, &v_offs[..nk], dv, dv32, nk32, vb, pairs) };
         classify_panels(kinds, &mask, task, &dims, kind, j0..j0 + nk);
+        let live_panels = kinds.iter().filter(|&&k| k != TileKind::Empty).count();
+        let mut prefetch = NextTile {
+            k_offs: &k_offs[nk..nk + next_rows],
+            v_offs: &v_offs[nk..nk + next_rows],
+            rows: next_rows,
+            total: 2 * next_rows,
+            calls: 2 * live_panels,
+            done: 0,
+            call: 0,
+        };
         for rv0 in (0..br).step_by(panel) {
             let kind = kinds[rv0 / panel];
             if kind == TileKind::Empty {
@@ -235,6 +258,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             // SAFETY: `q_panel` holds the panel's two row blocks of d32/32 tiles, `kb` nk32
             // rows of d32, `st` bc ≥ nk32 rows of `panel` floats.
             unsafe { scores(tiles, q_panel, kb, st, d32, nk32, panel) };
+            prefetch.after_call::<S, T, O>(ctx, &dims);
             // The score transform: a positive scale is folded into the softmax's first FMA
             // (`factor`); a softcap (or a scale ≤ 0, which would turn maxima into minima)
             // is applied in place first, and the softmax takes the scores as they are.
@@ -284,6 +308,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             // SAFETY: vb holds dv32 rows of nk32/2 dwords, pb nk32/2 rows of `panel`
             // dwords, o_panel dv32 rows of `panel` floats.
             unsafe { products(tiles, vb, pb, o_panel, dv32, nk32, panel) };
+            prefetch.after_call::<S, T, O>(ctx, &dims);
         }
     }
     stats.skipped = total_tiles * rows.div_ceil(panel) as u64 - stats.computed;
@@ -326,6 +351,19 @@ unsafe fn pack_q<S: Simd, T, O>(
             let (head, i) = task.row(r);
             let off = p.q_offset(task.batch, i, head);
             let src = &q[off..off + d];
+            if cfg!(target_endian = "little") {
+                // A row's channel pairs are its bf16 in memory order: dword cp = channel 2cp
+                // in the low half, 2cp + 1 in the high half. Copy the bytes, zero the rest.
+                let bytes = 2 * d;
+                // SAFETY: `src` holds d bf16 (2d bytes), `dst` half = d32/2 ≥ d/2 dwords
+                // (4·half ≥ 2d bytes); distinct buffers.
+                unsafe {
+                    let to = dst.as_mut_ptr() as *mut u8;
+                    std::ptr::copy_nonoverlapping(src.as_ptr() as *const u8, to, bytes);
+                    std::ptr::write_bytes(to.add(bytes), 0, 4 * half - bytes);
+                }
+                continue;
+            }
             for (cp, x) in dst.iter_mut().enumerate() {
                 let lo = src.get(2 * cp).map_or(0, |v| v.to_bits() as u32);
                 let hi = src.get(2 * cp + 1).map_or(0, |v| v.to_bits() as u32);
@@ -524,42 +562,53 @@ impl PanelSoftmax<'_> {
             }
             let offset =
                 panel_offsets::<S, NR>(&mx, self.rv0, self.rows, states, corr, self.policy, stats);
-            let neg: [S::V; NR] = std::array::from_fn(|n| S::sub(S::splat(0.0), offset[n]));
-            let exp = |j: usize, n: usize| {
-                let x = S::fma(S::load(st.add(j * panel + n * w)), f, neg[n]);
-                if CUBIC {
-                    exp2_cubic::<S>(x)
-                } else {
-                    exp2_exact::<S>(x)
+            let mut neg = [S::splat(0.0); NR];
+            for (x, off) in neg.iter_mut().zip(&offset) {
+                *x = S::sub(*x, *off);
+            }
+            // `exp2(f·s − offset)` for key `j`, row vector `n` (no closures here: a closure
+            // would not inherit the trampoline's target features, and its vector intrinsics
+            // would become calls).
+            #[inline(always)]
+            unsafe fn exp<S: Simd, const CUBIC: bool>(p: *const f32, f: S::V, neg: S::V) -> S::V {
+                // SAFETY: W readable floats at p; S available (caller).
+                unsafe {
+                    let x = S::fma(S::load(p), f, neg);
+                    if CUBIC {
+                        exp2_cubic::<S>(x)
+                    } else {
+                        exp2_exact::<S>(x)
+                    }
                 }
-            };
-            // The dword of key pair `jp`, row vector `n`.
+            }
+            // The dword of key pair `jp`, row vector `n`: offset into pb.
             let dst = |jp: usize, n: usize| {
                 let r = n * w;
-                pb.add(((jp / 16) * 2 + r / 16) * 256 + (jp % 16) * 16 + r % 16)
+                ((jp / 16) * 2 + r / 16) * 256 + (jp % 16) * 16 + r % 16
             };
             let mut sum = [S::splat(0.0); NR];
             for jp in 0..nk / 2 {
                 for (n, total) in sum.iter_mut().enumerate() {
-                    let lo = exp(2 * jp, n);
-                    let hi = exp(2 * jp + 1, n);
+                    let at = st.add(2 * jp * panel + n * w);
+                    let lo = exp::<S, CUBIC>(at, f, neg[n]);
+                    let hi = exp::<S, CUBIC>(at.add(panel), f, neg[n]);
                     *total = S::add(S::add(*total, lo), hi);
-                    S::bf16_pairs_v::<NATIVE>(lo, hi, dst(jp, n));
+                    S::bf16_pairs_v::<NATIVE>(lo, hi, pb.add(dst(jp, n)));
                 }
             }
             let zero = S::splat(0.0);
             let mut jp = nk / 2;
             if nk % 2 == 1 {
                 for (n, total) in sum.iter_mut().enumerate() {
-                    let lo = exp(nk - 1, n);
+                    let lo = exp::<S, CUBIC>(st.add((nk - 1) * panel + n * w), f, neg[n]);
                     *total = S::add(*total, lo);
-                    S::bf16_pairs_v::<NATIVE>(lo, zero, dst(jp, n));
+                    S::bf16_pairs_v::<NATIVE>(lo, zero, pb.add(dst(jp, n)));
                 }
                 jp += 1;
             }
             while jp < nk32 / 2 {
                 for n in 0..NR {
-                    S::bf16_pairs_v::<NATIVE>(zero, zero, dst(jp, n));
+                    S::bf16_pairs_v::<NATIVE>(zero, zero, pb.add(dst(jp, n)));
                 }
                 jp += 1;
             }

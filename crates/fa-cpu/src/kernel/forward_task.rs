@@ -732,27 +732,27 @@ unsafe fn run_hook<S: Simd>(
 
 /// The prefetch of the next key tile's K and V rows, spread over a tile's PV micro-kernel
 /// calls: `total` rows (K's then V's) over `calls` calls.
-struct NextTile<'o> {
+pub(super) struct NextTile<'o> {
     /// Offsets of the next tile's K rows.
-    k_offs: &'o [usize],
+    pub(super) k_offs: &'o [usize],
     /// Offsets of the next tile's V rows.
-    v_offs: &'o [usize],
+    pub(super) v_offs: &'o [usize],
     /// Keys in the next tile (0: no next tile).
-    rows: usize,
+    pub(super) rows: usize,
     /// Rows to prefetch in all (`2·rows`: K, then V).
-    total: usize,
+    pub(super) total: usize,
     /// PV micro-kernel calls this tile makes.
-    calls: usize,
+    pub(super) calls: usize,
     /// Rows prefetched so far.
-    done: usize,
+    pub(super) done: usize,
     /// Calls made so far.
-    call: usize,
+    pub(super) call: usize,
 }
 
 impl NextTile<'_> {
     /// Counts one PV call and prefetches the rows due by then.
     #[inline(always)]
-    fn after_call<S: Simd, T: Element, O>(&mut self, ctx: &Ctx<'_, T, O>, dims: &Dims) {
+    pub(super) fn after_call<S: Simd, T: Element, O>(&mut self, ctx: &Ctx<'_, T, O>, dims: &Dims) {
         self.call += 1;
         let target = self.call * self.total / self.calls.max(1);
         while self.done < target {
