@@ -173,13 +173,10 @@ unsafe impl Simd for Avx512 {
             unsafe {
                 let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
                 let idx = _mm512_set_epi16(
-                    31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                    21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0,
+                    31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                    5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0,
                 );
-                _mm512_storeu_si512(
-                    dst as *mut __m512i,
-                    _mm512_permutexvar_epi16(idx, packed),
-                );
+                _mm512_storeu_si512(dst as *mut __m512i, _mm512_permutexvar_epi16(idx, packed));
             }
             return;
         }

@@ -31,8 +31,8 @@ use crate::arch::amx::Tiles;
 use crate::arch::{exp2_cubic, exp2_exact, Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::{sealed, Element};
-use half::bf16;
 use crate::Exp2Impl;
+use half::bf16;
 use softmax_core::{RescalePolicy, RescaleStats, RowState, TileKind};
 
 /// Keys per key tile of the AMX kernel: 128 with or without a mask. Per tile, each panel
@@ -43,6 +43,14 @@ use softmax_core::{RescalePolicy, RescaleStats, RowState, TileKind};
 pub(crate) const fn amx_keys() -> usize {
     128
 }
+
+/// Largest number of query rows in an AMX task (the SIMD path's [`super::tiling::Tiling`]
+/// with this as `rows`; its 2.5 MiB budget for Qᵀ and Oᵀ still caps it: 2560 rows at D=128,
+/// 1280 at D=256). Fewer, larger tasks pack each K/V tile fewer times: alternating on the
+/// development Xeon (B=1, H=8, bf16, GFLOP/s), against the SIMD path's 1008: N=2048 D=256
+/// 189/192 → 205/206, N=4096 D=128 181/176 → 187/189, N=2048 D=128 unchanged (171/164 →
+/// 171/163).
+pub(crate) const AMX_TASK_ROWS: usize = 4096;
 
 /// Query rows per panel: two B tiles of 16 rows.
 pub(crate) const AMX_PANEL: usize = 32;
