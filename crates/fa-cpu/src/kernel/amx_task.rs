@@ -20,7 +20,7 @@
 //! (relative 2⁻⁹ per probability), inside the bf16 contract (1e-2 normwise).
 
 use super::forward_task::{
-    classify_panels, mask_scores, run_task, write_back, Ctx, Dims, KvRows, NextTile, Sink,
+    classify_panels, mask_partial, run_task, write_back, Ctx, Dims, KvRows, NextTile, Sink,
     TaskStats,
 };
 use super::mask::MAX_PANEL;
@@ -232,16 +232,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         let nk32 = nk.div_ceil(STEP) * STEP;
         // This tile's K/V rows and the next tile's, which the panels prefetch (rows a head
         // stride apart are beyond the hardware prefetchers).
-        let next_rows = if tile + 1 < key_tiles.end {
-            bc.min(sk.saturating_sub(j0 + bc))
-        } else {
-            0
-        };
-        kv.offsets(
-            j0,
-            &mut k_offs[..nk + next_rows],
-            &mut v_offs[..nk + next_rows],
-        );
+        let has_next = tile + 1 < key_tiles.end;
+        let next_rows = kv.tile_offsets(j0, nk, bc, sk, has_next, k_offs, v_offs);
         pack_k(inputs.k, &k_offs[..nk], d, d32, nk32, kb);
         // SAFETY: S available; vb holds dv32·nk32/2 dwords, pairs nk32/2·dv32.
         unsafe { pack_vt::<S>(inputs.v, &v_offs[..nk], dv, dv32, nk32, vb, pairs) };
@@ -282,11 +274,9 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                 }
                 1.0
             };
-            if kind == TileKind::Partial {
-                // Only writes −∞ (which any factor keeps −∞).
-                // SAFETY: S available; st holds nk rows of `panel`; rv0 < rows.
-                unsafe { mask_scores::<S, NR>(&mask, task, &dims, st, rv0, j0, nk) };
-            }
+            // Only writes −∞ (which any factor keeps −∞).
+            // SAFETY: S available; st holds nk rows of `panel`; rv0 < rows.
+            unsafe { mask_partial::<S, NR>(kind, &mask, task, &dims, st, rv0, j0, nk) };
             // SAFETY: st holds nk rows of `panel` floats, pb nk32/2 rows of `panel` dwords;
             // states and corr hold br ≥ rv0 + panel rows; S available (caller), and with
             // hardware tiles AVX512-BF16 and AVX512-BW (`Tiles::HARDWARE`).

@@ -194,6 +194,34 @@ impl<'a> KvRows<'a> {
         }
     }
 
+    /// The offsets of a key tile's `nk` rows from `j0` into `k_offs[..nk]` / `v_offs[..nk]`,
+    /// followed by those of the next tile (`bc` keys from `j0 + bc`, stopping at `end`) when
+    /// `has_next`; returns the next tile's row count (0 without one). Its rows are what the
+    /// tasks prefetch while they compute this tile.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn tile_offsets(
+        &self,
+        j0: usize,
+        nk: usize,
+        bc: usize,
+        end: usize,
+        has_next: bool,
+        k_offs: &mut [usize],
+        v_offs: &mut [usize],
+    ) -> usize {
+        let next_rows = if has_next {
+            bc.min(end.saturating_sub(j0 + bc))
+        } else {
+            0
+        };
+        self.offsets(
+            j0,
+            &mut k_offs[..nk + next_rows],
+            &mut v_offs[..nk + next_rows],
+        );
+        next_rows
+    }
+
     /// Writes the K and V offsets of keys `j0..j0 + k.len()` into `k` and `v`.
     #[inline(always)]
     pub(crate) fn offsets(&self, j0: usize, k: &mut [usize], v: &mut [usize]) {
@@ -342,16 +370,7 @@ pub(crate) unsafe fn run_task<
         if kind == TileKind::Empty {
             continue;
         }
-        let next_rows = if tile + 1 < tiles.end {
-            bc.min(end.saturating_sub(j0 + bc))
-        } else {
-            0
-        };
-        kv.offsets(
-            j0,
-            &mut k_offs[..nk + next_rows],
-            &mut v_offs[..nk + next_rows],
-        );
+        let next_rows = kv.tile_offsets(j0, nk, bc, end, tile + 1 < tiles.end, k_offs, v_offs);
         if few {
             // Row-major K and V rows, zero-padded to whole vectors.
             for j in 0..nk {
@@ -423,10 +442,8 @@ pub(crate) unsafe fn run_task<
                     panel_scores::<S, QMR, NR>(&dims, qt, kt, st, rv0, nk, live, post);
                 }
             }
-            if kind == TileKind::Partial {
-                // SAFETY: as above.
-                unsafe { mask_scores::<S, NR>(&mask, task, &dims, st, rv0, j0, nk) };
-            }
+            // SAFETY: as above.
+            unsafe { mask_partial::<S, NR>(kind, &mask, task, &dims, st, rv0, j0, nk) };
             // SAFETY: the panel's scores sit at `j·panel` in st (bc·panel); rv0 + panel ≤ br =
             // the length of states and corr.
             unsafe {
@@ -670,6 +687,30 @@ unsafe fn panel_scores<S: Simd, const QMR: usize, const NR: usize>(
     if let Some(post) = post {
         // SAFETY: nk_pad·panel is a multiple of W; st holds bc·panel ≥ nk_pad·panel.
         unsafe { softcap_slice::<S>(st.as_mut_ptr(), nk_pad * panel, post) };
+    }
+}
+
+/// [`mask_scores`] when the panel's tile is `Partial` (some of its scores hidden); nothing
+/// for a `Full` one. The step both the SIMD and the AMX task take between the scores and the
+/// softmax. It only writes `−∞`, so it may come before or after a positive scale.
+///
+/// # Safety
+/// As [`mask_scores`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn mask_partial<S: Simd, const NR: usize>(
+    kind: TileKind,
+    mask: &Mask,
+    task: &Task,
+    dims: &Dims,
+    st: &mut [f32],
+    rv0: usize,
+    j0: usize,
+    nk: usize,
+) {
+    if kind == TileKind::Partial {
+        // SAFETY: the caller's contract.
+        unsafe { mask_scores::<S, NR>(mask, task, dims, st, rv0, j0, nk) };
     }
 }
 
