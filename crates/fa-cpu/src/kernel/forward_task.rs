@@ -690,12 +690,13 @@ unsafe fn panel_scores<S: Simd, const QMR: usize, const NR: usize>(
     }
 }
 
-/// [`mask_scores`] when the panel's tile is `Partial` (some of its scores hidden); nothing
-/// for a `Full` one. The step both the SIMD and the AMX task take between the scores and the
-/// softmax. It only writes `−∞`, so it may come before or after a positive scale.
+/// Hides, in the panel at row `rv0`, the keys of the tile `j0..j0 + nk` its rows do not see,
+/// when the panel's tile is `Partial` (`kind`); nothing for a `Full` one. The step both the
+/// SIMD and the AMX task take between the scores and the softmax; it only writes `−∞`, so it
+/// may come before or after a positive scale.
 ///
 /// # Safety
-/// As [`mask_scores`].
+/// S available; `st` holds `nk` rows of `panel` floats; `rv0 < rows`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn mask_partial<S: Simd, const NR: usize>(
@@ -708,26 +709,9 @@ pub(super) unsafe fn mask_partial<S: Simd, const NR: usize>(
     j0: usize,
     nk: usize,
 ) {
-    if kind == TileKind::Partial {
-        // SAFETY: the caller's contract.
-        unsafe { mask_scores::<S, NR>(mask, task, dims, st, rv0, j0, nk) };
+    if kind != TileKind::Partial {
+        return;
     }
-}
-
-/// Hides, in the panel at row `rv0`, the keys of the tile `j0..j0 + nk` its rows do not see.
-///
-/// # Safety
-/// S available; `st` holds `nk` rows of `panel` floats; `rv0 < rows`.
-#[inline(always)]
-pub(super) unsafe fn mask_scores<S: Simd, const NR: usize>(
-    mask: &Mask,
-    task: &Task,
-    dims: &Dims,
-    st: &mut [f32],
-    rv0: usize,
-    j0: usize,
-    nk: usize,
-) {
     let Dims {
         rows,
         panel,
