@@ -76,6 +76,38 @@ struct ComputeArgs {
     /// CUDA sm90 load pipeline (tuning; default: the plan's choice).
     #[arg(long, value_enum)]
     sm90_pipeline: Option<PipelineArg>,
+    /// CPU instruction set: auto (the best this CPU has: AMX tiles for bf16 where present,
+    /// unless FA_CPU_AMX=0), amx, avx512f (AVX-512 without AMX), avx2 or scalar; a set this
+    /// CPU lacks is an error.
+    #[arg(long, value_enum, default_value_t = SimdArg::Auto)]
+    simd: SimdArg,
+}
+
+/// `--simd`: the CPU instruction set.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum SimdArg {
+    /// The best this CPU has.
+    Auto,
+    /// AVX-512 with AMX tiles for bf16.
+    Amx,
+    /// AVX-512 without AMX.
+    Avx512f,
+    /// AVX2 with FMA.
+    Avx2,
+    /// Portable scalar code.
+    Scalar,
+}
+
+impl From<SimdArg> for flash_attention::CpuSimd {
+    fn from(s: SimdArg) -> Self {
+        match s {
+            SimdArg::Auto => flash_attention::CpuSimd::Auto,
+            SimdArg::Amx => flash_attention::CpuSimd::Amx,
+            SimdArg::Avx512f => flash_attention::CpuSimd::Avx512f,
+            SimdArg::Avx2 => flash_attention::CpuSimd::Avx2Fma,
+            SimdArg::Scalar => flash_attention::CpuSimd::Scalar,
+        }
+    }
 }
 
 /// `--sm90-pipeline`: the sm90 family's load pipeline.
@@ -127,6 +159,7 @@ impl ComputeArgs {
             exp2: self.exp2.into(),
             family: self.family.into(),
             sm90_pipeline: self.sm90_pipeline.map(Into::into),
+            cpu_simd: self.simd.into(),
             kv_splits: self
                 .splits
                 .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
@@ -459,6 +492,7 @@ fn main() -> ExitCode {
                 family: FamilyArg::Auto,
                 sm90_pipeline: None,
                 splits: None,
+                simd: SimdArg::Auto,
             },
         }),
         Some(Command::Run(a)) => cmd_run(a),
@@ -774,7 +808,7 @@ fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
     if !a.json {
         print(format!(
             "fa bench: {}, {} timed iterations after {} warm-up (median)",
-            backend.describe(),
+            backend.describe_for(&a.compute.options()),
             iters,
             warmup
         ))?;

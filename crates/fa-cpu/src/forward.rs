@@ -2,7 +2,7 @@
 
 use crate::arch::SimdLevel;
 use crate::dispatch::{dispatch, Isa};
-use crate::kernel::amx_task::Bf16Inputs;
+use crate::kernel::amx_task::{Bf16Inputs, AMX_TASK_ROWS};
 use crate::kernel::decode_stream::{self, StreamLens, StreamTask};
 use crate::kernel::decode_task::{self, DecodeTask, Partials};
 use crate::kernel::scratch::ensure;
@@ -203,7 +203,6 @@ pub(crate) fn forward_on<T: Element, O: Element>(
     // tasks alone fill the machine); other problems only when splits are asked for.
     let decode = problem.has_kv_cache() || opts.kv_splits.is_some();
     let tiling = Tiling::for_level(isa.level());
-    let task_list = kernel::tasks(problem, &tiling)?;
     // The AMX kernel: bf16 inputs, the whole-sequence forward (not split-KV), no hook (it
     // would see P before the rounding to bf16 that the tiles need).
     let amx_inputs = match amx_tiles {
@@ -211,6 +210,18 @@ pub(crate) fn forward_on<T: Element, O: Element>(
         _ if decode || opts.probability_hook.is_some() => None,
         _ => Bf16Inputs::of(q, k, v),
     };
+    // AMX tasks may be larger than the SIMD path's (the 2.5 MiB rule of `rows_for` still
+    // applies): each task packs every K/V tile it reads, and at 1008 rows a 2048-token head
+    // took three tasks, so three packings.
+    let task_tiling = if amx_inputs.is_some() {
+        Tiling {
+            rows: AMX_TASK_ROWS,
+            ..tiling
+        }
+    } else {
+        tiling
+    };
+    let task_list = kernel::tasks(problem, &task_tiling)?;
     let lens = ScratchLens {
         max_rows: task_list.iter().map(|t| t.heads * t.len).max().unwrap_or(0),
         head_dim: problem.head_dim(),
@@ -361,7 +372,7 @@ fn run_amx<T: Element, O: Element>(
         #[cfg(target_arch = "x86_64")]
         AmxTiles::Hardware => {
             let tiles = crate::arch::amx::HwTiles::configure()?;
-            Some(dispatch(
+            Some(crate::dispatch::dispatch_amx(
                 isa,
                 crate::kernel::amx_task::AmxForwardTask {
                     ctx,

@@ -181,7 +181,13 @@ pub struct Options {
     /// problem; on the CPU KV-cache problems split, others do not; CUDA splits only KV-cache
     /// problems). Results agree with the unsplit call to rounding.
     pub kv_splits: Option<usize>,
+    /// CPU instruction set (default `Auto`: the best this CPU has, AMX tiles for bf16
+    /// included unless the environment variable `FA_CPU_AMX` is `0`). `Avx512f` keeps bf16
+    /// off AMX; a level this CPU lacks is an error. Ignored on CUDA.
+    pub cpu_simd: CpuSimd,
 }
+
+pub use fa_cpu::SimdLevel as CpuSimd;
 
 /// What a forward call reported; fields a backend does not measure are `None`.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -366,6 +372,15 @@ impl Backend {
         match &self.inner {
             Inner::Cpu => format!("cpu (fa-cpu, SIMD: {})", fa_cpu::simd_level()),
             Inner::Cuda(d) => format!("cuda (fa-cuda, {} {})", d.name(), d.arch()),
+        }
+    }
+
+    /// [`Backend::describe`] for calls with `opts`: on the CPU, the instruction set
+    /// `opts.cpu_simd` resolves to (what the calls run on; `Auto`: the detected one).
+    pub fn describe_for(&self, opts: &Options) -> String {
+        match &self.inner {
+            Inner::Cpu => format!("cpu (fa-cpu, SIMD: {})", opts.cpu_simd.resolve().name()),
+            Inner::Cuda(_) => self.describe(),
         }
     }
 
@@ -575,6 +590,7 @@ fn cpu_forward(
 ) -> Result<ForwardStats, Error> {
     let fopts = fa_cpu::ForwardOptions {
         threads: opts.threads,
+        simd: opts.cpu_simd,
         exp2: match opts.exp2 {
             Exp2::Exact => fa_cpu::Exp2Impl::Exact,
             Exp2::Cubic => fa_cpu::Exp2Impl::Cubic,

@@ -45,8 +45,8 @@ pub mod shapes;
 pub mod tensor;
 
 pub use backend::{
-    append_kv, warmup, Backend, BackendChoice, BackendKind, Capabilities, DTypes, Error, Exp2,
-    ForwardStats, Options, OutputDTypes,
+    append_kv, warmup, Backend, BackendChoice, BackendKind, Capabilities, CpuSimd, DTypes, Error,
+    Exp2, ForwardStats, Options, OutputDTypes,
 };
 pub use backward::{BackwardInputs, BackwardStats};
 pub use fa_cuda::{KernelFamilyChoice, KernelOrigin, PrecompileReport, Sm90Pipeline, Tiles};

@@ -23,7 +23,8 @@ pub(crate) const TILE_ROW_BYTES: usize = 64;
 /// The environment variable that keeps [`crate::SimdLevel::Auto`] off AMX when set to `0`.
 pub(crate) const ENV_OFF: &str = "FA_CPU_AMX";
 
-/// Whether this CPU has AMX-TILE and AMX-BF16, the OS enables the tile state, and Linux
+/// Whether this CPU has AMX-TILE and AMX-BF16 (with AVX-512F, AVX512-BW and AVX512-BF16,
+/// which the kernel around the tiles uses), the OS enables the tile state, and Linux
 /// granted this process the tile-data permission (asked once, on the first call).
 pub(crate) fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
@@ -55,7 +56,13 @@ fn detect_and_request() -> bool {
     let amx_bf16 = leaf7.edx & (1 << 22) != 0;
     let amx_tile = leaf7.edx & (1 << 24) != 0;
     let osxsave = leaf1.ecx & (1 << 27) != 0;
-    if !(amx_bf16 && amx_tile && osxsave) {
+    // The kernel around the tiles converts P with AVX512-BF16 and permutes words with
+    // AVX512-BW (every AMX-BF16 CPU so far has both; one without them runs without AMX).
+    let avx512 = leaf7.ebx & (1 << 16) != 0 && leaf7.ebx & (1 << 30) != 0;
+    // SAFETY: as above (leaf 7 exists: max_leaf ≥ 7).
+    #[allow(unused_unsafe)]
+    let avx512_bf16 = unsafe { __cpuid_count(7, 1) }.eax & (1 << 5) != 0;
+    if !(amx_bf16 && amx_tile && osxsave && avx512 && avx512_bf16) {
         return false;
     }
     let (lo, _hi): (u32, u32);
@@ -120,6 +127,9 @@ fn request_tile_permission() -> bool {
 /// it). Callers: every pointer is valid for `TILE_ROWS` rows of `TILE_ROW_BYTES` bytes at
 /// `stride` bytes apart (read for loads, written for stores); tile numbers are below 8.
 pub(crate) unsafe trait Tiles {
+    /// Whether these tiles run on the CPU's AMX (which implies AVX512-BF16 and AVX512-BW:
+    /// [`available`]), so code around them may use those instructions.
+    const HARDWARE: bool;
     /// Tile `T` ← 16 rows of 64 bytes from `src`, `stride` bytes apart.
     unsafe fn load<const T: u8>(&mut self, src: *const u8, stride: usize);
     /// 16 rows of 64 bytes at `dst`, `stride` bytes apart ← tile `T`.
@@ -194,6 +204,7 @@ impl Drop for HwTiles {
 // instruction's memory footprint (16 rows of 64 bytes at `stride`).
 #[cfg(target_arch = "x86_64")]
 unsafe impl Tiles for HwTiles {
+    const HARDWARE: bool = true;
     #[inline(always)]
     unsafe fn load<const T: u8>(&mut self, src: *const u8, stride: usize) {
         // SAFETY: tiles configured (self exists on this thread); 16 rows of 64 readable bytes
@@ -274,6 +285,7 @@ fn ftz(x: f32) -> f32 {
 // the instruction's definition (module docs).
 #[cfg(test)]
 unsafe impl Tiles for EmuTiles {
+    const HARDWARE: bool = false;
     unsafe fn load<const T: u8>(&mut self, src: *const u8, stride: usize) {
         for r in 0..TILE_ROWS {
             for w in 0..16 {

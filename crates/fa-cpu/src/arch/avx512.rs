@@ -144,6 +144,12 @@ unsafe impl Simd for Avx512 {
     }
     #[inline(always)]
     unsafe fn bf16_pairs(lo: *const f32, hi: *const f32, dst: *mut u32) {
+        // SAFETY: 16 readable f32 at lo and hi, 16 writable dwords at dst (trait contract);
+        // AVX-512F present.
+        unsafe { Self::bf16_pairs_v::<false>(_mm512_loadu_ps(lo), _mm512_loadu_ps(hi), dst) }
+    }
+    #[inline(always)]
+    unsafe fn bf16_pairs_v<const NATIVE: bool>(lo: __m512, hi: __m512, dst: *mut u32) {
         /// Round to nearest even on the bits: add 0x7fff plus the lowest kept bit, keep the
         /// high half; NaNs instead keep their high half with the quiet bit set (what `half`
         /// does), so no NaN rounds into an infinity.
@@ -160,14 +166,24 @@ unsafe impl Simd for Avx512 {
                 _mm512_mask_mov_epi32(rounded, nan, quiet)
             }
         }
-        // SAFETY: 16 readable f32 at lo and hi, 16 writable dwords at dst (trait contract);
-        // AVX-512F present.
+        if NATIVE {
+            // SAFETY: AVX512-BF16 and AVX512-BW present (caller); 16 writable dwords at dst.
+            // `vcvtne2ps2bf16` puts lo's 16 bf16 in words 0..16 and hi's in 16..32; the word
+            // permutation interleaves them (word 2i ← i, word 2i + 1 ← 16 + i).
+            unsafe {
+                let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                let idx = _mm512_set_epi16(
+                    31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                    5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0,
+                );
+                _mm512_storeu_si512(dst as *mut __m512i, _mm512_permutexvar_epi16(idx, packed));
+            }
+            return;
+        }
+        // SAFETY: 16 writable dwords at dst (trait contract); AVX-512F present.
         unsafe {
-            let l = _mm512_srli_epi32::<16>(round(_mm512_loadu_ps(lo)));
-            let h = _mm512_and_si512(
-                round(_mm512_loadu_ps(hi)),
-                _mm512_set1_epi32(0xffff_0000u32 as i32),
-            );
+            let l = _mm512_srli_epi32::<16>(round(lo));
+            let h = _mm512_and_si512(round(hi), _mm512_set1_epi32(0xffff_0000u32 as i32));
             _mm512_storeu_si512(dst as *mut __m512i, _mm512_or_si512(l, h));
         }
     }

@@ -208,6 +208,25 @@ pub(crate) unsafe trait Simd: Copy + 'static {
             }
         }
     }
+    /// [`Simd::bf16_pairs`] from registers: `dst[i] = bf16(lo[i]) | bf16(hi[i]) << 16` for the
+    /// `W` lanes. With `NATIVE` the architecture may use the CPU's own bf16 conversion
+    /// (AVX512-BF16's `vcvtne2ps2bf16`, which also reads f32 denormals as zero — what AMX's
+    /// `tdpbf16ps` does with bf16 denormals anyway); without it the result is exactly
+    /// [`Simd::bf16_pairs`]'s. The default stores the lanes and calls [`Simd::bf16_pairs`].
+    ///
+    /// # Safety
+    /// S available; `W` writable dwords at `dst`; with `NATIVE`, the CPU has AVX512-BF16 and
+    /// AVX512-BW (every AMX-BF16 CPU: [`amx::available`] checks them).
+    #[inline(always)]
+    unsafe fn bf16_pairs_v<const NATIVE: bool>(lo: Self::V, hi: Self::V, dst: *mut u32) {
+        let (mut l, mut h) = ([0.0f32; 16], [0.0f32; 16]);
+        // SAFETY: both arrays hold 16 ≥ W floats; `dst` W dwords (caller).
+        unsafe {
+            Self::store(l.as_mut_ptr(), lo);
+            Self::store(h.as_mut_ptr(), hi);
+            Self::bf16_pairs(l.as_ptr(), h.as_ptr(), dst);
+        }
+    }
     /// The sum of the lanes, in an order of the architecture's choosing (a shuffle tree on
     /// x86; the default adds lane by lane).
     #[inline(always)]

@@ -20,18 +20,20 @@
 //! (relative 2⁻⁹ per probability), inside the bf16 contract (1e-2 normwise).
 
 use super::forward_task::{
-    classify_panels, mask_scores, run_task, write_back, Ctx, Dims, KvRows, Sink, TaskStats,
+    classify_panels, mask_partial, run_task, write_back, Ctx, Dims, KvRows, NextTile, Sink,
+    TaskStats,
 };
 use super::mask::MAX_PANEL;
 use super::scratch::{ensure, ensure_aligned, Scratch};
-use super::softmax::{softcap_slice, softmax_panel};
+use super::softmax::{add_panel_sums, panel_maxima, panel_offsets, softcap_slice};
 use super::tiling::Task;
 use crate::arch::amx::Tiles;
-use crate::arch::{Arch, Simd};
+use crate::arch::{exp2_cubic, exp2_exact, Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::{sealed, Element};
+use crate::Exp2Impl;
 use half::bf16;
-use softmax_core::{RowState, TileKind};
+use softmax_core::{RescalePolicy, RescaleStats, RowState, TileKind};
 
 /// Keys per key tile of the AMX kernel: 128 with or without a mask. Per tile, each panel
 /// loads and stores its `Oᵀ` accumulator tiles once, and on the development VM (a Xeon with
@@ -41,6 +43,14 @@ use softmax_core::{RowState, TileKind};
 pub(crate) const fn amx_keys() -> usize {
     128
 }
+
+/// Largest number of query rows in an AMX task (the SIMD path's [`super::tiling::Tiling`]
+/// with this as `rows`; its 2.5 MiB budget for Qᵀ and Oᵀ still caps it: 2560 rows at D=128,
+/// 1280 at D=256). Fewer, larger tasks pack each K/V tile fewer times: alternating on the
+/// development Xeon (B=1, H=8, bf16, GFLOP/s), against the SIMD path's 1008: N=2048 D=256
+/// 189/192 → 205/206, N=4096 D=128 181/176 → 187/189, N=2048 D=128 unchanged (171/164 →
+/// 171/163).
+pub(crate) const AMX_TASK_ROWS: usize = 4096;
 
 /// Query rows per panel: two B tiles of 16 rows.
 pub(crate) const AMX_PANEL: usize = 32;
@@ -191,8 +201,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let corr = ensure(corr, br, 1.0);
     let states = ensure(states, br, RowState::new());
     let kinds = ensure(kinds, br / panel, TileKind::Full);
-    let kv_offsets = ensure(kv_offsets, 2 * bc, 0);
-    let (k_offs, v_offs) = kv_offsets.split_at_mut(bc);
+    let kv_offsets = ensure(kv_offsets, 4 * bc, 0);
+    let (k_offs, v_offs) = kv_offsets.split_at_mut(2 * bc);
     let qv = ensure(amx_q, br * d32 / 2, 0);
     let kb = ensure(amx_k, bc * d32, 0);
     let vb = ensure(amx_v, dv32 * bc / 2, 0);
@@ -211,7 +221,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let q_rows = task.i0..task.i0 + task.len;
     let sk = dims.sk;
     let total_tiles = sk.div_ceil(bc) as u64;
-    for tile in mask.key_tile_range(q_rows.clone(), bc, dims.sq, sk) {
+    let key_tiles = mask.key_tile_range(q_rows.clone(), bc, dims.sq, sk);
+    for tile in key_tiles.clone() {
         let j0 = tile * bc;
         let nk = bc.min(sk - j0);
         let kind = mask.classify_tile(q_rows.clone(), j0..j0 + nk, dims.sq, sk);
@@ -219,11 +230,24 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             continue;
         }
         let nk32 = nk.div_ceil(STEP) * STEP;
-        kv.offsets(j0, &mut k_offs[..nk], &mut v_offs[..nk]);
+        // This tile's K/V rows and the next tile's, which the panels prefetch (rows a head
+        // stride apart are beyond the hardware prefetchers).
+        let has_next = tile + 1 < key_tiles.end;
+        let next_rows = kv.tile_offsets(j0, nk, bc, sk, has_next, k_offs, v_offs);
         pack_k(inputs.k, &k_offs[..nk], d, d32, nk32, kb);
         // SAFETY: S available; vb holds dv32·nk32/2 dwords, pairs nk32/2·dv32.
         unsafe { pack_vt::<S>(inputs.v, &v_offs[..nk], dv, dv32, nk32, vb, pairs) };
         classify_panels(kinds, &mask, task, &dims, kind, j0..j0 + nk);
+        let live_panels = kinds.iter().filter(|&&k| k != TileKind::Empty).count();
+        let mut prefetch = NextTile {
+            k_offs: &k_offs[nk..nk + next_rows],
+            v_offs: &v_offs[nk..nk + next_rows],
+            rows: next_rows,
+            total: 2 * next_rows,
+            calls: 2 * live_panels,
+            done: 0,
+            call: 0,
+        };
         for rv0 in (0..br).step_by(panel) {
             let kind = kinds[rv0 / panel];
             if kind == TileKind::Empty {
@@ -234,36 +258,44 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             // SAFETY: `q_panel` holds the panel's two row blocks of d32/32 tiles, `kb` nk32
             // rows of d32, `st` bc ≥ nk32 rows of `panel` floats.
             unsafe { scores(tiles, q_panel, kb, st, d32, nk32, panel) };
-            // SAFETY: S available (caller); st holds nk32·panel floats, a multiple of W.
-            unsafe {
-                scale_slice::<S>(st.as_mut_ptr(), nk * panel, pre);
-                if let Some(post) = post {
-                    softcap_slice::<S>(st.as_mut_ptr(), nk * panel, post);
+            prefetch.after_call::<S, T, O>(ctx, &dims);
+            // The score transform: a positive scale is folded into the softmax's first FMA
+            // (`factor`); a softcap (or a scale ≤ 0, which would turn maxima into minima)
+            // is applied in place first, and the softmax takes the scores as they are.
+            let factor = if post.is_none() && pre > 0.0 {
+                pre
+            } else {
+                // SAFETY: S available (caller); st holds nk·panel floats, a multiple of W.
+                unsafe {
+                    scale_slice::<S>(st.as_mut_ptr(), nk * panel, pre);
+                    if let Some(post) = post {
+                        softcap_slice::<S>(st.as_mut_ptr(), nk * panel, post);
+                    }
                 }
-            }
-            if kind == TileKind::Partial {
-                // SAFETY: S available; st holds nk rows of `panel`; rv0 < rows.
-                unsafe { mask_scores::<S, NR>(&mask, task, &dims, st, rv0, j0, nk) };
-            }
-            // SAFETY: st holds nk rows of `panel` floats; states and corr hold br ≥ rv0 +
-            // panel rows; S available.
+                1.0
+            };
+            // Only writes −∞ (which any factor keeps −∞).
+            // SAFETY: S available; st holds nk rows of `panel`; rv0 < rows.
+            unsafe { mask_partial::<S, NR>(kind, &mask, task, &dims, st, rv0, j0, nk) };
+            // SAFETY: st holds nk rows of `panel` floats, pb nk32/2 rows of `panel` dwords;
+            // states and corr hold br ≥ rv0 + panel rows; S available (caller), and with
+            // hardware tiles AVX512-BF16 and AVX512-BW (`Tiles::HARDWARE`).
             unsafe {
-                softmax_panel::<S, NR>(
-                    st.as_mut_ptr(),
-                    panel,
-                    nk,
+                let softmax = PanelSoftmax {
                     rv0,
                     rows,
-                    states,
-                    corr,
-                    &ctx.policy,
-                    &mut stats.rescale,
-                    ctx.exp2,
-                );
+                    policy: &ctx.policy,
+                    factor,
+                };
+                let args = (st.as_ptr(), nk, nk32, pb.as_mut_ptr());
+                let (s, c, r) = (&mut *states, &mut *corr, &mut stats.rescale);
+                match (ctx.exp2, M::HARDWARE) {
+                    (Exp2Impl::Exact, true) => softmax.run::<S, NR, false, true>(args, s, c, r),
+                    (Exp2Impl::Exact, false) => softmax.run::<S, NR, false, false>(args, s, c, r),
+                    (Exp2Impl::Cubic, true) => softmax.run::<S, NR, true, true>(args, s, c, r),
+                    (Exp2Impl::Cubic, false) => softmax.run::<S, NR, true, false>(args, s, c, r),
+                }
             }
-            // SAFETY: S available; st holds nk rows of `panel` (S::W · NR), pb nk32/2 rows of
-            // `panel` dwords.
-            unsafe { pack_p::<S>(st, nk, nk32, panel, pb) };
             let o_panel = &mut ot[rv0 * dv32..(rv0 + panel) * dv32];
             let corr_panel = &corr[rv0..rv0 + panel];
             if corr_panel.iter().any(|&c| c != 1.0) {
@@ -274,6 +306,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             // SAFETY: vb holds dv32 rows of nk32/2 dwords, pb nk32/2 rows of `panel`
             // dwords, o_panel dv32 rows of `panel` floats.
             unsafe { products(tiles, vb, pb, o_panel, dv32, nk32, panel) };
+            prefetch.after_call::<S, T, O>(ctx, &dims);
         }
     }
     stats.skipped = total_tiles * rows.div_ceil(panel) as u64 - stats.computed;
@@ -316,6 +349,19 @@ unsafe fn pack_q<S: Simd, T, O>(
             let (head, i) = task.row(r);
             let off = p.q_offset(task.batch, i, head);
             let src = &q[off..off + d];
+            if cfg!(target_endian = "little") {
+                // A row's channel pairs are its bf16 in memory order: dword cp = channel 2cp
+                // in the low half, 2cp + 1 in the high half. Copy the bytes, zero the rest.
+                let bytes = 2 * d;
+                // SAFETY: `src` holds d bf16 (2d bytes), `dst` half = d32/2 ≥ d/2 dwords
+                // (4·half ≥ 2d bytes); distinct buffers.
+                unsafe {
+                    let to = dst.as_mut_ptr() as *mut u8;
+                    std::ptr::copy_nonoverlapping(src.as_ptr() as *const u8, to, bytes);
+                    std::ptr::write_bytes(to.add(bytes), 0, 4 * half - bytes);
+                }
+                continue;
+            }
             for (cp, x) in dst.iter_mut().enumerate() {
                 let lo = src.get(2 * cp).map_or(0, |v| v.to_bits() as u32);
                 let hi = src.get(2 * cp + 1).map_or(0, |v| v.to_bits() as u32);
@@ -468,38 +514,103 @@ unsafe fn scale_slice<S: Simd>(x: *mut f32, n: usize, factor: f32) {
     }
 }
 
-/// P (the panel's probabilities, `st[j·panel + r]` for keys `j < nk`) rounded to bf16 in the
+/// The online softmax of one panel's score tile, fused with P's packing: block maxima of
+/// `factor·S` (`factor > 0`, so they are `factor` times the maxima of S: rounding is
+/// monotonic), softmax-core's block step per row ([`panel_offsets`]), then per pair of keys
+/// `exp2(factor·s − offset)` (one FMA), the row sums, and P rounded to bf16 straight into the
 /// B-tile pair layout: key pair `jp`, row `r` of block `rb` at dword `((jp/16)·2 + rb)·256 +
-/// (jp%16)·16 + r`; keys `nk..nk32` are zeros.
-///
-/// # Safety
-/// S available; `st` holds `nk` rows of `panel` floats, `pb` `nk32/2` rows of `panel` dwords;
-/// `panel` = 32, a multiple of `W`.
-#[inline(always)]
-unsafe fn pack_p<S: Simd>(st: &[f32], nk: usize, nk32: usize, panel: usize, pb: &mut [u32]) {
-    let zeros = [0.0f32; AMX_PANEL];
-    for jp in 0..nk32 / 2 {
-        let (lo, hi) = (2 * jp, 2 * jp + 1);
-        let row_of = |j: usize| {
-            if j < nk {
-                st[j * panel..(j + 1) * panel].as_ptr()
-            } else {
-                zeros.as_ptr()
+/// (jp%16)·16 + r%16`; keys `nk..nk32` are zeros. S is read twice from L1 and P never goes
+/// back to f32 memory.
+struct PanelSoftmax<'p> {
+    /// First row of the panel.
+    rv0: usize,
+    /// Real rows of the task (the panel's rows past them are padding).
+    rows: usize,
+    /// The rescale policy.
+    policy: &'p RescalePolicy<f32>,
+    /// The positive factor applied to the scores.
+    factor: f32,
+}
+
+impl PanelSoftmax<'_> {
+    /// Runs it on `(st, nk, nk32, pb)`: `st` holds `nk` rows of `NR·W` (= [`AMX_PANEL`])
+    /// scores, `pb` gets `nk32/2` rows of pair dwords; `states` and `corr` are the task's.
+    /// `CUBIC`: [`exp2_cubic`], else [`exp2_exact`]; `NATIVE`: the CPU's bf16 conversion.
+    ///
+    /// # Safety
+    /// S available (and with `NATIVE` AVX512-BF16 and AVX512-BW); `st` readable for `nk·NR·W`
+    /// floats, `pb` writable for `nk32/2·NR·W` dwords; `states` and `corr` hold `rv0 +
+    /// NR·W` entries; `nk ≤ nk32`, `nk32` even; `NR·W == AMX_PANEL`.
+    #[inline(always)]
+    unsafe fn run<S: Simd, const NR: usize, const CUBIC: bool, const NATIVE: bool>(
+        &self,
+        (st, nk, nk32, pb): (*const f32, usize, usize, *mut u32),
+        states: &mut [RowState<f32>],
+        corr: &mut [f32],
+        stats: &mut RescaleStats,
+    ) {
+        let w = S::W;
+        let panel = NR * w;
+        // SAFETY: bounds are the caller's contract.
+        unsafe {
+            let mut mx = panel_maxima::<S, NR>(st, panel, nk);
+            let f = S::splat(self.factor);
+            for m in mx.iter_mut() {
+                *m = S::mul(*m, f);
             }
-        };
-        let (lo, hi) = (row_of(lo), row_of(hi));
-        for rb in 0..panel / 16 {
-            let dst = &mut pb[((jp / 16) * 2 + rb) * 256 + (jp % 16) * 16..][..16];
-            for v in (0..16).step_by(S::W) {
-                // SAFETY: rb·16 + v + W ≤ panel floats at lo and hi; W dwords in dst.
+            let offset =
+                panel_offsets::<S, NR>(&mx, self.rv0, self.rows, states, corr, self.policy, stats);
+            let mut neg = [S::splat(0.0); NR];
+            for (x, off) in neg.iter_mut().zip(&offset) {
+                *x = S::sub(*x, *off);
+            }
+            // `exp2(f·s − offset)` for key `j`, row vector `n` (no closures here: a closure
+            // would not inherit the trampoline's target features, and its vector intrinsics
+            // would become calls).
+            #[inline(always)]
+            unsafe fn exp<S: Simd, const CUBIC: bool>(p: *const f32, f: S::V, neg: S::V) -> S::V {
+                // SAFETY: W readable floats at p; S available (caller).
                 unsafe {
-                    S::bf16_pairs(
-                        lo.add(rb * 16 + v),
-                        hi.add(rb * 16 + v),
-                        dst.as_mut_ptr().add(v),
-                    )
-                };
+                    let x = S::fma(S::load(p), f, neg);
+                    if CUBIC {
+                        exp2_cubic::<S>(x)
+                    } else {
+                        exp2_exact::<S>(x)
+                    }
+                }
             }
+            // The dword of key pair `jp`, row vector `n`: offset into pb.
+            let dst = |jp: usize, n: usize| {
+                let r = n * w;
+                ((jp / 16) * 2 + r / 16) * 256 + (jp % 16) * 16 + r % 16
+            };
+            let mut sum = [S::splat(0.0); NR];
+            for jp in 0..nk / 2 {
+                for (n, total) in sum.iter_mut().enumerate() {
+                    let at = st.add(2 * jp * panel + n * w);
+                    let lo = exp::<S, CUBIC>(at, f, neg[n]);
+                    let hi = exp::<S, CUBIC>(at.add(panel), f, neg[n]);
+                    *total = S::add(S::add(*total, lo), hi);
+                    S::bf16_pairs_v::<NATIVE>(lo, hi, pb.add(dst(jp, n)));
+                }
+            }
+            let zero = S::splat(0.0);
+            let mut jp = nk / 2;
+            if nk % 2 == 1 {
+                for (n, total) in sum.iter_mut().enumerate() {
+                    let lo = exp::<S, CUBIC>(st.add((nk - 1) * panel + n * w), f, neg[n]);
+                    *total = S::add(*total, lo);
+                    S::bf16_pairs_v::<NATIVE>(lo, zero, pb.add(dst(jp, n)));
+                }
+                jp += 1;
+            }
+            while jp < nk32 / 2 {
+                for n in 0..NR {
+                    S::bf16_pairs_v::<NATIVE>(zero, zero, pb.add(dst(jp, n)));
+                }
+                jp += 1;
+            }
+            add_panel_sums::<S, NR>(&sum, self.rv0, self.rows, states);
         }
     }
 }

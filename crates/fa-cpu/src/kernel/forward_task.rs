@@ -194,6 +194,34 @@ impl<'a> KvRows<'a> {
         }
     }
 
+    /// The offsets of a key tile's `nk` rows from `j0` into `k_offs[..nk]` / `v_offs[..nk]`,
+    /// followed by those of the next tile (`bc` keys from `j0 + bc`, stopping at `end`) when
+    /// `has_next`; returns the next tile's row count (0 without one). Its rows are what the
+    /// tasks prefetch while they compute this tile.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn tile_offsets(
+        &self,
+        j0: usize,
+        nk: usize,
+        bc: usize,
+        end: usize,
+        has_next: bool,
+        k_offs: &mut [usize],
+        v_offs: &mut [usize],
+    ) -> usize {
+        let next_rows = if has_next {
+            bc.min(end.saturating_sub(j0 + bc))
+        } else {
+            0
+        };
+        self.offsets(
+            j0,
+            &mut k_offs[..nk + next_rows],
+            &mut v_offs[..nk + next_rows],
+        );
+        next_rows
+    }
+
     /// Writes the K and V offsets of keys `j0..j0 + k.len()` into `k` and `v`.
     #[inline(always)]
     pub(crate) fn offsets(&self, j0: usize, k: &mut [usize], v: &mut [usize]) {
@@ -342,16 +370,7 @@ pub(crate) unsafe fn run_task<
         if kind == TileKind::Empty {
             continue;
         }
-        let next_rows = if tile + 1 < tiles.end {
-            bc.min(end.saturating_sub(j0 + bc))
-        } else {
-            0
-        };
-        kv.offsets(
-            j0,
-            &mut k_offs[..nk + next_rows],
-            &mut v_offs[..nk + next_rows],
-        );
+        let next_rows = kv.tile_offsets(j0, nk, bc, end, tile + 1 < tiles.end, k_offs, v_offs);
         if few {
             // Row-major K and V rows, zero-padded to whole vectors.
             for j in 0..nk {
@@ -423,10 +442,8 @@ pub(crate) unsafe fn run_task<
                     panel_scores::<S, QMR, NR>(&dims, qt, kt, st, rv0, nk, live, post);
                 }
             }
-            if kind == TileKind::Partial {
-                // SAFETY: as above.
-                unsafe { mask_scores::<S, NR>(&mask, task, &dims, st, rv0, j0, nk) };
-            }
+            // SAFETY: as above.
+            unsafe { mask_partial::<S, NR>(kind, &mask, task, &dims, st, rv0, j0, nk) };
             // SAFETY: the panel's scores sit at `j·panel` in st (bc·panel); rv0 + panel ≤ br =
             // the length of states and corr.
             unsafe {
@@ -673,12 +690,17 @@ unsafe fn panel_scores<S: Simd, const QMR: usize, const NR: usize>(
     }
 }
 
-/// Hides, in the panel at row `rv0`, the keys of the tile `j0..j0 + nk` its rows do not see.
+/// Hides, in the panel at row `rv0`, the keys of the tile `j0..j0 + nk` its rows do not see,
+/// when the panel's tile is `Partial` (`kind`); nothing for a `Full` one. The step both the
+/// SIMD and the AMX task take between the scores and the softmax; it only writes `−∞`, so it
+/// may come before or after a positive scale.
 ///
 /// # Safety
 /// S available; `st` holds `nk` rows of `panel` floats; `rv0 < rows`.
 #[inline(always)]
-pub(super) unsafe fn mask_scores<S: Simd, const NR: usize>(
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn mask_partial<S: Simd, const NR: usize>(
+    kind: TileKind,
     mask: &Mask,
     task: &Task,
     dims: &Dims,
@@ -687,6 +709,9 @@ pub(super) unsafe fn mask_scores<S: Simd, const NR: usize>(
     j0: usize,
     nk: usize,
 ) {
+    if kind != TileKind::Partial {
+        return;
+    }
     let Dims {
         rows,
         panel,
@@ -732,27 +757,27 @@ unsafe fn run_hook<S: Simd>(
 
 /// The prefetch of the next key tile's K and V rows, spread over a tile's PV micro-kernel
 /// calls: `total` rows (K's then V's) over `calls` calls.
-struct NextTile<'o> {
+pub(super) struct NextTile<'o> {
     /// Offsets of the next tile's K rows.
-    k_offs: &'o [usize],
+    pub(super) k_offs: &'o [usize],
     /// Offsets of the next tile's V rows.
-    v_offs: &'o [usize],
+    pub(super) v_offs: &'o [usize],
     /// Keys in the next tile (0: no next tile).
-    rows: usize,
+    pub(super) rows: usize,
     /// Rows to prefetch in all (`2·rows`: K, then V).
-    total: usize,
+    pub(super) total: usize,
     /// PV micro-kernel calls this tile makes.
-    calls: usize,
+    pub(super) calls: usize,
     /// Rows prefetched so far.
-    done: usize,
+    pub(super) done: usize,
     /// Calls made so far.
-    call: usize,
+    pub(super) call: usize,
 }
 
 impl NextTile<'_> {
     /// Counts one PV call and prefetches the rows due by then.
     #[inline(always)]
-    fn after_call<S: Simd, T: Element, O>(&mut self, ctx: &Ctx<'_, T, O>, dims: &Dims) {
+    pub(super) fn after_call<S: Simd, T: Element, O>(&mut self, ctx: &Ctx<'_, T, O>, dims: &Dims) {
         self.call += 1;
         let target = self.call * self.total / self.calls.max(1);
         while self.done < target {

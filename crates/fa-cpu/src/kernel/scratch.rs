@@ -208,7 +208,7 @@ impl Scratch {
             grow(&mut self.corr, br32)?;
             grow(&mut self.states, br32)?;
             grow(&mut self.kinds, br32 / 32)?;
-            grow(&mut self.kv_offsets, 2 * bc32)?;
+            grow(&mut self.kv_offsets, 4 * bc32)?;
             grow(&mut self.amx_q, br32 * d32 / 2)?;
             grow(&mut self.amx_k, bc32 * d32)?;
             grow(&mut self.amx_v, dv32 * bc32 / 2)?;

@@ -68,16 +68,61 @@ pub(crate) unsafe fn softmax_panel<S: Simd, const NR: usize>(
     stats: &mut RescaleStats,
     imp: Exp2Impl,
 ) {
-    let w = S::W;
-    let mut lanes = [0.0f32; 16];
-    // SAFETY: bounds are the caller's contract; `lanes` holds 16 ≥ W floats.
+    // SAFETY: bounds are the caller's contract.
+    unsafe {
+        let mx = panel_maxima::<S, NR>(st, st_stride, nk);
+        let offset = panel_offsets::<S, NR>(&mx, rv0, valid_rows, states, corr, policy, stats);
+        let sum = match imp {
+            Exp2Impl::Exact => exp2_pass::<S, NR, false>(st, st_stride, nk, &offset),
+            Exp2Impl::Cubic => exp2_pass::<S, NR, true>(st, st_stride, nk, &offset),
+        };
+        add_panel_sums::<S, NR>(&sum, rv0, valid_rows, states);
+    }
+}
+
+/// The maxima of a panel's `NR` row vectors over keys `j < nk` (scores at `st + j·st_stride`).
+///
+/// # Safety
+/// `st` readable for `nk` rows of stride `st_stride` and `NR·W` columns; S available.
+#[inline(always)]
+pub(crate) unsafe fn panel_maxima<S: Simd, const NR: usize>(
+    st: *const f32,
+    st_stride: usize,
+    nk: usize,
+) -> [S::V; NR] {
+    // SAFETY: bounds are the caller's contract.
     unsafe {
         let mut mx = [S::splat(f32::NEG_INFINITY); NR];
         for j in 0..nk {
             for (n, m) in mx.iter_mut().enumerate() {
-                *m = S::max(S::load(st.add(j * st_stride + n * w)), *m);
+                *m = S::max(S::load(st.add(j * st_stride + n * S::W)), *m);
             }
         }
+        mx
+    }
+}
+
+/// The online-softmax step of a block for a panel's `NR` row vectors (rows `rv0..rv0 + NR·W`)
+/// whose block maxima are `mx`: [`RowState::begin_block`] per row (or its vector shortcut
+/// [`all_keep`]), each row's accumulator correction written into `corr`; returns the offsets
+/// to subtract before `exp2` (padding rows, `valid_rows` and beyond: offset 0, correction 1).
+///
+/// # Safety
+/// `states` and `corr` hold at least `rv0 + NR·W` entries; S available.
+#[inline(always)]
+pub(crate) unsafe fn panel_offsets<S: Simd, const NR: usize>(
+    mx: &[S::V; NR],
+    rv0: usize,
+    valid_rows: usize,
+    states: &mut [RowState<f32>],
+    corr: &mut [f32],
+    policy: &RescalePolicy<f32>,
+    stats: &mut RescaleStats,
+) -> [S::V; NR] {
+    let w = S::W;
+    let mut lanes = [0.0f32; 16];
+    // SAFETY: bounds are the caller's contract; `lanes` holds 16 ≥ W floats.
+    unsafe {
         let mut offset = [S::splat(0.0); NR];
         for (n, (m, off)) in mx.iter().zip(offset.iter_mut()).enumerate() {
             let base = rv0 + n * w;
@@ -111,17 +156,30 @@ pub(crate) unsafe fn softmax_panel<S: Simd, const NR: usize>(
             }
             *off = S::load(lanes.as_ptr());
         }
-        let sum = match imp {
-            Exp2Impl::Exact => exp2_pass::<S, NR, false>(st, st_stride, nk, &offset),
-            Exp2Impl::Cubic => exp2_pass::<S, NR, true>(st, st_stride, nk, &offset),
-        };
-        for (n, total) in sum.iter().enumerate() {
-            S::store(lanes.as_mut_ptr(), *total);
-            for (lane, &x) in lanes.iter().enumerate().take(w) {
-                let r = rv0 + n * w + lane;
-                if r < valid_rows {
-                    states[r].add_sum(x);
-                }
+        offset
+    }
+}
+
+/// Adds a block's row sums `sum` of a panel's `NR` row vectors (rows `rv0..`) to the row
+/// states ([`RowState::add_sum`]); padding rows (`valid_rows` and beyond) are left alone.
+///
+/// # Safety
+/// `states` holds at least `min(rv0 + NR·W, valid_rows)` entries; S available.
+#[inline(always)]
+pub(crate) unsafe fn add_panel_sums<S: Simd, const NR: usize>(
+    sum: &[S::V; NR],
+    rv0: usize,
+    valid_rows: usize,
+    states: &mut [RowState<f32>],
+) {
+    let mut lanes = [0.0f32; 16];
+    for (n, total) in sum.iter().enumerate() {
+        // SAFETY: `lanes` holds 16 ≥ W floats; S available (caller).
+        unsafe { S::store(lanes.as_mut_ptr(), *total) };
+        for (lane, &x) in lanes.iter().enumerate().take(S::W) {
+            let r = rv0 + n * S::W + lane;
+            if r < valid_rows {
+                states[r].add_sum(x);
             }
         }
     }
