@@ -21,6 +21,8 @@ for line in sys.stdin:
     except ValueError: continue
     if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
         shutil.copy2(m["executable"], ".gpucpu/tests/" + m["target"]["name"] + "-" + m["target"]["kind"][0])'
+# Stripped: unstripped they pass the device tool's 64 MiB carry limit.
+strip .gpucpu/tests/*
 gcc -O2 -mavx512f -o .gpucpu/fma_peak scripts/fma_peak.c
 gcc -O2 -mavx512f -pthread -o .gpucpu/readbw scripts/readbw.c
 cargo build --release -p fa-cpu --example bench_decode
