@@ -40,7 +40,7 @@
 
 use super::amx_task::Bf16Inputs;
 use super::backward_task::{
-    probabilities, row_dot, write_dq, BwdCtx, BwdStats, BwdTask, Scores, TileRows,
+    block_key_range, probabilities, row_dot, write_dq, BwdCtx, BwdStats, BwdTask, Scores, TileRows,
 };
 use super::pack::{prefetch_row, widen, ROW_PREFETCH_AHEAD};
 use super::phase_timing::{timed, Phase};
@@ -410,12 +410,7 @@ unsafe fn run_task<S: Simd, T: Element, O: Element, G: Element, M: Tiles>(
                     continue;
                 }
                 stats.computed += 1;
-                let range = |r: usize| {
-                    let kr = mask.key_range(i0 + r, nq, nk);
-                    let lo = kr.start.clamp(j0, j0 + keys) - j0;
-                    let hi = kr.end.clamp(j0, j0 + keys) - j0;
-                    (lo, hi.max(lo))
-                };
+                let range = |r: usize| block_key_range(&mask, i0 + r, nq, nk, j0, keys);
                 // SAFETY: S available; the scratch is packed for this head's rows and this
                 // key block.
                 unsafe {

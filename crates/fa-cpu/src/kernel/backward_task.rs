@@ -43,7 +43,7 @@ use super::scratch::SharedOut;
 use crate::arch::{exp2_exact, tanh, Arch, Simd, SimdLevel};
 use crate::dispatch::{with_arch, ArchFn, Entry, SimdTask};
 use crate::element::Element;
-use softmax_core::{Problem, TileKind, LOG2_E};
+use softmax_core::{Mask, Problem, TileKind, LOG2_E};
 
 /// Floats per cache line: row strides are multiples of it, so that from the 64-byte aligned
 /// buffers no vector access crosses a line (the forward measured that every other AVX2 access
@@ -535,13 +535,7 @@ pub(crate) unsafe fn run_task<
                             continue;
                         }
                         stats.computed += 1;
-                        // Each row's visible keys within the block (empty: the row sees none).
-                        let range = |r: usize| {
-                            let kr = mask.key_range(i0 + r, nq, nk);
-                            let lo = kr.start.clamp(j0, j0 + keys) - j0;
-                            let hi = kr.end.clamp(j0, j0 + keys) - j0;
-                            (lo, hi.max(lo))
-                        };
+                        let range = |r: usize| block_key_range(&mask, i0 + r, nq, nk, j0, keys);
                         tile_step::<A, NR, MR>(
                             s,
                             &g,
@@ -688,6 +682,23 @@ unsafe fn pack_rows<A: Arch, T: Element, O: Element, G: Element>(
             );
         }
     }
+}
+
+/// Query `i`'s visible keys within the key block `j0..j0 + keys`, relative to `j0` (an empty
+/// range, `lo == hi`, when the row sees none of them): the per-row bounds of a tile step.
+#[inline(always)]
+pub(crate) fn block_key_range(
+    mask: &Mask,
+    i: usize,
+    nq: usize,
+    nk: usize,
+    j0: usize,
+    keys: usize,
+) -> (usize, usize) {
+    let kr = mask.key_range(i, nq, nk);
+    let lo = kr.start.clamp(j0, j0 + keys) - j0;
+    let hi = kr.end.clamp(j0, j0 + keys) - j0;
+    (lo, hi.max(lo))
 }
 
 /// `Σ x·o`, one sum in element order with A's multiply-add (fused where A fuses), the very
