@@ -482,6 +482,14 @@ pub fn plan_decode(
     if splits == Some(0) {
         return unsupported("a forced split count must be at least 1");
     }
+    // The kernel offsets a row inside its paged block in 32 bits.
+    if let KvCache::Paged { block_size, .. } = problem.kv_cache() {
+        let strides = problem.strides();
+        let span = block_size.saturating_mul(strides[1].seq.max(strides[2].seq));
+        if span > i32::MAX as usize {
+            return unsupported("a paged K/V block must span fewer than 2^31 elements");
+        }
+    }
     let seqlen_q = problem.max_seqlen_q();
     if seqlen_q == 0 {
         return Ok(None);

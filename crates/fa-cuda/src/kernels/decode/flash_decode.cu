@@ -166,36 +166,55 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         }
     };
     // One K/V tile into stage `stage`: row t of the tile is key n0 + t, zero-filled at and past
-    // the used length (and in the columns past the head dims). A paged cache addresses each
-    // key through its block (the ring's entry, clamped to the cache), a padded one steps by
-    // the batch.
+    // the used length (and in the columns past the head dims). Each thread copies one 16-byte
+    // chunk column of the rows row0 + it * ROW_STEP. A padded cache computes one 64-bit address
+    // per tile and steps it by a constant per row (the per-row 64-bit index products were
+    // half of the kernel's instructions: ncu, run 66); a paged cache addresses each key through
+    // its block (the ring's entry, clamped to the cache).
+    constexpr int ROW_STEP = THREADS / CHUNKS;
+    const int c_ld = tid % CHUNKS, row0 = tid / CHUNKS;
+    const bool k_col = c_ld * 8 < p.head_dim, v_col = c_ld * 8 < p.head_dim_v;
+    const u16* gk_seq = gk + (paged ? 0 : (i64)b * p.k_bs) + c_ld * 8;
+    const u16* gv_seq = gv + (paged ? 0 : (i64)b * p.v_bs) + c_ld * 8;
+    const i64 k_step = (i64)ROW_STEP * p.k_ss, v_step = (i64)ROW_STEP * p.v_ss;
     auto load_kv = [&](const int t, const int stage) {
         const int n0 = t * BLOCK_N;
         const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
         const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
-        const int c = tid % CHUNKS, row0 = tid / CHUNKS;
-        const bool k_col = c * 8 < p.head_dim, v_col = c * 8 < p.head_dim_v;
-        const int* tab = sTab + (t % TAB_RING) * BLOCK_N;
+        if (!paged) {
+            const u16* kp = gk_seq + (i64)(n0 + row0) * p.k_ss;
+            const u16* vp = gv_seq + (i64)(n0 + row0) * p.v_ss;
 #pragma unroll
-        for (int it = 0; it < LOAD_ITERS; ++it) {
-            const int row = row0 + it * (THREADS / CHUNKS);
-            const int key = n0 + row;
-            const bool ok = key < sk;
-            i64 k_off = 0, v_off = 0;
-            if (ok) {
-                if (paged) {
-                    const int in_block = block_pow2 ? (key & block_mask) : key % p.block_size;
-                    const int bb = min(max(tab[row], 0), p.num_blocks - 1);
-                    k_off = (i64)bb * p.k_bs + (i64)in_block * p.k_ss;
-                    v_off = (i64)bb * p.v_bs + (i64)in_block * p.v_ss;
-                } else {
-                    k_off = (i64)b * p.k_bs + (i64)key * p.k_ss;
-                    v_off = (i64)b * p.v_bs + (i64)key * p.v_ss;
-                }
+            for (int it = 0; it < LOAD_ITERS; ++it) {
+                const int row = row0 + it * ROW_STEP;
+                const bool ok = n0 + row < sk;
+                const u32 dst = (u32)swz(row, c_ld) * 2u;
+                cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
+                cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
+                kp += k_step;
+                vp += v_step;
             }
-            const u32 dst = (u32)swz(row, c) * 2u;
-            cp_async16(k_base + dst, gk + (ok && k_col ? k_off + c * 8 : 0), ok && k_col);
-            cp_async16(v_base + dst, gv + (ok && v_col ? v_off + c * 8 : 0), ok && v_col);
+            return;
+        }
+        // Paged: the block's offset is a 64-bit product (a cache may pass 2^31 elements), the
+        // row's offset inside its block a 32-bit one (at most 256 rows of a few heads).
+        const int* tab = sTab + (t % TAB_RING) * BLOCK_N;
+        auto paged_row = [&](const int it, const int in_block) {
+            const int row = row0 + it * ROW_STEP;
+            const bool ok = n0 + row < sk;
+            const int bb = min(max(tab[row], 0), p.num_blocks - 1);
+            const u16* kp = gk_seq + (i64)bb * p.k_bs + in_block * (int)p.k_ss;
+            const u16* vp = gv_seq + (i64)bb * p.v_bs + in_block * (int)p.v_ss;
+            const u32 dst = (u32)swz(row, c_ld) * 2u;
+            cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
+            cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
+        };
+        if (block_pow2) {
+#pragma unroll
+            for (int it = 0; it < LOAD_ITERS; ++it) paged_row(it, (n0 + row0 + it * ROW_STEP) & block_mask);
+        } else {
+#pragma unroll
+            for (int it = 0; it < LOAD_ITERS; ++it) paged_row(it, (n0 + row0 + it * ROW_STEP) % p.block_size);
         }
     };
 
