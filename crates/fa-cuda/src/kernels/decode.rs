@@ -431,13 +431,13 @@ pub fn num_splits_heuristic(ctas: u32, slots: u32, n_tiles: u32) -> u32 {
 /// head dim ≤ 128.
 pub const STREAMING_STAGES: u32 = 2;
 
-/// Whether a call streams long caches over enough CTAs that [`STREAMING_STAGES`] (more CTAs
-/// per SM, fewer tiles in flight each) reads faster than the default three stages: unsplit
-/// CTAs for at least half the SMs, and a longest cache of at least 16k keys, at head dim
-/// ≤ 128. H200, bf16, Llama-3 70B
-/// layer at batch 16 (docs/gpu-notes.md run 57): 16k keys 254.9 → 249.7 µs, 64k 985.7 →
-/// 955.5 µs; at 4k keys 72.6 → 73.4 µs and at batch 1 (8 unsplit CTAs, 43-49 splits)
-/// 1.04-1.14× slower, so those keep three stages.
+/// Whether a paged call streams long caches over enough CTAs that [`STREAMING_STAGES`] (more
+/// CTAs per SM, fewer tiles in flight each) reads faster than the default three stages:
+/// unsplit CTAs for at least half the SMs, and a longest cache of at least 16k keys, at head
+/// dim ≤ 128. H200, bf16, Llama-3 70B layer at batch 16 (docs/gpu-notes.md runs 57, 68):
+/// paged 16 at 16k keys 253.8 (3 stages, 2 splits) → 252.9 µs, 64k 981.9 → 973.4; at 4k keys
+/// and at batch 1 three stages stay ahead. A padded cache keeps three stages and one CTA
+/// per SM (the plan's slots).
 fn use_streaming_stages(
     variant: &DecodeVariant,
     ctas: usize,
@@ -511,9 +511,17 @@ pub fn plan_decode(
         .map(|b| problem.seq(b).seqlen_k)
         .max()
         .unwrap_or(0);
+    // A paged cache whose blocks hold whole tiles (powers of two, at least a tile) is read
+    // like a padded one (one table entry per tile); smaller blocks look up every row.
+    let per_row_blocks = match problem.kv_cache() {
+        KvCache::Paged { block_size, .. } => {
+            !(block_size.is_power_of_two() && block_size >= variant.block_n() as usize)
+        }
+        _ => false,
+    };
     match stages {
         Some(stages) => variant = variant.with_stages(stages),
-        None if use_streaming_stages(&variant, ctas, longest, props) => {
+        None if per_row_blocks && use_streaming_stages(&variant, ctas, longest, props) => {
             variant = variant.with_stages(STREAMING_STAGES)
         }
         None => {}
@@ -522,12 +530,21 @@ pub fn plan_decode(
         return unsupported("the decode kernel's shared memory exceeds this device's limit");
     }
     let n_tiles = longest.div_ceil(variant.block_n() as usize);
+    // The wave rule's slots. A padded cache streams at the copy rate with one CTA per SM
+    // (its K/V addresses step by a constant per row): H200 run 68, batch 16 unsplit 0.95–1.07
+    // of copy, 1–7 % ahead of 2–3 splits at two or three CTAs per SM, and batch 1 16 splits
+    // over its 8 CTAs ahead of 32–33 at 16k and 64k keys. A paged cache of small blocks (a
+    // table entry per row) still reads faster over all the CTAs the device holds at once.
+    let slots = if per_row_blocks {
+        props.sm_count * variant.ctas_per_sm(props)
+    } else {
+        props.sm_count
+    };
     let num_splits = match splits {
         Some(s) => s.min(1024),
-        // The wave rule counts the CTAs the device holds at once, not its SMs.
         None => num_splits_heuristic(
             u32::try_from(ctas).unwrap_or(u32::MAX),
-            props.sm_count * variant.ctas_per_sm(props),
+            slots,
             u32::try_from(n_tiles).unwrap_or(u32::MAX),
         ),
     };
@@ -823,11 +840,12 @@ mod tests {
         assert_eq!(v.with_stages(4).ctas_per_sm(&h200), 1);
         assert_eq!(v.with_stages(2).ctas_per_sm(&h200), 3);
         assert_eq!(v.with_stages(99).stages, MAX_DECODE_STAGES);
-        // Llama-3 70B at batch 1: 8 KV heads; two CTAs per SM (3 stages) split twice as much
-        // as one (4 stages).
+        // Llama-3 70B at batch 1 over a paged cache: 8 KV heads; two CTAs per SM (3 stages)
+        // split twice as much as one (4 stages).
         let used = [65536u32];
-        let problem = ProblemDesc::new(1, 1, 65536, 64, 8, 128)
-            .padded_cache(&used)
+        let table: Vec<i32> = (0..65536 / 16).collect();
+        let problem = ProblemDesc::new(1, 1, 0, 64, 8, 128)
+            .paged_cache(&used, &table, table.len(), 16, table.len())
             .validate(256)
             .expect("valid");
         let one = plan_decode(
@@ -851,15 +869,26 @@ mod tests {
             two.num_splits,
             one.num_splits
         );
+        // The same layer over a padded cache splits for one CTA per SM: 132 / 8 → 16.
+        let problem = ProblemDesc::new(1, 1, 65536, 64, 8, 128)
+            .padded_cache(&used)
+            .validate(256)
+            .expect("valid");
+        let padded = plan_decode(&problem, DType::Bf16, DecodeOverrides::default(), &h200)
+            .expect("plan")
+            .expect("work");
+        assert_eq!((padded.variant.stages, padded.num_splits), (3, 16));
     }
 
     #[test]
     fn long_caches_over_many_sequences_take_the_streaming_stages() {
         let h200 = DeviceProps::h200();
+        // Paged caches (blocks of 16 keys, each sequence's blocks in order).
         let plan = |batch: usize, keys: usize, hdim: usize| {
             let used = vec![keys as u32; batch];
-            let problem = ProblemDesc::new(batch, 1, keys, 64, 8, hdim)
-                .padded_cache(&used)
+            let table: Vec<i32> = (0..(batch * keys / 16) as i32).collect();
+            let problem = ProblemDesc::new(batch, 1, 0, 64, 8, hdim)
+                .paged_cache(&used, &table, keys / 16, 16, table.len())
                 .validate(256)
                 .expect("valid");
             plan_decode(&problem, DType::Bf16, DecodeOverrides::default(), &h200)
@@ -874,6 +903,16 @@ mod tests {
         // Batch 1 (8 CTAs) keeps three stages at any length; head dim 256 keeps its two.
         assert_eq!(plan(1, 131072, 128).variant.stages, 3);
         assert_eq!(plan(16, 16384, 256).variant.stages, 2);
+        // A padded cache at batch 16 keeps three stages and one CTA per SM: no split.
+        let used = [16384u32; 16];
+        let problem = ProblemDesc::new(16, 1, 16384, 64, 8, 128)
+            .padded_cache(&used)
+            .validate(256)
+            .expect("valid");
+        let padded = plan_decode(&problem, DType::Bf16, DecodeOverrides::default(), &h200)
+            .expect("plan")
+            .expect("work");
+        assert_eq!((padded.variant.stages, padded.num_splits), (3, 1));
         // The tile override: 128 keys per tile, and a refused count.
         let used = [4096u32];
         let problem = ProblemDesc::new(1, 1, 4096, 64, 8, 128)

@@ -181,9 +181,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         const int n0 = t * BLOCK_N;
         const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
         const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
-        if (!paged) {
-            const u16* kp = gk_seq + (i64)(n0 + row0) * p.k_ss;
-            const u16* vp = gv_seq + (i64)(n0 + row0) * p.v_ss;
+        // Rows at a constant step from this thread's first row of the tile.
+        auto stepped_rows = [&](const u16* kp, const u16* vp) {
 #pragma unroll
             for (int it = 0; it < LOAD_ITERS; ++it) {
                 const int row = row0 + it * ROW_STEP;
@@ -194,11 +193,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
                 kp += k_step;
                 vp += v_step;
             }
+        };
+        if (!paged) {
+            stepped_rows(gk_seq + (i64)(n0 + row0) * p.k_ss, gv_seq + (i64)(n0 + row0) * p.v_ss);
             return;
         }
-        // Paged: the block's offset is a 64-bit product (a cache may pass 2^31 elements), the
-        // row's offset inside its block a 32-bit one (at most 256 rows of a few heads).
         const int* tab = sTab + (t % TAB_RING) * BLOCK_N;
+        if (block_pow2 && p.block_size >= BLOCK_N) {
+            // The tile lies inside one block (both sizes powers of two): one table entry, then
+            // the padded cache's row step.
+            const int bb = min(max(tab[0], 0), p.num_blocks - 1);
+            const i64 in0 = (n0 & block_mask) + row0;
+            stepped_rows(gk_seq + (i64)bb * p.k_bs + in0 * p.k_ss, gv_seq + (i64)bb * p.v_bs + in0 * p.v_ss);
+            return;
+        }
+        // Smaller blocks: one table entry per row. The block's offset is a 64-bit product (a
+        // cache may pass 2^31 elements), the row's offset inside its block a 32-bit one (the
+        // plan refuses blocks spanning 2^31 elements).
         auto paged_row = [&](const int it, const int in_block) {
             const int row = row0 + it * ROW_STEP;
             const bool ok = n0 + row < sk;
