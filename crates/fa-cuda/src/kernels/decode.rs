@@ -482,11 +482,12 @@ pub fn plan_decode(
     if splits == Some(0) {
         return unsupported("a forced split count must be at least 1");
     }
-    // The kernel offsets a row inside its paged block in 32 bits.
+    // The kernel offsets a row inside its paged block, and steps from block to block, in
+    // 32 bits.
     if let KvCache::Paged { block_size, .. } = problem.kv_cache() {
         let strides = problem.strides();
         let span = block_size.saturating_mul(strides[1].seq.max(strides[2].seq));
-        if span > i32::MAX as usize {
+        if span > i32::MAX as usize || strides[1].batch.max(strides[2].batch) > i32::MAX as usize {
             return unsupported("a paged K/V block must span fewer than 2^31 elements");
         }
     }
@@ -515,7 +516,7 @@ pub fn plan_decode(
     // like a padded one (one table entry per tile); smaller blocks look up every row.
     let per_row_blocks = match problem.kv_cache() {
         KvCache::Paged { block_size, .. } => {
-            !(block_size.is_power_of_two() && block_size >= variant.block_n() as usize)
+            !(block_size.is_power_of_two() && block_size % variant.block_n() as usize == 0)
         }
         _ => false,
     };

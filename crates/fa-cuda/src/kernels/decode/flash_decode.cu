@@ -199,23 +199,48 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             return;
         }
         const int* tab = sTab + (t % TAB_RING) * BLOCK_N;
-        if (block_pow2 && p.block_size >= BLOCK_N) {
-            // The tile lies inside one block (both sizes powers of two): one table entry, then
-            // the padded cache's row step.
+        if (block_pow2 && p.block_size % BLOCK_N == 0) {
+            // The tile lies inside one block (tiles start at multiples of BLOCK_N): one table
+            // entry, then the padded cache's row step.
             const int bb = min(max(tab[0], 0), p.num_blocks - 1);
             const i64 in0 = (n0 & block_mask) + row0;
             stepped_rows(gk_seq + (i64)bb * p.k_bs + in0 * p.k_ss, gv_seq + (i64)bb * p.v_bs + in0 * p.v_ss);
             return;
         }
-        // Smaller blocks: one table entry per row. The block's offset is a 64-bit product (a
-        // cache may pass 2^31 elements), the row's offset inside its block a 32-bit one (the
-        // plan refuses blocks spanning 2^31 elements).
+        if (block_pow2 && p.block_size >= 2 * ROW_STEP && p.block_size % ROW_STEP == 0 && BLOCK_N % p.block_size == 0) {
+            // Blocks of 2·ROW_STEP or more keys that divide the tile (16, 32 at head dim 128):
+            // this thread's rows come in runs of block_size / ROW_STEP inside one block (n0 is
+            // a multiple of the block): one table entry per run, the row step within it.
+            const int run_mask = (p.block_size / ROW_STEP) - 1;
+            const u16* kp = gk;
+            const u16* vp = gv;
+#pragma unroll
+            for (int it = 0; it < LOAD_ITERS; ++it) {
+                const int row = row0 + it * ROW_STEP;
+                if ((it & run_mask) == 0) {
+                    const int bb = min(max(tab[row], 0), p.num_blocks - 1);
+                    const int in_block = (n0 + row) & block_mask;
+                    kp = gk_seq + (i64)bb * (int)p.k_bs + in_block * (int)p.k_ss;
+                    vp = gv_seq + (i64)bb * (int)p.v_bs + in_block * (int)p.v_ss;
+                }
+                const bool ok = n0 + row < sk;
+                const u32 dst = (u32)swz(row, c_ld) * 2u;
+                cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
+                cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
+                kp += k_step;
+                vp += v_step;
+            }
+            return;
+        }
+        // Smaller or odd blocks: one table entry per row. A block's offset is a 64-bit product
+        // of a 32-bit stride (a cache may pass 2^31 elements in all), the row's offset inside
+        // its block a 32-bit one (the plan refuses blocks spanning 2^31 elements).
         auto paged_row = [&](const int it, const int in_block) {
             const int row = row0 + it * ROW_STEP;
             const bool ok = n0 + row < sk;
             const int bb = min(max(tab[row], 0), p.num_blocks - 1);
-            const u16* kp = gk_seq + (i64)bb * p.k_bs + in_block * (int)p.k_ss;
-            const u16* vp = gv_seq + (i64)bb * p.v_bs + in_block * (int)p.v_ss;
+            const u16* kp = gk_seq + (i64)bb * (int)p.k_bs + in_block * (int)p.k_ss;
+            const u16* vp = gv_seq + (i64)bb * (int)p.v_bs + in_block * (int)p.v_ss;
             const u32 dst = (u32)swz(row, c_ld) * 2u;
             cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
             cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
