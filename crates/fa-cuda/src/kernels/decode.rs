@@ -871,14 +871,25 @@ mod tests {
             one.num_splits
         );
         // The same layer over a padded cache splits for one CTA per SM: 132 / 8 → 16.
-        let problem = ProblemDesc::new(1, 1, 65536, 64, 8, 128)
+        let padded = padded_layer_plan(1, 65536);
+        assert_eq!((padded.variant.stages, padded.num_splits), (3, 16));
+    }
+
+    /// The H200 plan of a Llama-3 70B layer (64 / 8 heads, head dim 128) over a padded cache.
+    fn padded_layer_plan(batch: usize, keys: usize) -> DecodePlan {
+        let used = vec![keys as u32; batch];
+        let problem = ProblemDesc::new(batch, 1, keys, 64, 8, 128)
             .padded_cache(&used)
             .validate(256)
             .expect("valid");
-        let padded = plan_decode(&problem, DType::Bf16, DecodeOverrides::default(), &h200)
-            .expect("plan")
-            .expect("work");
-        assert_eq!((padded.variant.stages, padded.num_splits), (3, 16));
+        plan_decode(
+            &problem,
+            DType::Bf16,
+            DecodeOverrides::default(),
+            &DeviceProps::h200(),
+        )
+        .expect("plan")
+        .expect("work")
     }
 
     #[test]
@@ -905,14 +916,7 @@ mod tests {
         assert_eq!(plan(1, 131072, 128).variant.stages, 3);
         assert_eq!(plan(16, 16384, 256).variant.stages, 2);
         // A padded cache at batch 16 keeps three stages and one CTA per SM: no split.
-        let used = [16384u32; 16];
-        let problem = ProblemDesc::new(16, 1, 16384, 64, 8, 128)
-            .padded_cache(&used)
-            .validate(256)
-            .expect("valid");
-        let padded = plan_decode(&problem, DType::Bf16, DecodeOverrides::default(), &h200)
-            .expect("plan")
-            .expect("work");
+        let padded = padded_layer_plan(16, 16384);
         assert_eq!((padded.variant.stages, padded.num_splits), (3, 1));
         // The tile override: 128 keys per tile, and a refused count.
         let used = [4096u32];

@@ -181,15 +181,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         const int n0 = t * BLOCK_N;
         const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
         const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
+        // Row `it` of this thread (row0 + it·ROW_STEP) from the K and V rows at kp and vp.
+        auto copy_row = [&](const int it, const u16* kp, const u16* vp) {
+            const int row = row0 + it * ROW_STEP;
+            const bool ok = n0 + row < sk;
+            const u32 dst = (u32)swz(row, c_ld) * 2u;
+            cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
+            cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
+        };
         // Rows at a constant step from this thread's first row of the tile.
         auto stepped_rows = [&](const u16* kp, const u16* vp) {
 #pragma unroll
             for (int it = 0; it < LOAD_ITERS; ++it) {
-                const int row = row0 + it * ROW_STEP;
-                const bool ok = n0 + row < sk;
-                const u32 dst = (u32)swz(row, c_ld) * 2u;
-                cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
-                cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
+                copy_row(it, kp, vp);
                 kp += k_step;
                 vp += v_step;
             }
@@ -223,10 +227,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
                     kp = gk_seq + (i64)bb * (int)p.k_bs + in_block * (int)p.k_ss;
                     vp = gv_seq + (i64)bb * (int)p.v_bs + in_block * (int)p.v_ss;
                 }
-                const bool ok = n0 + row < sk;
-                const u32 dst = (u32)swz(row, c_ld) * 2u;
-                cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
-                cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
+                copy_row(it, kp, vp);
                 kp += k_step;
                 vp += v_step;
             }
@@ -236,14 +237,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         // of a 32-bit stride (a cache may pass 2^31 elements in all), the row's offset inside
         // its block a 32-bit one (the plan refuses blocks spanning 2^31 elements).
         auto paged_row = [&](const int it, const int in_block) {
-            const int row = row0 + it * ROW_STEP;
-            const bool ok = n0 + row < sk;
-            const int bb = min(max(tab[row], 0), p.num_blocks - 1);
-            const u16* kp = gk_seq + (i64)bb * (int)p.k_bs + in_block * (int)p.k_ss;
-            const u16* vp = gv_seq + (i64)bb * (int)p.v_bs + in_block * (int)p.v_ss;
-            const u32 dst = (u32)swz(row, c_ld) * 2u;
-            cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
-            cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
+            const int bb = min(max(tab[row0 + it * ROW_STEP], 0), p.num_blocks - 1);
+            copy_row(it, gk_seq + (i64)bb * (int)p.k_bs + in_block * (int)p.k_ss,
+                     gv_seq + (i64)bb * (int)p.v_bs + in_block * (int)p.v_ss);
         };
         if (block_pow2) {
 #pragma unroll
