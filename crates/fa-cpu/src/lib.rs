@@ -82,6 +82,8 @@ pub use forward::{
 };
 pub use kernel::decode_stream::{decode_prefetch, set_decode_prefetch, DecodePrefetch};
 #[cfg(feature = "phase-timing")]
+pub use kernel::amx_phases::{take_amx_forward_phases, AMX_FORWARD_PHASE_NAMES};
+#[cfg(feature = "phase-timing")]
 pub use kernel::phase_timing::{take_backward_phases, PHASE_NAMES as BACKWARD_PHASE_NAMES};
 
 use softmax_core::{Out, Problem, ProblemError, Qkv, RescalePolicy, RescaleStats};

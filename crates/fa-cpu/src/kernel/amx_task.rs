@@ -19,6 +19,7 @@
 //! Products accumulate in f32; the error beyond the SIMD path's is P's rounding to bf16
 //! (relative 2⁻⁹ per probability), inside the bf16 contract (1e-2 normwise).
 
+use super::amx_phases::{AmxPhase, Lap};
 use super::forward_task::{
     classify_panels, mask_partial, run_task, write_back, Ctx, Dims, KvRows, NextTile, Sink,
     TaskStats,
@@ -208,11 +209,13 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let vb = ensure(amx_v, dv32 * bc / 2, 0);
     let pb = ensure(amx_p, bc / 2 * panel, 0);
     let pairs = ensure(amx_pairs, (bc / 2 * dv32).max(16 * d32 / 2), 0);
+    let mut lap = Lap::start();
     ot.fill(0.0);
     states.fill(RowState::new());
 
     // SAFETY: S available (caller); qv holds br·d32/2 dwords, pairs 16·d32/2.
     unsafe { pack_q::<S, T, O>(inputs.q, ctx, task, d, d32, qv, pairs) };
+    lap.lap(AmxPhase::PackQ);
     let transform = p.score_transform::<f32>();
     let (pre, post) = (transform.pre_factor(), transform.softcap_post_factor());
 
@@ -248,6 +251,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             done: 0,
             call: 0,
         };
+        lap.lap(AmxPhase::PackKv);
         for rv0 in (0..br).step_by(panel) {
             let kind = kinds[rv0 / panel];
             if kind == TileKind::Empty {
@@ -258,7 +262,9 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             // SAFETY: `q_panel` holds the panel's two row blocks of d32/32 tiles, `kb` nk32
             // rows of d32, `st` bc ≥ nk32 rows of `panel` floats.
             unsafe { scores(tiles, q_panel, kb, st, d32, nk32, panel) };
+            lap.lap(AmxPhase::Scores);
             prefetch.after_call::<S, T, O>(ctx, &dims);
+            lap.lap(AmxPhase::PackKv);
             // The score transform: a positive scale is folded into the softmax's first FMA
             // (`factor`); a softcap (or a scale ≤ 0, which would turn maxima into minima)
             // is applied in place first, and the softmax takes the scores as they are.
@@ -296,6 +302,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                     (Exp2Impl::Cubic, false) => softmax.run::<S, NR, true, false>(args, s, c, r),
                 }
             }
+            lap.lap(AmxPhase::Softmax);
             let o_panel = &mut ot[rv0 * dv32..(rv0 + panel) * dv32];
             let corr_panel = &corr[rv0..rv0 + panel];
             if corr_panel.iter().any(|&c| c != 1.0) {
@@ -303,16 +310,21 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                 // corr_panel `panel` = NR·W.
                 unsafe { rescale::<S, NR>(o_panel, corr_panel, dv32) };
             }
+            lap.lap(AmxPhase::Rescale);
             // SAFETY: vb holds dv32 rows of nk32/2 dwords, pb nk32/2 rows of `panel`
             // dwords, o_panel dv32 rows of `panel` floats.
             unsafe { products(tiles, vb, pb, o_panel, dv32, nk32, panel) };
+            lap.lap(AmxPhase::Products);
             prefetch.after_call::<S, T, O>(ctx, &dims);
+            lap.lap(AmxPhase::PackKv);
         }
     }
     stats.skipped = total_tiles * rows.div_ceil(panel) as u64 - stats.computed;
     // SAFETY: S available; `ot` holds dv32·br floats (dims.dv_pad = dv32), `row` panel·dv,
     // `states` br rows.
     unsafe { write_back::<S, T, O>(ctx, task, &dims, ot, row, states) };
+    lap.lap(AmxPhase::Write);
+    lap.end_task();
     stats
 }
 
