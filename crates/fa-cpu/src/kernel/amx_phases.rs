@@ -21,13 +21,16 @@ pub(crate) enum AmxPhase {
     PackQ,
     /// K and V of a key tile (bf16 copy, `Vᵀ` pairs), prefetch bookkeeping.
     PackKv,
-    /// `Sᵀ = K·Qᵀ` on tiles, including the score tiles' stores.
+    /// `Sᵀ = K·Qᵀ` on tiles, including the score tiles' stores: only a key tile's first
+    /// panel (the pipeline's fill); the other panels' scores run inside `Softmax`.
     Scores,
-    /// Scale/softcap, the mask, the online softmax fused with P's packing.
+    /// Scale/softcap, the mask, the online softmax fused with P's packing, and the tile work
+    /// issued between its key pairs (the next panel's scores, the previous panel's products).
     Softmax,
     /// `Oᵀ *= corr` (the online softmax's correction).
     Rescale,
-    /// `Oᵀ += Vᵀ·Pᵀ` on tiles, with the accumulator tiles' loads and stores.
+    /// `Oᵀ += Vᵀ·Pᵀ` on tiles, with the accumulator tiles' loads and stores: only a key
+    /// tile's last panel (the pipeline's drain); the others run inside `Softmax`.
     Products,
     /// Writing O (and the LSE) out.
     Write,

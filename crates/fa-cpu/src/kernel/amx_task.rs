@@ -36,13 +36,25 @@ use crate::Exp2Impl;
 use half::bf16;
 use softmax_core::{RescalePolicy, RescaleStats, RowState, TileKind};
 
-/// Keys per key tile of the AMX kernel: 128 with or without a mask. Per tile, each panel
-/// loads and stores its `Oᵀ` accumulator tiles once, and on the development VM (a Xeon with
-/// AMX) a tile load or store cost ~30 ns against ~11 ns per `tdpbf16ps`: 128-key tiles
-/// halve that traffic against the SIMD path's 64 (median −8 % time over 3 alternating rounds at
-/// D=128, N=2048 on a loaded machine).
+/// Most keys per key tile of the AMX kernel ([`amx_keys_for`]), what the scratch is sized for.
 pub(crate) const fn amx_keys() -> usize {
-    128
+    256
+}
+
+/// Keys per key tile of the AMX kernel: 256 without a mask, 128 with one. Per tile, each
+/// panel loads and stores its `Oᵀ` accumulator tiles once, and on the development VM (a Xeon
+/// with AMX) a tile load costs ~30 ticks of the time-stamp counter and a store ~20 against
+/// ~9.5 per `tdpbf16ps` (a loop of each alone): longer tiles spread that traffic over more
+/// products. 256 against 128, alternating on the development VM (pipelined panels, B=1, H=8,
+/// N=2048, one thread, 3 rounds, median GFLOP/s): unmasked D=64 293→276 (noise: the rounds
+/// spread ±20 %), D=128 343→383, D=256 395→428; causal D=128 304→264, D=256 350→340, so
+/// masks keep 128 (a diagonal tile computes more hidden keys when longer).
+pub(crate) const fn amx_keys_for(masked: bool) -> usize {
+    if masked {
+        128
+    } else {
+        256
+    }
 }
 
 /// Largest number of query rows in an AMX task (the SIMD path's [`super::tiling::Tiling`]
@@ -163,7 +175,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let (d32, dv32) = (d.div_ceil(STEP) * STEP, dv.div_ceil(STEP) * STEP);
     let rows = task.heads * task.len;
     let br = rows.div_ceil(panel) * panel;
-    let bc = amx_keys();
+    let bc = amx_keys_for(!p.mask().is_none());
     let seq = p.seq(task.batch);
     let dims = Dims {
         d,
@@ -333,12 +345,18 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                 let (s, c, r) = (&mut *states, &mut *corr, &mut stats.rescale);
                 let w = (&mut work, &mut *tiles);
                 match (ctx.exp2, M::HARDWARE) {
-                    (Exp2Impl::Exact, true) => softmax.run::<S, M, NR, false, true>(args, s, c, r, w),
+                    (Exp2Impl::Exact, true) => {
+                        softmax.run::<S, M, NR, false, true>(args, s, c, r, w)
+                    }
                     (Exp2Impl::Exact, false) => {
                         softmax.run::<S, M, NR, false, false>(args, s, c, r, w)
                     }
-                    (Exp2Impl::Cubic, true) => softmax.run::<S, M, NR, true, true>(args, s, c, r, w),
-                    (Exp2Impl::Cubic, false) => softmax.run::<S, M, NR, true, false>(args, s, c, r, w),
+                    (Exp2Impl::Cubic, true) => {
+                        softmax.run::<S, M, NR, true, true>(args, s, c, r, w)
+                    }
+                    (Exp2Impl::Cubic, false) => {
+                        softmax.run::<S, M, NR, true, false>(args, s, c, r, w)
+                    }
                 }
                 work.finish(tiles);
             }
