@@ -871,32 +871,24 @@ impl TileWork {
                     t.zero::<2>();
                     t.zero::<3>();
                 }
-                let k_stride = 2 * j.d32;
                 // SAFETY: keys jb..jb + 32 ≤ nk32 rows of d32 u16 from column cc·32 (64
                 // bytes each); the Q tiles of row blocks 0 and 1, chunk cc, inside `q`.
                 unsafe {
                     let k0 = j.kb.add(jb * j.d32 + cc * STEP);
-                    t.load::<4>(k0 as *const u8, k_stride);
-                    t.load::<5>(k0.add(16 * j.d32) as *const u8, k_stride);
                     let q0 = j.q.add(cc * TILE_DWORDS);
-                    t.load::<6>(q0 as *const u8, 64);
-                    t.load::<7>(q0.add(chunks * TILE_DWORDS) as *const u8, 64);
+                    dot_2x2(
+                        t,
+                        k0 as *const u8,
+                        k0.add(16 * j.d32) as *const u8,
+                        2 * j.d32,
+                        q0 as *const u8,
+                        q0.add(chunks * TILE_DWORDS) as *const u8,
+                    );
                 }
-                t.dot::<0, 4, 6>();
-                t.dot::<1, 4, 7>();
-                t.dot::<2, 5, 6>();
-                t.dot::<3, 5, 7>();
                 self.sub += 1;
             } else {
-                let s_stride = 4 * AMX_PANEL;
-                // SAFETY: rows jb..jb + 32 ≤ nk32 of 32 floats, columns 0..16 and 16..32.
-                unsafe {
-                    let s = j.st.add(jb * AMX_PANEL);
-                    t.store::<0>(s as *mut u8, s_stride);
-                    t.store::<1>(s.add(16) as *mut u8, s_stride);
-                    t.store::<2>(s.add(16 * AMX_PANEL) as *mut u8, s_stride);
-                    t.store::<3>(s.add(16 * AMX_PANEL + 16) as *mut u8, s_stride);
-                }
+                // SAFETY: rows jb..jb + 32 ≤ nk32 of 32 floats.
+                unsafe { store_c(t, j.st.add(jb * AMX_PANEL)) };
                 self.block += 1;
                 self.sub = 0;
             }
@@ -911,7 +903,6 @@ impl TileWork {
         if self.done >= s_steps + j.steps {
             return;
         }
-        let (v_stride, o_stride) = (2 * j.nk32, 4 * AMX_PANEL);
         let half = j.nk32 / 2;
         let key_chunks = j.nk32 / STEP;
         let cb = self.block * 32;
@@ -923,31 +914,85 @@ impl TileWork {
             if self.sub < key_chunks {
                 let kc = self.sub;
                 if kc == 0 {
-                    t.load::<0>(oc as *const u8, o_stride);
-                    t.load::<1>(oc.add(16) as *const u8, o_stride);
-                    t.load::<2>(oc.add(16 * AMX_PANEL) as *const u8, o_stride);
-                    t.load::<3>(oc.add(16 * AMX_PANEL + 16) as *const u8, o_stride);
+                    load_c(t, oc);
                 }
                 let v0 = j.vb.add(cb * half + kc * 16);
-                t.load::<4>(v0 as *const u8, v_stride);
-                t.load::<5>(v0.add(16 * half) as *const u8, v_stride);
                 let p0 = j.pb.add(kc * 2 * 256);
-                t.load::<6>(p0 as *const u8, 64);
-                t.load::<7>(p0.add(256) as *const u8, 64);
-                t.dot::<0, 4, 6>();
-                t.dot::<1, 4, 7>();
-                t.dot::<2, 5, 6>();
-                t.dot::<3, 5, 7>();
+                dot_2x2(
+                    t,
+                    v0 as *const u8,
+                    v0.add(16 * half) as *const u8,
+                    2 * j.nk32,
+                    p0 as *const u8,
+                    p0.add(256) as *const u8,
+                );
                 self.sub += 1;
             } else {
-                t.store::<0>(oc as *mut u8, o_stride);
-                t.store::<1>(oc.add(16) as *mut u8, o_stride);
-                t.store::<2>(oc.add(16 * AMX_PANEL) as *mut u8, o_stride);
-                t.store::<3>(oc.add(16 * AMX_PANEL + 16) as *mut u8, o_stride);
+                store_c(t, oc);
                 self.block += 1;
                 self.sub = 0;
             }
         }
         self.done += 1;
     }
+}
+
+/// Tiles 0–3 ← the 32 × 32 floats at `c` (rows of [`AMX_PANEL`] floats): tiles 0 and 1 rows
+/// 0..16, columns 0..16 and 16..32; tiles 2 and 3 rows 16..32.
+///
+/// # Safety
+/// 32 rows of 32 readable floats at `c`.
+#[inline(always)]
+unsafe fn load_c<M: Tiles>(t: &mut M, c: *const f32) {
+    let stride = 4 * AMX_PANEL;
+    // SAFETY: each tile's 16 rows of 64 bytes lie inside the caller's 32 × 32 floats.
+    unsafe {
+        t.load::<0>(c as *const u8, stride);
+        t.load::<1>(c.add(16) as *const u8, stride);
+        t.load::<2>(c.add(16 * AMX_PANEL) as *const u8, stride);
+        t.load::<3>(c.add(16 * AMX_PANEL + 16) as *const u8, stride);
+    }
+}
+
+/// The 32 × 32 floats at `c` ← tiles 0–3 (the layout of [`load_c`]).
+///
+/// # Safety
+/// 32 rows of 32 writable floats at `c`.
+#[inline(always)]
+unsafe fn store_c<M: Tiles>(t: &mut M, c: *mut f32) {
+    let stride = 4 * AMX_PANEL;
+    // SAFETY: each tile's 16 rows of 64 bytes lie inside the caller's 32 × 32 floats.
+    unsafe {
+        t.store::<0>(c as *mut u8, stride);
+        t.store::<1>(c.add(16) as *mut u8, stride);
+        t.store::<2>(c.add(16 * AMX_PANEL) as *mut u8, stride);
+        t.store::<3>(c.add(16 * AMX_PANEL + 16) as *mut u8, stride);
+    }
+}
+
+/// A tiles 4, 5 ← 16 rows of 64 bytes at `a0`, `a1` (`a_stride` bytes apart), B tiles 6, 7
+/// ← 1 KiB at `b0`, `b1`, then the 2 × 2 products `C(2i + j) += A(4 + i)·B(6 + j)`.
+///
+/// # Safety
+/// The four tiles' bytes readable.
+#[inline(always)]
+unsafe fn dot_2x2<M: Tiles>(
+    t: &mut M,
+    a0: *const u8,
+    a1: *const u8,
+    a_stride: usize,
+    b0: *const u8,
+    b1: *const u8,
+) {
+    // SAFETY: the caller's.
+    unsafe {
+        t.load::<4>(a0, a_stride);
+        t.load::<5>(a1, a_stride);
+        t.load::<6>(b0, 64);
+        t.load::<7>(b1, 64);
+    }
+    t.dot::<0, 4, 6>();
+    t.dot::<1, 4, 7>();
+    t.dot::<2, 5, 6>();
+    t.dot::<3, 5, 7>();
 }
