@@ -30,6 +30,8 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     add_shape_args(p)
     p.add_argument("--json-out")
+    p.add_argument("--dtype", choices=("f32", "bf16"), default="f32",
+                   help="input dtype of the forward (both sides); the backward is f32 only")
     p.add_argument("--backward", action="store_true",
                    help="the backward pass: variants are `fa` binaries (`fa bench --backward`)")
     a = p.parse_args()
@@ -52,12 +54,12 @@ def main():
             return run_ours(side, "f32", 1, a.heads, n, d, causal)["backward_ms_median"]
         side = argparse.Namespace(ours="example", example=path, threads=a.threads,
                                   iters=reps(n), warmup=1, backward=False)
-        return run_ours(side, "f32", 1, a.heads, n, d, causal)["time_ms_median"]
+        return run_ours(side, a.dtype, 1, a.heads, n, d, causal)["time_ms_median"]
 
     def peer(n, d, causal):
         if a.backward:
             return run_peer_backward(torch, "f32", 1, a.heads, n, d, causal, reps(n), 1)[0]
-        return run_peer(torch, "f32", 1, a.heads, n, d, causal, reps(n), 1)[0]
+        return run_peer(torch, a.dtype, 1, a.heads, n, d, causal, reps(n), 1)[0]
 
     def work(n, d, causal):
         return (backward_flops if a.backward else flops)(1, a.heads, n, d, causal)

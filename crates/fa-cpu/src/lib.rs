@@ -80,6 +80,8 @@ pub use element::Element;
 pub use forward::{
     forward_with_workspace, scratch_bytes_per_thread, supports, Workspace, MAX_THREADS,
 };
+#[cfg(feature = "phase-timing")]
+pub use kernel::amx_phases::{take_amx_forward_phases, AMX_FORWARD_PHASE_NAMES};
 pub use kernel::decode_stream::{decode_prefetch, set_decode_prefetch, DecodePrefetch};
 #[cfg(feature = "phase-timing")]
 pub use kernel::phase_timing::{take_backward_phases, PHASE_NAMES as BACKWARD_PHASE_NAMES};

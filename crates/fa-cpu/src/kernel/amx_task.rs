@@ -19,6 +19,7 @@
 //! Products accumulate in f32; the error beyond the SIMD path's is P's rounding to bf16
 //! (relative 2⁻⁹ per probability), inside the bf16 contract (1e-2 normwise).
 
+use super::amx_phases::{AmxPhase, Lap};
 use super::forward_task::{
     classify_panels, mask_partial, run_task, write_back, Ctx, Dims, KvRows, NextTile, Sink,
     TaskStats,
@@ -35,13 +36,25 @@ use crate::Exp2Impl;
 use half::bf16;
 use softmax_core::{RescalePolicy, RescaleStats, RowState, TileKind};
 
-/// Keys per key tile of the AMX kernel: 128 with or without a mask. Per tile, each panel
-/// loads and stores its `Oᵀ` accumulator tiles once, and on the development VM (a Xeon with
-/// AMX) a tile load or store cost ~30 ns against ~11 ns per `tdpbf16ps`: 128-key tiles
-/// halve that traffic against the SIMD path's 64 (median −8 % time over 3 alternating rounds at
-/// D=128, N=2048 on a loaded machine).
+/// Most keys per key tile of the AMX kernel ([`amx_keys_for`]), what the scratch is sized for.
 pub(crate) const fn amx_keys() -> usize {
-    128
+    256
+}
+
+/// Keys per key tile of the AMX kernel: 256 without a mask, 128 with one. Per tile, each
+/// panel loads and stores its `Oᵀ` accumulator tiles once, and on the development VM (a Xeon
+/// with AMX) a tile load costs ~30 ticks of the time-stamp counter and a store ~20 against
+/// ~9.5 per `tdpbf16ps` (a loop of each alone): longer tiles spread that traffic over more
+/// products. 256 against 128, alternating on the development VM (pipelined panels, B=1, H=8,
+/// N=2048, one thread, 3 rounds, median GFLOP/s): unmasked D=64 293→276 (noise: the rounds
+/// spread ±20 %), D=128 343→383, D=256 395→428; causal D=128 304→264, D=256 350→340, so
+/// masks keep 128 (a diagonal tile computes more hidden keys when longer).
+pub(crate) const fn amx_keys_for(masked: bool) -> usize {
+    if masked {
+        128
+    } else {
+        256
+    }
 }
 
 /// Largest number of query rows in an AMX task (the SIMD path's [`super::tiling::Tiling`]
@@ -162,7 +175,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let (d32, dv32) = (d.div_ceil(STEP) * STEP, dv.div_ceil(STEP) * STEP);
     let rows = task.heads * task.len;
     let br = rows.div_ceil(panel) * panel;
-    let bc = amx_keys();
+    let bc = amx_keys_for(!p.mask().is_none());
     let seq = p.seq(task.batch);
     let dims = Dims {
         d,
@@ -196,7 +209,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         ..
     } = scratch;
     let ot = ensure_aligned(ot, dv32 * br);
-    let st = ensure_aligned(st, bc * panel);
+    let st = ensure_aligned(st, 2 * bc * panel);
     let row = ensure_aligned(row, panel * d.max(dv));
     let corr = ensure(corr, br, 1.0);
     let states = ensure(states, br, RowState::new());
@@ -206,13 +219,15 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let qv = ensure(amx_q, br * d32 / 2, 0);
     let kb = ensure(amx_k, bc * d32, 0);
     let vb = ensure(amx_v, dv32 * bc / 2, 0);
-    let pb = ensure(amx_p, bc / 2 * panel, 0);
+    let pb = ensure(amx_p, 2 * (bc / 2 * panel), 0);
     let pairs = ensure(amx_pairs, (bc / 2 * dv32).max(16 * d32 / 2), 0);
+    let mut lap = Lap::start();
     ot.fill(0.0);
     states.fill(RowState::new());
 
     // SAFETY: S available (caller); qv holds br·d32/2 dwords, pairs 16·d32/2.
     unsafe { pack_q::<S, T, O>(inputs.q, ctx, task, d, d32, qv, pairs) };
+    lap.lap(AmxPhase::PackQ);
     let transform = p.score_transform::<f32>();
     let (pre, post) = (transform.pre_factor(), transform.softcap_post_factor());
 
@@ -248,38 +263,77 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             done: 0,
             call: 0,
         };
-        for rv0 in (0..br).step_by(panel) {
-            let kind = kinds[rv0 / panel];
-            if kind == TileKind::Empty {
-                continue;
-            }
+        lap.lap(AmxPhase::PackKv);
+        // The panels run as a pipeline: while the vector units run panel i's softmax, the
+        // tiles compute panel i+1's scores and panel i−1's products (`TileWork`, issued a
+        // step at a time between the softmax's key pairs), so the two kinds of work overlap
+        // instead of taking turns. Scores and P are double-buffered (`st`, `pb` halves).
+        let mut live = (0..br / panel).filter(|&pi| kinds[pi] != TileKind::Empty);
+        let Some(first) = live.next() else {
+            continue;
+        };
+        let q_panel = |pi: usize| qv[(pi * panel / 16) * (d32 / STEP) * TILE_DWORDS..].as_ptr();
+        let st_buf = [st.as_mut_ptr(), st[bc * panel..].as_mut_ptr()];
+        let pb_buf = [pb.as_mut_ptr(), pb[bc / 2 * panel..].as_mut_ptr()];
+        let o_base = ot.as_mut_ptr();
+        // SAFETY: (scores and products jobs below) `q_panel` points at the panel's two row
+        // blocks of d32/32 tiles inside qv, `kb` holds nk32 rows of d32, each st half bc ≥
+        // nk32 rows of `panel` floats; `vb` dv32 rows of nk32/2 dwords, each pb half nk32/2
+        // rows of `panel` dwords, `o_base + pi·panel·dv32` the panel's dv32 rows of `panel`
+        // floats (pi < br/panel).
+        let scores_job =
+            |pi: usize, b: usize| ScoresJob::new(q_panel(pi), kb.as_ptr(), st_buf[b], d32, nk32);
+        let products_job = |pi: usize, b: usize| {
+            ProductsJob::new(
+                vb.as_ptr(),
+                pb_buf[b],
+                o_base.wrapping_add(pi * panel * dv32),
+                dv32,
+                nk32,
+            )
+        };
+        let mut first_scores = TileWork::new(Some(scores_job(first, 0)), None);
+        // SAFETY: the job's buffers (above).
+        unsafe { first_scores.finish(tiles) };
+        lap.lap(AmxPhase::Scores);
+        prefetch.after_call::<S, T, O>(ctx, &dims);
+        let (mut cur, mut prev, mut b) = (first, None, 0);
+        loop {
+            let next = live.next();
+            let rv0 = cur * panel;
+            let kind = kinds[cur];
             stats.computed += 1;
-            let q_panel = &qv[(rv0 / 16) * (d32 / STEP) * TILE_DWORDS..];
-            // SAFETY: `q_panel` holds the panel's two row blocks of d32/32 tiles, `kb` nk32
-            // rows of d32, `st` bc ≥ nk32 rows of `panel` floats.
-            unsafe { scores(tiles, q_panel, kb, st, d32, nk32, panel) };
-            prefetch.after_call::<S, T, O>(ctx, &dims);
+            // SAFETY: st_buf[b] holds bc ≥ nk rows of `panel` floats, in `st`, not touched
+            // by the tiles during this iteration (they write the other half).
+            let st_cur = unsafe { std::slice::from_raw_parts_mut(st_buf[b], bc * panel) };
             // The score transform: a positive scale is folded into the softmax's first FMA
             // (`factor`); a softcap (or a scale ≤ 0, which would turn maxima into minima)
             // is applied in place first, and the softmax takes the scores as they are.
             let factor = if post.is_none() && pre > 0.0 {
                 pre
             } else {
-                // SAFETY: S available (caller); st holds nk·panel floats, a multiple of W.
+                // SAFETY: S available (caller); st_cur holds nk·panel floats, a multiple of W.
                 unsafe {
-                    scale_slice::<S>(st.as_mut_ptr(), nk * panel, pre);
+                    scale_slice::<S>(st_cur.as_mut_ptr(), nk * panel, pre);
                     if let Some(post) = post {
-                        softcap_slice::<S>(st.as_mut_ptr(), nk * panel, post);
+                        softcap_slice::<S>(st_cur.as_mut_ptr(), nk * panel, post);
                     }
                 }
                 1.0
             };
             // Only writes −∞ (which any factor keeps −∞).
-            // SAFETY: S available; st holds nk rows of `panel`; rv0 < rows.
-            unsafe { mask_partial::<S, NR>(kind, &mask, task, &dims, st, rv0, j0, nk) };
-            // SAFETY: st holds nk rows of `panel` floats, pb nk32/2 rows of `panel` dwords;
-            // states and corr hold br ≥ rv0 + panel rows; S available (caller), and with
-            // hardware tiles AVX512-BF16 and AVX512-BW (`Tiles::HARDWARE`).
+            // SAFETY: S available; st_cur holds nk rows of `panel`; rv0 < rows.
+            unsafe { mask_partial::<S, NR>(kind, &mask, task, &dims, st_cur, rv0, j0, nk) };
+            lap.lap(AmxPhase::Softmax);
+            let mut work = TileWork::new(
+                next.map(|n| scores_job(n, b ^ 1)),
+                prev.map(|pv| products_job(pv, b ^ 1)),
+            );
+            // SAFETY: st_cur holds nk rows of `panel` floats, pb_buf[b] nk32/2 rows of
+            // `panel` dwords (neither touched by `work`, which reads and writes the other
+            // halves and other panels' Oᵀ); states and corr hold br ≥ rv0 + panel rows; S
+            // available (caller), and with hardware tiles AVX512-BF16 and AVX512-BW
+            // (`Tiles::HARDWARE`).
             unsafe {
                 let softmax = PanelSoftmax {
                     rv0,
@@ -287,32 +341,64 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                     policy: &ctx.policy,
                     factor,
                 };
-                let args = (st.as_ptr(), nk, nk32, pb.as_mut_ptr());
+                let args = (st_cur.as_ptr(), nk, nk32, pb_buf[b]);
                 let (s, c, r) = (&mut *states, &mut *corr, &mut stats.rescale);
+                let w = (&mut work, &mut *tiles);
                 match (ctx.exp2, M::HARDWARE) {
-                    (Exp2Impl::Exact, true) => softmax.run::<S, NR, false, true>(args, s, c, r),
-                    (Exp2Impl::Exact, false) => softmax.run::<S, NR, false, false>(args, s, c, r),
-                    (Exp2Impl::Cubic, true) => softmax.run::<S, NR, true, true>(args, s, c, r),
-                    (Exp2Impl::Cubic, false) => softmax.run::<S, NR, true, false>(args, s, c, r),
+                    (Exp2Impl::Exact, true) => {
+                        softmax.run::<S, M, NR, false, true>(args, s, c, r, w)
+                    }
+                    (Exp2Impl::Exact, false) => {
+                        softmax.run::<S, M, NR, false, false>(args, s, c, r, w)
+                    }
+                    (Exp2Impl::Cubic, true) => {
+                        softmax.run::<S, M, NR, true, true>(args, s, c, r, w)
+                    }
+                    (Exp2Impl::Cubic, false) => {
+                        softmax.run::<S, M, NR, true, false>(args, s, c, r, w)
+                    }
                 }
+                work.finish(tiles);
             }
-            let o_panel = &mut ot[rv0 * dv32..(rv0 + panel) * dv32];
+            lap.lap(AmxPhase::Softmax);
+            for _ in 0..work.jobs() {
+                prefetch.after_call::<S, T, O>(ctx, &dims);
+            }
             let corr_panel = &corr[rv0..rv0 + panel];
             if corr_panel.iter().any(|&c| c != 1.0) {
-                // SAFETY: S available; the panel holds dv32 rows of `panel` floats and
-                // corr_panel `panel` = NR·W.
-                unsafe { rescale::<S, NR>(o_panel, corr_panel, dv32) };
+                // SAFETY: the panel's dv32 rows of `panel` floats inside `ot` (cur < br/panel),
+                // not touched by the tiles now (its products come in the next iteration);
+                // corr_panel `panel` = NR·W; S available.
+                unsafe {
+                    let o_panel =
+                        std::slice::from_raw_parts_mut(o_base.add(rv0 * dv32), panel * dv32);
+                    rescale::<S, NR>(o_panel, corr_panel, dv32)
+                };
             }
-            // SAFETY: vb holds dv32 rows of nk32/2 dwords, pb nk32/2 rows of `panel`
-            // dwords, o_panel dv32 rows of `panel` floats.
-            unsafe { products(tiles, vb, pb, o_panel, dv32, nk32, panel) };
-            prefetch.after_call::<S, T, O>(ctx, &dims);
+            lap.lap(AmxPhase::Rescale);
+            prev = Some(cur);
+            match next {
+                Some(n) => {
+                    cur = n;
+                    b ^= 1;
+                }
+                None => break,
+            }
         }
+        // The last panel's products (its P is in pb_buf[b]).
+        let mut last = TileWork::new(None, Some(products_job(cur, b)));
+        // SAFETY: the job's buffers (above).
+        unsafe { last.finish(tiles) };
+        lap.lap(AmxPhase::Products);
+        prefetch.after_call::<S, T, O>(ctx, &dims);
+        lap.lap(AmxPhase::PackKv);
     }
     stats.skipped = total_tiles * rows.div_ceil(panel) as u64 - stats.computed;
     // SAFETY: S available; `ot` holds dv32·br floats (dims.dv_pad = dv32), `row` panel·dv,
     // `states` br rows.
     unsafe { write_back::<S, T, O>(ctx, task, &dims, ot, row, states) };
+    lap.lap(AmxPhase::Write);
+    lap.end_task();
     stats
 }
 
@@ -536,23 +622,31 @@ impl PanelSoftmax<'_> {
     /// Runs it on `(st, nk, nk32, pb)`: `st` holds `nk` rows of `NR·W` (= [`AMX_PANEL`])
     /// scores, `pb` gets `nk32/2` rows of pair dwords; `states` and `corr` are the task's.
     /// `CUBIC`: [`exp2_cubic`], else [`exp2_exact`]; `NATIVE`: the CPU's bf16 conversion.
+    /// `work` is issued on `tiles` a share at a time between the key pairs (some may be left
+    /// for the caller's [`TileWork::finish`]).
     ///
     /// # Safety
     /// S available (and with `NATIVE` AVX512-BF16 and AVX512-BW); `st` readable for `nk·NR·W`
     /// floats, `pb` writable for `nk32/2·NR·W` dwords; `states` and `corr` hold `rv0 +
-    /// NR·W` entries; `nk ≤ nk32`, `nk32` even; `NR·W == AMX_PANEL`.
+    /// NR·W` entries; `nk ≤ nk32`, `nk32` even; `NR·W == AMX_PANEL`; `work` as
+    /// [`TileWork::step`] asks, its buffers apart from `st` and `pb`.
     #[inline(always)]
-    unsafe fn run<S: Simd, const NR: usize, const CUBIC: bool, const NATIVE: bool>(
+    #[allow(clippy::type_complexity)]
+    unsafe fn run<S: Simd, M: Tiles, const NR: usize, const CUBIC: bool, const NATIVE: bool>(
         &self,
         (st, nk, nk32, pb): (*const f32, usize, usize, *mut u32),
         states: &mut [RowState<f32>],
         corr: &mut [f32],
         stats: &mut RescaleStats,
+        (work, tiles): (&mut TileWork, &mut M),
     ) {
         let w = S::W;
         let panel = NR * w;
-        // SAFETY: bounds are the caller's contract.
+        // The tile work is paced over the key pairs, one share before the maxima.
+        let slots = nk / 2 + 1;
+        // SAFETY: bounds are the caller's contract, and `work`'s ([`TileWork::step`]).
         unsafe {
+            work.pace(tiles, 0, slots);
             let mut mx = panel_maxima::<S, NR>(st, panel, nk);
             let f = S::splat(self.factor);
             for m in mx.iter_mut() {
@@ -586,6 +680,7 @@ impl PanelSoftmax<'_> {
             };
             let mut sum = [S::splat(0.0); NR];
             for jp in 0..nk / 2 {
+                work.pace(tiles, jp + 1, slots);
                 for (n, total) in sum.iter_mut().enumerate() {
                     let at = st.add(2 * jp * panel + n * w);
                     let lo = exp::<S, CUBIC>(at, f, neg[n]);
@@ -635,106 +730,269 @@ unsafe fn rescale<S: Simd, const NR: usize>(o: &mut [f32], corr: &[f32], dv32: u
     }
 }
 
-/// `Sᵀ = K·Qᵀ` for one panel: per 32 keys, four C tiles (2 key blocks × 2 row blocks) over
-/// the `d32/32` channel chunks, stored at `st[j·panel + r]`.
-///
-/// # Safety
-/// `q` holds the panel's two row blocks (`2·d32/32` tiles of 256 dwords), `kb` `nk32` rows of
-/// `d32`, `st` `nk32` rows of `panel` (= 32) floats; `nk32` a multiple of 32.
-#[inline(always)]
-unsafe fn scores<M: Tiles>(
-    t: &mut M,
-    q: &[u32],
-    kb: &[u16],
-    st: &mut [f32],
+/// `Sᵀ = K·Qᵀ` for one panel, as [`TileWork`] steps: per 32 keys, four C tiles (2 key
+/// blocks × 2 row blocks) zeroed, accumulated over the `d32/32` channel chunks (one step
+/// each: two K tiles, two Q tiles, four products) and stored at `st[j·32 + r]` (one step).
+#[derive(Clone, Copy)]
+struct ScoresJob {
+    /// The panel's Q tiles: row block 0's `d32/32` tiles, then row block 1's.
+    q: *const u32,
+    /// `nk32` K rows of `d32` bf16.
+    kb: *const u16,
+    /// `nk32` rows of 32 floats.
+    st: *mut f32,
     d32: usize,
-    nk32: usize,
-    panel: usize,
-) {
-    let chunks = d32 / STEP;
-    let (k_stride, s_stride) = (2 * d32, 4 * panel);
-    for jb in (0..nk32).step_by(32) {
-        t.zero::<0>();
-        t.zero::<1>();
-        t.zero::<2>();
-        t.zero::<3>();
-        for cc in 0..chunks {
-            // SAFETY: keys jb..jb + 32 < nk32 rows of d32 u16 from column cc·32 (64 bytes
-            // each); the Q tiles of row blocks 0 and 1, chunk cc, inside `q` (caller).
-            unsafe {
-                let k0 = kb.as_ptr().add(jb * d32 + cc * STEP);
-                t.load::<4>(k0 as *const u8, k_stride);
-                t.load::<5>(k0.add(16 * d32) as *const u8, k_stride);
-                let q0 = q.as_ptr().add(cc * TILE_DWORDS);
-                t.load::<6>(q0 as *const u8, 64);
-                t.load::<7>(q0.add(chunks * TILE_DWORDS) as *const u8, 64);
-            }
-            t.dot::<0, 4, 6>();
-            t.dot::<1, 4, 7>();
-            t.dot::<2, 5, 6>();
-            t.dot::<3, 5, 7>();
-        }
-        // SAFETY: rows jb..jb + 32 ≤ nk32 of `panel` floats, columns 0..16 and 16..32.
-        unsafe {
-            let s = st.as_mut_ptr().add(jb * panel);
-            t.store::<0>(s as *mut u8, s_stride);
-            t.store::<1>(s.add(16) as *mut u8, s_stride);
-            t.store::<2>(s.add(16 * panel) as *mut u8, s_stride);
-            t.store::<3>(s.add(16 * panel + 16) as *mut u8, s_stride);
+    /// Steps in all: `nk32/32 · (d32/32 + 1)`.
+    steps: usize,
+}
+
+impl ScoresJob {
+    fn new(q: *const u32, kb: *const u16, st: *mut f32, d32: usize, nk32: usize) -> ScoresJob {
+        ScoresJob {
+            q,
+            kb,
+            st,
+            d32,
+            steps: nk32 / 32 * (d32 / STEP + 1),
         }
     }
 }
 
-/// `Oᵀ += Vᵀ·Pᵀ` for one panel: per 32 channels, four C tiles (2 channel blocks × 2 row
-/// blocks) loaded from `o`, accumulated over the `nk32/32` key chunks, stored back.
-///
-/// # Safety
-/// `vb` holds `dv32` rows of `nk32/2` dwords, `pb` `nk32/2` rows of `panel` (= 32) dwords, `o`
-/// `dv32` rows of `panel` floats; `dv32` and `nk32` multiples of 32.
-#[inline(always)]
-unsafe fn products<M: Tiles>(
-    t: &mut M,
-    vb: &[u32],
-    pb: &[u32],
-    o: &mut [f32],
-    dv32: usize,
+/// `Oᵀ += Vᵀ·Pᵀ` for one panel, as [`TileWork`] steps: per 32 channels, four C tiles (2
+/// channel blocks × 2 row blocks) loaded from `o` with the first key chunk's products, one
+/// step per 32-key chunk (two Vᵀ tiles, two P tiles, four products), and a step storing them
+/// back.
+#[derive(Clone, Copy)]
+struct ProductsJob {
+    /// `dv32` rows of `nk32/2` dwords (`Vᵀ` pairs).
+    vb: *const u32,
+    /// `nk32/2` rows of 32 dwords (P pairs, B-tile layout).
+    pb: *const u32,
+    /// The panel's `Oᵀ`: `dv32` rows of 32 floats.
+    o: *mut f32,
     nk32: usize,
-    panel: usize,
-) {
-    let (v_stride, o_stride) = (2 * nk32, 4 * panel);
-    let half = nk32 / 2;
-    for cb in (0..dv32).step_by(32) {
-        // SAFETY: channel rows cb..cb + 32 ≤ dv32 of `panel` floats, columns 0..16, 16..32.
-        unsafe {
-            let oc = o.as_mut_ptr().add(cb * panel);
-            t.load::<0>(oc as *const u8, o_stride);
-            t.load::<1>(oc.add(16) as *const u8, o_stride);
-            t.load::<2>(oc.add(16 * panel) as *const u8, o_stride);
-            t.load::<3>(oc.add(16 * panel + 16) as *const u8, o_stride);
-        }
-        for kc in 0..nk32 / STEP {
-            // SAFETY: channel rows cb..cb + 32 of nk32 u16 from key kc·32 (64 bytes each);
-            // P tiles (chunk kc, row blocks 0 and 1) inside pb's nk32/2·32 dwords.
-            unsafe {
-                let v0 = vb.as_ptr().add(cb * half + kc * 16);
-                t.load::<4>(v0 as *const u8, v_stride);
-                t.load::<5>(v0.add(16 * half) as *const u8, v_stride);
-                let p0 = pb.as_ptr().add(kc * 2 * 256);
-                t.load::<6>(p0 as *const u8, 64);
-                t.load::<7>(p0.add(256) as *const u8, 64);
-            }
-            t.dot::<0, 4, 6>();
-            t.dot::<1, 4, 7>();
-            t.dot::<2, 5, 6>();
-            t.dot::<3, 5, 7>();
-        }
-        // SAFETY: as for the loads.
-        unsafe {
-            let oc = o.as_mut_ptr().add(cb * panel);
-            t.store::<0>(oc as *mut u8, o_stride);
-            t.store::<1>(oc.add(16) as *mut u8, o_stride);
-            t.store::<2>(oc.add(16 * panel) as *mut u8, o_stride);
-            t.store::<3>(oc.add(16 * panel + 16) as *mut u8, o_stride);
+    /// Steps in all: `dv32/32 · (nk32/32 + 1)`.
+    steps: usize,
+}
+
+impl ProductsJob {
+    fn new(vb: *const u32, pb: *const u32, o: *mut f32, dv32: usize, nk32: usize) -> ProductsJob {
+        ProductsJob {
+            vb,
+            pb,
+            o,
+            nk32,
+            steps: dv32 / 32 * (nk32 / STEP + 1),
         }
     }
+}
+
+/// The tile work of one pipeline step: a panel's scores, then another panel's products, cut
+/// into steps of at most four tile loads (or four stores) and four products, so they can be
+/// issued a few at a time between vector instructions ([`TileWork::pace`]). Both jobs use
+/// all eight tiles, so a job's C tiles stay live across its steps and the jobs run one after
+/// the other, never interleaved with each other.
+struct TileWork {
+    scores: Option<ScoresJob>,
+    products: Option<ProductsJob>,
+    /// Steps issued.
+    done: usize,
+    /// The current block (32 keys of the scores, 32 channels of the products) and step in it.
+    block: usize,
+    sub: usize,
+}
+
+impl TileWork {
+    fn new(scores: Option<ScoresJob>, products: Option<ProductsJob>) -> TileWork {
+        TileWork {
+            scores,
+            products,
+            done: 0,
+            block: 0,
+            sub: 0,
+        }
+    }
+
+    /// Jobs held (0 to 2).
+    fn jobs(&self) -> usize {
+        self.scores.is_some() as usize + self.products.is_some() as usize
+    }
+
+    /// Steps in all.
+    #[inline(always)]
+    fn total(&self) -> usize {
+        self.scores.map_or(0, |j| j.steps) + self.products.map_or(0, |j| j.steps)
+    }
+
+    /// Issues steps until `(i + 1)/n` of them are done (`i < n`): called once per iteration
+    /// `i` of a loop of `n`, it spreads the work evenly over the loop.
+    ///
+    /// # Safety
+    /// As [`TileWork::step`].
+    #[inline(always)]
+    unsafe fn pace<M: Tiles>(&mut self, t: &mut M, i: usize, n: usize) {
+        let target = (i + 1) * self.total() / n.max(1);
+        while self.done < target {
+            // SAFETY: the caller's.
+            unsafe { self.step(t) };
+        }
+    }
+
+    /// Issues every step left.
+    ///
+    /// # Safety
+    /// As [`TileWork::step`].
+    #[inline(always)]
+    unsafe fn finish<M: Tiles>(&mut self, t: &mut M) {
+        while self.done < self.total() {
+            // SAFETY: the caller's.
+            unsafe { self.step(t) };
+        }
+    }
+
+    /// Issues the next step (none when all are done).
+    ///
+    /// # Safety
+    /// The jobs' pointers are valid as their fields say (read for `q`, `kb`, `vb`, `pb`,
+    /// read and written for `o`, written for `st`) and no other code touches `st` and `o`
+    /// until [`TileWork::finish`] returns.
+    #[inline(always)]
+    unsafe fn step<M: Tiles>(&mut self, t: &mut M) {
+        let s_steps = self.scores.map_or(0, |j| j.steps);
+        if self.done < s_steps {
+            let Some(j) = self.scores else { return };
+            let chunks = j.d32 / STEP;
+            let jb = self.block * 32;
+            if self.sub < chunks {
+                let cc = self.sub;
+                if cc == 0 {
+                    t.zero::<0>();
+                    t.zero::<1>();
+                    t.zero::<2>();
+                    t.zero::<3>();
+                }
+                // SAFETY: keys jb..jb + 32 ≤ nk32 rows of d32 u16 from column cc·32 (64
+                // bytes each); the Q tiles of row blocks 0 and 1, chunk cc, inside `q`.
+                unsafe {
+                    let k0 = j.kb.add(jb * j.d32 + cc * STEP);
+                    let q0 = j.q.add(cc * TILE_DWORDS);
+                    dot_2x2(
+                        t,
+                        k0 as *const u8,
+                        k0.add(16 * j.d32) as *const u8,
+                        2 * j.d32,
+                        q0 as *const u8,
+                        q0.add(chunks * TILE_DWORDS) as *const u8,
+                    );
+                }
+                self.sub += 1;
+            } else {
+                // SAFETY: rows jb..jb + 32 ≤ nk32 of 32 floats.
+                unsafe { store_c(t, j.st.add(jb * AMX_PANEL)) };
+                self.block += 1;
+                self.sub = 0;
+            }
+            self.done += 1;
+            if self.done == s_steps {
+                self.block = 0;
+                self.sub = 0;
+            }
+            return;
+        }
+        let Some(j) = self.products else { return };
+        if self.done >= s_steps + j.steps {
+            return;
+        }
+        let half = j.nk32 / 2;
+        let key_chunks = j.nk32 / STEP;
+        let cb = self.block * 32;
+        // SAFETY: channel rows cb..cb + 32 ≤ dv32 of 32 floats in `o`, columns 0..16 and
+        // 16..32; channel rows cb..cb + 32 of `vb` (nk32 u16 each) from key kc·32 (64 bytes);
+        // the P tiles of chunk kc (row blocks 0 and 1) inside pb's nk32/2·32 dwords.
+        unsafe {
+            let oc = j.o.add(cb * AMX_PANEL);
+            if self.sub < key_chunks {
+                let kc = self.sub;
+                if kc == 0 {
+                    load_c(t, oc);
+                }
+                let v0 = j.vb.add(cb * half + kc * 16);
+                let p0 = j.pb.add(kc * 2 * 256);
+                dot_2x2(
+                    t,
+                    v0 as *const u8,
+                    v0.add(16 * half) as *const u8,
+                    2 * j.nk32,
+                    p0 as *const u8,
+                    p0.add(256) as *const u8,
+                );
+                self.sub += 1;
+            } else {
+                store_c(t, oc);
+                self.block += 1;
+                self.sub = 0;
+            }
+        }
+        self.done += 1;
+    }
+}
+
+/// Tiles 0–3 ← the 32 × 32 floats at `c` (rows of [`AMX_PANEL`] floats): tiles 0 and 1 rows
+/// 0..16, columns 0..16 and 16..32; tiles 2 and 3 rows 16..32.
+///
+/// # Safety
+/// 32 rows of 32 readable floats at `c`.
+#[inline(always)]
+unsafe fn load_c<M: Tiles>(t: &mut M, c: *const f32) {
+    let stride = 4 * AMX_PANEL;
+    // SAFETY: each tile's 16 rows of 64 bytes lie inside the caller's 32 × 32 floats.
+    unsafe {
+        t.load::<0>(c as *const u8, stride);
+        t.load::<1>(c.add(16) as *const u8, stride);
+        t.load::<2>(c.add(16 * AMX_PANEL) as *const u8, stride);
+        t.load::<3>(c.add(16 * AMX_PANEL + 16) as *const u8, stride);
+    }
+}
+
+/// The 32 × 32 floats at `c` ← tiles 0–3 (the layout of [`load_c`]).
+///
+/// # Safety
+/// 32 rows of 32 writable floats at `c`.
+#[inline(always)]
+unsafe fn store_c<M: Tiles>(t: &mut M, c: *mut f32) {
+    let stride = 4 * AMX_PANEL;
+    // SAFETY: each tile's 16 rows of 64 bytes lie inside the caller's 32 × 32 floats.
+    unsafe {
+        t.store::<0>(c as *mut u8, stride);
+        t.store::<1>(c.add(16) as *mut u8, stride);
+        t.store::<2>(c.add(16 * AMX_PANEL) as *mut u8, stride);
+        t.store::<3>(c.add(16 * AMX_PANEL + 16) as *mut u8, stride);
+    }
+}
+
+/// A tiles 4, 5 ← 16 rows of 64 bytes at `a0`, `a1` (`a_stride` bytes apart), B tiles 6, 7
+/// ← 1 KiB at `b0`, `b1`, then the 2 × 2 products `C(2i + j) += A(4 + i)·B(6 + j)`.
+///
+/// # Safety
+/// The four tiles' bytes readable.
+#[inline(always)]
+unsafe fn dot_2x2<M: Tiles>(
+    t: &mut M,
+    a0: *const u8,
+    a1: *const u8,
+    a_stride: usize,
+    b0: *const u8,
+    b1: *const u8,
+) {
+    // SAFETY: the caller's.
+    unsafe {
+        t.load::<4>(a0, a_stride);
+        t.load::<5>(a1, a_stride);
+        t.load::<6>(b0, 64);
+        t.load::<7>(b1, 64);
+    }
+    t.dot::<0, 4, 6>();
+    t.dot::<1, 4, 7>();
+    t.dot::<2, 5, 6>();
+    t.dot::<3, 5, 7>();
 }

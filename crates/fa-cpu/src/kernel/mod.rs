@@ -48,6 +48,7 @@
 // but never run.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) mod amx_backward_task;
+pub(crate) mod amx_phases;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) mod amx_task;
 pub(crate) mod backward_gemm;

@@ -204,7 +204,8 @@ impl Scratch {
             let (d32, dv32) = (d.div_ceil(32) * 32, dv.div_ceil(32) * 32);
             let (br32, bc32) = (lens.max_rows.div_ceil(32) * 32, super::amx_task::amx_keys());
             grow(&mut self.ot, dv32 * br32 + ALIGN_SLACK)?;
-            grow(&mut self.st, bc32 * 32 + ALIGN_SLACK)?;
+            // Scores and P double-buffered (the panel pipeline of `amx_task`).
+            grow(&mut self.st, 2 * bc32 * 32 + ALIGN_SLACK)?;
             grow(&mut self.corr, br32)?;
             grow(&mut self.states, br32)?;
             grow(&mut self.kinds, br32 / 32)?;
@@ -212,7 +213,7 @@ impl Scratch {
             grow(&mut self.amx_q, br32 * d32 / 2)?;
             grow(&mut self.amx_k, bc32 * d32)?;
             grow(&mut self.amx_v, dv32 * bc32 / 2)?;
-            grow(&mut self.amx_p, bc32 * 16)?;
+            grow(&mut self.amx_p, 2 * bc32 * 16)?;
             grow(&mut self.amx_pairs, (bc32 / 2 * dv32).max(16 * d32 / 2))?;
         }
         Ok(())
