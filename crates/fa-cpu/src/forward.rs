@@ -247,7 +247,7 @@ pub(crate) fn forward_on<T: Element, O: Element>(
     let workers = threads.unwrap_or_else(|| rayon::current_num_threads().max(1));
 
     if decode && decode_stream::applies(problem, opts.probability_hook.is_some()) {
-        return forward_stream(&ctx, opts, ws, threads, workers, isa);
+        return forward_stream(&ctx, opts, ws, threads, workers, isa, amx_tiles);
     }
     ws.ensure_slots(
         workers,
@@ -411,9 +411,18 @@ fn forward_stream<T: Element, O: Element>(
     threads: Option<usize>,
     workers: usize,
     isa: Isa,
+    amx_tiles: AmxTiles,
 ) -> Result<ForwardStats, ProblemError> {
     let problem = ctx.problem;
     let lanes = ctx.tiling.lanes;
+    // bf16 `Q·Kᵀ` on AMX tiles (`decode_stream::amx_applies`): at the Amx level on hardware
+    // tiles, or (tests) on the emulation at any level.
+    let amx = decode_stream::amx_applies::<T>(problem)
+        && match amx_tiles {
+            AmxTiles::Hardware => isa.level() == SimdLevel::Amx,
+            #[cfg(test)]
+            AmxTiles::Emulated => true,
+        };
     let plan = decode_stream::plan(problem, lanes, std::mem::size_of::<T>(), opts.kv_splits)?;
     let lens = StreamLens {
         rows: plan.max_rows,
@@ -430,13 +439,20 @@ fn forward_stream<T: Element, O: Element>(
         problem.head_dim_v(),
         plan.items.len(),
         |scratch, i, partials| {
+            let item = &plan.items[i];
+            if amx {
+                if let Some(stats) = run_stream_amx(isa, amx_tiles, ctx, item, partials, scratch) {
+                    return stats;
+                }
+            }
             dispatch(
                 isa,
                 StreamTask {
                     ctx,
-                    item: &plan.items[i],
+                    item,
                     partials,
                     scratch,
+                    tiles: None::<decode_stream::NoTiles>,
                 },
             )
         },
@@ -451,6 +467,50 @@ fn forward_stream<T: Element, O: Element>(
         tiles_skipped: 0,
         kv_splits: plan.max_splits,
     })
+}
+
+/// Runs one streaming decode item with its `Q·Kᵀ` on AMX tiles (configured here, on the
+/// worker's thread); `None` when the tiles cannot be had (then the caller runs the SIMD item).
+fn run_stream_amx<T: Element, O: Element>(
+    isa: Isa,
+    amx_tiles: AmxTiles,
+    ctx: &Ctx<'_, T, O>,
+    item: &decode_stream::Item,
+    partials: Partials,
+    scratch: &mut Scratch,
+) -> Option<TaskStats> {
+    match amx_tiles {
+        #[cfg(target_arch = "x86_64")]
+        AmxTiles::Hardware => {
+            let tiles = crate::arch::amx::HwTiles::configure()?;
+            Some(crate::dispatch::dispatch_amx(
+                isa,
+                StreamTask {
+                    ctx,
+                    item,
+                    partials,
+                    scratch,
+                    tiles: Some(tiles),
+                },
+            ))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        AmxTiles::Hardware => {
+            let _ = (isa, ctx, item, partials, scratch);
+            None
+        }
+        #[cfg(test)]
+        AmxTiles::Emulated => Some(dispatch(
+            isa,
+            StreamTask {
+                ctx,
+                item,
+                partials,
+                scratch,
+                tiles: Some(crate::arch::amx::EmuTiles::new()),
+            },
+        )),
+    }
 }
 
 /// Runs `item(scratch, i)` for every `i < n` on `workers` workers (the calling thread and the
