@@ -817,8 +817,8 @@ unsafe fn qk_tile_amx<S: Simd, T: Element, Tl: Tiles>(
                 let lo = c * AMX_CHUNK;
                 let whole = lo + AMX_CHUNK <= d;
                 let (a_src, a_stride) = match stride {
-                    // SAFETY (pointer arithmetic): element lo of the first row, inside it.
-                    Some(st) if whole => (unsafe { first.add(lo) } as *const u8, st * esize),
+                    // Element lo of the first row (inside it: the chunk is whole).
+                    Some(st) if whole => (first.wrapping_add(lo) as *const u8, st * esize),
                     _ => {
                         a_rows.fill(0);
                         for u in 0..u_n {
@@ -829,7 +829,7 @@ unsafe fn qk_tile_amx<S: Simd, T: Element, Tl: Tiles>(
                                 std::ptr::copy_nonoverlapping(
                                     src.as_ptr() as *const u8,
                                     (a_rows.as_mut_ptr() as *mut u8).add(u * TILE_ROW_BYTES),
-                                    src.len() * esize,
+                                    std::mem::size_of_val(src),
                                 )
                             };
                         }
@@ -1243,6 +1243,7 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
                 };
                 qk_tile_amx::<S, T, Tl>(t, ctx.k, &k_offs[..nk], &sh, bufs, s, qk_pf)
             },
+            // SAFETY: as above.
             None => unsafe { qk_tile::<S, T>(ctx.k, &k_offs[..nk], &sh, q, s, qk_pf) },
         }
         for r in 0..rows {
