@@ -1,7 +1,8 @@
 //! The forward pass: validation, the thread pool, the dispatch of each task.
 
+use crate::arch::amx::Tiles;
 use crate::arch::SimdLevel;
-use crate::dispatch::{dispatch, Isa};
+use crate::dispatch::{dispatch, Isa, SimdTask};
 use crate::kernel::amx_task::{Bf16Inputs, AMX_TASK_ROWS};
 use crate::kernel::decode_stream::{self, StreamLens, StreamTask};
 use crate::kernel::decode_task::{self, DecodeTask, Partials};
@@ -247,7 +248,7 @@ pub(crate) fn forward_on<T: Element, O: Element>(
     let workers = threads.unwrap_or_else(|| rayon::current_num_threads().max(1));
 
     if decode && decode_stream::applies(problem, opts.probability_hook.is_some()) {
-        return forward_stream(&ctx, opts, ws, threads, workers, isa);
+        return forward_stream(&ctx, opts, ws, threads, workers, isa, amx_tiles);
     }
     ws.ensure_slots(
         workers,
@@ -259,7 +260,13 @@ pub(crate) fn forward_on<T: Element, O: Element>(
         let stats = run_items(ws, threads, workers, task_list.len(), |scratch, i| {
             let task = &task_list[i];
             if let Some(inputs) = amx_inputs {
-                if let Some(stats) = run_amx(isa, amx_tiles, &ctx, inputs, task, scratch) {
+                let work = ForwardOnTiles {
+                    ctx: &ctx,
+                    inputs,
+                    task,
+                    scratch: &mut *scratch,
+                };
+                if let Some(stats) = run_on_tiles(isa, amx_tiles, work) {
                     return stats;
                 }
             }
@@ -358,47 +365,86 @@ where
     Ok(stats)
 }
 
-/// Runs one task on AMX tiles (configured here, on the worker's thread); `None` when the
-/// tiles cannot be had (then the caller runs the SIMD task).
-fn run_amx<T: Element, O: Element>(
-    isa: Isa,
-    amx_tiles: AmxTiles,
-    ctx: &Ctx<'_, T, O>,
-    inputs: Bf16Inputs<'_>,
-    task: &kernel::tiling::Task,
-    scratch: &mut Scratch,
-) -> Option<TaskStats> {
+/// Work whose task runs on AMX tiles of either kind: [`run_on_tiles`] builds the task around
+/// the tiles it gets.
+trait WithTiles {
+    /// The task around tiles `Tl`.
+    type Task<Tl: Tiles>: SimdTask<Output = TaskStats>;
+    /// The task around `tiles`.
+    fn with<Tl: Tiles>(self, tiles: Tl) -> Self::Task<Tl>;
+}
+
+/// Runs `work`'s task on AMX tiles (configured here, on the worker's thread: hardware tiles
+/// through [`crate::dispatch::dispatch_amx`], the emulation through [`dispatch`]); `None`
+/// when the tiles cannot be had (then the caller runs the SIMD task).
+fn run_on_tiles<W: WithTiles>(isa: Isa, amx_tiles: AmxTiles, work: W) -> Option<TaskStats> {
     match amx_tiles {
         #[cfg(target_arch = "x86_64")]
         AmxTiles::Hardware => {
             let tiles = crate::arch::amx::HwTiles::configure()?;
-            Some(crate::dispatch::dispatch_amx(
-                isa,
-                crate::kernel::amx_task::AmxForwardTask {
-                    ctx,
-                    inputs,
-                    task,
-                    scratch,
-                    tiles,
-                },
-            ))
+            Some(crate::dispatch::dispatch_amx(isa, work.with(tiles)))
         }
         #[cfg(not(target_arch = "x86_64"))]
         AmxTiles::Hardware => {
-            let _ = (isa, ctx, inputs, task, scratch);
+            let _ = (isa, work);
             None
         }
         #[cfg(test)]
-        AmxTiles::Emulated => Some(dispatch(
-            isa,
-            crate::kernel::amx_task::AmxForwardTask {
-                ctx,
-                inputs,
-                task,
-                scratch,
-                tiles: crate::arch::amx::EmuTiles::new(),
-            },
-        )),
+        AmxTiles::Emulated => Some(dispatch(isa, work.with(crate::arch::amx::EmuTiles::new()))),
+    }
+}
+
+/// The AMX forward's task without its tiles.
+struct ForwardOnTiles<'t, 'a, T, O> {
+    ctx: &'t Ctx<'a, T, O>,
+    inputs: Bf16Inputs<'t>,
+    task: &'t kernel::tiling::Task,
+    scratch: &'t mut Scratch,
+}
+
+impl<'t, 'a, T: Element, O: Element> WithTiles for ForwardOnTiles<'t, 'a, T, O> {
+    type Task<Tl: Tiles> = crate::kernel::amx_task::AmxForwardTask<'t, 'a, T, O, Tl>;
+    fn with<Tl: Tiles>(self, tiles: Tl) -> Self::Task<Tl> {
+        let ForwardOnTiles {
+            ctx,
+            inputs,
+            task,
+            scratch,
+        } = self;
+        crate::kernel::amx_task::AmxForwardTask {
+            ctx,
+            inputs,
+            task,
+            scratch,
+            tiles,
+        }
+    }
+}
+
+/// A streaming decode item without its tiles (its `Q·Kᵀ` runs on them).
+struct StreamOnTiles<'t, 'a, T, O> {
+    ctx: &'t Ctx<'a, T, O>,
+    item: &'t decode_stream::Item,
+    partials: Partials,
+    scratch: &'t mut Scratch,
+}
+
+impl<'t, 'a, T: Element, O: Element> WithTiles for StreamOnTiles<'t, 'a, T, O> {
+    type Task<Tl: Tiles> = StreamTask<'t, 'a, T, O, Tl>;
+    fn with<Tl: Tiles>(self, tiles: Tl) -> Self::Task<Tl> {
+        let StreamOnTiles {
+            ctx,
+            item,
+            partials,
+            scratch,
+        } = self;
+        StreamTask {
+            ctx,
+            item,
+            partials,
+            scratch,
+            tiles: Some(tiles),
+        }
     }
 }
 
@@ -411,9 +457,18 @@ fn forward_stream<T: Element, O: Element>(
     threads: Option<usize>,
     workers: usize,
     isa: Isa,
+    amx_tiles: AmxTiles,
 ) -> Result<ForwardStats, ProblemError> {
     let problem = ctx.problem;
     let lanes = ctx.tiling.lanes;
+    // bf16 `Q·Kᵀ` on AMX tiles (`decode_stream::amx_applies`): at the Amx level on hardware
+    // tiles, or (tests) on the emulation at any level.
+    let amx = decode_stream::amx_applies::<T>(problem)
+        && match amx_tiles {
+            AmxTiles::Hardware => isa.level() == SimdLevel::Amx,
+            #[cfg(test)]
+            AmxTiles::Emulated => true,
+        };
     let plan = decode_stream::plan(problem, lanes, std::mem::size_of::<T>(), opts.kv_splits)?;
     let lens = StreamLens {
         rows: plan.max_rows,
@@ -430,13 +485,26 @@ fn forward_stream<T: Element, O: Element>(
         problem.head_dim_v(),
         plan.items.len(),
         |scratch, i, partials| {
+            let item = &plan.items[i];
+            if amx {
+                let work = StreamOnTiles {
+                    ctx,
+                    item,
+                    partials,
+                    scratch: &mut *scratch,
+                };
+                if let Some(stats) = run_on_tiles(isa, amx_tiles, work) {
+                    return stats;
+                }
+            }
             dispatch(
                 isa,
                 StreamTask {
                     ctx,
-                    item: &plan.items[i],
+                    item,
                     partials,
                     scratch,
+                    tiles: None::<decode_stream::NoTiles>,
                 },
             )
         },

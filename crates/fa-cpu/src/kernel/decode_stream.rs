@@ -32,6 +32,7 @@ use super::forward_task::{Ctx, KvRows, TaskStats};
 use super::pack::{prefetch_row, widen};
 use super::scratch::{ensure, ensure_aligned, Scratch};
 use super::softmax::softcap_slice;
+use crate::arch::amx::{Tiles, TILE_ROWS, TILE_ROW_BYTES};
 use crate::arch::{exp2_cubic, exp2_exact, Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::{sealed, Element};
@@ -62,6 +63,14 @@ pub(crate) const MIN_SPLIT_BYTES: usize = 2 << 20;
 pub(crate) const ROW_BLOCK: usize = 4;
 /// Keys per `Q·Kᵀ` step.
 const QK_KEYS: usize = 2;
+/// Most query rows per KV head the AMX `Q·Kᵀ` takes: the columns of one C tile.
+pub(crate) const AMX_MAX_ROWS: usize = 16;
+/// Head-dim elements per AMX step: one A-tile row of bf16.
+const AMX_CHUNK: usize = TILE_ROW_BYTES / 2;
+/// Keys per AMX step: the rows of an A tile (one key's K row of one head each).
+const AMX_KEYS: usize = TILE_ROWS;
+/// Dwords per tile.
+const TILE_DWORDS: usize = TILE_ROWS * TILE_ROW_BYTES / 4;
 /// Keys per `P·V` step.
 const PV_KEYS: usize = 4;
 /// The software prefetch schedule of the tile loops (all into L2, `prefetcht1`; see
@@ -339,7 +348,7 @@ pub(crate) struct StreamLens {
 }
 
 /// One item with its worker's scratch: the [`SimdTask`] of the streaming kernel.
-pub(crate) struct StreamTask<'t, 'a, T, O> {
+pub(crate) struct StreamTask<'t, 'a, T, O, Tl = NoTiles> {
     /// The call's inputs and outputs.
     pub ctx: &'t Ctx<'a, T, O>,
     /// The item to compute.
@@ -348,9 +357,11 @@ pub(crate) struct StreamTask<'t, 'a, T, O> {
     pub partials: Partials,
     /// The worker's scratch.
     pub scratch: &'t mut Scratch,
+    /// AMX tiles for `S = Q·Kᵀ` ([`amx_applies`]); `None`: the SIMD dot products.
+    pub tiles: Option<Tl>,
 }
 
-impl<T: Element, O: Element> SimdTask for StreamTask<'_, '_, T, O> {
+impl<T: Element, O: Element, Tl: Tiles> SimdTask for StreamTask<'_, '_, T, O, Tl> {
     type Output = TaskStats;
 
     #[inline(always)]
@@ -358,8 +369,38 @@ impl<T: Element, O: Element> SimdTask for StreamTask<'_, '_, T, O> {
         // SAFETY: A available (caller); the context comes from `forward_with_workspace`
         // (problem validated, buffers checked); the plan made the item's keys lie within its
         // sequence and sized the partial buffers for every split's rows.
-        unsafe { run_item::<A, T, O>(self.ctx, self.item, self.partials, self.scratch) }
+        unsafe {
+            run_item::<A, T, O, Tl>(self.ctx, self.item, self.partials, self.scratch, self.tiles)
+        }
     }
+}
+
+/// No tiles: the [`Tiles`] of a [`StreamTask`] that runs without AMX (uninhabited, so none of
+/// its operations can run).
+pub(crate) enum NoTiles {}
+
+// SAFETY: no value exists, so no operation ever runs.
+unsafe impl Tiles for NoTiles {
+    const HARDWARE: bool = false;
+    unsafe fn load<const T: u8>(&mut self, _src: *const u8, _stride: usize) {
+        match *self {}
+    }
+    unsafe fn store<const T: u8>(&mut self, _dst: *mut u8, _stride: usize) {
+        match *self {}
+    }
+    fn zero<const T: u8>(&mut self) {
+        match *self {}
+    }
+    fn dot<const C: u8, const A: u8, const B: u8>(&mut self) {
+        match *self {}
+    }
+}
+
+/// Whether the AMX `S = Q·Kᵀ` ([`qk_tile_amx`]) may take a problem's items: bf16 K and Q, and
+/// at most [`AMX_MAX_ROWS`] query rows per KV head (one C tile's columns). `P·V` stays on the
+/// SIMD kernels either way.
+pub(crate) fn amx_applies<T: Element>(p: &Problem) -> bool {
+    T::KIND == sealed::Kind::Bf16 && p.group_size().saturating_mul(p.max_seqlen_q()) <= AMX_MAX_ROWS
 }
 
 /// Where element `e` of a `2·W`-element chunk sits in register order: bf16 chunks are
@@ -670,6 +711,225 @@ unsafe fn qk_tile<S: Simd, T: Element>(
     }
 }
 
+/// The buffers of [`qk_tile_amx`]: the item's Q B tiles, one A tile of gathered K rows, the
+/// C tile and its transpose, and the score factor.
+struct AmxBufs<'b> {
+    /// Q rows as B tiles (see `run_item`).
+    qb: &'b [u32],
+    /// K rows gathered into one A tile (when they cannot be loaded in place).
+    a_rows: &'b mut [u32],
+    /// The C tile (16 keys × 16 rows of f32) and, after it, its transpose.
+    c_buf: &'b mut [f32],
+    /// The factor of the scores (`scale·log2 e`, or `scale/cap` under a softcap).
+    pre: f32,
+}
+
+/// `S = Q·Kᵀ` for the tile's `nk` keys on AMX tiles (bf16 K, Q as B tiles): per head and
+/// group of 16 keys, the K rows are the A tile (loaded in place when the 16 rows lie one
+/// stride apart and the chunk is whole, else gathered with zero padding), one `tdpbf16ps`
+/// per 32-element chunk of the head dim into C (16 keys × the head's rows), then C is
+/// transposed and scaled into `s`. Tiles: C in 0 or 1, A in 2 or 3, B in 4..8 (kept per head
+/// when the head dim has at most four chunks, else loaded per chunk into 4).
+///
+/// # Safety
+/// S available; `T` is bf16; `bufs.qb` holds the item's B tiles, `bufs.a_rows` one tile,
+/// `bufs.c_buf` two; `s` holds `rows·TILE_KEYS`; the offsets are rows of the checked K buffer.
+#[inline(always)]
+unsafe fn qk_tile_amx<S: Simd, T: Element, Tl: Tiles>(
+    tiles: &mut Tl,
+    k: &[T],
+    k_offs: &[usize],
+    sh: &Shape,
+    bufs: AmxBufs<'_>,
+    s: &mut [f32],
+    prefetch: [PfStream<'_, T>; 2],
+) {
+    let Shape {
+        d,
+        heads,
+        rph,
+        k_head,
+        ..
+    } = *sh;
+    let AmxBufs {
+        qb,
+        a_rows,
+        c_buf,
+        pre,
+    } = bufs;
+    let nk = k_offs.len();
+    let chunks = d.div_ceil(AMX_CHUNK);
+    let resident = chunks <= 4;
+    let esize = std::mem::size_of::<T>();
+    let (c_tile, c_t) = c_buf.split_at_mut(TILE_DWORDS);
+    for h in 0..heads {
+        let b_tile = |c: usize| qb[(h * chunks + c) * TILE_DWORDS..][..TILE_DWORDS].as_ptr();
+        if resident {
+            for c in 0..chunks {
+                // SAFETY: each B tile is TILE_DWORDS dwords (16 rows of 64 bytes) of qb.
+                unsafe {
+                    let src = b_tile(c) as *const u8;
+                    match c {
+                        0 => tiles.load::<4>(src, TILE_ROW_BYTES),
+                        1 => tiles.load::<5>(src, TILE_ROW_BYTES),
+                        2 => tiles.load::<6>(src, TILE_ROW_BYTES),
+                        _ => tiles.load::<7>(src, TILE_ROW_BYTES),
+                    }
+                }
+            }
+        }
+        let mut j = 0;
+        while j < nk {
+            let u_n = (nk - j).min(AMX_KEYS);
+            for &(pf_src, pf_offs, pf_head, pf_len) in &prefetch {
+                for &off in pf_offs.iter().skip(j).take(u_n) {
+                    prefetch_row::<S, T>(pf_src, off + h * pf_head, pf_len);
+                }
+            }
+            // Bounds-checked once per row: the tile loads read inside these rows.
+            let row = |u: usize| {
+                let at = k_offs[j + u] + h * k_head;
+                &k[at..at + d]
+            };
+            // In place when 16 rows lie one positive stride apart.
+            let stride = if u_n == AMX_KEYS && k_offs[j + 1] > k_offs[j] {
+                let st = k_offs[j + 1] - k_offs[j];
+                (2..AMX_KEYS)
+                    .all(|u| k_offs[j + u] == k_offs[j] + u * st)
+                    .then_some(st)
+            } else {
+                None
+            };
+            let first = row(0).as_ptr();
+            if stride.is_some() {
+                // The last row is checked too: every row between lies in the buffer.
+                let _ = row(AMX_KEYS - 1);
+            }
+            // C alternates between tiles 0 and 1 from group to group, A between 2 and 3 from
+            // chunk to chunk, so that a tile load need not wait for the product before it.
+            let odd = (j / AMX_KEYS) % 2 == 1;
+            if odd {
+                tiles.zero::<1>();
+            } else {
+                tiles.zero::<0>();
+            }
+            for c in 0..chunks {
+                let lo = c * AMX_CHUNK;
+                let whole = lo + AMX_CHUNK <= d;
+                let (a_src, a_stride) = match stride {
+                    // Element lo of the first row (inside it: the chunk is whole).
+                    Some(st) if whole => (first.wrapping_add(lo) as *const u8, st * esize),
+                    _ => {
+                        a_rows.fill(0);
+                        for u in 0..u_n {
+                            let src = &row(u)[lo..d.min(lo + AMX_CHUNK)];
+                            // SAFETY: src.len() ≤ 32 bf16 = 64 bytes, the tile row u of
+                            // a_rows (TILE_DWORDS dwords); bf16 is a transparent u16.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    src.as_ptr() as *const u8,
+                                    (a_rows.as_mut_ptr() as *mut u8).add(u * TILE_ROW_BYTES),
+                                    std::mem::size_of_val(src),
+                                )
+                            };
+                        }
+                        (a_rows.as_ptr() as *const u8, TILE_ROW_BYTES)
+                    }
+                };
+                // SAFETY: the A source is 16 rows of 64 readable bytes a_stride apart (whole
+                // chunks of 16 rows checked above, or the gathered tile); the B tiles are
+                // inside qb.
+                unsafe {
+                    amx_step(tiles, odd, c, resident, a_src, a_stride, b_tile(c));
+                }
+            }
+            // C[u][n] = row n's score of key j + u: transposed, scaled, into s.
+            // SAFETY: c_tile and c_t are 16 × 16 floats each; the rows of s written are the
+            // head's (h·rph + n < rows), keys j..j + 16 ≤ TILE_KEYS; S available (caller).
+            unsafe {
+                let c_dst = c_tile.as_mut_ptr() as *mut u8;
+                if odd {
+                    tiles.store::<1>(c_dst, TILE_ROW_BYTES);
+                } else {
+                    tiles.store::<0>(c_dst, TILE_ROW_BYTES);
+                }
+                if S::W == TILE_ROWS {
+                    S::transpose(c_tile.as_ptr(), TILE_ROWS, c_t.as_mut_ptr(), TILE_ROWS);
+                } else {
+                    for u in 0..TILE_ROWS {
+                        for n in 0..TILE_ROWS {
+                            c_t[n * TILE_ROWS + u] = c_tile[u * TILE_ROWS + n];
+                        }
+                    }
+                }
+                let f = S::splat(pre);
+                for n in 0..rph {
+                    let dst = s[(h * rph + n) * TILE_KEYS + j..][..AMX_KEYS].as_mut_ptr();
+                    let src = c_t[n * TILE_ROWS..][..TILE_ROWS].as_ptr();
+                    for v in 0..AMX_KEYS / S::W {
+                        S::store(dst.add(v * S::W), S::mul(S::load(src.add(v * S::W)), f));
+                    }
+                }
+            }
+            j += u_n;
+        }
+    }
+}
+
+/// One chunk of [`qk_tile_amx`]: A ← 16 rows at `a_src` (`a_stride` bytes apart), then
+/// `C += A·B` with chunk `c`'s B tile (resident in tile 4 + c, else loaded from `b_src`).
+/// C is tile 1 when `odd`, else 0; A is tile 3 for odd chunks, else 2.
+///
+/// # Safety
+/// As [`Tiles::load`] for `a_src` (and `b_src` when not resident); when `resident`, `c < 4`
+/// and tile 4 + c holds chunk c's B tile.
+#[inline(always)]
+unsafe fn amx_step<Tl: Tiles>(
+    tiles: &mut Tl,
+    odd: bool,
+    c: usize,
+    resident: bool,
+    a_src: *const u8,
+    a_stride: usize,
+    b_src: *const u32,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if !resident {
+            tiles.load::<4>(b_src as *const u8, TILE_ROW_BYTES);
+        }
+        let b = if resident { c } else { 0 };
+        macro_rules! dot {
+            ($c:literal, $a:literal) => {
+                match b {
+                    0 => tiles.dot::<$c, $a, 4>(),
+                    1 => tiles.dot::<$c, $a, 5>(),
+                    2 => tiles.dot::<$c, $a, 6>(),
+                    _ => tiles.dot::<$c, $a, 7>(),
+                }
+            };
+        }
+        match (odd, c % 2 == 1) {
+            (false, false) => {
+                tiles.load::<2>(a_src, a_stride);
+                dot!(0, 2)
+            }
+            (false, true) => {
+                tiles.load::<3>(a_src, a_stride);
+                dot!(0, 3)
+            }
+            (true, false) => {
+                tiles.load::<2>(a_src, a_stride);
+                dot!(1, 2)
+            }
+            (true, true) => {
+                tiles.load::<3>(a_src, a_stride);
+                dot!(1, 3)
+            }
+        }
+    }
+}
+
 /// `O += P·V` for the tile's `nk` keys (row offsets `v_offs`, for the item's first head),
 /// probabilities in `s`.
 ///
@@ -814,11 +1074,12 @@ unsafe fn softmax_row<S: Simd>(
 /// S available; the context's problem validated and buffers checked; the item from
 /// [`plan`] for this problem (keys within its sequence, partial rows inside `partials`).
 #[inline(always)]
-unsafe fn run_item<S: Simd, T: Element, O: Element>(
+unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     ctx: &Ctx<'_, T, O>,
     item: &Item,
     partials: Partials,
     scratch: &mut Scratch,
+    tiles: Option<Tl>,
 ) -> TaskStats {
     let p = ctx.problem;
     let (w, b) = (S::W, item.batch);
@@ -845,11 +1106,26 @@ unsafe fn run_item<S: Simd, T: Element, O: Element>(
         qt,
         ot,
         st,
+        kt,
         row,
         states,
         kv_offsets,
+        amx_q,
+        amx_pairs,
         ..
     } = scratch;
+    // The AMX `Q·Kᵀ`: bf16 Q rows as B tiles (one per head and 32-element chunk of the head
+    // dim), one A tile's worth of gathered K rows, the C tile and its transpose.
+    let mut tiles = tiles.filter(|_| T::KIND == sealed::Kind::Bf16 && sh.rph <= AMX_MAX_ROWS);
+    let chunks = d.div_ceil(AMX_CHUNK);
+    let amx_len = |on: bool, n: usize| if on { n } else { 0 };
+    let qb = ensure(
+        amx_q,
+        amx_len(tiles.is_some(), sh.heads * chunks * TILE_DWORDS),
+        0,
+    );
+    let a_rows = ensure(amx_pairs, amx_len(tiles.is_some(), TILE_DWORDS), 0);
+    let c_buf = ensure_aligned(kt, amx_len(tiles.is_some(), 2 * TILE_DWORDS));
     let q = ensure_aligned(qt, rows * sh.d_pad);
     let o = ensure_aligned(ot, rows * sh.dv_pad);
     let s = ensure_aligned(st, rows * TILE_KEYS);
@@ -885,7 +1161,28 @@ unsafe fn run_item<S: Simd, T: Element, O: Element>(
     let transform = p.score_transform::<f32>();
     let (pre, post) = (transform.pre_factor(), transform.softcap_post_factor());
     let chunk = 2 * w;
+    if tiles.is_some() {
+        // B tile (head h, chunk c) at (h·chunks + c)·TILE_DWORDS: dword k·16 + n holds row
+        // n's elements 32c + 2k and 32c + 2k + 1 (the VNNI pairs), unscaled (bf16 × bf16 is
+        // exact in f32; the scores are scaled after the product); zero past the rows and d.
+        qb.fill(0);
+        for r in 0..rows {
+            let (head, i) = at_row(r);
+            let (h, n) = (r / sh.rph, r % sh.rph);
+            let src = &ctx.q[p.q_offset(b, i, head)..][..d];
+            // SAFETY: T is bf16 (`tiles` is None otherwise), a transparent u16.
+            let bits = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const u16, d) };
+            for (e2, pair) in bits.chunks(2).enumerate() {
+                let hi = pair.get(1).map_or(0, |&x| u32::from(x) << 16);
+                let (c, k) = (2 * e2 / AMX_CHUNK, e2 % (AMX_CHUNK / 2));
+                qb[(h * chunks + c) * TILE_DWORDS + k * TILE_ROWS + n] = u32::from(pair[0]) | hi;
+            }
+        }
+    }
     for r in 0..rows {
+        if tiles.is_some() {
+            break;
+        }
         let (head, i) = at_row(r);
         // SAFETY: S available (caller); the offset is a row of the checked Q buffer.
         unsafe { widen::<S, T>(ctx.q, p.q_offset(b, i, head), d, nat) };
@@ -934,7 +1231,21 @@ unsafe fn run_item<S: Simd, T: Element, O: Element>(
         ];
         // SAFETY: S available (caller); q, s sized above for `rows`; the offsets are those
         // of keys j0..j0 + nk < sk, rows of the checked buffers.
-        unsafe { qk_tile::<S, T>(ctx.k, &k_offs[..nk], &sh, q, s, qk_pf) };
+        match tiles.as_mut() {
+            // SAFETY: as above; the B tiles hold the item's heads (built above, T is bf16
+            // and rph ≤ AMX_MAX_ROWS: `tiles` is None otherwise).
+            Some(t) => unsafe {
+                let bufs = AmxBufs {
+                    qb,
+                    a_rows,
+                    c_buf,
+                    pre,
+                };
+                qk_tile_amx::<S, T, Tl>(t, ctx.k, &k_offs[..nk], &sh, bufs, s, qk_pf)
+            },
+            // SAFETY: as above.
+            None => unsafe { qk_tile::<S, T>(ctx.k, &k_offs[..nk], &sh, q, s, qk_pf) },
+        }
         for r in 0..rows {
             let (_, i) = at_row(r);
             let vis = mask.key_range(i, sq, sk);

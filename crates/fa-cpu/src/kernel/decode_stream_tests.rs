@@ -373,3 +373,188 @@ fn horizontal_sum_and_max() {
         }
     }
 }
+
+/// Output (f32) and LSE of a bf16 decode case through `forward_on` on `tiles`; outputs
+/// poisoned first.
+fn run_decode_bf16(
+    case: &fa_reference::DecodeCase,
+    opts: &crate::ForwardOptions,
+    tiles: crate::forward::AmxTiles,
+) -> (Vec<f32>, Vec<f32>) {
+    let problem = case.desc().validate(256).expect("valid case");
+    let lens = problem.min_buffer_lens();
+    let mut out = vec![0.0f32; lens.o];
+    fa_reference::poison(&mut out);
+    let mut lse = vec![f32::NAN; problem.lse_len()];
+    let conv = |x: &[f32]| {
+        x.iter()
+            .map(|&v| half::bf16::from_f32(v))
+            .collect::<Vec<_>>()
+    };
+    let (q, k, v) = (conv(&case.q), conv(&case.k), conv(&case.v));
+    crate::forward::forward_on(
+        &problem,
+        softmax_core::Qkv::new(&q[..], &k[..], &v[..]),
+        softmax_core::Out::with_lse(&mut out[..], &mut lse[..]),
+        opts,
+        &mut crate::Workspace::new(),
+        tiles,
+    )
+    .expect("forward");
+    (out, lse)
+}
+
+/// Random bf16 decode cases the AMX `Q·Kᵀ` takes (≤ 16 rows per KV head): odd head dims
+/// (a partial last chunk; more than four chunks, so B tiles reloaded per chunk), padded and
+/// paged caches with block sizes 1, 3, 16, 64 and 256 (K rows gathered, or loaded in place
+/// one stride apart), lengths 0 and 1, masks, softcap.
+fn amx_decode_cases(rng: &mut Rng) -> Vec<(String, fa_reference::DecodeCase)> {
+    use fa_reference::{CacheLayout, DecodeCase, Rounding};
+    use softmax_core::Mask;
+    let mut out = Vec::new();
+    for (i, &(group, heads_kv, sq)) in [(4, 2, 1), (8, 1, 2), (1, 3, 4), (16, 1, 1), (4, 8, 1)]
+        .iter()
+        .enumerate()
+    {
+        for block in [0, 1, 3, 16, 64, 256] {
+            let d = [8, 33, 64, 100, 128, 160, 256][rng.below(7)];
+            let used: Vec<u32> = vec![
+                rng.below(300) as u32 + 40,
+                1,
+                0,
+                (rng.below(200) as u32) | 1,
+            ];
+            let layout = if block == 0 {
+                CacheLayout::Padded { capacity: 341 }
+            } else {
+                DecodeCase::paged_layout(&used, block)
+            };
+            let case = DecodeCase::new(
+                rng,
+                &used,
+                sq,
+                group * heads_kv,
+                heads_kv,
+                d,
+                layout,
+                Rounding::Bf16,
+            );
+            let case = match (i + block) % 4 {
+                0 => case.causal(),
+                1 => case.with_mask(Mask {
+                    left: Some(70),
+                    right: Some(0),
+                }),
+                2 => case.with_softcap(5.0),
+                _ => case,
+            };
+            out.push((
+                format!("group {group} heads_kv {heads_kv} sq {sq} block {block} d {d}"),
+                case,
+            ));
+        }
+    }
+    out
+}
+
+/// bf16 inputs, f32 output: `Q·Kᵀ` on AMX tiles keeps the f32 decode bound (bf16 × bf16
+/// products are exact in f32, the sums f32), so the same bounds as the SIMD path: 1e-5
+/// normwise on O, 1e-4 on the LSE, against the f64 oracle on the same inputs.
+const AMX_DECODE_BOUND: f64 = 1e-5;
+/// See [`AMX_DECODE_BOUND`].
+const AMX_DECODE_LSE_BOUND: f64 = 1e-4;
+
+/// The checks of one run: the oracle bound, and (so the test cannot pass without the tiles)
+/// a difference in rounding from the SIMD path's output on the same level.
+fn check_amx_decode(
+    what: &str,
+    case: &fa_reference::DecodeCase,
+    opts: &crate::ForwardOptions,
+    tiles: crate::forward::AmxTiles,
+    simd: &[f32],
+) -> bool {
+    let problem = case.desc().validate(256).expect("valid case");
+    let oracle = fa_reference::attention_f64(&problem, &case.q, &case.k, &case.v);
+    let (out, lse) = run_decode_bf16(case, opts, tiles);
+    let rep = fa_reference::compare(&problem, &out, Some(&lse), &oracle);
+    assert!(
+        rep.within(AMX_DECODE_BOUND, AMX_DECODE_LSE_BOUND),
+        "{what} {tiles:?} {:?} splits {:?}: {rep:?}",
+        opts.simd,
+        opts.kv_splits
+    );
+    out.iter()
+        .zip(simd)
+        .any(|(a, b)| a.to_bits() != b.to_bits())
+}
+
+#[test]
+fn emulated_amx_decode_matches_the_oracle_on_every_level() {
+    use crate::forward::AmxTiles;
+    let mut rng = Rng::fresh();
+    let cases = amx_decode_cases(&mut rng);
+    for (isa, _) in levels() {
+        let mut differs = 0;
+        for (what, case) in &cases {
+            for splits in [None, Some(3)] {
+                let opts = crate::ForwardOptions {
+                    simd: isa.level(),
+                    kv_splits: splits,
+                    ..crate::ForwardOptions::default()
+                };
+                // The SIMD path on the same level (no tiles): Avx512f stands for Amx here.
+                let (simd, _) = run_decode_bf16(case, &opts, AmxTiles::Hardware);
+                differs += usize::from(check_amx_decode(
+                    what,
+                    case,
+                    &opts,
+                    AmxTiles::Emulated,
+                    &simd,
+                ));
+            }
+        }
+        assert!(
+            differs > cases.len(),
+            "{isa:?}: the emulated AMX Q·Kᵀ changed no output in {differs} runs: did it run?"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs AMX (Intel Sapphire Rapids or later)"]
+fn hardware_amx_decode_matches_the_oracle() {
+    use crate::forward::AmxTiles;
+    assert!(
+        crate::arch::amx::available() && SimdLevel::Amx.is_available(),
+        "this test needs AMX-BF16 with Linux's tile-data permission"
+    );
+    let mut rng = Rng::fresh();
+    let cases = amx_decode_cases(&mut rng);
+    let mut differs = 0;
+    for (what, case) in &cases {
+        for threads in [Some(1), Some(2)] {
+            let simd = crate::ForwardOptions {
+                simd: SimdLevel::Avx512f,
+                threads,
+                kv_splits: Some(2),
+                ..crate::ForwardOptions::default()
+            };
+            let (simd_out, _) = run_decode_bf16(case, &simd, AmxTiles::Hardware);
+            let amx = crate::ForwardOptions {
+                simd: SimdLevel::Amx,
+                ..simd
+            };
+            differs += usize::from(check_amx_decode(
+                what,
+                case,
+                &amx,
+                AmxTiles::Hardware,
+                &simd_out,
+            ));
+        }
+    }
+    assert!(
+        differs > cases.len(),
+        "the AMX Q·Kᵀ changed no output: did it run?"
+    );
+}
