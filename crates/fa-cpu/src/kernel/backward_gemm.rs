@@ -151,3 +151,231 @@ pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NR: usize>(
         n0 += live * S::W;
     }
 }
+
+/// The broadcasts per block of [`gemm_wide`] (rows of `C`): with [`WIDE_NR`] vectors per block,
+/// 24 accumulators and 10 loads per 24 multiply-adds (the `8 × 2` blocks [`gemm`] cuts a
+/// 64-wide tile into: 16 accumulators, 10 loads per 16).
+pub(crate) const WIDE_MR: usize = 6;
+/// The vectors per block of [`gemm_wide`] (columns of `C`, in vectors).
+pub(crate) const WIDE_NR: usize = 4;
+
+/// The operands of [`gemm_wide`]: as [`Operands`], but `B[k][m]` at `b + k·b_k + m·b_m`, so
+/// the broadcast side can be read in either orientation (`b_m = 1`: `[k][m]` rows as
+/// [`gemm`] reads them; `b_k = 1`: `[m][k]`, a matrix whose transpose [`gemm`] would need).
+#[derive(Clone, Copy)]
+pub(crate) struct WideOperands {
+    /// `B[k][m]` at `b + k·b_k + m·b_m`.
+    pub b: *const f32,
+    /// Step of `B` per contraction index.
+    pub b_k: usize,
+    /// Step of `B` per row of `C`.
+    pub b_m: usize,
+    /// `X[k][n]` at `x + k·x_stride + n`.
+    pub x: *const f32,
+    /// Row stride of `X`.
+    pub x_stride: usize,
+}
+
+impl From<Operands> for WideOperands {
+    fn from(o: Operands) -> WideOperands {
+        WideOperands {
+            b: o.b,
+            b_k: o.b_stride,
+            b_m: 1,
+            x: o.x,
+            x_stride: o.x_stride,
+        }
+    }
+}
+
+/// [`gemm`] without spans, in blocks of [`WIDE_MR`] rows × up to [`WIDE_NR`] vectors (the rows
+/// past the last whole block in one block of 2 or 4): `C[m][n] (+)= Σ_{k < nk} B[k][m]·X[k][n]`
+/// for `m < rows` (even), `n < cols` (a multiple of W). Every element is the same chain of
+/// multiply-adds in ascending `k` as in [`gemm`], so the results are bitwise [`gemm`]'s; only
+/// the register blocking differs (a 64-wide tile in one panel of 4 vectors instead of two of
+/// 2; 24 accumulators instead of 16) and `B`'s orientation is free ([`WideOperands`]). For
+/// 32 vector registers (AVX-512): 24 accumulators, 4 row vectors and a broadcast.
+///
+/// # Safety
+/// `B[k][m]` readable for `k < nk`, `m < rows`; `ops.x` readable for `nk` rows and `cols`
+/// columns; `c` read/writable for `rows` rows of stride `c_stride` and `cols` columns; S
+/// available.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_wide<S: Simd>(
+    ops: WideOperands,
+    nk: usize,
+    rows: usize,
+    cols: usize,
+    c: *mut f32,
+    c_stride: usize,
+    accumulate: bool,
+) {
+    // SAFETY: the caller's bounds; `StoreC` writes each block where `gemm` would.
+    unsafe {
+        gemm_wide_into::<S, _>(
+            ops,
+            nk,
+            rows,
+            cols,
+            &StoreC {
+                c,
+                c_stride,
+                accumulate,
+            },
+        )
+    }
+}
+
+/// Where the blocks of [`gemm_wide_into`] start from and go: each `MR × NR·W` block of `C` at
+/// row `m0`, column `n0` starts as [`WideSink::start`] says and its finished sums are handed to
+/// [`WideSink::finish`] (a plain store, or an element-wise step fused onto the product).
+pub(crate) trait WideSink {
+    /// The block's starting accumulators.
+    ///
+    /// # Safety
+    /// S available; the block lies inside the sink's buffers.
+    unsafe fn start<S: Simd, const MR: usize, const NR: usize>(
+        &self,
+        m0: usize,
+        n0: usize,
+    ) -> [[S::V; NR]; MR];
+    /// Takes the block's finished sums.
+    ///
+    /// # Safety
+    /// S available; the block lies inside the sink's buffers.
+    unsafe fn finish<S: Simd, const MR: usize, const NR: usize>(
+        &self,
+        acc: &[[S::V; NR]; MR],
+        m0: usize,
+        n0: usize,
+    );
+}
+
+/// The plain sink: `C` at `c` with row stride `c_stride`, read first when `accumulate`.
+struct StoreC {
+    c: *mut f32,
+    c_stride: usize,
+    accumulate: bool,
+}
+
+impl WideSink for StoreC {
+    #[inline(always)]
+    unsafe fn start<S: Simd, const MR: usize, const NR: usize>(
+        &self,
+        m0: usize,
+        n0: usize,
+    ) -> [[S::V; NR]; MR] {
+        // SAFETY: the block lies inside C (caller).
+        unsafe {
+            let mut acc = [[S::splat(0.0); NR]; MR];
+            if self.accumulate {
+                let c = self.c.add(m0 * self.c_stride + n0);
+                for (m, row) in acc.iter_mut().enumerate() {
+                    for (n, a) in row.iter_mut().enumerate() {
+                        *a = S::load(c.add(m * self.c_stride + n * S::W));
+                    }
+                }
+            }
+            acc
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn finish<S: Simd, const MR: usize, const NR: usize>(
+        &self,
+        acc: &[[S::V; NR]; MR],
+        m0: usize,
+        n0: usize,
+    ) {
+        // SAFETY: the block lies inside C (caller).
+        unsafe { store_block::<S, MR, NR>(acc, self.c.add(m0 * self.c_stride + n0), self.c_stride) }
+    }
+}
+
+/// [`gemm_wide`]'s blocks and sums, each block started and finished by `sink` ([`WideSink`]).
+///
+/// # Safety
+/// `B[k][m]` readable for `k < nk`, `m < rows` (even); `ops.x` readable for `nk` rows and
+/// `cols` (a multiple of W) columns; `sink` valid for every block of `rows × cols`; S
+/// available.
+#[inline(always)]
+pub(crate) unsafe fn gemm_wide_into<S: Simd, K: WideSink>(
+    ops: WideOperands,
+    nk: usize,
+    rows: usize,
+    cols: usize,
+    sink: &K,
+) {
+    debug_assert!(rows.is_multiple_of(2) && cols.is_multiple_of(S::W));
+    // Panels as [`gemm`] cuts them (the fewest of at most WIDE_NR vectors, as even as can be).
+    let mut panels_left = (cols / S::W).div_ceil(WIDE_NR);
+    let mut n0 = 0;
+    while n0 < cols {
+        let live = ((cols - n0) / S::W)
+            .div_ceil(panels_left.max(1))
+            .min(WIDE_NR);
+        panels_left = panels_left.saturating_sub(1);
+        let mut m0 = 0;
+        while m0 < rows {
+            let height = (rows - m0).min(WIDE_MR);
+            /// The micro-kernel of `$mr` rows on `live` vectors.
+            macro_rules! rows_of {
+                ($mr:literal) => {
+                    match live {
+                        1 => wide_micro::<S, K, $mr, 1>(ops, nk, sink, m0, n0),
+                        2 => wide_micro::<S, K, $mr, 2>(ops, nk, sink, m0, n0),
+                        3 => wide_micro::<S, K, $mr, 3>(ops, nk, sink, m0, n0),
+                        _ => wide_micro::<S, K, $mr, 4>(ops, nk, sink, m0, n0),
+                    }
+                };
+            }
+            // SAFETY: m0 + height ≤ rows, n0 + live·W ≤ cols: inside every operand (caller).
+            unsafe {
+                match height {
+                    2 => rows_of!(2),
+                    4 => rows_of!(4),
+                    _ => rows_of!(6),
+                }
+            }
+            m0 += height;
+        }
+        n0 += live * S::W;
+    }
+}
+
+/// One `MR × NR·W` block at row `m0`, column `n0`: the sink's start plus
+/// `Σ_{k < nk} B[k][m0..m0 + MR] ⊗ X[k][n0..n0 + NR·W]` in ascending `k` (the chains of
+/// [`gemm_micro`]), handed to the sink.
+///
+/// # Safety
+/// The block inside `B`, `X` (`nk` rows) and the sink; S available.
+#[inline(always)]
+unsafe fn wide_micro<S: Simd, K: WideSink, const MR: usize, const NR: usize>(
+    ops: WideOperands,
+    nk: usize,
+    sink: &K,
+    m0: usize,
+    n0: usize,
+) {
+    // SAFETY: the bounds are the caller's contract.
+    unsafe {
+        let mut acc = sink.start::<S, MR, NR>(m0, n0);
+        let (mut b, mut x) = (ops.b.add(m0 * ops.b_m), ops.x.add(n0));
+        for _ in 0..nk {
+            let mut xv = [S::splat(0.0); NR];
+            for (n, v) in xv.iter_mut().enumerate() {
+                *v = S::load(x.add(n * S::W));
+            }
+            for (m, row) in acc.iter_mut().enumerate() {
+                let bm = S::splat(*b.add(m * ops.b_m));
+                for (a, &v) in row.iter_mut().zip(&xv) {
+                    *a = S::fma(bm, v, *a);
+                }
+            }
+            b = b.add(ops.b_k);
+            x = x.add(ops.x_stride);
+        }
+        sink.finish::<S, MR, NR>(&acc, m0, n0);
+    }
+}

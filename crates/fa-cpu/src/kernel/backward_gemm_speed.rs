@@ -1,7 +1,7 @@
 //! Timing of the backward's tile products alone (ignored test: `cargo test --release -p fa-cpu
 //! --lib gemm_speed -- --ignored --nocapture`): GFLOP/s of each product's shape, one thread.
 
-use super::backward_gemm::{gemm, Operands};
+use super::backward_gemm::{gemm, gemm_wide, Operands};
 use crate::arch::{Arch, SimdLevel};
 use crate::dispatch::{dispatch, Isa, SimdTask};
 use std::time::Instant;
@@ -68,6 +68,15 @@ impl SimdTask for Speed {
                             self.accumulate,
                             None,
                         ),
+                        4 => gemm_wide::<A>(
+                            ops.into(),
+                            self.nk,
+                            self.rows,
+                            self.cols,
+                            c.as_mut_ptr(),
+                            self.c_stride,
+                            self.accumulate,
+                        ),
                         _ => gemm::<A, 6, 4>(
                             ops,
                             self.nk,
@@ -108,7 +117,7 @@ fn gemm_speed() {
         ("dV 96 d128", 96, 96, 128, 112, 144, 144, true),
     ] {
         let mut line = format!("{name:>14}:");
-        for variant in 0..4 {
+        for variant in 0..5 {
             if (variant == 3 && rows % 6 != 0) || (variant == 1 && cols % 64 != 0 && cols != 64) {
                 line += "      -";
                 continue;
@@ -129,6 +138,6 @@ fn gemm_speed() {
             );
             line += &format!(" {g:6.1}");
         }
-        println!("{line}   (8x3, 4x4, 8x2, 6x4)");
+        println!("{line}   (8x3, 4x4, 8x2, 6x4, wide 6x4 + tail)");
     }
 }

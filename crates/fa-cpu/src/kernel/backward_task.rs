@@ -35,8 +35,18 @@
 //! operands. That fixes the layouts: `Qᵀ`/`dOᵀ` (per block `[c][row]`) and `Kᵀ`/`Vᵀ`
 //! (`[c][key]`) for `S` and `dP`; `P`, `dS` (`[row][key]`) with row-major dO and Q for dV and
 //! dK; `dSᵀ` (`[key][row]`, one tile transpose) with row-major K for dQ.
+//!
+//! On AVX-512 (32 vector registers) a tile no mask narrows runs every product through
+//! [`gemm_wide`] instead: 6 × 4-vector blocks (a 64-wide tile in one panel, 24 accumulators),
+//! its broadcast side readable in either orientation, so `S` and `dP` read the Q and dO rows in
+//! place (no `Qᵀ`/`dOᵀ` blocks are packed when the problem has no mask), dQ reads `dS` in place
+//! (no `dSᵀ`), and `P`/`dS` are computed in `dP`'s block epilogue ([`ProbsSink`]: `dP` never
+//! reaches memory). Each element is the same chain of multiply-adds as on the [`gemm`] path,
+//! so the gradients are bitwise the same either way.
 
-use super::backward_gemm::{gemm, Operands, Span};
+use super::backward_gemm::{
+    gemm, gemm_wide, gemm_wide_into, Operands, Span, WideOperands, WideSink,
+};
 use super::pack::{prefetch_row, transpose_region, widen, ROW_PREFETCH_AHEAD};
 use super::phase_timing::{timed, Phase};
 use super::scratch::SharedOut;
@@ -179,6 +189,9 @@ pub(crate) struct BwdLens {
     pub head_dim: usize,
     /// Head dim of V.
     pub head_dim_v: usize,
+    /// Whether the tasks pack the per-block `Qᵀ`/`dOᵀ` ([`row_transposes`]); without them
+    /// those buffers take no memory.
+    pub row_transposes: bool,
 }
 
 impl BwdLens {
@@ -203,6 +216,7 @@ impl BwdLens {
                 .unwrap_or(0),
             head_dim: problem.head_dim(),
             head_dim_v: problem.head_dim_v(),
+            row_transposes: row_transposes(lanes, &problem.mask()),
         }
     }
 
@@ -218,7 +232,11 @@ impl BwdLens {
             .group
             .saturating_mul(self.max_seqlen_q.div_ceil(t).max(1));
         let rows = blocks.saturating_mul(t);
-        let block_cols = blocks.saturating_mul(ts);
+        let block_cols = if self.row_transposes {
+            blocks.saturating_mul(ts)
+        } else {
+            0
+        };
         [
             block_cols.saturating_mul(d),  // qt
             block_cols.saturating_mul(dv), // dot
@@ -659,7 +677,7 @@ unsafe fn pack_rows<A: Arch, T: Element, O: Element, G: Element>(
             lse * LOG2_E as f32
         };
     }
-    for ib in 0..g.nqb {
+    for ib in (0..g.nqb).filter(|_| row_transposes(A::W, &p.mask())) {
         let r0 = base + ib * g.tile;
         let blk = (hl * g.nqb + ib) * g.ts;
         // SAFETY: a tile of rows of the padded row buffers into its `[c][row]` block.
@@ -820,66 +838,120 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
     let sp = spans.as_ref();
     // SAFETY: every block below lies inside its buffer (sizes: `BwdLens::elems`; rc, kc ≤ tile).
     unsafe {
-        let qt = s.qt.as_ptr().add(blk * g.d);
-        let dot = s.dot.as_ptr().add(blk * g.dv);
-        // S = Q·Kᵀ, dP = dO·Vᵀ.
-        timed!(
-            Phase::S,
-            gemm::<A, MR, NR>(
-                Operands {
-                    b: qt,
-                    b_stride: ts,
-                    x: s.kt.as_ptr().add(g.kt_at(u)),
-                    x_stride: ts,
-                },
-                g.d,
-                rc,
-                kc,
-                s.p.as_mut_ptr(),
-                ts,
-                false,
-                sp.map(|m| &m.row_n[..]),
-            )
-        );
-        timed!(
-            Phase::DP,
-            gemm::<A, MR, NR>(
-                Operands {
-                    b: dot,
-                    b_stride: ts,
-                    x: s.vt.as_ptr().add(g.vt_at(u)),
-                    x_stride: ts,
-                },
-                g.dv,
-                rc,
-                kc,
-                s.dp.as_mut_ptr(),
-                ts,
-                false,
-                sp.map(|m| &m.row_n[..]),
-            )
-        );
-        timed!(
-            Phase::Probs,
-            probabilities::<A>(
-                TileRows {
-                    p: &mut s.p[..],
-                    dp: &s.dp[..],
-                    ds: &mut s.ds[..],
-                    stride: ts,
-                    lse2: &s.lse2[row0..],
-                    delta: &s.delta[row0..],
-                },
-                (rows, rc),
-                (keys, kc),
-                scores,
-                range
-            )
-        );
+        // S = Q·Kᵀ, dP = dO·Vᵀ: on AVX-512 without spans from the Q and dO rows in place
+        // (`B[c][row]` read as `[row][c]`), else from the `Qᵀ`/`dOᵀ` blocks.
+        let wide = sp.is_none() && A::W == 16;
+        if wide {
+            timed!(
+                Phase::S,
+                gemm_wide::<A>(
+                    WideOperands {
+                        b: s.qr.as_ptr().add(row0 * g.d_st),
+                        b_k: 1,
+                        b_m: g.d_st,
+                        x: s.kt.as_ptr().add(g.kt_at(u)),
+                        x_stride: ts,
+                    },
+                    g.d,
+                    rc,
+                    kc,
+                    s.p.as_mut_ptr(),
+                    ts,
+                    false,
+                )
+            );
+        } else {
+            timed!(
+                Phase::S,
+                product::<A, MR, NR>(
+                    Operands {
+                        b: s.qt.as_ptr().add(blk * g.d),
+                        b_stride: ts,
+                        x: s.kt.as_ptr().add(g.kt_at(u)),
+                        x_stride: ts,
+                    },
+                    g.d,
+                    rc,
+                    kc,
+                    s.p.as_mut_ptr(),
+                    ts,
+                    false,
+                    sp.map(|m| &m.row_n[..]),
+                )
+            );
+        }
+        if wide {
+            // dP with the element-wise step fused onto its blocks (dP never stored), then the
+            // zeros `probabilities` gives rows past `rows` and keys past `keys`.
+            timed!(
+                Phase::DP,
+                gemm_wide_into::<A, _>(
+                    WideOperands {
+                        b: s.dor.as_ptr().add(row0 * g.dv_st),
+                        b_k: 1,
+                        b_m: g.dv_st,
+                        x: s.vt.as_ptr().add(g.vt_at(u)),
+                        x_stride: ts,
+                    },
+                    g.dv,
+                    rc,
+                    kc,
+                    &ProbsSink {
+                        p: s.p.as_mut_ptr(),
+                        ds: s.ds.as_mut_ptr(),
+                        stride: ts,
+                        lse2: s.lse2.as_ptr().add(row0),
+                        delta: s.delta.as_ptr().add(row0),
+                        scores,
+                    },
+                )
+            );
+            for r in 0..rc {
+                let from = if r < rows { keys } else { 0 };
+                s.p[r * ts + from..r * ts + kc].fill(0.0);
+                s.ds[r * ts + from..r * ts + kc].fill(0.0);
+            }
+        } else {
+            timed!(
+                Phase::DP,
+                product::<A, MR, NR>(
+                    Operands {
+                        b: s.dot.as_ptr().add(blk * g.dv),
+                        b_stride: ts,
+                        x: s.vt.as_ptr().add(g.vt_at(u)),
+                        x_stride: ts,
+                    },
+                    g.dv,
+                    rc,
+                    kc,
+                    s.dp.as_mut_ptr(),
+                    ts,
+                    false,
+                    sp.map(|m| &m.row_n[..]),
+                )
+            );
+            timed!(
+                Phase::Probs,
+                probabilities::<A>(
+                    TileRows {
+                        p: &mut s.p[..],
+                        dp: &s.dp[..],
+                        ds: &mut s.ds[..],
+                        stride: ts,
+                        lse2: &s.lse2[row0..],
+                        delta: &s.delta[row0..],
+                    },
+                    (rows, rc),
+                    (keys, kc),
+                    scores,
+                    range
+                )
+            );
+        }
         // dV += Pᵀ·dO, dK += dSᵀ·Q (sums over this block's rows, in order).
         timed!(
             Phase::DV,
-            gemm::<A, MR, NR>(
+            product::<A, MR, NR>(
                 Operands {
                     b: s.p.as_ptr(),
                     b_stride: ts,
@@ -897,7 +969,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
         );
         timed!(
             Phase::DK,
-            gemm::<A, MR, NR>(
+            product::<A, MR, NR>(
                 Operands {
                     b: s.ds.as_ptr(),
                     b_stride: ts,
@@ -913,30 +985,92 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
                 sp.map(|m| &m.key_k[..]),
             )
         );
-        // dQ += dS·K, through dSᵀ (the contraction runs over keys).
-        timed!(
-            Phase::DsT,
-            transpose_region::<A>(s.ds.as_ptr(), ts, rc, keys, s.dst.as_mut_ptr(), ts)
+        // dQ += dS·K: on AVX-512 without spans, reading dS as `B[key][row]` in place; else
+        // through dSᵀ (the contraction runs over keys). The same chains either way.
+        let (dq, kr) = (
+            s.dq.as_mut_ptr().add(row0 * g.d_st),
+            s.kr.as_ptr().add(g.kr_at(u)),
         );
-        timed!(
-            Phase::DQ,
-            gemm::<A, MR, NR>(
-                Operands {
-                    b: s.dst.as_ptr(),
-                    b_stride: ts,
-                    x: s.kr.as_ptr().add(g.kr_at(u)),
-                    x_stride: g.d_st,
-                },
-                keys,
-                rc,
-                g.d_pad,
-                s.dq.as_mut_ptr().add(row0 * g.d_st),
-                g.d_st,
-                true,
-                sp.map(|m| &m.row_k[..]),
-            )
-        );
+        if wide {
+            timed!(
+                Phase::DQ,
+                gemm_wide::<A>(
+                    WideOperands {
+                        b: s.ds.as_ptr(),
+                        b_k: 1,
+                        b_m: ts,
+                        x: kr,
+                        x_stride: g.d_st,
+                    },
+                    keys,
+                    rc,
+                    g.d_pad,
+                    dq,
+                    g.d_st,
+                    true,
+                )
+            );
+        } else {
+            timed!(
+                Phase::DsT,
+                transpose_region::<A>(s.ds.as_ptr(), ts, rc, keys, s.dst.as_mut_ptr(), ts)
+            );
+            timed!(
+                Phase::DQ,
+                product::<A, MR, NR>(
+                    Operands {
+                        b: s.dst.as_ptr(),
+                        b_stride: ts,
+                        x: kr,
+                        x_stride: g.d_st,
+                    },
+                    keys,
+                    rc,
+                    g.d_pad,
+                    dq,
+                    g.d_st,
+                    true,
+                    sp.map(|m| &m.row_k[..]),
+                )
+            );
+        }
     }
+}
+
+/// One product of a tile: [`gemm_wide`]'s 6 × 4 blocks on AVX-512 (32 vector registers) when
+/// no spans narrow it, else [`gemm`]'s `MR × NR` blocks. Both give every element the same
+/// chain of multiply-adds (ascending contraction), so the choice changes no result bit.
+///
+/// # Safety
+/// As [`gemm`]; `rows` a multiple of `MR` and of 2.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn product<A: Arch, const MR: usize, const NR: usize>(
+    ops: Operands,
+    nk: usize,
+    rows: usize,
+    cols: usize,
+    c: *mut f32,
+    c_stride: usize,
+    accumulate: bool,
+    spans: Option<&[Span]>,
+) {
+    // SAFETY: the caller's bounds, which both shapes share.
+    unsafe {
+        match spans {
+            None if A::W == 16 => {
+                gemm_wide::<A>(ops.into(), nk, rows, cols, c, c_stride, accumulate)
+            }
+            _ => gemm::<A, MR, NR>(ops, nk, rows, cols, c, c_stride, accumulate, spans),
+        }
+    }
+}
+
+/// Whether the per-block `Qᵀ`/`dOᵀ` are packed for `lanes`-wide vectors under `mask`: they
+/// serve only [`gemm`]'s products, and on AVX-512 (16 lanes) without a mask every tile is
+/// full, so every product is [`gemm_wide`]'s, which reads the Q and dO rows in place.
+fn row_transposes(lanes: usize, mask: &Mask) -> bool {
+    !(lanes == 16 && mask.is_none())
 }
 
 /// The largest tile edge [`MaskSpans`] holds (every architecture's [`bwd_tile`] is at most 96).
@@ -1057,25 +1191,13 @@ pub(crate) unsafe fn probabilities<A: Simd>(
         // SAFETY: c + W ≤ kc (a multiple of W) in every row slice; A available.
         unsafe {
             let (lse2v, deltav) = (A::splat(lse2), A::splat(delta));
-            let (pre, scale) = (A::splat(scores.pre), A::splat(scores.scale));
             let mut c = 0;
             while c < kc {
-                let sv = A::mul(A::load(prow.as_ptr().add(c)), pre);
-                let (x, slope) = match scores.post {
-                    None => (sv, scale),
-                    Some(post) => {
-                        let th = tanh::<A>(sv);
-                        let one = A::splat(1.0);
-                        (
-                            A::mul(th, A::splat(post)),
-                            A::mul(scale, A::sub(one, A::mul(th, th))),
-                        )
-                    }
-                };
-                let pv = exp2_exact::<A>(A::sub(x, lse2v));
-                let dsv = A::mul(
-                    A::mul(pv, A::sub(A::load(dprow.as_ptr().add(c)), deltav)),
-                    slope,
+                let (pv, dsv) = prob_vec::<A>(
+                    A::load(prow.as_ptr().add(c)),
+                    A::load(dprow.as_ptr().add(c)),
+                    (lse2v, deltav),
+                    scores,
                 );
                 A::store(prow.as_mut_ptr().add(c), pv);
                 A::store(dsrow.as_mut_ptr().add(c), dsv);
@@ -1091,6 +1213,94 @@ pub(crate) unsafe fn probabilities<A: Simd>(
             dsrow[..lo].fill(0.0);
             prow[hi..].fill(0.0);
             dsrow[hi..].fill(0.0);
+        }
+    }
+}
+
+/// One vector of the element-wise step: from scores `s` and `dP` of one row (its
+/// `lse·log2 e` and `D` splat), `(P, dS)`: `P = exp2(x(s) − lse·log2 e)`,
+/// `dS = P·(dP − D)·scale·t'`.
+///
+/// # Safety
+/// A's features are present.
+#[inline(always)]
+unsafe fn prob_vec<A: Simd>(
+    s: A::V,
+    dp: A::V,
+    (lse2, delta): (A::V, A::V),
+    scores: Scores,
+) -> (A::V, A::V) {
+    // SAFETY: A available (caller).
+    unsafe {
+        let (pre, scale) = (A::splat(scores.pre), A::splat(scores.scale));
+        let sv = A::mul(s, pre);
+        let (x, slope) = match scores.post {
+            None => (sv, scale),
+            Some(post) => {
+                let th = tanh::<A>(sv);
+                let one = A::splat(1.0);
+                (
+                    A::mul(th, A::splat(post)),
+                    A::mul(scale, A::sub(one, A::mul(th, th))),
+                )
+            }
+        };
+        let pv = exp2_exact::<A>(A::sub(x, lse2));
+        (pv, A::mul(A::mul(pv, A::sub(dp, delta)), slope))
+    }
+}
+
+/// The sink that fuses the element-wise step onto `dP = dO·Vᵀ` ([`gemm_wide_into`]): each
+/// finished block of `dP` never reaches memory; with `S` at `p` it becomes `P` (over `S`) and
+/// `dS` at `ds`, exactly as [`probabilities`] computes them from a stored `dP` (the same
+/// [`prob_vec`] on the same values).
+struct ProbsSink {
+    /// `S` in, `P` out (`[row][key]`, row stride `stride`).
+    p: *mut f32,
+    /// `dS` out.
+    ds: *mut f32,
+    /// Row stride of `p` and `ds`.
+    stride: usize,
+    /// Per row: `lse·log2 e`.
+    lse2: *const f32,
+    /// Per row: `D`.
+    delta: *const f32,
+    /// The score factors.
+    scores: Scores,
+}
+
+impl WideSink for ProbsSink {
+    #[inline(always)]
+    unsafe fn start<S: Simd, const MR: usize, const NR: usize>(
+        &self,
+        _m0: usize,
+        _n0: usize,
+    ) -> [[S::V; NR]; MR] {
+        // SAFETY: S available (caller).
+        unsafe { [[S::splat(0.0); NR]; MR] }
+    }
+
+    #[inline(always)]
+    unsafe fn finish<S: Simd, const MR: usize, const NR: usize>(
+        &self,
+        acc: &[[S::V; NR]; MR],
+        m0: usize,
+        n0: usize,
+    ) {
+        // SAFETY: the block's rows and columns lie inside the tile buffers and their rows
+        // inside `lse2`/`delta` (caller).
+        unsafe {
+            for (m, row) in acc.iter().enumerate() {
+                let r = m0 + m;
+                let lse_delta = (S::splat(*self.lse2.add(r)), S::splat(*self.delta.add(r)));
+                for (n, &dp) in row.iter().enumerate() {
+                    let at = r * self.stride + n0 + n * S::W;
+                    let (pv, dsv) =
+                        prob_vec::<S>(S::load(self.p.add(at)), dp, lse_delta, self.scores);
+                    S::store(self.p.add(at), pv);
+                    S::store(self.ds.add(at), dsv);
+                }
+            }
         }
     }
 }

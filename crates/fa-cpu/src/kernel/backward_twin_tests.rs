@@ -1,7 +1,7 @@
 //! The backward's tile product ([`gemm`]) on every SIMD level against the scalar twin and an
 //! f64 product, over odd sizes (whole-pass twins over odd problem sizes: `tests/backward.rs`).
 
-use super::backward_gemm::{gemm, Operands, Span};
+use super::backward_gemm::{gemm, gemm_wide, Operands, Span, WideOperands};
 use super::backward_task::bwd_tile;
 use crate::arch::{Arch, SimdLevel};
 use crate::dispatch::{dispatch, Isa, SimdTask};
@@ -357,4 +357,129 @@ fn other_blockings_give_bitwise_the_scalar_gradients() {
         assert_eq!(bits(&got.dv), bits(&want.dv), "2x1 dV");
         assert!(got.dq.iter().all(|x| x.is_finite()), "every dQ written");
     }
+}
+
+/// [`gemm_wide`] on every level against [`gemm`] at that level: bitwise the same `C` (the same
+/// chains of multiply-adds), with `B` read as `[k][m]` and as its transpose `[m][k]`, over the
+/// row counts of every block height (6, 4, 2 tails) and column counts of 1–5 vectors.
+#[test]
+fn gemm_wide_is_gemm_bitwise() {
+    /// gemm and gemm_wide (both orientations) on one level.
+    struct Both<'a> {
+        b: &'a [f32],
+        bt: &'a [f32],
+        x: &'a [f32],
+        nk: usize,
+        rows: usize,
+        cols: usize,
+        c0: &'a [f32],
+        accumulate: bool,
+    }
+    const BS: usize = 80;
+    const XS: usize = 96;
+    const CS: usize = 96;
+    impl SimdTask for Both<'_> {
+        type Output = Option<(Vec<f32>, Vec<f32>, Vec<f32>)>;
+        #[inline(always)]
+        unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(
+            self,
+        ) -> Self::Output {
+            let cols = self.cols * A::W;
+            if !self.rows.is_multiple_of(PV) || cols > CS {
+                return None;
+            }
+            let (mut c1, mut c2, mut c3) = (self.c0.to_vec(), self.c0.to_vec(), self.c0.to_vec());
+            let ops = Operands {
+                b: self.b.as_ptr(),
+                b_stride: BS,
+                x: self.x.as_ptr(),
+                x_stride: XS,
+            };
+            // SAFETY: B holds nk × BS (and its transpose rows × BS), X nk × XS, C 80 × CS;
+            // rows ≤ 72 < BS, cols ≤ CS; A available (caller).
+            unsafe {
+                gemm::<A, PV, NR>(
+                    ops,
+                    self.nk,
+                    self.rows,
+                    cols,
+                    c1.as_mut_ptr(),
+                    CS,
+                    self.accumulate,
+                    None,
+                );
+                gemm_wide::<A>(
+                    ops.into(),
+                    self.nk,
+                    self.rows,
+                    cols,
+                    c2.as_mut_ptr(),
+                    CS,
+                    self.accumulate,
+                );
+                gemm_wide::<A>(
+                    WideOperands {
+                        b: self.bt.as_ptr(),
+                        b_k: 1,
+                        b_m: BS,
+                        x: self.x.as_ptr(),
+                        x_stride: XS,
+                    },
+                    self.nk,
+                    self.rows,
+                    cols,
+                    c3.as_mut_ptr(),
+                    CS,
+                    self.accumulate,
+                );
+            }
+            Some((c1, c2, c3))
+        }
+    }
+    let mut rng = Rng::new(0x31de);
+    let mut checked = 0;
+    for isa in [SimdLevel::Avx512f, SimdLevel::Avx2Fma, SimdLevel::Scalar]
+        .into_iter()
+        .filter_map(Isa::new)
+    {
+        for nk in [1usize, 7, 64, 72] {
+            for rows in [8usize, 16, 24, 48, 64, 72] {
+                for cols in 1..=5 {
+                    for accumulate in [false, true] {
+                        let b = draw(&mut rng, nk * BS);
+                        let mut bt = vec![0.0f32; 72 * BS];
+                        for k in 0..nk {
+                            for m in 0..rows {
+                                bt[m * BS + k] = b[k * BS + m];
+                            }
+                        }
+                        let x = draw(&mut rng, nk * XS);
+                        let c0 = draw(&mut rng, 80 * CS);
+                        let both = Both {
+                            b: &b,
+                            bt: &bt,
+                            x: &x,
+                            nk,
+                            rows,
+                            cols,
+                            c0: &c0,
+                            accumulate,
+                        };
+                        if let Some((c1, c2, c3)) = dispatch(isa, both) {
+                            let bits =
+                                |c: &[f32]| c.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                            let what = format!(
+                                "{:?} nk={nk} {rows}x{cols}v acc={accumulate}",
+                                isa.level()
+                            );
+                            assert!(bits(&c1) == bits(&c2), "{what}: [k][m]");
+                            assert!(bits(&c1) == bits(&c3), "{what}: [m][k]");
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked >= 200, "{checked}");
 }
