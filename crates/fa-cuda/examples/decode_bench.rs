@@ -9,7 +9,7 @@
 //! ```text
 //! cargo run --release -p fa-cuda --example decode_bench -- [--batches 1,16]
 //!     [--caches 4096,16384,65536,131072] [--heads-q 64] [--heads-kv 8] [--hdim 128]
-//!     [--queries 1] [--layouts padded,paged16,paged256] [--splits plan,8,15,30]
+//!     [--queries 1] [--layouts padded,paged16,paged256,paged16seq] [--splits plan,8,15,30]
 //!     [--stages plan,3,2] [--block-n plan,128] [--warps plan,2] [--flush read|copy|none]
 //!     [--iters 50]
 //! ```
@@ -28,9 +28,11 @@
 //! Layouts: `padded` is FlashAttention's KV cache `[batch, cache, heads_kv, head_dim]` (one
 //! head's keys 2 KiB apart at 8 heads of 128), `padded_bhsd` the same cache stored head-major
 //! `[batch, heads_kv, cache, head_dim]` (one head's keys contiguous: the layout
-//! `torch_sdpa_decode.py` gives SDPA by default), `paged<N>` blocks of N keys.
+//! `torch_sdpa_decode.py` gives SDPA by default), `paged<N>` blocks of N keys in a random
+//! order (a random permutation of the pool), `paged<N>seq` the same blocks in order (each
+//! sequence's keys contiguous: isolates the cost of scattered blocks).
 //! The caches are filled with random bf16 values (a 32 MiB random chunk copied over them on
-//! the device); paged block tables are random permutations of the blocks.
+//! the device).
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
@@ -240,15 +242,21 @@ fn main() {
                 .clone_htod(&vec![cache as i32; batch])
                 .expect("upload");
             for layout in &layouts {
-                let block_size: Option<usize> = layout
+                // `paged<N>`: a random permutation of the blocks (every sequence's blocks
+                // scattered over the pool); `paged<N>seq`: the blocks in order (each
+                // sequence's keys contiguous, as in a padded cache).
+                let (paged_name, in_order) = match layout.strip_suffix("seq") {
+                    Some(name) => (name, true),
+                    None => (layout.as_str(), false),
+                };
+                let block_size: Option<usize> = paged_name
                     .strip_prefix("paged")
-                    .map(|b| b.parse().expect("paged<N>"));
-                // A random permutation of the blocks (every sequence's blocks scattered).
+                    .map(|b| b.parse().expect("paged<N>[seq]"));
                 let table: Vec<i32> = match block_size {
                     None => Vec::new(),
                     Some(bs) => {
                         let mut t: Vec<i32> = (0..(batch * cache.div_ceil(bs)) as i32).collect();
-                        for i in (1..t.len()).rev() {
+                        for i in (1..t.len()).rev().filter(|_| !in_order) {
                             t.swap(i, (rng.next() % (i as u64 + 1)) as usize);
                         }
                         t

@@ -334,7 +334,9 @@ fn padded_cache_lengths_gqa_and_splits() {
 #[ignore = "needs a CUDA GPU"]
 fn paged_cache_block_sizes_and_splits() {
     let mut rng = Rng::fresh();
-    for block_size in [1, 16, 64, 256, 7] {
+    // 8, 16, 32: blocks dealt out whole within a tile (one table entry per thread and
+    // tile); 64, 256: whole tiles per block; 1, 7: a table entry per row.
+    for block_size in [1, 8, 16, 32, 64, 256, 7] {
         for (heads_q, heads_kv, seqlen_q) in [(8, 1, 1), (16, 2, 3), (8, 8, 2)] {
             let used = [1u32, 0, 300 + rng.below(200) as u32, 255, 257];
             let case = CacheCase::new(

@@ -96,6 +96,22 @@ impl DecodeVariant {
     pub fn threads(&self) -> u32 {
         self.warps * 32
     }
+    /// K/V rows each thread copies per tile (one 16-byte chunk column of each).
+    pub fn load_iters(&self) -> u32 {
+        self.block_n() * (self.hdp / 8) / self.threads()
+    }
+    /// Whether the kernel reads a paged cache of `block_size`-key blocks through one
+    /// block-table entry per thread and tile, each thread's rows a constant step apart (as in
+    /// a padded cache): blocks that are whole multiples of the tile, and power-of-two blocks
+    /// that divide the tile and hold at least [`DecodeVariant::load_iters`] keys (the kernel
+    /// then deals each thread its rows from one block). Smaller or odd blocks take one
+    /// table entry per row.
+    pub fn reads_whole_blocks(&self, block_size: usize) -> bool {
+        let block_n = self.block_n() as usize;
+        block_size.is_power_of_two()
+            && (block_size % block_n == 0
+                || (block_n % block_size == 0 && block_size >= self.load_iters() as usize))
+    }
     /// Dynamic shared memory: the Q tile, `stages` K and V tiles (16-bit) and the paged
     /// cache's block-table ring (`2·stages` tiles of int32), or, if larger,
     /// the warps' partial rows (f32) that the final merge reads.
@@ -431,8 +447,9 @@ pub fn num_splits_heuristic(ctas: u32, slots: u32, n_tiles: u32) -> u32 {
 /// head dim ≤ 128.
 pub const STREAMING_STAGES: u32 = 2;
 
-/// Whether a paged call streams long caches over enough CTAs that [`STREAMING_STAGES`] (more
-/// CTAs per SM, fewer tiles in flight each) reads faster than the default three stages:
+/// Whether a paged call of blocks smaller than a tile streams long caches over enough CTAs
+/// that [`STREAMING_STAGES`] (more CTAs per SM, fewer tiles in flight each) reads faster
+/// than the default three stages:
 /// unsplit CTAs for at least half the SMs, and a longest cache of at least 16k keys, at head
 /// dim ≤ 128. H200, bf16, Llama-3 70B layer at batch 16 (docs/gpu-notes.md runs 57, 68):
 /// paged 16 at 16k keys 253.8 (3 stages, 2 splits) → 252.9 µs, 64k 981.9 → 973.4; at 4k keys
@@ -512,19 +529,20 @@ pub fn plan_decode(
         .map(|b| problem.seq(b).seqlen_k)
         .max()
         .unwrap_or(0);
-    // A paged cache whose blocks hold whole tiles (powers of two, at least a tile) is read
-    // like a padded one (one table entry per tile); smaller blocks look up every row.
-    let per_row_blocks = match problem.kv_cache() {
-        KvCache::Paged { block_size, .. } => {
-            !(block_size.is_power_of_two() && block_size % variant.block_n() as usize == 0)
-        }
-        _ => false,
+    // Paged blocks smaller than a tile: the kernel deals them out whole where it can (one
+    // table entry per thread and tile, see `reads_whole_blocks`), else it looks up every row.
+    let (small_blocks, per_row_blocks) = match problem.kv_cache() {
+        KvCache::Paged { block_size, .. } => (
+            block_size < variant.block_n() as usize,
+            !variant.reads_whole_blocks(block_size),
+        ),
+        _ => (false, false),
     };
+    let streaming =
+        stages.is_none() && small_blocks && use_streaming_stages(&variant, ctas, longest, props);
     match stages {
         Some(stages) => variant = variant.with_stages(stages),
-        None if per_row_blocks && use_streaming_stages(&variant, ctas, longest, props) => {
-            variant = variant.with_stages(STREAMING_STAGES)
-        }
+        None if streaming => variant = variant.with_stages(STREAMING_STAGES),
         None => {}
     }
     if variant.smem_bytes() > props.smem_optin_bytes {
@@ -534,9 +552,12 @@ pub fn plan_decode(
     // The wave rule's slots. A padded cache streams at the copy rate with one CTA per SM
     // (its K/V addresses step by a constant per row): H200 run 68, batch 16 unsplit 0.95–1.07
     // of copy, 1–7 % ahead of 2–3 splits at two or three CTAs per SM, and batch 1 16 splits
-    // over its 8 CTAs ahead of 32–33 at 16k and 64k keys. A paged cache of small blocks (a
-    // table entry per row) still reads faster over all the CTAs the device holds at once.
-    let slots = if per_row_blocks {
+    // over its 8 CTAs ahead of 32–33 at 16k and 64k keys. Paged blocks of a tile or more,
+    // and small blocks read whole outside the streaming rule, do the same (run 73: blocks
+    // of 16 at batch 1 and at batch 16 with 4k keys, 4–10 % ahead of the older per-row reads
+    // over two CTAs per SM). A paged cache of blocks looked up per row, or streamed, reads
+    // faster over all the CTAs the device holds at once.
+    let slots = if per_row_blocks || streaming {
         props.sm_count * variant.ctas_per_sm(props)
     } else {
         props.sm_count
@@ -841,12 +862,12 @@ mod tests {
         assert_eq!(v.with_stages(4).ctas_per_sm(&h200), 1);
         assert_eq!(v.with_stages(2).ctas_per_sm(&h200), 3);
         assert_eq!(v.with_stages(99).stages, MAX_DECODE_STAGES);
-        // Llama-3 70B at batch 1 over a paged cache: 8 KV heads; two CTAs per SM (3 stages)
-        // split twice as much as one (4 stages).
+        // Llama-3 70B at batch 1 over a paged cache of 4-key blocks (a table entry per row):
+        // 8 KV heads; two CTAs per SM (3 stages) split twice as much as one (4 stages).
         let used = [65536u32];
-        let table: Vec<i32> = (0..65536 / 16).collect();
+        let table: Vec<i32> = (0..65536 / 4).collect();
         let problem = ProblemDesc::new(1, 1, 0, 64, 8, 128)
-            .paged_cache(&used, &table, table.len(), 16, table.len())
+            .paged_cache(&used, &table, table.len(), 4, table.len())
             .validate(256)
             .expect("valid");
         let one = plan_decode(
@@ -895,19 +916,21 @@ mod tests {
     #[test]
     fn long_caches_over_many_sequences_take_the_streaming_stages() {
         let h200 = DeviceProps::h200();
-        // Paged caches (blocks of 16 keys, each sequence's blocks in order).
-        let plan = |batch: usize, keys: usize, hdim: usize| {
+        // Paged caches (blocks of `block` keys, each sequence's blocks in order).
+        let paged = |batch: usize, keys: usize, hdim: usize, block: usize| {
             let used = vec![keys as u32; batch];
-            let table: Vec<i32> = (0..(batch * keys / 16) as i32).collect();
+            let table: Vec<i32> = (0..(batch * keys / block) as i32).collect();
             let problem = ProblemDesc::new(batch, 1, 0, 64, 8, hdim)
-                .paged_cache(&used, &table, keys / 16, 16, table.len())
+                .paged_cache(&used, &table, keys / block, block, table.len())
                 .validate(256)
                 .expect("valid");
             plan_decode(&problem, DType::Bf16, DecodeOverrides::default(), &h200)
                 .expect("plan")
                 .expect("work")
         };
-        // Batch 16: 128 unsplit CTAs; from 16k keys three CTAs per SM, three splits.
+        // Blocks of 4 keys (a table entry per row), batch 16: 128 unsplit CTAs; from 16k
+        // keys three CTAs per SM, three splits.
+        let plan = |batch: usize, keys: usize, hdim: usize| paged(batch, keys, hdim, 4);
         let long = plan(16, 16384, 128);
         assert_eq!(long.variant.stages, STREAMING_STAGES);
         assert_eq!(long.num_splits, 3);
@@ -915,6 +938,26 @@ mod tests {
         // Batch 1 (8 CTAs) keeps three stages at any length; head dim 256 keeps its two.
         assert_eq!(plan(1, 131072, 128).variant.stages, 3);
         assert_eq!(plan(16, 16384, 256).variant.stages, 2);
+        // Blocks of 16 and 32 keys are read whole at head dim 128 (8 rows per thread and
+        // tile), 8 at head dim 256 is not (16 rows): the former plan like a padded cache.
+        let v128 = DecodeVariant::for_shape(128, 8, DType::Bf16, false);
+        let v256 = DecodeVariant::for_shape(256, 8, DType::Bf16, false);
+        assert_eq!((v128.load_iters(), v256.load_iters()), (8, 16));
+        assert!([8, 16, 32, 64, 256]
+            .iter()
+            .all(|&b| v128.reads_whole_blocks(b)));
+        assert!(![1, 4, 7, 48].iter().any(|&b| v128.reads_whole_blocks(b)));
+        assert!(!v256.reads_whole_blocks(8) && v256.reads_whole_blocks(16));
+        for block in [16, 32] {
+            // Batch 16: from 16k keys the streaming rule (small blocks, long caches over
+            // many CTAs) as for per-row blocks; below it one CTA per SM, unsplit.
+            let p = paged(16, 16384, 128, block);
+            assert_eq!((p.variant.stages, p.num_splits), (STREAMING_STAGES, 3));
+            let p = paged(16, 4096, 128, block);
+            assert_eq!((p.variant.stages, p.num_splits), (3, 1), "block {block}");
+            // Batch 1: one CTA per SM, 16 splits as for a padded cache.
+            assert_eq!(paged(1, 65536, 128, block).num_splits, 16, "block {block}");
+        }
         // A padded cache at batch 16 keeps three stages and one CTA per SM: no split.
         let padded = padded_layer_plan(16, 16384);
         assert_eq!((padded.variant.stages, padded.num_splits), (3, 1));

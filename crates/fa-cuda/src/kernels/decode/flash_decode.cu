@@ -45,6 +45,8 @@
 #define TPR (THREADS / BLOCK_M)      // threads per row in the final merge
 #define CPT (HDP / TPR)              // columns per thread in the final merge
 #define LOAD_ITERS (BLOCK_N * CHUNKS / THREADS) // K/V rows per thread per tile
+#define LOAD_ITERS_LOG2 (LOAD_ITERS >= 256 ? 8 : LOAD_ITERS >= 128 ? 7 : LOAD_ITERS >= 64 ? 6 : LOAD_ITERS >= 32 ? 5 : \
+                         LOAD_ITERS >= 16 ? 4 : LOAD_ITERS >= 8 ? 3 : LOAD_ITERS >= 4 ? 2 : LOAD_ITERS >= 2 ? 1 : 0)
 // A paged cache's block-table entries, one per key of a tile, in a shared-memory ring of
 // TAB_RING tiles: they are copied (cp.async) STAGES-1 tiles before the K/V copies that use
 // them, so the table's latency overlaps the pipeline instead of stalling each tile's copies.
@@ -55,6 +57,9 @@
 #endif
 #if (THREADS % CHUNKS) != 0 || ((BLOCK_N * CHUNKS) % THREADS) != 0
 #error "K/V tile loads must divide evenly among threads"
+#endif
+#if (1 << LOAD_ITERS_LOG2) != LOAD_ITERS
+#error "K/V rows per thread per tile must be a power of two"
 #endif
 
 #ifdef FA_COMPILE_CHECK_NONCE
@@ -177,13 +182,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     const u16* gk_seq = gk + (paged ? 0 : (i64)b * p.k_bs) + c_ld * 8;
     const u16* gv_seq = gv + (paged ? 0 : (i64)b * p.v_bs) + c_ld * 8;
     const i64 k_step = (i64)ROW_STEP * p.k_ss, v_step = (i64)ROW_STEP * p.v_ss;
+    // Paged blocks that divide the tile and hold LOAD_ITERS keys or more (see load_kv).
+    const bool tile_blocks = block_pow2 && BLOCK_N % p.block_size == 0 && p.block_size >= LOAD_ITERS;
     auto load_kv = [&](const int t, const int stage) {
         const int n0 = t * BLOCK_N;
         const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
         const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
-        // Row `it` of this thread (row0 + it·ROW_STEP) from the K and V rows at kp and vp.
-        auto copy_row = [&](const int it, const u16* kp, const u16* vp) {
-            const int row = row0 + it * ROW_STEP;
+        // Row `row` of the tile from the K and V rows at kp and vp.
+        auto copy_row = [&](const int row, const u16* kp, const u16* vp) {
             const bool ok = n0 + row < sk;
             const u32 dst = (u32)swz(row, c_ld) * 2u;
             cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
@@ -193,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         auto stepped_rows = [&](const u16* kp, const u16* vp) {
 #pragma unroll
             for (int it = 0; it < LOAD_ITERS; ++it) {
-                copy_row(it, kp, vp);
+                copy_row(row0 + it * ROW_STEP, kp, vp);
                 kp += k_step;
                 vp += v_step;
             }
@@ -211,25 +217,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             stepped_rows(gk_seq + (i64)bb * p.k_bs + in0 * p.k_ss, gv_seq + (i64)bb * p.v_bs + in0 * p.v_ss);
             return;
         }
-        if (block_pow2 && p.block_size >= 2 * ROW_STEP && p.block_size % ROW_STEP == 0 && BLOCK_N % p.block_size == 0) {
-            // Blocks of 2·ROW_STEP or more keys that divide the tile (16, 32 at head dim 128):
-            // this thread's rows come in runs of block_size / ROW_STEP inside one block (n0 is
-            // a multiple of the block): one table entry per run, the row step within it.
-            const int run_mask = (p.block_size / ROW_STEP) - 1;
-            const u16* kp = gk;
-            const u16* vp = gv;
+        if (tile_blocks) {
+            // Blocks that divide the tile, of LOAD_ITERS keys or more (8-32 at head dim 128):
+            // the tile's blocks are dealt out whole, gpb = block_size / LOAD_ITERS row groups
+            // (row0) per block, so this thread's rows all lie in one block — rows in_first,
+            // in_first + gpb, ... of the tile's block starting at row j_first: one table entry
+            // per tile, then a constant row step as in a padded cache. The same rows and
+            // chunks as the padded order, dealt out differently.
+            const int gpb_shift = block_shift - LOAD_ITERS_LOG2;
+            const int in_first = row0 & ((1 << gpb_shift) - 1);
+            const int j_first = (row0 >> gpb_shift) << block_shift;
+            const int bb = min(max(tab[j_first], 0), p.num_blocks - 1);
+            const u16* kp = gk_seq + (i64)bb * (int)p.k_bs + in_first * (int)p.k_ss;
+            const u16* vp = gv_seq + (i64)bb * (int)p.v_bs + in_first * (int)p.v_ss;
+            const int k_run = (int)p.k_ss << gpb_shift, v_run = (int)p.v_ss << gpb_shift;
 #pragma unroll
             for (int it = 0; it < LOAD_ITERS; ++it) {
-                const int row = row0 + it * ROW_STEP;
-                if ((it & run_mask) == 0) {
-                    const int bb = min(max(tab[row], 0), p.num_blocks - 1);
-                    const int in_block = (n0 + row) & block_mask;
-                    kp = gk_seq + (i64)bb * (int)p.k_bs + in_block * (int)p.k_ss;
-                    vp = gv_seq + (i64)bb * (int)p.v_bs + in_block * (int)p.v_ss;
-                }
-                copy_row(it, kp, vp);
-                kp += k_step;
-                vp += v_step;
+                copy_row(j_first + in_first + (it << gpb_shift), kp, vp);
+                kp += k_run;
+                vp += v_run;
             }
             return;
         }
@@ -238,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         // its block a 32-bit one (the plan refuses blocks spanning 2^31 elements).
         auto paged_row = [&](const int it, const int in_block) {
             const int bb = min(max(tab[row0 + it * ROW_STEP], 0), p.num_blocks - 1);
-            copy_row(it, gk_seq + (i64)bb * (int)p.k_bs + in_block * (int)p.k_ss,
+            copy_row(row0 + it * ROW_STEP, gk_seq + (i64)bb * (int)p.k_bs + in_block * (int)p.k_ss,
                      gv_seq + (i64)bb * (int)p.v_bs + in_block * (int)p.v_ss);
         };
         if (block_pow2) {
@@ -249,6 +255,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             for (int it = 0; it < LOAD_ITERS; ++it) paged_row(it, (n0 + row0 + it * ROW_STEP) % p.block_size);
         }
     };
+
 
     float acc[MT][DT][4];
     float row_m[MT][2], row_l[MT][2];
