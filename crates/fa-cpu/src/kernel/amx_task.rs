@@ -49,7 +49,10 @@ pub(crate) const fn amx_keys() -> usize {
 /// products. 256 against 128, alternating on the development VM (pipelined panels, B=1, H=8,
 /// N=2048, one thread, 3 rounds, median GFLOP/s): unmasked D=64 293→276 (noise: the rounds
 /// spread ±20 %), D=128 343→383, D=256 395→428; causal D=128 304→264, D=256 350→340, so
-/// masks keep 128 (a diagonal tile computes more hidden keys when longer).
+/// masks keep 128 (a diagonal tile computes more hidden keys when longer). Measured again
+/// after the operands were put on cache lines ([`ensure_on_line`]; aligned, loads from L1 cost
+/// little beside the products), one thread, same-run paired: 256 under a mask 0.965× of 128,
+/// 512 without one 1.016× of 256 (noise), so both stay.
 pub(crate) const fn amx_keys_for(masked: bool) -> usize {
     if masked {
         128
