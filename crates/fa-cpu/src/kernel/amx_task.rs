@@ -28,6 +28,7 @@ use super::mask::MAX_PANEL;
 use super::scratch::{ensure, ensure_aligned, Scratch};
 use super::softmax::{add_panel_sums, panel_maxima, panel_offsets, softcap_slice};
 use super::tiling::Task;
+use super::CACHE_LINE;
 use crate::arch::amx::Tiles;
 use crate::arch::{exp2_cubic, exp2_exact, Arch, Simd};
 use crate::dispatch::SimdTask;
@@ -48,7 +49,10 @@ pub(crate) const fn amx_keys() -> usize {
 /// products. 256 against 128, alternating on the development VM (pipelined panels, B=1, H=8,
 /// N=2048, one thread, 3 rounds, median GFLOP/s): unmasked D=64 293→276 (noise: the rounds
 /// spread ±20 %), D=128 343→383, D=256 395→428; causal D=128 304→264, D=256 350→340, so
-/// masks keep 128 (a diagonal tile computes more hidden keys when longer).
+/// masks keep 128 (a diagonal tile computes more hidden keys when longer). Measured again
+/// after the operands were put on cache lines ([`ensure_on_line`]; aligned, loads from L1 cost
+/// little beside the products), one thread, same-run paired: 256 under a mask 0.965× of 128,
+/// 512 without one 1.016× of 256 (noise), so both stay.
 pub(crate) const fn amx_keys_for(masked: bool) -> usize {
     if masked {
         128
@@ -216,10 +220,12 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let kinds = ensure(kinds, br / panel, TileKind::Full);
     let kv_offsets = ensure(kv_offsets, 4 * bc, 0);
     let (k_offs, v_offs) = kv_offsets.split_at_mut(2 * bc);
-    let qv = ensure(amx_q, br * d32 / 2, 0);
-    let kb = ensure(amx_k, bc * d32, 0);
-    let vb = ensure(amx_v, dv32 * bc / 2, 0);
-    let pb = ensure(amx_p, 2 * (bc / 2 * panel), 0);
+    // The tiles' operands start on cache lines: a tile row of 64 bytes then reads one line,
+    // not two (a misaligned `tileloadd` ran ~3× slower in a loop on the development VM).
+    let qv = ensure_on_line(amx_q, br * d32 / 2);
+    let kb = ensure_on_line(amx_k, bc * d32);
+    let vb = ensure_on_line(amx_v, dv32 * bc / 2);
+    let pb = ensure_on_line(amx_p, 2 * (bc / 2 * panel));
     let pairs = ensure(amx_pairs, (bc / 2 * dv32).max(16 * d32 / 2), 0);
     let mut lap = Lap::start();
     ot.fill(0.0);
@@ -400,6 +406,21 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     lap.lap(AmxPhase::Write);
     lap.end_task();
     stats
+}
+
+/// Elements of slack an AMX operand buffer of `E` holds so that its slice can start on a cache
+/// line ([`ensure_on_line`]; `Scratch::try_reserve` reserves them).
+pub(crate) const fn amx_line_slack<E>() -> usize {
+    CACHE_LINE / std::mem::size_of::<E>()
+}
+
+/// `buf` grown to `len` + [`amx_line_slack`] elements (zeros), and `len` of them starting on
+/// a cache line.
+fn ensure_on_line<E: Copy + Default>(buf: &mut Vec<E>, len: usize) -> &mut [E] {
+    let slack = amx_line_slack::<E>();
+    let whole = ensure(buf, len + slack, E::default());
+    let offset = (whole.as_ptr().align_offset(CACHE_LINE)).min(slack);
+    &mut whole[offset..offset + len]
 }
 
 /// Q's rows of the task as B tiles: the dword (channel pair `cp`) of row `r` at

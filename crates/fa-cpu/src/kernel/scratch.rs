@@ -210,10 +210,15 @@ impl Scratch {
             grow(&mut self.states, br32)?;
             grow(&mut self.kinds, br32 / 32)?;
             grow(&mut self.kv_offsets, 4 * bc32)?;
-            grow(&mut self.amx_q, br32 * d32 / 2)?;
-            grow(&mut self.amx_k, bc32 * d32)?;
-            grow(&mut self.amx_v, dv32 * bc32 / 2)?;
-            grow(&mut self.amx_p, 2 * bc32 * 16)?;
+            // The tile operands start on cache lines (`amx_task::amx_line_slack`).
+            let slack32 = super::amx_task::amx_line_slack::<u32>();
+            grow(&mut self.amx_q, br32 * d32 / 2 + slack32)?;
+            grow(
+                &mut self.amx_k,
+                bc32 * d32 + super::amx_task::amx_line_slack::<u16>(),
+            )?;
+            grow(&mut self.amx_v, dv32 * bc32 / 2 + slack32)?;
+            grow(&mut self.amx_p, 2 * bc32 * 16 + slack32)?;
             grow(&mut self.amx_pairs, (bc32 / 2 * dv32).max(16 * d32 / 2))?;
         }
         Ok(())
