@@ -56,6 +56,30 @@ pub(crate) struct Operands {
     pub x_stride: usize,
 }
 
+impl Operands {
+    /// `B` at `b` (row stride `b_stride`), `X` at `x` (row stride `x_stride`).
+    pub(crate) fn new(b: *const f32, b_stride: usize, x: *const f32, x_stride: usize) -> Self {
+        Operands {
+            b,
+            b_stride,
+            x,
+            x_stride,
+        }
+    }
+
+    /// The same operands with `B` stored transposed: `B[k][m]` at `b + m·b_stride + k` (rows
+    /// of `B`'s transpose read in place, which only [`gemm_wide`] can).
+    pub(crate) fn b_transposed(self) -> WideOperands {
+        WideOperands {
+            b: self.b,
+            b_k: 1,
+            b_m: self.b_stride,
+            x: self.x,
+            x_stride: self.x_stride,
+        }
+    }
+}
+
 /// What one block of `MR` rows of `C` needs, when the mask makes the operands zero outside it:
 /// the contraction runs over `k` only (terms outside it are exact zeros: skipping them leaves
 /// every sum bitwise the same) and only columns in `n` are written (columns outside it are left
