@@ -45,7 +45,7 @@
 //! so the gradients are bitwise the same either way.
 
 use super::backward_gemm::{
-    gemm, gemm_wide, gemm_wide_into, Operands, Span, WideOperands, WideSink,
+    gemm, gemm_wide, gemm_wide_into, Dest, Operands, Span, WideOperands, WideSink,
 };
 use super::pack::{prefetch_row, transpose_region, widen, ROW_PREFETCH_AHEAD};
 use super::phase_timing::{timed, Phase};
@@ -862,9 +862,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
                 g.d,
                 rc,
                 kc,
-                s.p.as_mut_ptr(),
-                ts,
-                false,
+                Dest::overwrite(s.p.as_mut_ptr(), ts),
                 sp.map(|m| &m.row_n[..]),
             )
         );
@@ -902,9 +900,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
                     g.dv,
                     rc,
                     kc,
-                    s.dp.as_mut_ptr(),
-                    ts,
-                    false,
+                    Dest::overwrite(s.dp.as_mut_ptr(), ts),
                     sp.map(|m| &m.row_n[..]),
                 )
             );
@@ -935,9 +931,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
                 rows,
                 kc,
                 g.dv_pad,
-                s.dv.as_mut_ptr().add(g.vr_at(u)),
-                g.dv_st,
-                true,
+                Dest::add_to(s.dv.as_mut_ptr().add(g.vr_at(u)), g.dv_st),
                 sp.map(|m| &m.key_k[..]),
             )
         );
@@ -949,9 +943,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
                 rows,
                 kc,
                 g.d_pad,
-                s.dk.as_mut_ptr().add(g.kr_at(u)),
-                g.d_st,
-                true,
+                Dest::add_to(s.dk.as_mut_ptr().add(g.kr_at(u)), g.d_st),
                 sp.map(|m| &m.key_k[..]),
             )
         );
@@ -975,9 +967,7 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
                 keys,
                 rc,
                 g.d_pad,
-                s.dq.as_mut_ptr().add(row0 * g.d_st),
-                g.d_st,
-                true,
+                Dest::add_to(s.dq.as_mut_ptr().add(row0 * g.d_st), g.d_st),
                 sp.map(|m| &m.row_k[..]),
             )
         );
@@ -992,26 +982,23 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
 /// # Safety
 /// As [`gemm`] (as [`gemm_wide`] when `wide`); `rows` a multiple of `MR` and of 2.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn product<A: Arch, const MR: usize, const NR: usize>(
     wide: bool,
     ops: WideOperands,
     nk: usize,
     rows: usize,
     cols: usize,
-    c: *mut f32,
-    c_stride: usize,
-    accumulate: bool,
+    dest: Dest,
     spans: Option<&[Span]>,
 ) {
     // SAFETY: the caller's bounds, which both shapes share.
     unsafe {
         if wide {
-            gemm_wide::<A>(ops, nk, rows, cols, c, c_stride, accumulate)
+            gemm_wide::<A>(ops, nk, rows, cols, dest)
         } else {
             debug_assert_eq!(ops.b_m, 1, "gemm reads B as [k][m] rows");
             let ops = Operands::new(ops.b, ops.b_k, ops.x, ops.x_stride);
-            gemm::<A, MR, NR>(ops, nk, rows, cols, c, c_stride, accumulate, spans)
+            gemm::<A, MR, NR>(ops, nk, rows, cols, dest, spans)
         }
     }
 }
