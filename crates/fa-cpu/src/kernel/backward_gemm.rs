@@ -263,15 +263,19 @@ pub(crate) unsafe fn gemm_wide<S: Simd>(
 /// row `m0`, column `n0` starts as [`WideSink::start`] says and its finished sums are handed to
 /// [`WideSink::finish`] (a plain store, or an element-wise step fused onto the product).
 pub(crate) trait WideSink {
-    /// The block's starting accumulators.
+    /// The block's starting accumulators (by default zeros).
     ///
     /// # Safety
     /// S available; the block lies inside the sink's buffers.
+    #[inline(always)]
     unsafe fn start<S: Simd, const MR: usize, const NR: usize>(
         &self,
-        m0: usize,
-        n0: usize,
-    ) -> [[S::V; NR]; MR];
+        _m0: usize,
+        _n0: usize,
+    ) -> [[S::V; NR]; MR] {
+        // SAFETY: S available (caller).
+        unsafe { [[S::splat(0.0); NR]; MR] }
+    }
     /// Takes the block's finished sums.
     ///
     /// # Safety

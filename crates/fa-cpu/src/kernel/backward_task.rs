@@ -1215,16 +1215,6 @@ struct ProbsSink {
 
 impl WideSink for ProbsSink {
     #[inline(always)]
-    unsafe fn start<S: Simd, const MR: usize, const NR: usize>(
-        &self,
-        _m0: usize,
-        _n0: usize,
-    ) -> [[S::V; NR]; MR] {
-        // SAFETY: S available (caller).
-        unsafe { [[S::splat(0.0); NR]; MR] }
-    }
-
-    #[inline(always)]
     unsafe fn finish<S: Simd, const MR: usize, const NR: usize>(
         &self,
         acc: &[[S::V; NR]; MR],
