@@ -13,6 +13,9 @@
 //! when causal with `Nq = Nk` (DESIGN.md §7). `peak_rss_bytes` is the process's high-water
 //! mark (VmHWM) after the runs.
 
+mod common;
+
+use common::Inputs;
 use fa_cpu::{forward_with_workspace, Element, Exp2Impl, ForwardOptions, SimdLevel, Workspace};
 use softmax_core::{Out, ProblemDesc, Qkv};
 use std::time::Instant;
@@ -128,20 +131,12 @@ fn bench<T: Element>(a: &Args) -> Result<(), String> {
     }
     let problem = desc.validate(256).map_err(|e| e.to_string())?;
     let lens = problem.min_buffer_lens();
-    // Deterministic pseudo-random inputs in [-1, 1) (a cheap LCG: the values only need to be
-    // ordinary numbers).
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut draw = |n: usize| -> Vec<T> {
-        (0..n)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                T::from_f32(((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
-            })
-            .collect()
-    };
-    let (q, k, v) = (draw(lens.q), draw(lens.k), draw(lens.v));
+    let mut inputs = Inputs::new();
+    let (q, k, v) = (
+        inputs.draw::<T>(lens.q),
+        inputs.draw::<T>(lens.k),
+        inputs.draw::<T>(lens.v),
+    );
     let mut out = vec![T::from_f32(0.0); lens.o];
     let mut lse = vec![0.0f32; problem.lse_len()];
     let opts = ForwardOptions {

@@ -10,35 +10,25 @@ use crate::arch::Simd;
 /// One `MR × NR·W` block of `C`: `C = (accumulate ? C : 0) + Σ_{k < nk} B[k][..MR] ⊗ X[k][..NR·W]`.
 ///
 /// # Safety
-/// `b` readable for `nk` rows of stride `b_stride` and `MR` columns; `x` readable for `nk`
-/// rows of stride `x_stride` and `NR·W` columns; `c` read/writable for `MR` rows of stride
-/// `c_stride` and `NR·W` columns; S available.
+/// `ops.b` readable for `nk` rows and `MR` columns; `ops.x` readable for `nk` rows and `NR·W`
+/// columns; `dest` read/writable for `MR` rows and `NR·W` columns; S available.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn gemm_micro<S: Simd, const MR: usize, const NR: usize>(
-    b: *const f32,
-    b_stride: usize,
-    x: *const f32,
-    x_stride: usize,
+    ops: Operands,
     nk: usize,
-    c: *mut f32,
-    c_stride: usize,
-    accumulate: bool,
+    dest: Dest,
 ) {
     // SAFETY: the bounds are the caller's contract.
     unsafe {
-        let mut acc = [[S::splat(0.0); NR]; MR];
-        if accumulate {
-            for (m, row) in acc.iter_mut().enumerate() {
-                for (n, a) in row.iter_mut().enumerate() {
-                    *a = S::load(c.add(m * c_stride + n * S::W));
-                }
-            }
-        }
+        let mut acc = dest.start::<S, MR, NR>(0, 0);
         for k in 0..nk {
-            rank1_update::<S, MR, NR>(&mut acc, x.add(k * x_stride), b.add(k * b_stride));
+            rank1_update::<S, MR, NR>(
+                &mut acc,
+                ops.x.add(k * ops.x_stride),
+                ops.b.add(k * ops.b_stride),
+            );
         }
-        store_block::<S, MR, NR>(&acc, c, c_stride);
+        dest.finish::<S, MR, NR>(&acc, 0, 0);
     }
 }
 
@@ -54,6 +44,75 @@ pub(crate) struct Operands {
     pub x: *const f32,
     /// Row stride of `X`.
     pub x_stride: usize,
+}
+
+impl Operands {
+    /// `B` at `b` (row stride `b_stride`), `X` at `x` (row stride `x_stride`).
+    pub(crate) fn new(b: *const f32, b_stride: usize, x: *const f32, x_stride: usize) -> Self {
+        Operands {
+            b,
+            b_stride,
+            x,
+            x_stride,
+        }
+    }
+
+    /// The same operands with `B` stored transposed: `B[k][m]` at `b + m·b_stride + k` (rows
+    /// of `B`'s transpose read in place, which only [`gemm_wide`] can).
+    pub(crate) fn b_transposed(self) -> WideOperands {
+        WideOperands {
+            b: self.b,
+            b_k: 1,
+            b_m: self.b_stride,
+            x: self.x,
+            x_stride: self.x_stride,
+        }
+    }
+}
+
+/// Where a product's `C` goes: `C[m][n]` at `c + m·c_stride + n`, overwritten, or added to
+/// when `accumulate`. As a [`WideSink`] it is the plain store of [`gemm_wide`].
+#[derive(Clone, Copy)]
+pub(crate) struct Dest {
+    /// `C[0][0]`.
+    pub c: *mut f32,
+    /// Row stride of `C` (floats).
+    pub c_stride: usize,
+    /// Whether the sums are added to `C` (else they overwrite it).
+    pub accumulate: bool,
+}
+
+impl Dest {
+    /// `C` at `c` (row stride `c_stride`), overwritten.
+    pub(crate) fn overwrite(c: *mut f32, c_stride: usize) -> Dest {
+        Dest {
+            c,
+            c_stride,
+            accumulate: false,
+        }
+    }
+
+    /// `C` at `c` (row stride `c_stride`), added to.
+    pub(crate) fn add_to(c: *mut f32, c_stride: usize) -> Dest {
+        Dest {
+            c,
+            c_stride,
+            accumulate: true,
+        }
+    }
+
+    /// The block of `C` from row `m0`, column `n0`.
+    ///
+    /// # Safety
+    /// That element lies inside `C`.
+    #[inline(always)]
+    unsafe fn at(self, m0: usize, n0: usize) -> Dest {
+        Dest {
+            // SAFETY: inside `C` (caller).
+            c: unsafe { self.c.add(m0 * self.c_stride + n0) },
+            ..self
+        }
+    }
 }
 
 /// What one block of `MR` rows of `C` needs, when the mask makes the operands zero outside it:
@@ -76,26 +135,23 @@ impl Span {
     };
 }
 
-/// `C[m][n] (+)= Σ_{k < nk} B[k][m]·X[k][n]` for `m < rows`, `n < cols`, `C` at `c` with row
-/// stride `c_stride`. `rows` must be a multiple of `MR` and `cols` of `W`; the sum over `k`
+/// `C[m][n] (+)= Σ_{k < nk} B[k][m]·X[k][n]` for `m < rows`, `n < cols`, `C` at `dest`
+/// ([`Dest`]). `rows` must be a multiple of `MR` and `cols` of `W`; the sum over `k`
 /// runs in ascending order (so the result depends only on the inputs and the architecture).
 /// `spans` (one per block of `MR` rows), when given, narrows each block's contraction and
 /// columns ([`Span`]).
 ///
 /// # Safety
 /// `ops.b` readable for `nk` rows and `rows` columns, `ops.x` for `nk` rows and `cols`
-/// columns, `c` read/writable for `rows` rows and `cols` columns (strides as given); `spans`
-/// at least `rows / MR` long; S available.
+/// columns, `dest` read/writable for `rows` rows and `cols` columns (strides as given);
+/// `spans` at least `rows / MR` long; S available.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NR: usize>(
     ops: Operands,
     nk: usize,
     rows: usize,
     cols: usize,
-    c: *mut f32,
-    c_stride: usize,
-    accumulate: bool,
+    dest: Dest,
     spans: Option<&[Span]>,
 ) {
     debug_assert!(rows.is_multiple_of(MR) && cols.is_multiple_of(S::W));
@@ -116,7 +172,7 @@ pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NR: usize>(
             let (k0, k1) = (span.k.0.min(nk), span.k.1.min(nk));
             let n1 = span.n.1.min(cols);
             // The block's columns within this panel that may be nonzero.
-            let vecs = if n1 > n0 && span.n.0 < n0 + live * S::W && (k0 < k1 || !accumulate) {
+            let vecs = if n1 > n0 && span.n.0 < n0 + live * S::W && (k0 < k1 || !dest.accumulate) {
                 live.min((n1 - n0).div_ceil(S::W))
             } else {
                 0
@@ -125,24 +181,16 @@ pub(crate) unsafe fn gemm<S: Simd, const MR: usize, const NR: usize>(
                 // SAFETY: m0 + MR ≤ rows, n0 + vecs·W ≤ cols, k0 ≤ k1 ≤ nk: inside every
                 // operand (caller).
                 unsafe {
-                    let (b, x, cc) = (
+                    let block = Operands::new(
                         ops.b.add(k0 * ops.b_stride + m0),
+                        ops.b_stride,
                         ops.x.add(k0 * ops.x_stride + n0),
-                        c.add(m0 * c_stride + n0),
+                        ops.x_stride,
                     );
                     on_live_vectors!(
                         vecs,
                         NR,
-                        gemm_micro::<S, MR, _>(
-                            b,
-                            ops.b_stride,
-                            x,
-                            ops.x_stride,
-                            k1.saturating_sub(k0),
-                            cc,
-                            c_stride,
-                            accumulate
-                        )
+                        gemm_micro::<S, MR, _>(block, k1.saturating_sub(k0), dest.at(m0, n0))
                     );
                 }
             }
@@ -198,48 +246,36 @@ impl From<Operands> for WideOperands {
 ///
 /// # Safety
 /// `B[k][m]` readable for `k < nk`, `m < rows`; `ops.x` readable for `nk` rows and `cols`
-/// columns; `c` read/writable for `rows` rows of stride `c_stride` and `cols` columns; S
-/// available.
+/// columns; `dest` read/writable for `rows` rows and `cols` columns; S available.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm_wide<S: Simd>(
     ops: WideOperands,
     nk: usize,
     rows: usize,
     cols: usize,
-    c: *mut f32,
-    c_stride: usize,
-    accumulate: bool,
+    dest: Dest,
 ) {
-    // SAFETY: the caller's bounds; `StoreC` writes each block where `gemm` would.
-    unsafe {
-        gemm_wide_into::<S, _>(
-            ops,
-            nk,
-            rows,
-            cols,
-            &StoreC {
-                c,
-                c_stride,
-                accumulate,
-            },
-        )
-    }
+    // SAFETY: the caller's bounds; `dest` writes each block where `gemm` would.
+    unsafe { gemm_wide_into::<S, _>(ops, nk, rows, cols, &dest) }
 }
 
 /// Where the blocks of [`gemm_wide_into`] start from and go: each `MR × NR·W` block of `C` at
 /// row `m0`, column `n0` starts as [`WideSink::start`] says and its finished sums are handed to
 /// [`WideSink::finish`] (a plain store, or an element-wise step fused onto the product).
 pub(crate) trait WideSink {
-    /// The block's starting accumulators.
+    /// The block's starting accumulators (by default zeros).
     ///
     /// # Safety
     /// S available; the block lies inside the sink's buffers.
+    #[inline(always)]
     unsafe fn start<S: Simd, const MR: usize, const NR: usize>(
         &self,
-        m0: usize,
-        n0: usize,
-    ) -> [[S::V; NR]; MR];
+        _m0: usize,
+        _n0: usize,
+    ) -> [[S::V; NR]; MR] {
+        // SAFETY: S available (caller).
+        unsafe { [[S::splat(0.0); NR]; MR] }
+    }
     /// Takes the block's finished sums.
     ///
     /// # Safety
@@ -252,14 +288,8 @@ pub(crate) trait WideSink {
     );
 }
 
-/// The plain sink: `C` at `c` with row stride `c_stride`, read first when `accumulate`.
-struct StoreC {
-    c: *mut f32,
-    c_stride: usize,
-    accumulate: bool,
-}
-
-impl WideSink for StoreC {
+/// The plain sink: `C` read first when `accumulate`, then the sums stored.
+impl WideSink for Dest {
     #[inline(always)]
     unsafe fn start<S: Simd, const MR: usize, const NR: usize>(
         &self,

@@ -1,7 +1,7 @@
 //! Timing of the backward's tile products alone (ignored test: `cargo test --release -p fa-cpu
 //! --lib gemm_speed -- --ignored --nocapture`): GFLOP/s of each product's shape, one thread.
 
-use super::backward_gemm::{gemm, gemm_wide, Operands};
+use super::backward_gemm::{gemm, gemm_wide, Dest, Operands};
 use crate::arch::{Arch, SimdLevel};
 use crate::dispatch::{dispatch, Isa, SimdTask};
 use std::time::Instant;
@@ -35,58 +35,20 @@ impl SimdTask for Speed {
         for _ in 0..15 {
             let start = Instant::now();
             for _ in 0..self.reps {
+                let dest = Dest {
+                    c: c.as_mut_ptr(),
+                    c_stride: self.c_stride,
+                    accumulate: self.accumulate,
+                };
+                let (nk, rows, cols) = (self.nk, self.rows, self.cols);
                 // SAFETY: buffers sized above for these strides; A available.
                 unsafe {
                     match self.variant {
-                        0 => gemm::<A, PV, NR>(
-                            ops,
-                            self.nk,
-                            self.rows,
-                            self.cols,
-                            c.as_mut_ptr(),
-                            self.c_stride,
-                            self.accumulate,
-                            None,
-                        ),
-                        1 => gemm::<A, 4, 4>(
-                            ops,
-                            self.nk,
-                            self.rows,
-                            self.cols,
-                            c.as_mut_ptr(),
-                            self.c_stride,
-                            self.accumulate,
-                            None,
-                        ),
-                        2 => gemm::<A, 8, 2>(
-                            ops,
-                            self.nk,
-                            self.rows,
-                            self.cols,
-                            c.as_mut_ptr(),
-                            self.c_stride,
-                            self.accumulate,
-                            None,
-                        ),
-                        4 => gemm_wide::<A>(
-                            ops.into(),
-                            self.nk,
-                            self.rows,
-                            self.cols,
-                            c.as_mut_ptr(),
-                            self.c_stride,
-                            self.accumulate,
-                        ),
-                        _ => gemm::<A, 6, 4>(
-                            ops,
-                            self.nk,
-                            self.rows,
-                            self.cols,
-                            c.as_mut_ptr(),
-                            self.c_stride,
-                            self.accumulate,
-                            None,
-                        ),
+                        0 => gemm::<A, PV, NR>(ops, nk, rows, cols, dest, None),
+                        1 => gemm::<A, 4, 4>(ops, nk, rows, cols, dest, None),
+                        2 => gemm::<A, 8, 2>(ops, nk, rows, cols, dest, None),
+                        4 => gemm_wide::<A>(ops.into(), nk, rows, cols, dest),
+                        _ => gemm::<A, 6, 4>(ops, nk, rows, cols, dest, None),
                     }
                 }
                 std::hint::black_box(&mut c);

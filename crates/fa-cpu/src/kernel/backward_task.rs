@@ -45,7 +45,7 @@
 //! so the gradients are bitwise the same either way.
 
 use super::backward_gemm::{
-    gemm, gemm_wide, gemm_wide_into, Operands, Span, WideOperands, WideSink,
+    gemm, gemm_wide, gemm_wide_into, Dest, Operands, Span, WideOperands, WideSink,
 };
 use super::pack::{prefetch_row, transpose_region, widen, ROW_PREFETCH_AHEAD};
 use super::phase_timing::{timed, Phase};
@@ -189,9 +189,9 @@ pub(crate) struct BwdLens {
     pub head_dim: usize,
     /// Head dim of V.
     pub head_dim_v: usize,
-    /// Whether the tasks pack the per-block `Qᵀ`/`dOᵀ` ([`row_transposes`]); without them
-    /// those buffers take no memory.
-    pub row_transposes: bool,
+    /// Whether a tile may take [`gemm`]'s path ([`blocked_tiles`]): only then are the buffers
+    /// that path alone uses (the per-block `Qᵀ`/`dOᵀ`, `dP`, `dSᵀ`) given memory.
+    pub blocked_tiles: bool,
 }
 
 impl BwdLens {
@@ -216,7 +216,7 @@ impl BwdLens {
                 .unwrap_or(0),
             head_dim: problem.head_dim(),
             head_dim_v: problem.head_dim_v(),
-            row_transposes: row_transposes(lanes, &problem.mask()),
+            blocked_tiles: blocked_tiles(lanes, &problem.mask()),
         }
     }
 
@@ -232,10 +232,11 @@ impl BwdLens {
             .group
             .saturating_mul(self.max_seqlen_q.div_ceil(t).max(1));
         let rows = blocks.saturating_mul(t);
-        let block_cols = if self.row_transposes {
-            blocks.saturating_mul(ts)
+        // The buffers of gemm's path alone: none when every tile is wide.
+        let (block_cols, blocked_tile) = if self.blocked_tiles {
+            (blocks.saturating_mul(ts), t * ts)
         } else {
-            0
+            (0, 0)
         };
         [
             block_cols.saturating_mul(d),  // qt
@@ -252,9 +253,9 @@ impl BwdLens {
             kb * t * d_st,                 // dk
             kb * t * dv_st,                // dv
             t * ts,                        // p
-            t * ts,                        // dp
+            blocked_tile,                  // dp
             t * ts,                        // ds
-            t * ts,                        // dst
+            blocked_tile,                  // dst
         ]
     }
 
@@ -343,11 +344,11 @@ pub(crate) struct BwdScratch {
     dv: Aligned,
     /// `S`, then `P` (`[row][key]`).
     p: Aligned,
-    /// `dP` (`[row][key]`).
+    /// `dP` (`[row][key]`; [`gemm`]'s path only: the wide path fuses it away).
     dp: Aligned,
     /// `dS` (`[row][key]`).
     ds: Aligned,
-    /// `dSᵀ` (`[key][row]`).
+    /// `dSᵀ` (`[key][row]`; [`gemm`]'s path only: the wide path reads `dS` in place).
     dst: Aligned,
 }
 
@@ -677,7 +678,7 @@ unsafe fn pack_rows<A: Arch, T: Element, O: Element, G: Element>(
             lse * LOG2_E as f32
         };
     }
-    for ib in (0..g.nqb).filter(|_| row_transposes(A::W, &p.mask())) {
+    for ib in (0..g.nqb).filter(|_| blocked_tiles(A::W, &p.mask())) {
         let r0 = base + ib * g.tile;
         let blk = (hl * g.nqb + ib) * g.ts;
         // SAFETY: a tile of rows of the padded row buffers into its `[c][row]` block.
@@ -809,9 +810,8 @@ unsafe fn pack_keys<A: Arch, T: Element, O: Element, G: Element>(
 }
 
 /// One (query block, key block) tile of query head `hl`, against resident key block `u`: the
-/// five products and the
-/// element-wise step between them. `range(r)` gives row `r`'s visible keys within the block
-/// for a partly hidden tile (`None`: the tile is fully visible).
+/// five products and the element-wise step between them. `range(r)` gives row `r`'s visible
+/// keys within the block for a partly hidden tile (`None`: the tile is fully visible).
 ///
 /// # Safety
 /// A's features are present; `MR`/`NR` are A's; `s` sized for the call and packed for this
@@ -836,63 +836,44 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
     // diagonal tiles of a causal mask then cost about half).
     let spans = range.map(|f| MaskSpans::new::<MR>(f, rows, rc, kc));
     let sp = spans.as_ref();
-    // SAFETY: every block below lies inside its buffer (sizes: `BwdLens::elems`; rc, kc ≤ tile).
+    // The tile's one choice of path: every product on `gemm_wide` (AVX-512, no spans), which
+    // reads the Q, dO and dS rows in place and fuses P/dS onto dP, or every product on `gemm`
+    // (with the spans), through the `Qᵀ`/`dOᵀ` blocks, a stored dP and dSᵀ.
+    let wide = sp.is_none() && has_wide(A::W);
+    // SAFETY: every block below lies inside its buffer (sizes: `BwdLens::elems`, whose
+    // gemm-only buffers exist whenever a tile can be `!wide`; rc, kc ≤ tile).
     unsafe {
-        // S = Q·Kᵀ, dP = dO·Vᵀ: on AVX-512 without spans from the Q and dO rows in place
-        // (`B[c][row]` read as `[row][c]`), else from the `Qᵀ`/`dOᵀ` blocks.
-        let wide = sp.is_none() && A::W == 16;
-        if wide {
-            timed!(
-                Phase::S,
-                gemm_wide::<A>(
-                    WideOperands {
-                        b: s.qr.as_ptr().add(row0 * g.d_st),
-                        b_k: 1,
-                        b_m: g.d_st,
-                        x: s.kt.as_ptr().add(g.kt_at(u)),
-                        x_stride: ts,
-                    },
-                    g.d,
-                    rc,
-                    kc,
-                    s.p.as_mut_ptr(),
-                    ts,
-                    false,
-                )
-            );
+        let (qr, dor) = (
+            s.qr.as_ptr().add(row0 * g.d_st),
+            s.dor.as_ptr().add(row0 * g.dv_st),
+        );
+        let (kt, vt) = (s.kt.as_ptr().add(g.kt_at(u)), s.vt.as_ptr().add(g.vt_at(u)));
+        // S = Q·Kᵀ: Q's rows read in place (`B[c][row]` as `[row][c]`) or its `Qᵀ` block.
+        let q_ops = if wide {
+            Operands::new(qr, g.d_st, kt, ts).b_transposed()
         } else {
-            timed!(
-                Phase::S,
-                product::<A, MR, NR>(
-                    Operands {
-                        b: s.qt.as_ptr().add(blk * g.d),
-                        b_stride: ts,
-                        x: s.kt.as_ptr().add(g.kt_at(u)),
-                        x_stride: ts,
-                    },
-                    g.d,
-                    rc,
-                    kc,
-                    s.p.as_mut_ptr(),
-                    ts,
-                    false,
-                    sp.map(|m| &m.row_n[..]),
-                )
-            );
-        }
+            Operands::new(s.qt.as_ptr().add(blk * g.d), ts, kt, ts).into()
+        };
+        timed!(
+            Phase::S,
+            product::<A, MR, NR>(
+                wide,
+                q_ops,
+                g.d,
+                rc,
+                kc,
+                Dest::overwrite(s.p.as_mut_ptr(), ts),
+                sp.map(|m| &m.row_n[..]),
+            )
+        );
+        // dP = dO·Vᵀ, then P and dS.
         if wide {
-            // dP with the element-wise step fused onto its blocks (dP never stored), then the
-            // zeros `probabilities` gives rows past `rows` and keys past `keys`.
+            // The element-wise step fused onto dP's blocks (dP never stored), then the zeros
+            // `probabilities` gives rows past `rows` and keys past `keys`.
             timed!(
                 Phase::DP,
                 gemm_wide_into::<A, _>(
-                    WideOperands {
-                        b: s.dor.as_ptr().add(row0 * g.dv_st),
-                        b_k: 1,
-                        b_m: g.dv_st,
-                        x: s.vt.as_ptr().add(g.vt_at(u)),
-                        x_stride: ts,
-                    },
+                    Operands::new(dor, g.dv_st, vt, ts).b_transposed(),
                     g.dv,
                     rc,
                     kc,
@@ -914,19 +895,12 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
         } else {
             timed!(
                 Phase::DP,
-                product::<A, MR, NR>(
-                    Operands {
-                        b: s.dot.as_ptr().add(blk * g.dv),
-                        b_stride: ts,
-                        x: s.vt.as_ptr().add(g.vt_at(u)),
-                        x_stride: ts,
-                    },
+                gemm::<A, MR, NR>(
+                    Operands::new(s.dot.as_ptr().add(blk * g.dv), ts, vt, ts),
                     g.dv,
                     rc,
                     kc,
-                    s.dp.as_mut_ptr(),
-                    ts,
-                    false,
+                    Dest::overwrite(s.dp.as_mut_ptr(), ts),
                     sp.map(|m| &m.row_n[..]),
                 )
             );
@@ -952,125 +926,95 @@ unsafe fn tile_step<A: Arch, const NR: usize, const MR: usize>(
         timed!(
             Phase::DV,
             product::<A, MR, NR>(
-                Operands {
-                    b: s.p.as_ptr(),
-                    b_stride: ts,
-                    x: s.dor.as_ptr().add(row0 * g.dv_st),
-                    x_stride: g.dv_st,
-                },
+                wide,
+                Operands::new(s.p.as_ptr(), ts, dor, g.dv_st).into(),
                 rows,
                 kc,
                 g.dv_pad,
-                s.dv.as_mut_ptr().add(g.vr_at(u)),
-                g.dv_st,
-                true,
+                Dest::add_to(s.dv.as_mut_ptr().add(g.vr_at(u)), g.dv_st),
                 sp.map(|m| &m.key_k[..]),
             )
         );
         timed!(
             Phase::DK,
             product::<A, MR, NR>(
-                Operands {
-                    b: s.ds.as_ptr(),
-                    b_stride: ts,
-                    x: s.qr.as_ptr().add(row0 * g.d_st),
-                    x_stride: g.d_st,
-                },
+                wide,
+                Operands::new(s.ds.as_ptr(), ts, qr, g.d_st).into(),
                 rows,
                 kc,
                 g.d_pad,
-                s.dk.as_mut_ptr().add(g.kr_at(u)),
-                g.d_st,
-                true,
+                Dest::add_to(s.dk.as_mut_ptr().add(g.kr_at(u)), g.d_st),
                 sp.map(|m| &m.key_k[..]),
             )
         );
-        // dQ += dS·K: on AVX-512 without spans, reading dS as `B[key][row]` in place; else
-        // through dSᵀ (the contraction runs over keys). The same chains either way.
-        let (dq, kr) = (
-            s.dq.as_mut_ptr().add(row0 * g.d_st),
-            s.kr.as_ptr().add(g.kr_at(u)),
-        );
-        if wide {
-            timed!(
-                Phase::DQ,
-                gemm_wide::<A>(
-                    WideOperands {
-                        b: s.ds.as_ptr(),
-                        b_k: 1,
-                        b_m: ts,
-                        x: kr,
-                        x_stride: g.d_st,
-                    },
-                    keys,
-                    rc,
-                    g.d_pad,
-                    dq,
-                    g.d_st,
-                    true,
-                )
-            );
+        // dQ += dS·K (the contraction runs over keys): dS read in place as `B[key][row]`, or
+        // through dSᵀ. The same chains either way.
+        let kr = s.kr.as_ptr().add(g.kr_at(u));
+        let ds_ops = if wide {
+            Operands::new(s.ds.as_ptr(), ts, kr, g.d_st).b_transposed()
         } else {
             timed!(
                 Phase::DsT,
                 transpose_region::<A>(s.ds.as_ptr(), ts, rc, keys, s.dst.as_mut_ptr(), ts)
             );
-            timed!(
-                Phase::DQ,
-                product::<A, MR, NR>(
-                    Operands {
-                        b: s.dst.as_ptr(),
-                        b_stride: ts,
-                        x: kr,
-                        x_stride: g.d_st,
-                    },
-                    keys,
-                    rc,
-                    g.d_pad,
-                    dq,
-                    g.d_st,
-                    true,
-                    sp.map(|m| &m.row_k[..]),
-                )
-            );
-        }
+            Operands::new(s.dst.as_ptr(), ts, kr, g.d_st).into()
+        };
+        timed!(
+            Phase::DQ,
+            product::<A, MR, NR>(
+                wide,
+                ds_ops,
+                keys,
+                rc,
+                g.d_pad,
+                Dest::add_to(s.dq.as_mut_ptr().add(row0 * g.d_st), g.d_st),
+                sp.map(|m| &m.row_k[..]),
+            )
+        );
     }
 }
 
-/// One product of a tile: [`gemm_wide`]'s 6 × 4 blocks on AVX-512 (32 vector registers) when
-/// no spans narrow it, else [`gemm`]'s `MR × NR` blocks. Both give every element the same
-/// chain of multiply-adds (ascending contraction), so the choice changes no result bit.
+/// One product of a tile on the tile's path: [`gemm_wide`]'s 6 × 4 blocks when `wide` (no
+/// spans; `B` in either orientation), else [`gemm`]'s `MR × NR` blocks (`B` as `[k][m]` rows,
+/// `ops.b_m == 1`) narrowed by `spans`. Both give every element the same chain of
+/// multiply-adds (ascending contraction), so the path changes no result bit.
 ///
 /// # Safety
-/// As [`gemm`]; `rows` a multiple of `MR` and of 2.
+/// As [`gemm`] (as [`gemm_wide`] when `wide`); `rows` a multiple of `MR` and of 2.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn product<A: Arch, const MR: usize, const NR: usize>(
-    ops: Operands,
+    wide: bool,
+    ops: WideOperands,
     nk: usize,
     rows: usize,
     cols: usize,
-    c: *mut f32,
-    c_stride: usize,
-    accumulate: bool,
+    dest: Dest,
     spans: Option<&[Span]>,
 ) {
     // SAFETY: the caller's bounds, which both shapes share.
     unsafe {
-        match spans {
-            None if A::W == 16 => {
-                gemm_wide::<A>(ops.into(), nk, rows, cols, c, c_stride, accumulate)
-            }
-            _ => gemm::<A, MR, NR>(ops, nk, rows, cols, c, c_stride, accumulate, spans),
+        if wide {
+            gemm_wide::<A>(ops, nk, rows, cols, dest)
+        } else {
+            debug_assert_eq!(ops.b_m, 1, "gemm reads B as [k][m] rows");
+            let ops = Operands::new(ops.b, ops.b_k, ops.x, ops.x_stride);
+            gemm::<A, MR, NR>(ops, nk, rows, cols, dest, spans)
         }
     }
 }
 
-/// Whether the per-block `Qᵀ`/`dOᵀ` are packed for `lanes`-wide vectors under `mask`: they
-/// serve only [`gemm`]'s products, and on AVX-512 (16 lanes) without a mask every tile is
-/// full, so every product is [`gemm_wide`]'s, which reads the Q and dO rows in place.
-fn row_transposes(lanes: usize, mask: &Mask) -> bool {
-    !(lanes == 16 && mask.is_none())
+/// Whether an architecture of `lanes`-wide vectors runs [`gemm_wide`] on the tiles no mask
+/// narrows: its 6 × 4-vector blocks (24 accumulators) want AVX-512's 32 vector registers.
+const fn has_wide(lanes: usize) -> bool {
+    lanes == 16
+}
+
+/// Whether a tile of a problem under `mask` may take [`gemm`]'s path on `lanes`-wide vectors:
+/// then the buffers only that path reads (the per-block `Qᵀ`/`dOᵀ`, `dP`, `dSᵀ`) are needed.
+/// Where A [`has_wide`] and there is no mask, every tile is full, so every product is
+/// [`gemm_wide`]'s.
+fn blocked_tiles(lanes: usize, mask: &Mask) -> bool {
+    !(has_wide(lanes) && mask.is_none())
 }
 
 /// The largest tile edge [`MaskSpans`] holds (every architecture's [`bwd_tile`] is at most 96).
@@ -1270,16 +1214,6 @@ struct ProbsSink {
 }
 
 impl WideSink for ProbsSink {
-    #[inline(always)]
-    unsafe fn start<S: Simd, const MR: usize, const NR: usize>(
-        &self,
-        _m0: usize,
-        _n0: usize,
-    ) -> [[S::V; NR]; MR] {
-        // SAFETY: S available (caller).
-        unsafe { [[S::splat(0.0); NR]; MR] }
-    }
-
     #[inline(always)]
     unsafe fn finish<S: Simd, const MR: usize, const NR: usize>(
         &self,

@@ -1,7 +1,7 @@
 //! The backward's tile product ([`gemm`]) on every SIMD level against the scalar twin and an
 //! f64 product, over odd sizes (whole-pass twins over odd problem sizes: `tests/backward.rs`).
 
-use super::backward_gemm::{gemm, gemm_wide, Operands, Span, WideOperands};
+use super::backward_gemm::{gemm, gemm_wide, Dest, Operands, Span, WideOperands};
 use super::backward_task::bwd_tile;
 use crate::arch::{Arch, SimdLevel};
 use crate::dispatch::{dispatch, Isa, SimdTask};
@@ -51,9 +51,11 @@ impl SimdTask for Gemm<'_> {
                 self.nk,
                 rows,
                 cols,
-                self.c.as_mut_ptr(),
-                self.c_stride,
-                self.accumulate,
+                Dest {
+                    c: self.c.as_mut_ptr(),
+                    c_stride: self.c_stride,
+                    accumulate: self.accumulate,
+                },
                 spans.as_deref(),
             )
         };
@@ -398,25 +400,13 @@ fn gemm_wide_is_gemm_bitwise() {
             // SAFETY: B holds nk × BS (and its transpose rows × BS), X nk × XS, C 80 × CS;
             // rows ≤ 72 < BS, cols ≤ CS; A available (caller).
             unsafe {
-                gemm::<A, PV, NR>(
-                    ops,
-                    self.nk,
-                    self.rows,
-                    cols,
-                    c1.as_mut_ptr(),
-                    CS,
-                    self.accumulate,
-                    None,
-                );
-                gemm_wide::<A>(
-                    ops.into(),
-                    self.nk,
-                    self.rows,
-                    cols,
-                    c2.as_mut_ptr(),
-                    CS,
-                    self.accumulate,
-                );
+                let dest = |c: &mut Vec<f32>| Dest {
+                    c: c.as_mut_ptr(),
+                    c_stride: CS,
+                    accumulate: self.accumulate,
+                };
+                gemm::<A, PV, NR>(ops, self.nk, self.rows, cols, dest(&mut c1), None);
+                gemm_wide::<A>(ops.into(), self.nk, self.rows, cols, dest(&mut c2));
                 gemm_wide::<A>(
                     WideOperands {
                         b: self.bt.as_ptr(),
@@ -428,9 +418,7 @@ fn gemm_wide_is_gemm_bitwise() {
                     self.nk,
                     self.rows,
                     cols,
-                    c3.as_mut_ptr(),
-                    CS,
-                    self.accumulate,
+                    dest(&mut c3),
                 );
             }
             Some((c1, c2, c3))
