@@ -44,6 +44,7 @@ use super::backward_task::{
 };
 use super::pack::{prefetch_row, widen, ROW_PREFETCH_AHEAD};
 use super::phase_timing::{timed, Phase};
+use super::scratch::LineBuf;
 use crate::arch::amx::Tiles;
 use crate::arch::{Arch, Simd};
 use crate::dispatch::SimdTask;
@@ -154,62 +155,50 @@ impl AmxBwdLens {
 #[derive(Debug, Default)]
 pub(crate) struct AmxBwdScratch {
     /// Per query head: Q rows as bf16 (`[i][c]`, `d32` per row): the A operand of `S`.
-    qa: Vec<u16>,
+    qa: LineBuf<u16>,
     /// Per query head: dO rows as bf16 (`dv32` per row): the A operand of `dP`.
-    doa: Vec<u16>,
+    doa: LineBuf<u16>,
     /// The key block's K rows as bf16 (`[j][c]`, `d32` per row, zero rows past the keys).
-    krows: Vec<u16>,
+    krows: LineBuf<u16>,
     /// The key block's V rows as bf16 (`dv32` per row).
-    vrows: Vec<u16>,
+    vrows: LineBuf<u16>,
     /// Per query head and row block: `Qᵀ` pairs, `[c][chunk·16 + t]` = rows `(t, t + 16)` of
     /// each 32-row chunk (`d32` rows of `rows/2` dwords): the A operand of `dKᵀ`.
-    qta: Vec<u32>,
+    qta: LineBuf<u32>,
     /// Per query head and row block: `dOᵀ` pairs, as `qta`: the A operand of `dVᵀ`.
-    dota: Vec<u32>,
+    dota: LineBuf<u32>,
     /// K's channel pairs by key, `[c/2][j]`: the B operand of `S`.
-    kb: Vec<u32>,
+    kb: LineBuf<u32>,
     /// V's channel pairs by key, `[c/2][j]`: the B operand of `dP`.
-    vb: Vec<u32>,
+    vb: LineBuf<u32>,
     /// K's rows `(t, t + 16)` of each 32-key chunk paired, `[chunk·16 + t][c]`: the B operand
     /// of dQ.
-    kp: Vec<u32>,
+    kp: LineBuf<u32>,
     /// P's rows paired as `qta`'s, `[chunk·16 + t][j]`: the B operand of `dVᵀ`.
-    pb: Vec<u32>,
+    pb: LineBuf<u32>,
     /// dS's rows paired the same way (the B operand of `dKᵀ`), then dS with keys `(t, t + 16)`
     /// of each 32-key chunk paired, `[i][chunk·16 + t]` (the A operand of dQ).
-    ds16: Vec<u32>,
+    ds16: LineBuf<u32>,
     /// Rows on their way into a dword transpose.
-    pairs: Vec<u32>,
+    pairs: LineBuf<u32>,
     /// Per query head and row: `lse·log2 e` (`+∞` for a row that sees no key).
-    lse2: Vec<f32>,
+    lse2: LineBuf<f32>,
     /// Per query head and row: `D = dO·O`.
-    delta: Vec<f32>,
+    delta: LineBuf<f32>,
     /// Per query head: the dQ accumulator (`[i][c]`, `d32` per row).
-    dq: Vec<f32>,
+    dq: LineBuf<f32>,
     /// The key block's `dKᵀ` accumulator (`[c][j]`, `d32` rows of the block's keys).
-    dkt: Vec<f32>,
+    dkt: LineBuf<f32>,
     /// The key block's `dVᵀ` accumulator (`dv32` rows).
-    dvt: Vec<f32>,
+    dvt: LineBuf<f32>,
     /// `S`, then `P` (`[i][j]`).
-    s: Vec<f32>,
+    s: LineBuf<f32>,
     /// `dP`.
-    dp: Vec<f32>,
+    dp: LineBuf<f32>,
     /// `dS` (f32).
-    ds: Vec<f32>,
+    ds: LineBuf<f32>,
     /// One row of dO widened (for `D`).
-    row: Vec<f32>,
-}
-
-/// Grows `buf` to `n` elements (zeros), failing instead of aborting.
-fn try_grow<E: Copy + Default>(
-    buf: &mut Vec<E>,
-    n: usize,
-) -> Result<(), std::collections::TryReserveError> {
-    if buf.len() < n {
-        buf.try_reserve_exact(n - buf.len())?;
-        buf.resize(n, E::default());
-    }
-    Ok(())
+    row: LineBuf<f32>,
 }
 
 impl AmxBwdScratch {
@@ -228,7 +217,7 @@ impl AmxBwdScratch {
         .into_iter()
         .zip(a)
         {
-            try_grow(buf, n)?;
+            buf.try_grow(n)?;
         }
         let (dsb, dsa) = (
             AMX_BWD_ROWS / 2 * AMX_BWD_KEYS,
@@ -248,7 +237,7 @@ impl AmxBwdScratch {
         .into_iter()
         .zip(b)
         {
-            try_grow(buf, n)?;
+            buf.try_grow(n)?;
         }
         for (buf, n) in [
             &mut self.lse2,
@@ -264,7 +253,7 @@ impl AmxBwdScratch {
         .into_iter()
         .zip(c)
         {
-            try_grow(buf, n)?;
+            buf.try_grow(n)?;
         }
         Ok(())
     }

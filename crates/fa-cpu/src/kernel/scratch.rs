@@ -289,3 +289,54 @@ pub(crate) fn ensure<E: Copy>(buf: &mut Vec<E>, len: usize, fill: E) -> &mut [E]
     }
     &mut buf[..len]
 }
+
+/// A reusable buffer whose elements start on a cache line: AMX tile rows of 64 bytes then
+/// read or write one line each (a misaligned `tileloadd` ran ~3× slower in a loop on the
+/// development VM, amx4). A `Vec` with a line's slack and the offset of its first aligned
+/// element; it dereferences to the aligned `len` elements.
+#[derive(Debug, Default)]
+pub(crate) struct LineBuf<E> {
+    buf: Vec<E>,
+    offset: usize,
+    len: usize,
+}
+
+impl<E: Copy + Default> LineBuf<E> {
+    /// Elements of slack that let the view start on a line.
+    const SLACK: usize = CACHE_LINE / std::mem::size_of::<E>();
+
+    /// Grows the view to at least `len` elements, failing instead of aborting when memory
+    /// runs out. A view that grows is all zeros again (as a fresh buffer would be).
+    pub(crate) fn try_grow(&mut self, len: usize) -> Result<(), std::collections::TryReserveError> {
+        if self.len >= len {
+            return Ok(());
+        }
+        let want = len + Self::SLACK;
+        if self.buf.len() < want {
+            self.buf.try_reserve_exact(want - self.buf.len())?;
+        }
+        self.buf.clear();
+        self.buf.resize(want, E::default());
+        self.offset = self.buf.as_ptr().align_offset(CACHE_LINE).min(Self::SLACK);
+        self.len = len;
+        Ok(())
+    }
+
+    /// Elements allocated (the view, the slack and any spare capacity).
+    pub(crate) fn capacity(&self) -> usize {
+        self.buf.capacity()
+    }
+}
+
+impl<E> std::ops::Deref for LineBuf<E> {
+    type Target = [E];
+    fn deref(&self) -> &[E] {
+        &self.buf[self.offset..self.offset + self.len]
+    }
+}
+
+impl<E> std::ops::DerefMut for LineBuf<E> {
+    fn deref_mut(&mut self) -> &mut [E] {
+        &mut self.buf[self.offset..self.offset + self.len]
+    }
+}
