@@ -1165,17 +1165,55 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
         // B tile (head h, chunk c) at (h·chunks + c)·TILE_DWORDS: dword k·16 + n holds row
         // n's elements 32c + 2k and 32c + 2k + 1 (the VNNI pairs), unscaled (bf16 × bf16 is
         // exact in f32; the scores are scaled after the product); zero past the rows and d.
-        qb.fill(0);
-        for r in 0..rows {
-            let (head, i) = at_row(r);
-            let (h, n) = (r / sh.rph, r % sh.rph);
-            let src = &ctx.q[p.q_offset(b, i, head)..][..d];
-            // SAFETY: T is bf16 (`tiles` is None otherwise), a transparent u16.
-            let bits = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const u16, d) };
-            for (e2, pair) in bits.chunks(2).enumerate() {
-                let hi = pair.get(1).map_or(0, |&x| u32::from(x) << 16);
-                let (c, k) = (2 * e2 / AMX_CHUNK, e2 % (AMX_CHUNK / 2));
-                qb[(h * chunks + c) * TILE_DWORDS + k * TILE_ROWS + n] = u32::from(pair[0]) | hi;
+        if S::W == TILE_ROWS && d % AMX_CHUNK == 0 {
+            // Whole chunks at 16 lanes: a chunk of a bf16 row is the tile's 16 pairs as
+            // dwords in memory order: row n of a 16 × 16 dword block per (head, chunk), rows
+            // past the head's zero, then transposed into the B tile (float shuffles move the
+            // bits unchanged).
+            let stage = &mut c_buf[..TILE_DWORDS];
+            for h in 0..sh.heads {
+                for c in 0..chunks {
+                    stage.fill(0.0);
+                    for n in 0..sh.rph {
+                        let (head, i) = at_row(h * sh.rph + n);
+                        let src = &ctx.q[p.q_offset(b, i, head) + c * AMX_CHUNK..][..AMX_CHUNK];
+                        // SAFETY: src is AMX_CHUNK bf16 = 64 bytes, row n (< 16) of stage is
+                        // TILE_ROWS dwords = 64 bytes; T is bf16 (`tiles` is None otherwise).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                src.as_ptr() as *const u8,
+                                stage.as_mut_ptr().add(n * TILE_ROWS) as *mut u8,
+                                TILE_ROW_BYTES,
+                            )
+                        };
+                    }
+                    let dst = &mut qb[(h * chunks + c) * TILE_DWORDS..][..TILE_DWORDS];
+                    // SAFETY: W = 16: a 16 × 16 block at both (TILE_DWORDS each); S available.
+                    unsafe {
+                        S::transpose(
+                            stage.as_ptr(),
+                            TILE_ROWS,
+                            dst.as_mut_ptr() as *mut f32,
+                            TILE_ROWS,
+                        )
+                    };
+                }
+            }
+        } else {
+            // Pair by pair.
+            qb.fill(0);
+            for r in 0..rows {
+                let (head, i) = at_row(r);
+                let (h, n) = (r / sh.rph, r % sh.rph);
+                let src = &ctx.q[p.q_offset(b, i, head)..][..d];
+                // SAFETY: T is bf16 (`tiles` is None otherwise), a transparent u16.
+                let bits = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const u16, d) };
+                for (e2, pair) in bits.chunks(2).enumerate() {
+                    let hi = pair.get(1).map_or(0, |&x| u32::from(x) << 16);
+                    let (c, k) = (2 * e2 / AMX_CHUNK, e2 % (AMX_CHUNK / 2));
+                    qb[(h * chunks + c) * TILE_DWORDS + k * TILE_ROWS + n] =
+                        u32::from(pair[0]) | hi;
+                }
             }
         }
     }
@@ -1278,38 +1316,59 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
         j0 += nk;
     }
 
-    // Out: rows back to natural order.
-    let natural =
-        |r: usize, e: usize| o[r * sh.dv_pad + e / chunk * chunk + reg_pos::<T>(w, e % chunk)];
+    // Out: rows back to natural order (through `nat`, one row at a time).
     for (r, state) in states.iter().enumerate().take(rows) {
         let (head, i) = at_row(r);
+        natural_row::<T>(&o[r * sh.dv_pad..(r + 1) * sh.dv_pad], w, &mut nat[..dv]);
         match item.first_row {
             None => {
                 let result = state.finish();
                 // A row that saw no key gets 0, whatever V holds.
-                let seen = result.inv_sum != 0.0;
-                let values = (0..dv).map(|e| {
-                    O::from_f32(if seen {
-                        natural(r, e) * result.inv_sum
-                    } else {
-                        0.0
-                    })
-                });
-                ctx.out.write_row(p.o_offset(b, i, head), values);
+                let at = p.o_offset(b, i, head);
+                if result.inv_sum != 0.0 {
+                    let f = result.inv_sum;
+                    ctx.out
+                        .write_row(at, nat[..dv].iter().map(|&x| O::from_f32(x * f)));
+                } else {
+                    ctx.out.write_row(at, (0..dv).map(|_| O::from_f32(0.0)));
+                }
                 if let Some(lse) = &ctx.lse {
                     lse.write(p.lse_offset(b, head, i), result.lse);
                 }
             }
             Some(first_row) => {
                 let at = first_row + r;
-                partials
-                    .acc
-                    .write_row(at * dv, (0..dv).map(|e| natural(r, e)));
+                partials.acc.write_row(at * dv, nat[..dv].iter().copied());
                 partials.states.write(at, *state);
             }
         }
     }
     stats
+}
+
+/// `dst[e]` = element `e` of the register-order row `src` (whole chunks of `2·lanes`, see
+/// [`reg_pos`]), for `e < dst.len()`.
+#[inline(always)]
+pub(crate) fn natural_row<T: Element>(src: &[f32], lanes: usize, dst: &mut [f32]) {
+    let chunk = 2 * lanes;
+    let whole = dst.len() / chunk * chunk;
+    let (head, tail) = dst.split_at_mut(whole);
+    for (d, s) in head.chunks_exact_mut(chunk).zip(src.chunks_exact(chunk)) {
+        match T::KIND {
+            // Even elements in the first half of the chunk, odd in the second.
+            sealed::Kind::Bf16 => {
+                let (even, odd) = s.split_at(lanes);
+                for ((pair, &a), &b) in d.chunks_exact_mut(2).zip(even).zip(odd) {
+                    pair[0] = a;
+                    pair[1] = b;
+                }
+            }
+            sealed::Kind::F32 | sealed::Kind::F16 => d.copy_from_slice(s),
+        }
+    }
+    for (e, x) in tail.iter_mut().enumerate() {
+        *x = src[whole + reg_pos::<T>(lanes, e)];
+    }
 }
 
 /// Merges a run's splits in split order and writes O and the LSE (see

@@ -2,7 +2,7 @@
 //! twin and f64, over odd head dims, every row block (1–4 rows), every key step (1, 2, 4 keys)
 //! and the three element types; and the bf16 pair load against the scalar widening.
 
-use super::decode_stream::{dots, padded, pv_rows, reg_pos};
+use super::decode_stream::{dots, natural_row, padded, pv_rows, reg_pos};
 use crate::arch::{Arch, SimdLevel};
 use crate::dispatch::{dispatch, Isa, SimdTask};
 use crate::element::Element;
@@ -557,4 +557,25 @@ fn hardware_amx_decode_matches_the_oracle() {
         differs > cases.len(),
         "the AMX Q·Kᵀ changed no output: did it run?"
     );
+}
+
+/// `natural_row` (the write-out's register order → natural order) against the layout, for
+/// each level's lane count, odd lengths (partial last chunks) included.
+#[test]
+fn natural_row_undoes_register_order() {
+    fn check<T: Element>(rng: &mut Rng) {
+        for w in [1usize, 4, 8, 16] {
+            for n in [1usize, 7, 16, 31, 32, 33, 64, 100, 128, 257] {
+                let row = draw(rng, n);
+                let reg = to_reg::<T>(&row, n, w);
+                let mut got = vec![f32::NAN; n];
+                natural_row::<T>(&reg, w, &mut got);
+                assert_eq!(got, row, "{} w={w} n={n}", T::NAME);
+            }
+        }
+    }
+    let mut rng = Rng::new(1521);
+    check::<f32>(&mut rng);
+    check::<half::bf16>(&mut rng);
+    check::<half::f16>(&mut rng);
 }
