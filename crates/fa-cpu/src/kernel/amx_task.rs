@@ -25,10 +25,9 @@ use super::forward_task::{
     TaskStats,
 };
 use super::mask::MAX_PANEL;
-use super::scratch::{ensure, ensure_aligned, Scratch};
+use super::scratch::{ensure, ensure_aligned, ensure_on_line, Scratch};
 use super::softmax::{add_panel_sums, panel_maxima, panel_offsets, softcap_slice};
 use super::tiling::Task;
-use super::CACHE_LINE;
 use crate::arch::amx::Tiles;
 use crate::arch::{exp2_cubic, exp2_exact, Arch, Simd};
 use crate::dispatch::SimdTask;
@@ -406,21 +405,6 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     lap.lap(AmxPhase::Write);
     lap.end_task();
     stats
-}
-
-/// Elements of slack an AMX operand buffer of `E` holds so that its slice can start on a cache
-/// line ([`ensure_on_line`]; `Scratch::try_reserve` reserves them).
-pub(crate) const fn amx_line_slack<E>() -> usize {
-    CACHE_LINE / std::mem::size_of::<E>()
-}
-
-/// `buf` grown to `len` + [`amx_line_slack`] elements (zeros), and `len` of them starting on
-/// a cache line.
-fn ensure_on_line<E: Copy + Default>(buf: &mut Vec<E>, len: usize) -> &mut [E] {
-    let slack = amx_line_slack::<E>();
-    let whole = ensure(buf, len + slack, E::default());
-    let offset = (whole.as_ptr().align_offset(CACHE_LINE)).min(slack);
-    &mut whole[offset..offset + len]
 }
 
 /// Q's rows of the task as B tiles: the dword (channel pair `cp`) of row `r` at

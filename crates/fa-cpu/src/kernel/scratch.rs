@@ -210,13 +210,10 @@ impl Scratch {
             grow(&mut self.states, br32)?;
             grow(&mut self.kinds, br32 / 32)?;
             grow(&mut self.kv_offsets, 4 * bc32)?;
-            // The tile operands start on cache lines (`amx_task::amx_line_slack`).
-            let slack32 = super::amx_task::amx_line_slack::<u32>();
+            // The tile operands start on cache lines (`line_slack`).
+            let slack32 = line_slack::<u32>();
             grow(&mut self.amx_q, br32 * d32 / 2 + slack32)?;
-            grow(
-                &mut self.amx_k,
-                bc32 * d32 + super::amx_task::amx_line_slack::<u16>(),
-            )?;
+            grow(&mut self.amx_k, bc32 * d32 + line_slack::<u16>())?;
             grow(&mut self.amx_v, dv32 * bc32 / 2 + slack32)?;
             grow(&mut self.amx_p, 2 * bc32 * 16 + slack32)?;
             grow(&mut self.amx_pairs, (bc32 / 2 * dv32).max(16 * d32 / 2))?;
@@ -265,7 +262,7 @@ impl Scratch {
 }
 
 /// Floats of slack per vector buffer, so that its slice can start on a cache line.
-const ALIGN_SLACK: usize = CACHE_LINE / 4;
+const ALIGN_SLACK: usize = line_slack::<f32>();
 
 /// Like [`ensure`], but the returned `len` floats start on a 64-byte boundary (the buffer
 /// keeps [`ALIGN_SLACK`] floats of slack). The panels of `Qᵀ`, `Oᵀ` and the scores are whole
@@ -274,9 +271,7 @@ const ALIGN_SLACK: usize = CACHE_LINE / 4;
 /// every 64-byte AVX-512 access and every other 32-byte AVX2 access did. The contents are
 /// unspecified (callers write before they read), and only speed depends on the alignment.
 pub(crate) fn ensure_aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    let whole = ensure(buf, len + ALIGN_SLACK, 0.0);
-    let offset = whole.as_ptr().align_offset(CACHE_LINE).min(ALIGN_SLACK);
-    &mut whole[offset..offset + len]
+    ensure_on_line(buf, len)
 }
 
 /// Grows `buf` to at least `len` elements (never shrinks) and returns the first `len`.
@@ -339,4 +334,19 @@ impl<E> std::ops::DerefMut for LineBuf<E> {
     fn deref_mut(&mut self) -> &mut [E] {
         &mut self.buf[self.offset..self.offset + self.len]
     }
+}
+
+/// Elements of slack a buffer of `E` holds so that its slice can start on a cache
+/// line ([`ensure_on_line`]; `Scratch::try_reserve` reserves them).
+pub(crate) const fn line_slack<E>() -> usize {
+    CACHE_LINE / std::mem::size_of::<E>()
+}
+
+/// `buf` grown to `len` + [`line_slack`] elements (zeros), and `len` of them starting on
+/// a cache line.
+pub(crate) fn ensure_on_line<E: Copy + Default>(buf: &mut Vec<E>, len: usize) -> &mut [E] {
+    let slack = line_slack::<E>();
+    let whole = ensure(buf, len + slack, E::default());
+    let offset = (whole.as_ptr().align_offset(CACHE_LINE)).min(slack);
+    &mut whole[offset..offset + len]
 }
