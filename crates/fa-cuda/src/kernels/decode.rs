@@ -103,14 +103,15 @@ impl DecodeVariant {
     /// Whether the kernel reads a paged cache of `block_size`-key blocks through one
     /// block-table entry per thread and tile, each thread's rows a constant step apart (as in
     /// a padded cache): blocks that are whole multiples of the tile, and power-of-two blocks
-    /// that divide the tile and hold at least [`DecodeVariant::load_iters`] keys (the kernel
-    /// then deals each thread its rows from one block). Smaller or odd blocks take one
-    /// table entry per row.
+    /// that divide the tile and hold at least [`DecodeVariant::load_iters`] keys, a power of
+    /// two (the kernel then deals each thread its rows from one block). Smaller or odd blocks
+    /// take one table entry per row.
     pub fn reads_whole_blocks(&self, block_size: usize) -> bool {
         let block_n = self.block_n() as usize;
+        let rows = self.load_iters() as usize;
         block_size.is_power_of_two()
             && (block_size % block_n == 0
-                || (block_n % block_size == 0 && block_size >= self.load_iters() as usize))
+                || (rows.is_power_of_two() && block_n % block_size == 0 && block_size >= rows))
     }
     /// Dynamic shared memory: the Q tile, `stages` K and V tiles (16-bit) and the paged
     /// cache's block-table ring (`2·stages` tiles of int32), or, if larger,
@@ -948,6 +949,11 @@ mod tests {
             .all(|&b| v128.reads_whole_blocks(b)));
         assert!(![1, 4, 7, 48].iter().any(|&b| v128.reads_whole_blocks(b)));
         assert!(!v256.reads_whole_blocks(8) && v256.reads_whole_blocks(16));
+        // Two warps of 48 keys copy 24 rows each per tile (not a power of two): blocks of 32,
+        // which divide the tile, are read per row.
+        let odd = v128.with_tile(2, 96).expect("2 warps x 48 keys");
+        assert_eq!(odd.load_iters(), 24);
+        assert!(!odd.reads_whole_blocks(32));
         for block in [16, 32] {
             // Batch 16: from 16k keys the streaming rule (small blocks, long caches over
             // many CTAs) as for per-row blocks; below it one CTA per SM, unsplit.

@@ -45,6 +45,7 @@
 #define TPR (THREADS / BLOCK_M)      // threads per row in the final merge
 #define CPT (HDP / TPR)              // columns per thread in the final merge
 #define LOAD_ITERS (BLOCK_N * CHUNKS / THREADS) // K/V rows per thread per tile
+// floor(log2(LOAD_ITERS)), used only where LOAD_ITERS is a power of two
 #define LOAD_ITERS_LOG2 (LOAD_ITERS >= 256 ? 8 : LOAD_ITERS >= 128 ? 7 : LOAD_ITERS >= 64 ? 6 : LOAD_ITERS >= 32 ? 5 : \
                          LOAD_ITERS >= 16 ? 4 : LOAD_ITERS >= 8 ? 3 : LOAD_ITERS >= 4 ? 2 : LOAD_ITERS >= 2 ? 1 : 0)
 // A paged cache's block-table entries, one per key of a tile, in a shared-memory ring of
@@ -57,9 +58,6 @@
 #endif
 #if (THREADS % CHUNKS) != 0 || ((BLOCK_N * CHUNKS) % THREADS) != 0
 #error "K/V tile loads must divide evenly among threads"
-#endif
-#if (1 << LOAD_ITERS_LOG2) != LOAD_ITERS
-#error "K/V rows per thread per tile must be a power of two"
 #endif
 
 #ifdef FA_COMPILE_CHECK_NONCE
@@ -183,7 +181,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     const u16* gv_seq = gv + (paged ? 0 : (i64)b * p.v_bs) + c_ld * 8;
     const i64 k_step = (i64)ROW_STEP * p.k_ss, v_step = (i64)ROW_STEP * p.v_ss;
     // Paged blocks that divide the tile and hold LOAD_ITERS keys or more (see load_kv).
-    const bool tile_blocks = block_pow2 && BLOCK_N % p.block_size == 0 && p.block_size >= LOAD_ITERS;
+    // (LOAD_ITERS is a power of two in every tuned variant; a tuning override where it is not,
+    // e.g. 2 warps of 48 keys, reads such blocks per row.)
+    const bool tile_blocks = (LOAD_ITERS & (LOAD_ITERS - 1)) == 0 && block_pow2 && BLOCK_N % p.block_size == 0 &&
+                             p.block_size >= LOAD_ITERS;
     auto load_kv = [&](const int t, const int stage) {
         const int n0 = t * BLOCK_N;
         const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
@@ -255,7 +256,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             for (int it = 0; it < LOAD_ITERS; ++it) paged_row(it, (n0 + row0 + it * ROW_STEP) % p.block_size);
         }
     };
-
 
     float acc[MT][DT][4];
     float row_m[MT][2], row_l[MT][2];
