@@ -30,7 +30,13 @@
 //! `[batch, heads_kv, cache, head_dim]` (one head's keys contiguous: the layout
 //! `torch_sdpa_decode.py` gives SDPA by default), `paged<N>` blocks of N keys in a random
 //! order (a random permutation of the pool), `paged<N>seq` the same blocks in order (each
-//! sequence's keys contiguous: isolates the cost of scattered blocks).
+//! sequence's keys contiguous: isolates the cost of scattered blocks). Two diagnostic orders
+//! between those: `paged<N>win<W>` shuffles the blocks only within windows of W consecutive
+//! blocks of the pool (scattered at a fine grain, local at a coarse one: e.g. W = 64 keeps each
+//! sequence's 16-key blocks of a head inside 2 MiB runs of the pool), and `paged<N>sort<C>`
+//! takes the random permutation and sorts it within runs of C table entries (each run of a
+//! sequence walks its scattered blocks in address order, as a split that sorted its own blocks
+//! would).
 //! The caches are filled with random bf16 values (a 32 MiB random chunk copied over them on
 //! the device).
 
@@ -40,6 +46,64 @@ use fa_cuda::{CacheTables, DType, Device, ForwardOptions, RawTensor};
 use half::bf16;
 use softmax_core::{Out, ProblemDesc, Qkv, Strides, Tensor, MAX_HEAD_DIM};
 use std::sync::Arc;
+
+/// The block order a `paged<N>…` layout asks for.
+#[derive(Clone, Copy)]
+enum BlockOrder {
+    /// A random permutation of the pool.
+    Scattered,
+    /// The pool in order.
+    InOrder,
+    /// Shuffled within windows of this many consecutive blocks.
+    Window(usize),
+    /// A random permutation, sorted within runs of this many table entries.
+    SortedRuns(usize),
+}
+
+/// `padded…` → no block size; `paged<N>[seq|win<W>|sort<C>]` → N and the order.
+fn parse_paged(layout: &str) -> (Option<usize>, BlockOrder) {
+    let Some(rest) = layout.strip_prefix("paged") else {
+        return (None, BlockOrder::Scattered);
+    };
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    let bs: usize = rest[..digits]
+        .parse()
+        .expect("paged<N>[seq|win<W>|sort<C>]");
+    let tail = &rest[digits..];
+    let count = |s: &str| -> usize { s.parse().expect("paged<N>win<W> / sort<C>: a count") };
+    let order = if tail.is_empty() {
+        BlockOrder::Scattered
+    } else if tail == "seq" {
+        BlockOrder::InOrder
+    } else if let Some(w) = tail.strip_prefix("win") {
+        BlockOrder::Window(count(w).max(1))
+    } else if let Some(c) = tail.strip_prefix("sort") {
+        BlockOrder::SortedRuns(count(c).max(1))
+    } else {
+        panic!("paged<N>[seq|win<W>|sort<C>], not {layout}")
+    };
+    (Some(bs), order)
+}
+
+/// A block table of `blocks` entries over a pool of as many blocks, in `order`.
+fn block_table(blocks: usize, order: BlockOrder, rng: &mut Lcg) -> Vec<i32> {
+    let mut t: Vec<i32> = (0..blocks as i32).collect();
+    let mut shuffle = |t: &mut [i32]| {
+        for i in (1..t.len()).rev() {
+            t.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        }
+    };
+    match order {
+        BlockOrder::InOrder => {}
+        BlockOrder::Scattered => shuffle(&mut t),
+        BlockOrder::Window(w) => t.chunks_mut(w).for_each(shuffle),
+        BlockOrder::SortedRuns(c) => {
+            shuffle(&mut t);
+            t.chunks_mut(c).for_each(|run| run.sort_unstable());
+        }
+    }
+    t
+}
 
 /// xorshift64*: cheap reproducible host randomness.
 struct Lcg(u64);
@@ -242,25 +306,10 @@ fn main() {
                 .clone_htod(&vec![cache as i32; batch])
                 .expect("upload");
             for layout in &layouts {
-                // `paged<N>`: a random permutation of the blocks (every sequence's blocks
-                // scattered over the pool); `paged<N>seq`: the blocks in order (each
-                // sequence's keys contiguous, as in a padded cache).
-                let (paged_name, in_order) = match layout.strip_suffix("seq") {
-                    Some(name) => (name, true),
-                    None => (layout.as_str(), false),
-                };
-                let block_size: Option<usize> = paged_name
-                    .strip_prefix("paged")
-                    .map(|b| b.parse().expect("paged<N>[seq]"));
+                let (block_size, order) = parse_paged(layout);
                 let table: Vec<i32> = match block_size {
                     None => Vec::new(),
-                    Some(bs) => {
-                        let mut t: Vec<i32> = (0..(batch * cache.div_ceil(bs)) as i32).collect();
-                        for i in (1..t.len()).rev().filter(|_| !in_order) {
-                            t.swap(i, (rng.next() % (i as u64 + 1)) as usize);
-                        }
-                        t
-                    }
+                    Some(bs) => block_table(batch * cache.div_ceil(bs), order, &mut rng),
                 };
                 let head_major = Strides {
                     batch: cache * hk * d,
