@@ -212,8 +212,9 @@ pub(crate) fn forward_on<T: Element, O: Element>(
         _ => Bf16Inputs::of(q, k, v),
     };
     // AMX tasks may be larger than the SIMD path's (`Tiling::amx_rows_for`: the 2.5 MiB
-    // rule of `rows_for` under a mask, 8 MiB without): each task packs every K/V tile it
-    // reads, and at 1008 rows a 2048-token head took three tasks, so three packings.
+    // rule of `rows_for` under a mask or at head dims up to 128, else 8 MiB): each task packs
+    // every K/V tile it reads, and at 1008 rows a 2048-token head took three tasks, so three
+    // packings.
     let task_tiling = if amx_inputs.is_some() {
         Tiling {
             rows: AMX_TASK_ROWS,
