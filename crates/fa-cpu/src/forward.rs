@@ -211,9 +211,10 @@ pub(crate) fn forward_on<T: Element, O: Element>(
         _ if decode || opts.probability_hook.is_some() => None,
         _ => Bf16Inputs::of(q, k, v),
     };
-    // AMX tasks may be larger than the SIMD path's (the 2.5 MiB rule of `rows_for` still
-    // applies): each task packs every K/V tile it reads, and at 1008 rows a 2048-token head
-    // took three tasks, so three packings.
+    // AMX tasks may be larger than the SIMD path's (`Tiling::amx_rows_for`: the 2.5 MiB
+    // rule of `rows_for` under a mask or at head dims up to 128, else 8 MiB): each task packs
+    // every K/V tile it reads, and at 1008 rows a 2048-token head took three tasks, so three
+    // packings.
     let task_tiling = if amx_inputs.is_some() {
         Tiling {
             rows: AMX_TASK_ROWS,
@@ -222,7 +223,16 @@ pub(crate) fn forward_on<T: Element, O: Element>(
     } else {
         tiling
     };
-    let task_list = kernel::tasks(problem, &task_tiling)?;
+    let task_list = if amx_inputs.is_some() {
+        let rows = task_tiling.amx_rows_for(
+            problem.head_dim(),
+            problem.head_dim_v(),
+            !problem.mask().is_none(),
+        );
+        kernel::tasks_of_rows(problem, &task_tiling, rows)?
+    } else {
+        kernel::tasks(problem, &task_tiling)?
+    };
     let lens = ScratchLens {
         max_rows: task_list.iter().map(|t| t.heads * t.len).max().unwrap_or(0),
         head_dim: problem.head_dim(),

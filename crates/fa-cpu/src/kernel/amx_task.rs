@@ -61,8 +61,9 @@ pub(crate) const fn amx_keys_for(masked: bool) -> usize {
 }
 
 /// Largest number of query rows in an AMX task (the SIMD path's [`super::tiling::Tiling`]
-/// with this as `rows`; its 2.5 MiB budget for Qᵀ and Oᵀ still caps it: 2560 rows at D=128,
-/// 1280 at D=256). Fewer, larger tasks pack each K/V tile fewer times: alternating on the
+/// with this as `rows`; [`super::tiling::Tiling::amx_rows_for`]'s budget for Qᵀ and Oᵀ may
+/// cap it: under a mask or at head dims up to 128 2.5 MiB, 2560 rows at D=128, 1280 at
+/// D=256; else 8 MiB). Fewer, larger tasks pack each K/V tile fewer times: alternating on the
 /// development Xeon (B=1, H=8, bf16, GFLOP/s), against the SIMD path's 1008: N=2048 D=256
 /// 189/192 → 205/206, N=4096 D=128 181/176 → 187/189, N=2048 D=128 unchanged (171/164 →
 /// 171/163).

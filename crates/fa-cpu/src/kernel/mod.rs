@@ -80,7 +80,7 @@ mod twin_tests;
 
 pub(crate) use forward_task::{Ctx, ForwardTask, TaskStats};
 pub(crate) use scratch::{scratch_elems, Scratch, ScratchLens, SharedOut};
-pub(crate) use tiling::{tasks, Tiling};
+pub(crate) use tiling::{tasks, tasks_of_rows, Tiling};
 
 /// The cache line (bytes) the scratch is aligned to and prefetches step by.
 const CACHE_LINE: usize = 64;

@@ -66,6 +66,26 @@ impl Tiling {
         (budget / panel * panel).clamp(panel, self.rows.max(panel))
     }
 
+    /// Query rows per task of the AMX forward: [`Tiling::rows_for`], except without a mask at
+    /// head dims above 128, where as many rows as keep `Qᵀ` and `Oᵀ` within 8 MiB (at most
+    /// `rows`): a head of up to 4096 positions at head dim 256 is then one task and packs each
+    /// K/V tile once (packing was ~10 % of a D=256 call). Against the 2.5 MiB rule, on the
+    /// development VM (a Xeon with AMX; B=1, H=8, bf16, process CPU time, 5 alternating
+    /// rounds, median of paired ratios), one thread: unmasked N=2048 D=256 1.02–1.08×,
+    /// N=4096 D=256 1.04–1.06×, N=4096 D=128 1.01–1.02×; causal N=2048 D=256 0.99×, N=4096
+    /// D=256 0.98× (a causal head's tasks pack only the keys up to their diagonal, so fewer
+    /// tasks save less); two threads: N=4096 D=256 1.01×, N=2048 D=256 0.98×, N=4096 D=128
+    /// 0.97×. Hence masks and head dims up to 128 keep the 2.5 MiB rule.
+    pub fn amx_rows_for(&self, head_dim: usize, head_dim_v: usize, masked: bool) -> usize {
+        if masked || head_dim.max(head_dim_v) <= 128 {
+            return self.rows_for(head_dim, head_dim_v);
+        }
+        let panel = self.lanes * self.row_vectors;
+        let dv_pad = head_dim_v.div_ceil(self.pv_channels) * self.pv_channels;
+        let budget = (8 << 20) / (4 * (head_dim + dv_pad));
+        (budget / panel * panel).clamp(panel, self.rows.max(panel))
+    }
+
     /// Keys per key tile for these head dims: twice `keys` for head dims up to 64 without a
     /// mask (per-tile costs — the softmax's per-row bookkeeping, the accumulator loads and
     /// stores of every PV micro-kernel call — weigh most against the short dot products
@@ -133,13 +153,22 @@ impl Task {
 /// The list is allocated with `try_reserve` (counted first), so a list too large for memory is
 /// [`ProblemError::OutOfMemory`] rather than an abort.
 pub(crate) fn tasks(p: &Problem, tiling: &Tiling) -> Result<Vec<Task>, ProblemError> {
+    tasks_of_rows(p, tiling, tiling.rows_for(p.head_dim(), p.head_dim_v()))
+}
+
+/// [`tasks`] with at most `rows` query rows per task (a multiple of the tiling's panel, as
+/// [`Tiling::rows_for`] and [`Tiling::amx_rows_for`] give).
+pub(crate) fn tasks_of_rows(
+    p: &Problem,
+    tiling: &Tiling,
+    rows: usize,
+) -> Result<Vec<Task>, ProblemError> {
     /// Enough tasks that a worker slowed down by a noisy neighbour does not hold up the
     /// end of the call (a problem-size rule: the split never depends on the thread count).
     const MIN_TASKS: usize = 8;
     /// Rows below which K/V tiles are reused too little to be worth packing.
     const MIN_ROWS: usize = 256;
     let group = p.group_size();
-    let rows = tiling.rows_for(p.head_dim(), p.head_dim_v());
     let heads_per_task = group.min(rows);
     let block_max = (rows / heads_per_task).max(1);
     let block_min = (MIN_ROWS / heads_per_task).clamp(1, block_max);
