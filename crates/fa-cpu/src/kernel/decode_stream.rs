@@ -15,7 +15,8 @@
 //!   the keys; `softmax_core::RowState` keeps the books), the accumulator rescaled when the
 //!   rule says so;
 //! - `O += P·V`: for each (head, block of rows), four keys' V rows at a time are multiplied
-//!   into the rows' accumulators (vectorised over the head dim).
+//!   into the rows' accumulators (vectorised over the head dim); with bf16 K/V and a bf16/f16
+//!   output at 16 lanes on AMX, on the tiles instead ([`pv_tile_amx`]).
 //!
 //! Nothing is copied or packed: bf16 and f16 are widened in registers. bf16 is widened by a
 //! shift and a mask per vector ([`Simd::load_bf16_pair`]), which de-interleaves each `2·W`
@@ -489,8 +490,8 @@ unsafe impl Tiles for NoTiles {
 }
 
 /// Whether the AMX `S = Q·Kᵀ` ([`qk_tile_amx`]) may take a problem's items: bf16 K and Q, and
-/// at most [`AMX_MAX_ROWS`] query rows per KV head (one C tile's columns). `P·V` stays on the
-/// SIMD kernels either way.
+/// at most [`AMX_MAX_ROWS`] query rows per KV head (one C tile's columns). `P·V` joins it
+/// on the tiles where [`amx_pv_applies`], else stays on the SIMD kernels.
 pub(crate) fn amx_applies<T: Element>(p: &Problem) -> bool {
     T::KIND == sealed::Kind::Bf16 && p.group_size().saturating_mul(p.max_seqlen_q()) <= AMX_MAX_ROWS
 }
