@@ -1121,21 +1121,14 @@ unsafe fn pv_tile_amx<S: Simd, T: Element, Tl: Tiles>(
     pairs: &mut [u32],
     prefetch: [PfStream<'_, T>; 2],
 ) {
-    let Shape {
-        dv,
-        dv_pad,
-        heads,
-        rph,
-        v_head,
-        ..
-    } = *sh;
+    let (dv, dv_pad, rph, v_head) = (sh.dv, sh.dv_pad, sh.rph, sh.v_head);
     let nk = v_offs.len();
     let steps = nk.div_ceil(AMX_PV_KEYS);
     let blocks = dv_pad / TILE_ROWS;
     let (pa, vb) = pairs.split_at_mut(AMX_P_DWORDS);
     let zero = [T::from_f32(0.0); 32];
     let c_stride = dv_pad * 4;
-    for h in 0..heads {
+    for h in 0..sh.heads {
         // A tiles: TILE_KEYS / 2 dwords per row.
         for m in 0..rph {
             let row = &mut s[(h * rph + m) * TILE_KEYS..][..TILE_KEYS];
