@@ -480,12 +480,8 @@ fn forward_stream<T: Element, O: Element>(
             AmxTiles::Emulated => true,
         };
     let plan = decode_stream::plan(problem, lanes, std::mem::size_of::<T>(), opts.kv_splits)?;
-    let lens = StreamLens {
-        rows: plan.max_rows,
-        d_pad: decode_stream::padded(problem.head_dim(), lanes),
-        dv_pad: decode_stream::padded(problem.head_dim_v(), lanes),
-    };
-    let bytes = 4 * lens.rows * (lens.d_pad + lens.dv_pad + decode_stream::TILE_KEYS);
+    let lens = StreamLens::of::<O>(problem, &plan, lanes, amx);
+    let bytes = lens.bytes();
     ws.ensure_slots(workers, bytes, |scratch| scratch.try_reserve_stream(lens))?;
     let stats = run_split_kv(
         ws,

@@ -15,7 +15,8 @@
 //!   the keys; `softmax_core::RowState` keeps the books), the accumulator rescaled when the
 //!   rule says so;
 //! - `O += P·V`: for each (head, block of rows), four keys' V rows at a time are multiplied
-//!   into the rows' accumulators (vectorised over the head dim).
+//!   into the rows' accumulators (vectorised over the head dim); with bf16 K/V and a bf16/f16
+//!   output at 16 lanes on AMX, on the tiles instead ([`pv_tile_amx`]).
 //!
 //! Nothing is copied or packed: bf16 and f16 are widened in registers. bf16 is widened by a
 //! shift and a mask per vector ([`Simd::load_bf16_pair`]), which de-interleaves each `2·W`
@@ -336,7 +337,9 @@ pub(crate) fn plan(
 
 /// Scratch lengths (f32 elements, before alignment slack) the items of a plan ask for:
 /// Q rows, O rows, scores, one natural-order row; `rows` states; the K and V offsets of two
-/// tiles.
+/// tiles; under the AMX `Q·Kᵀ` the Q B tiles, one gathered A tile and the C tile with its
+/// transpose. Reserved before the items run (`Scratch::try_reserve_stream`), so that no
+/// item allocates.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct StreamLens {
     /// The most rows of any item.
@@ -345,6 +348,96 @@ pub(crate) struct StreamLens {
     pub d_pad: usize,
     /// See `d_pad`.
     pub dv_pad: usize,
+    /// Dwords of the Q B tiles of the item with the most KV heads when the AMX `Q·Kᵀ` runs
+    /// ([`amx_q_dwords`]), else 0 (no AMX buffers).
+    pub amx_q: usize,
+    /// Rows of O when the AMX `P·V` runs (each KV head's rows padded to a C tile's
+    /// [`TILE_ROWS`], for the item with the most KV heads), else 0.
+    pub amx_o_rows: usize,
+}
+
+impl StreamLens {
+    /// Dwords of one tile: the gathered A tile of the AMX `Q·Kᵀ`.
+    pub(crate) const AMX_A_DWORDS: usize = TILE_DWORDS;
+    /// Floats of the C tile and its transpose.
+    pub(crate) const AMX_C_FLOATS: usize = 2 * TILE_DWORDS;
+
+    /// The lengths of one plan: `amx` when the items run on tiles (their `Q·Kᵀ`, and their
+    /// `P·V` too at 16 lanes: [`amx_pv_applies`]).
+    pub(crate) fn of<O: Element>(p: &Problem, plan: &Plan, lanes: usize, amx: bool) -> StreamLens {
+        let max_heads = plan.items.iter().map(|i| i.heads.len()).max().unwrap_or(0);
+        StreamLens {
+            rows: plan.max_rows,
+            d_pad: padded(p.head_dim(), lanes),
+            dv_pad: padded(p.head_dim_v(), lanes),
+            amx_q: if amx {
+                amx_q_dwords(max_heads, p.head_dim())
+            } else {
+                0
+            },
+            amx_o_rows: if amx && amx_pv_applies::<O>(lanes) {
+                max_heads * TILE_ROWS
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Rows of the O buffer.
+    pub(crate) fn o_rows(&self) -> usize {
+        self.rows.max(self.amx_o_rows)
+    }
+
+    /// Dwords of the tile-operand buffer (`Scratch::amx_pairs`): the gathered K rows' A tile,
+    /// and under the AMX `P·V` the P A tiles and the V B tiles of one head.
+    pub(crate) fn amx_pair_dwords(&self) -> usize {
+        match (self.amx_q, self.amx_o_rows) {
+            (0, _) => 0,
+            (_, 0) => Self::AMX_A_DWORDS,
+            _ => Self::AMX_A_DWORDS + AMX_P_DWORDS + amx_v_dwords(self.dv_pad),
+        }
+    }
+
+    /// Bytes the lengths add up to (before alignment slack): what one worker reserves.
+    pub(crate) fn bytes(&self) -> usize {
+        let floats = self.rows * (self.d_pad + TILE_KEYS)
+            + self.o_rows() * self.dv_pad
+            + self.d_pad.max(self.dv_pad)
+            + if self.amx_q > 0 {
+                Self::AMX_C_FLOATS
+            } else {
+                0
+            };
+        let dwords = self.amx_q + self.amx_pair_dwords();
+        4 * (floats + dwords)
+            + self.rows * std::mem::size_of::<RowState<f32>>()
+            + 4 * TILE_KEYS * std::mem::size_of::<usize>()
+    }
+}
+
+/// Whether the AMX `P·V` ([`pv_tile_amx`]) runs beside the AMX `Q·Kᵀ`: at 16 lanes, where
+/// a 32-element chunk of an O row in register order is two C-tile columns' worth (even
+/// elements, then odd), and for bf16/f16 outputs only: it rounds P to bf16 (relative 2⁻⁹,
+/// the size of the output's own rounding), which an f32 output's 1e-5 bound does not allow.
+pub(crate) fn amx_pv_applies<O: Element>(lanes: usize) -> bool {
+    lanes == TILE_ROWS && O::KIND != sealed::Kind::F32
+}
+
+/// Keys per AMX `P·V` step: one A-tile row of bf16 P (16 pairs).
+const AMX_PV_KEYS: usize = 2 * TILE_ROWS;
+/// Dwords of the P A tiles of one head: [`TILE_ROWS`] rows of a key tile's bf16 pairs.
+const AMX_P_DWORDS: usize = TILE_ROWS * TILE_KEYS / 2;
+
+/// Dwords of the V B tiles of one head and key tile: per 32-key step, one tile per 16
+/// elements of the padded V row.
+fn amx_v_dwords(dv_pad: usize) -> usize {
+    TILE_KEYS / AMX_PV_KEYS * dv_pad.div_ceil(TILE_ROWS) * TILE_DWORDS
+}
+
+/// Dwords of the AMX `Q·Kᵀ`'s Q B tiles for an item of `heads` KV heads and head dim `d`:
+/// one tile per head and 32-element chunk.
+pub(crate) fn amx_q_dwords(heads: usize, d: usize) -> usize {
+    heads * d.div_ceil(AMX_CHUNK) * TILE_DWORDS
 }
 
 /// One item with its worker's scratch: the [`SimdTask`] of the streaming kernel.
@@ -397,8 +490,8 @@ unsafe impl Tiles for NoTiles {
 }
 
 /// Whether the AMX `S = Q·Kᵀ` ([`qk_tile_amx`]) may take a problem's items: bf16 K and Q, and
-/// at most [`AMX_MAX_ROWS`] query rows per KV head (one C tile's columns). `P·V` stays on the
-/// SIMD kernels either way.
+/// at most [`AMX_MAX_ROWS`] query rows per KV head (one C tile's columns). `P·V` joins it
+/// on the tiles where [`amx_pv_applies`], else stays on the SIMD kernels.
 pub(crate) fn amx_applies<T: Element>(p: &Problem) -> bool {
     T::KIND == sealed::Kind::Bf16 && p.group_size().saturating_mul(p.max_seqlen_q()) <= AMX_MAX_ROWS
 }
@@ -1002,6 +1095,149 @@ unsafe fn pv_tile<S: Simd, T: Element>(
     }
 }
 
+/// `O += P·V` for the tile's `nk` keys on AMX tiles (bf16 V, 16 lanes), probabilities in `s`.
+/// Per head: P's rows rounded to bf16 as A tiles (row m, 32-key step kc: dword k holds the
+/// probabilities of keys 32kc + k and 32kc + 16 + k), V rows of the same key pairs
+/// interleaved into B tiles by [`Simd::bf16_pair_rows`] (one tile per 16 elements of the
+/// padded V row, even then odd elements of each 32-element chunk, so C's columns are O's
+/// register order), then per 16-element block of O: C ← the head's 16 O rows, one
+/// `tdpbf16ps` per 32-key step, C → O. Keys past `nk` are zero in both operands.
+/// Tiles: C in 0 or 1 (alternating by block), A in 2 and 3, B in 4..8.
+///
+/// # Safety
+/// S available with 16 lanes; `T` is bf16; `s` holds `rows·TILE_KEYS`, `o` 16 rows of
+/// `dv_pad` floats per head (rows past a head's `rph` are padding), `pairs`
+/// [`AMX_P_DWORDS`] + [`amx_v_dwords`] dwords with P's rows past `rph` zero; the offsets are
+/// rows of the checked V buffer.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pv_tile_amx<S: Simd, T: Element, Tl: Tiles>(
+    tiles: &mut Tl,
+    v: &[T],
+    v_offs: &[usize],
+    sh: &Shape,
+    s: &mut [f32],
+    o: &mut [f32],
+    pairs: &mut [u32],
+    prefetch: [PfStream<'_, T>; 2],
+) {
+    let (dv, dv_pad, rph, v_head) = (sh.dv, sh.dv_pad, sh.rph, sh.v_head);
+    let nk = v_offs.len();
+    let steps = nk.div_ceil(AMX_PV_KEYS);
+    let blocks = dv_pad / TILE_ROWS;
+    let (pa, vb) = pairs.split_at_mut(AMX_P_DWORDS);
+    let zero = [T::from_f32(0.0); 32];
+    let c_stride = dv_pad * 4;
+    for h in 0..sh.heads {
+        // A tiles: TILE_KEYS / 2 dwords per row.
+        for m in 0..rph {
+            let row = &mut s[(h * rph + m) * TILE_KEYS..][..TILE_KEYS];
+            row[nk..steps * AMX_PV_KEYS].fill(0.0);
+            for kc in 0..steps {
+                let src = row[kc * AMX_PV_KEYS..][..AMX_PV_KEYS].as_ptr();
+                let dst = pa[m * TILE_KEYS / 2 + kc * TILE_ROWS..][..TILE_ROWS].as_mut_ptr();
+                // SAFETY: 32 floats at src, 16 dwords at dst; 16 lanes, S available (caller).
+                unsafe {
+                    let (lo, hi) = (S::load(src), S::load(src.add(TILE_ROWS)));
+                    if Tl::HARDWARE {
+                        S::bf16_pairs_v::<true>(lo, hi, dst)
+                    } else {
+                        S::bf16_pairs_v::<false>(lo, hi, dst)
+                    }
+                }
+            }
+        }
+        // B tiles: (step kc, block b) at (kc·blocks + b)·TILE_DWORDS, row k = keys
+        // 32kc + k and 32kc + 16 + k.
+        for kc in 0..steps {
+            for k in 0..TILE_ROWS {
+                let keys = [kc * AMX_PV_KEYS + k, kc * AMX_PV_KEYS + TILE_ROWS + k];
+                for &(pf_src, pf_offs, pf_head, pf_len) in &prefetch {
+                    for key in keys {
+                        if let Some(&off) = pf_offs.get(key) {
+                            prefetch_row::<S, T>(pf_src, off + h * pf_head, pf_len);
+                        }
+                    }
+                }
+                // Bounds-checked once per row: the pair loads read inside these rows.
+                let row = |key: usize| -> &[T] {
+                    if key < nk {
+                        let at = v_offs[key] + h * v_head;
+                        &v[at..at + dv]
+                    } else {
+                        &[]
+                    }
+                };
+                let (ra, rb) = (row(keys[0]), row(keys[1]));
+                for cc in 0..blocks / 2 {
+                    let lo = cc * AMX_PV_KEYS;
+                    let (ta, tb);
+                    let (pa_, pb_) = if lo + AMX_PV_KEYS <= ra.len().min(rb.len()) {
+                        (ra[lo..].as_ptr(), rb[lo..].as_ptr())
+                    } else {
+                        // Zero-padded copies (a partial chunk, or a key past `nk`).
+                        let part = |r: &[T]| {
+                            let mut t = zero;
+                            let rest = &r[lo.min(r.len())..(lo + AMX_PV_KEYS).min(r.len())];
+                            t[..rest.len()].copy_from_slice(rest);
+                            t
+                        };
+                        (ta, tb) = (part(ra), part(rb));
+                        (ta.as_ptr(), tb.as_ptr())
+                    };
+                    let at = |b: usize| ((kc * blocks + b) * TILE_ROWS + k) * TILE_ROWS;
+                    let (even, odd) = (at(2 * cc), at(2 * cc + 1));
+                    // SAFETY: 32 bf16 (transparent u16s) at pa_ and pb_ (whole chunks of the
+                    // rows, or the zero-padded copies); 16 dwords at even and odd inside vb
+                    // (kc < 2, b < blocks); S available (caller).
+                    unsafe {
+                        S::bf16_pair_rows(
+                            pa_ as *const u16,
+                            pb_ as *const u16,
+                            vb[even..][..TILE_ROWS].as_mut_ptr(),
+                            vb[odd..][..TILE_ROWS].as_mut_ptr(),
+                        )
+                    };
+                }
+            }
+        }
+        let o_head = o[h * TILE_ROWS * dv_pad..][..TILE_ROWS * dv_pad].as_mut_ptr();
+        // SAFETY: the A tiles are 16 rows of 64 bytes, TILE_KEYS·2 bytes apart, inside pa;
+        // each B tile is TILE_DWORDS dwords of vb; each C block is 16 rows of 64 bytes,
+        // c_stride apart, inside the head's 16 O rows (b·16 + 16 ≤ dv_pad).
+        unsafe {
+            let a0 = pa.as_ptr() as *const u8;
+            tiles.load::<2>(a0, TILE_KEYS * 2);
+            if steps > 1 {
+                tiles.load::<3>(a0.add(TILE_ROW_BYTES), TILE_KEYS * 2);
+            }
+            for b in 0..blocks {
+                let c_at = o_head.add(b * TILE_ROWS) as *mut u8;
+                let b_at = |kc: usize| vb[(kc * blocks + b) * TILE_DWORDS..].as_ptr() as *const u8;
+                if b % 2 == 0 {
+                    tiles.load::<0>(c_at, c_stride);
+                    tiles.load::<4>(b_at(0), TILE_ROW_BYTES);
+                    tiles.dot::<0, 2, 4>();
+                    if steps > 1 {
+                        tiles.load::<5>(b_at(1), TILE_ROW_BYTES);
+                        tiles.dot::<0, 3, 5>();
+                    }
+                    tiles.store::<0>(c_at, c_stride);
+                } else {
+                    tiles.load::<1>(c_at, c_stride);
+                    tiles.load::<6>(b_at(0), TILE_ROW_BYTES);
+                    tiles.dot::<1, 2, 6>();
+                    if steps > 1 {
+                        tiles.load::<7>(b_at(1), TILE_ROW_BYTES);
+                        tiles.dot::<1, 3, 7>();
+                    }
+                    tiles.store::<1>(c_at, c_stride);
+                }
+            }
+        }
+    }
+}
+
 /// `exp2(x − offset)` in place over `row` (a multiple of W long); returns the sum.
 ///
 /// # Safety
@@ -1119,15 +1355,26 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     let mut tiles = tiles.filter(|_| T::KIND == sealed::Kind::Bf16 && sh.rph <= AMX_MAX_ROWS);
     let chunks = d.div_ceil(AMX_CHUNK);
     let amx_len = |on: bool, n: usize| if on { n } else { 0 };
+    // Reserved by `Scratch::try_reserve_stream` (`StreamLens`): no allocation here.
     let qb = ensure(
         amx_q,
-        amx_len(tiles.is_some(), sh.heads * chunks * TILE_DWORDS),
+        amx_len(tiles.is_some(), amx_q_dwords(sh.heads, d)),
         0,
     );
-    let a_rows = ensure(amx_pairs, amx_len(tiles.is_some(), TILE_DWORDS), 0);
-    let c_buf = ensure_aligned(kt, amx_len(tiles.is_some(), 2 * TILE_DWORDS));
+    // The AMX `P·V` (`pv_tile_amx`): each head's O rows padded to a C tile's 16 rows.
+    let amx_pv = tiles.is_some() && amx_pv_applies::<O>(w);
+    let o_rph = if amx_pv { TILE_ROWS } else { sh.rph };
+    let o_at = |r: usize| (r / sh.rph * o_rph + r % sh.rph) * sh.dv_pad;
+    let pair_dwords = match (tiles.is_some(), amx_pv) {
+        (false, _) => 0,
+        (true, false) => StreamLens::AMX_A_DWORDS,
+        (true, true) => StreamLens::AMX_A_DWORDS + AMX_P_DWORDS + amx_v_dwords(sh.dv_pad),
+    };
+    let (a_rows, pv_pairs) =
+        ensure(amx_pairs, pair_dwords, 0).split_at_mut(pair_dwords.min(StreamLens::AMX_A_DWORDS));
+    let c_buf = ensure_aligned(kt, amx_len(tiles.is_some(), StreamLens::AMX_C_FLOATS));
     let q = ensure_aligned(qt, rows * sh.d_pad);
-    let o = ensure_aligned(ot, rows * sh.dv_pad);
+    let o = ensure_aligned(ot, sh.heads * o_rph * sh.dv_pad);
     let s = ensure_aligned(st, rows * TILE_KEYS);
     let nat = ensure_aligned(row, d.max(dv));
     let states = ensure(states, rows, RowState::new());
@@ -1135,6 +1382,9 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     let offsets = ensure(kv_offsets, 4 * TILE_KEYS, 0);
     let (k_offs, v_offs) = offsets.split_at_mut(2 * TILE_KEYS);
     o.fill(0.0);
+    // P's A-tile rows past the head's rows stay zero (their C rows are padding).
+    let p_tiles = AMX_P_DWORDS.min(pv_pairs.len());
+    pv_pairs[..p_tiles].fill(0);
     states.fill(RowState::new());
 
     let kv = KvRows::new(p, b, h0);
@@ -1304,14 +1554,21 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
                 )
             };
             if c != 1.0 {
-                o[r * sh.dv_pad..(r + 1) * sh.dv_pad]
+                o[o_at(r)..o_at(r) + sh.dv_pad]
                     .iter_mut()
                     .for_each(|x| *x *= c);
             }
         }
-        // SAFETY: as for qk_tile; o sized for `rows`. Meanwhile the next tile's K rows are
-        // prefetched.
-        unsafe { pv_tile::<S, T>(ctx.v, &v_offs[..nk], &sh, s, o, pv_pf) };
+        // Meanwhile the next tile's K rows are prefetched.
+        match tiles.as_mut() {
+            // SAFETY: as for qk_tile; o holds 16 rows per head (`amx_pv`), pv_pairs the
+            // P and V tiles of one head; 16 lanes; T is bf16 (`tiles` is None otherwise).
+            Some(t) if amx_pv => unsafe {
+                pv_tile_amx::<S, T, Tl>(t, ctx.v, &v_offs[..nk], &sh, s, o, pv_pairs, pv_pf)
+            },
+            // SAFETY: as for qk_tile; o sized for `rows`.
+            _ => unsafe { pv_tile::<S, T>(ctx.v, &v_offs[..nk], &sh, s, o, pv_pf) },
+        }
         stats.computed += 1;
         j0 += nk;
     }
@@ -1319,7 +1576,7 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     // Out: rows back to natural order (through `nat`, one row at a time).
     for (r, state) in states.iter().enumerate().take(rows) {
         let (head, i) = at_row(r);
-        natural_row::<T>(&o[r * sh.dv_pad..(r + 1) * sh.dv_pad], w, &mut nat[..dv]);
+        natural_row::<T>(&o[o_at(r)..o_at(r) + sh.dv_pad], w, &mut nat[..dv]);
         match item.first_row {
             None => {
                 let result = state.finish();

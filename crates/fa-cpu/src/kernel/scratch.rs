@@ -222,8 +222,8 @@ impl Scratch {
     }
 
     /// Reserves the buffers the streaming decode kernel (`decode_stream`) asks for: Q, O and
-    /// score rows of its largest item, one natural-order row, states, and two tiles' K/V
-    /// offsets.
+    /// score rows of its largest item, one natural-order row, states, two tiles' K/V
+    /// offsets, and the AMX `Q·Kᵀ`'s tile buffers when it runs.
     pub(crate) fn try_reserve_stream(
         &mut self,
         lens: StreamLens,
@@ -233,11 +233,16 @@ impl Scratch {
         }
         let rows = lens.rows;
         grow(&mut self.qt, rows * lens.d_pad + ALIGN_SLACK)?;
-        grow(&mut self.ot, rows * lens.dv_pad + ALIGN_SLACK)?;
+        grow(&mut self.ot, lens.o_rows() * lens.dv_pad + ALIGN_SLACK)?;
         grow(&mut self.st, rows * TILE_KEYS + ALIGN_SLACK)?;
         grow(&mut self.row, lens.d_pad.max(lens.dv_pad) + ALIGN_SLACK)?;
         grow(&mut self.states, rows)?;
         grow(&mut self.kv_offsets, 4 * TILE_KEYS)?;
+        if lens.amx_q > 0 {
+            grow(&mut self.amx_q, lens.amx_q)?;
+            grow(&mut self.amx_pairs, lens.amx_pair_dwords())?;
+            grow(&mut self.kt, StreamLens::AMX_C_FLOATS + ALIGN_SLACK)?;
+        }
         Ok(())
     }
 
