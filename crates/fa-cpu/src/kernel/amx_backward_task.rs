@@ -96,7 +96,7 @@ impl AmxBwdLens {
         }
     }
 
-    /// Elements of each buffer: `[u16 buffers; 2]`, `[u32 buffers; 8]`, `[f32 buffers; 9]` in
+    /// Elements of each buffer: `[u16 buffers; 4]`, `[u32 buffers; 8]`, `[f32 buffers; 9]` in
     /// [`AmxBwdScratch`]'s field order (saturating: an absurd size fails to allocate).
     fn elems(&self) -> ([usize; 4], [usize; 8], [usize; 9]) {
         let (br, bc) = (AMX_BWD_ROWS, AMX_BWD_KEYS);
@@ -137,16 +137,18 @@ impl AmxBwdLens {
         )
     }
 
-    /// Bytes of one worker's scratch.
+    /// Bytes of one worker's scratch: each buffer's elements and its line of slack
+    /// ([`LineBuf::bytes_for`]), what [`AmxBwdScratch::try_ensure`] allocates from empty.
     pub fn bytes(&self) -> usize {
+        fn sum<E>(elems: &[usize]) -> usize {
+            elems.iter().fold(0usize, |acc, &n| {
+                acc.saturating_add(LineBuf::<E>::bytes_for(n))
+            })
+        }
         let (a, b, c) = self.elems();
-        let sum = |x: &[usize], size: usize| {
-            x.iter()
-                .fold(0usize, |acc, &n| acc.saturating_add(n.saturating_mul(size)))
-        };
-        sum(&a, 2)
-            .saturating_add(sum(&b, 4))
-            .saturating_add(sum(&c, 4))
+        sum::<u16>(&a)
+            .saturating_add(sum::<u32>(&b))
+            .saturating_add(sum::<f32>(&c))
     }
 }
 

@@ -321,6 +321,16 @@ impl<E: Copy + Default> LineBuf<E> {
     }
 }
 
+impl<E> LineBuf<E> {
+    /// Bytes a fresh buffer allocates for a view of `len` elements: the view and
+    /// [`line_slack`] elements (saturating: an absurd size fails to allocate). The
+    /// reserved-size companion of [`LineBuf::try_grow`].
+    pub(crate) const fn bytes_for(len: usize) -> usize {
+        len.saturating_add(line_slack::<E>())
+            .saturating_mul(std::mem::size_of::<E>())
+    }
+}
+
 impl<E> std::ops::Deref for LineBuf<E> {
     type Target = [E];
     fn deref(&self) -> &[E] {
