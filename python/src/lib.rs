@@ -17,7 +17,7 @@ use fa_capi::{
     fa_forward_cache_cpu, fa_forward_cache_cuda, fa_forward_cpu, fa_forward_cuda,
     fa_last_error_message, FaCudaDevice, FaKvCache, FaOptions, FaProblem, FaTensor, FA_DTYPE_BF16,
     FA_DTYPE_F16, FA_DTYPE_F32, FA_ERR_INVALID_ARGUMENT, FA_ERR_UNSUPPORTED, FA_ERR_VERSION, FA_OK,
-    FA_SEQLENS_FIXED, FA_SEQLENS_VARLEN_DEVICE, FA_SEQLENS_VARLEN_HOST,
+    FA_SEQLENS_VARLEN_DEVICE, FA_SEQLENS_VARLEN_HOST,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -461,25 +461,13 @@ fn forward(
         _ => 0.0,
     };
     let mut problem = FaProblem {
-        batch,
-        seqlen_q,
-        seqlen_k,
-        heads_q,
-        heads_kv,
-        head_dim,
         head_dim_v,
-        seqlens: FA_SEQLENS_FIXED,
         causal: u32::from(causal),
-        cu_seqlens_q: core::ptr::null(),
-        cu_seqlens_k: core::ptr::null(),
-        total_q: 0,
-        total_k: 0,
-        max_seqlen_q: 0,
-        max_seqlen_k: 0,
         window_left: window.0,
         window_right: window.1,
         softmax_scale: scale.unwrap_or(0.0),
         softcap,
+        ..FaProblem::dense(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
     };
     let host_seqlens = match cu_seqlens {
         Some((cu_q, cu_k)) => {
@@ -658,26 +646,10 @@ fn append_kv(
             kc.dims[0]
         )));
     }
+    let seqlen_k = if block_table.is_some() { 0 } else { kc.dims[1] };
     let problem = FaProblem {
-        batch,
-        seqlen_q: seqlen_new,
-        seqlen_k: if block_table.is_some() { 0 } else { kc.dims[1] },
-        heads_q: heads_kv,
-        heads_kv,
-        head_dim,
         head_dim_v: vn.dims[3],
-        seqlens: FA_SEQLENS_FIXED,
-        causal: 0,
-        cu_seqlens_q: core::ptr::null(),
-        cu_seqlens_k: core::ptr::null(),
-        total_q: 0,
-        total_k: 0,
-        max_seqlen_q: 0,
-        max_seqlen_k: 0,
-        window_left: -1,
-        window_right: -1,
-        softmax_scale: 0.0,
-        softcap: 0.0,
+        ..FaProblem::dense(batch, seqlen_new, seqlen_k, heads_kv, heads_kv, head_dim)
     };
     let call = AppendCall {
         problem,

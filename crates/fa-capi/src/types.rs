@@ -121,6 +121,42 @@ pub struct FaProblem {
     pub softcap: f32,
 }
 
+impl FaProblem {
+    /// A fixed-length batch (`FA_SEQLENS_FIXED`) of these sizes with every other field unset:
+    /// `head_dim_v` = `head_dim`, no causal mask, no window, the default scale, no softcap.
+    /// For Rust callers of the ABI; set the fields that differ with struct update syntax.
+    pub fn dense(
+        batch: i64,
+        seqlen_q: i64,
+        seqlen_k: i64,
+        heads_q: i64,
+        heads_kv: i64,
+        head_dim: i64,
+    ) -> FaProblem {
+        FaProblem {
+            batch,
+            seqlen_q,
+            seqlen_k,
+            heads_q,
+            heads_kv,
+            head_dim,
+            head_dim_v: 0,
+            seqlens: FA_SEQLENS_FIXED,
+            causal: 0,
+            cu_seqlens_q: core::ptr::null(),
+            cu_seqlens_k: core::ptr::null(),
+            total_q: 0,
+            total_k: 0,
+            max_seqlen_q: 0,
+            max_seqlen_k: 0,
+            window_left: -1,
+            window_right: -1,
+            softmax_scale: 0.0,
+            softcap: 0.0,
+        }
+    }
+}
+
 /// Options of a call beyond the problem. It begins with its own size and the API version so
 /// that it can grow: a library accepts the options of any older header (fields it reads past
 /// `size` keep their defaults) and refuses a larger size or a newer version with

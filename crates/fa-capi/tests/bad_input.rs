@@ -26,7 +26,7 @@ impl Call {
     fn new() -> Call {
         let mut rng = Rng::new(14);
         let case = Case::dense(&mut rng, 2, 9, 13, 4, 2, 16).causal();
-        let mut problem = dense(2, 9, 13, 4, 2, 16);
+        let mut problem = FaProblem::dense(2, 9, 13, 4, 2, 16);
         problem.causal = 1;
         Call {
             case,
@@ -84,10 +84,7 @@ fn refused(
 ) {
     let mut call = Call::new();
     let got = call.run(edit);
-    let message = last_error();
-    assert_eq!(got, code, "message: {message}");
-    assert!(message.contains(words), "{message:?} lacks {words:?}");
-    assert!(call.untouched(), "outputs written on error ({message})");
+    assert_refused(got, code, words, call.untouched());
 }
 
 #[test]
@@ -143,7 +140,7 @@ fn null_pointers_are_refused() {
     refused(FA_ERR_INVALID_ARGUMENT, "o is a null pointer", |_, t, _| {
         t[3].data = null_mut()
     });
-    let mut problem = dense(1, 2, 2, 1, 1, 8);
+    let mut problem = FaProblem::dense(1, 2, 2, 1, 1, 8);
     problem.seqlens = FA_SEQLENS_VARLEN_HOST;
     let cu = [0i32, 2];
     problem.cu_seqlens_q = cu.as_ptr();
@@ -156,7 +153,7 @@ fn null_pointers_are_refused() {
 
 #[test]
 fn empty_tensors_may_be_null() {
-    let p = dense(1, 0, 5, 2, 2, 8);
+    let p = FaProblem::dense(1, 0, 5, 2, 2, 8);
     let k = vec![0.5f32; 5 * 2 * 8];
     let tq = bshd(null_mut(), FA_DTYPE_F32, 0, 2, 8);
     let tk = bshd(k.as_ptr() as *mut c_void, FA_DTYPE_F32, 5, 2, 8);
@@ -299,7 +296,7 @@ fn host_prefix_sums_are_checked_and_run() {
     let case = Case::varlen(&mut rng, &[3, 0, 5], &[4, 2, 6], 2, 1, 8).causal();
     let cu_q: Vec<i32> = case.cu_seqlens_q.iter().map(|&x| x as i32).collect();
     let cu_k: Vec<i32> = case.cu_seqlens_k.iter().map(|&x| x as i32).collect();
-    let mut p = dense(3, 0, 0, 2, 1, 8);
+    let mut p = FaProblem::dense(3, 0, 0, 2, 1, 8);
     p.seqlens = FA_SEQLENS_VARLEN_HOST;
     p.causal = 1;
     p.cu_seqlens_q = cu_q.as_ptr();

@@ -41,7 +41,7 @@ fn bad_handles_and_out_pointers_are_refused() {
     // SAFETY: `handle` is a writable local.
     let code = unsafe { fa_cuda_device_create(-1, &mut handle) };
     assert_eq!(code, FA_ERR_INVALID_ARGUMENT);
-    let p = dense(1, 4, 4, 2, 2, 64);
+    let p = FaProblem::dense(1, 4, 4, 2, 2, 64);
     let t = bshd(16 as *mut c_void, FA_DTYPE_BF16, 4, 2, 64);
     // SAFETY: a null device is refused before anything else is read.
     let code =
@@ -79,6 +79,34 @@ impl Gpu {
 
     fn up_i32(&self, x: &[i32]) -> cudarc::driver::CudaSlice<i32> {
         self.stream.clone_htod(x).expect("upload")
+    }
+
+    /// A decode case's tables on the device: the used lengths `used`, and the block table (one
+    /// unused entry for a padded cache).
+    fn tables(
+        &self,
+        case: &fa_reference::DecodeCase,
+        used: &[i32],
+    ) -> [cudarc::driver::CudaSlice<i32>; 2] {
+        let table: &[i32] = if case.block_table.is_empty() {
+            &[0]
+        } else {
+            &case.block_table
+        };
+        [self.up_i32(used), self.up_i32(table)]
+    }
+
+    /// O (bf16) and the LSE of `problem`, zeroed on the device.
+    fn outputs(
+        &self,
+        problem: &softmax_core::Problem,
+    ) -> (
+        cudarc::driver::CudaSlice<u16>,
+        cudarc::driver::CudaSlice<f32>,
+    ) {
+        let o = self.stream.alloc_zeros::<u16>(problem.min_buffer_lens().o);
+        let lse = self.stream.alloc_zeros::<f32>(problem.lse_len());
+        (o.expect("alloc"), lse.expect("alloc"))
     }
 
     fn down(&self, x: &cudarc::driver::CudaSlice<u16>) -> Vec<half::bf16> {
@@ -134,15 +162,8 @@ fn forward_on_a_caller_stream_matches_the_reference() {
         }
         let problem = case.desc().validate(256).expect("valid");
         let (q, k, v) = (gpu.up(&case.q), gpu.up(&case.k), gpu.up(&case.v));
-        let o = gpu
-            .stream
-            .alloc_zeros::<u16>(problem.min_buffer_lens().o)
-            .expect("alloc");
-        let lse = gpu
-            .stream
-            .alloc_zeros::<f32>(problem.lse_len())
-            .expect("alloc");
-        let mut p = dense(2, 100, 130, 8, 2, 64);
+        let (o, lse) = gpu.outputs(&problem);
+        let mut p = FaProblem::dense(2, 100, 130, 8, 2, 64);
         p.causal = causal as u32;
         let tq = bshd(gpu.addr(&q), FA_DTYPE_BF16, 100, 8, 64);
         let tk = bshd(gpu.addr(&k), FA_DTYPE_BF16, 130, 2, 64);
@@ -180,33 +201,22 @@ fn check_cache_forward(
     caller_workspace: bool,
 ) {
     let problem = case.desc().validate(256).expect("valid");
-    let (sq, hq, hk, d) = (case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim);
     let q = gpu.up(&case.q);
-    let o = gpu
-        .stream
-        .alloc_zeros::<u16>(problem.min_buffer_lens().o)
-        .expect("alloc");
-    let lse = gpu
-        .stream
-        .alloc_zeros::<f32>(problem.lse_len())
-        .expect("alloc");
+    let (o, lse) = gpu.outputs(&problem);
     let used: Vec<i32> = case.seqused_k.iter().map(|&x| x as i32).collect();
-    let used_dev = gpu.up_i32(&used);
-    let table_dev = gpu.up_i32(if case.block_table.is_empty() {
-        &[0]
-    } else {
-        &case.block_table
-    });
+    let [used_dev, table_dev] = gpu.tables(case, &used);
     let (p, mut cache, rows) = cache_descriptors(
         case,
         gpu.addr(&used_dev).cast(),
         gpu.addr(&table_dev).cast(),
     );
     cache.num_splits = splits;
-    let tq = bshd(gpu.addr(&q), FA_DTYPE_BF16, sq, hq, d);
-    let tk = bshd(gpu.addr(k), FA_DTYPE_BF16, rows, hk, d);
-    let tv = bshd(gpu.addr(v), FA_DTYPE_BF16, rows, hk, d);
-    let to = bshd(gpu.addr(&o), FA_DTYPE_BF16, sq, hq, d);
+    let [tq, tk, tv, to] = cache_tensors(
+        case,
+        FA_DTYPE_BF16,
+        [gpu.addr(&q), gpu.addr(k), gpu.addr(v), gpu.addr(&o)],
+        rows,
+    );
     let mut ws_bytes = 0usize;
     // SAFETY: descriptors of live locals; nothing on the device is read.
     let code = unsafe {
@@ -307,23 +317,19 @@ fn append_with_device_tables_then_the_cache_call_matches_the_reference() {
             gpu.up(&k_new),
             gpu.up(&v_new),
         );
-        let used_dev = gpu.up_i32(&before);
-        let table_dev = gpu.up_i32(if case.block_table.is_empty() {
-            &[0]
-        } else {
-            &case.block_table
-        });
+        let [used_dev, table_dev] = gpu.tables(&case, &before);
         let (p, cache, rows) = cache_descriptors(
             &case,
             gpu.addr(&used_dev).cast(),
             gpu.addr(&table_dev).cast(),
         );
-        let t = [
-            bshd(gpu.addr(&kn), FA_DTYPE_BF16, new, hk, 128),
-            bshd(gpu.addr(&vn), FA_DTYPE_BF16, new, hk, 128),
-            bshd(gpu.addr(&k), FA_DTYPE_BF16, rows, hk, 128),
-            bshd(gpu.addr(&v), FA_DTYPE_BF16, rows, hk, 128),
-        ];
+        let t = append_tensors(
+            &case,
+            FA_DTYPE_BF16,
+            [gpu.addr(&kn), gpu.addr(&vn), gpu.addr(&k), gpu.addr(&v)],
+            new,
+            rows,
+        );
         // SAFETY: allocations of this context sized for the cache and the new tokens, alive
         // until the stream is synchronised; the stream is of the same context.
         let code = unsafe {

@@ -24,21 +24,14 @@ const LSE_BOUND: f64 = 1e-4;
 fn descriptors(
     case: &DecodeCase,
     dtype: u32,
-    [q, k, v, o]: [*mut c_void; 4],
+    buffers: [*mut c_void; 4],
 ) -> (FaProblem, FaKvCache, [FaTensor; 4]) {
-    let (sq, hq, hk, d) = (case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim);
     let (problem, cache, rows) = cache_descriptors(
         case,
         case.seqused_k.as_ptr().cast(),
         case.block_table.as_ptr(),
     );
-    let tensors = [
-        bshd(q, dtype, sq, hq, d),
-        bshd(k, dtype, rows, hk, d),
-        bshd(v, dtype, rows, hk, d),
-        bshd(o, dtype, sq, hq, d),
-    ];
-    (problem, cache, tensors)
+    (problem, cache, cache_tensors(case, dtype, buffers, rows))
 }
 
 /// Calls `fa_forward_cache_cpu` with the descriptors (after `edit`).
@@ -274,10 +267,7 @@ fn refused(
 ) {
     let mut bad = Bad::new(paged);
     let got = bad.run(edit);
-    let message = last_error();
-    assert_eq!(got, code, "message: {message}");
-    assert!(message.contains(words), "{message:?} lacks {words:?}");
-    assert!(bad.untouched(), "outputs written on error ({message})");
+    assert_refused(got, code, words, bad.untouched());
 }
 
 #[test]
@@ -405,7 +395,7 @@ fn bad_descriptors_are_refused_with_outputs_untouched() {
     // SAFETY: a null cache is refused before anything is read.
     let code = unsafe {
         let t = [bshd(null_mut(), FA_DTYPE_F32, 1, 1, 8); 4];
-        let p = dense(1, 1, 1, 1, 1, 8);
+        let p = FaProblem::dense(1, 1, 1, 1, 1, 8);
         fa_forward_cache_cpu(&p, null(), &t[0], &t[1], &t[2], &t[3], null_mut(), null())
     };
     assert_eq!(code, FA_ERR_INVALID_ARGUMENT);
@@ -416,7 +406,7 @@ fn bad_descriptors_are_refused_with_outputs_untouched() {
 
 #[test]
 fn cuda_cache_entries_refuse_bad_handles() {
-    let p = dense(1, 1, 4, 2, 2, 64);
+    let p = FaProblem::dense(1, 1, 4, 2, 2, 64);
     let t = bshd(16 as *mut c_void, FA_DTYPE_BF16, 4, 2, 64);
     let cache = FaKvCache::default();
     // SAFETY: a null device is refused before anything else is read.
@@ -456,6 +446,26 @@ fn cuda_cache_entries_refuse_bad_handles() {
     assert_eq!(code, FA_ERR_INVALID_ARGUMENT);
 }
 
+/// The descriptors of an append of the f32 tokens `k_new`, `v_new` (`new` per sequence) to the
+/// host caches `k`, `v` of `case` (`rows` per sequence or block).
+fn host_append(
+    case: &DecodeCase,
+    [k_new, v_new]: [&[f32]; 2],
+    [k, v]: [&mut [f32]; 2],
+    new: usize,
+    rows: usize,
+) -> [FaTensor; 4] {
+    let ptr = |x: &[f32]| x.as_ptr() as *mut c_void;
+    let (k, v) = (k.as_mut_ptr().cast(), v.as_mut_ptr().cast());
+    append_tensors(
+        case,
+        FA_DTYPE_F32,
+        [ptr(k_new), ptr(v_new), k, v],
+        new,
+        rows,
+    )
+}
+
 /// Calls `fa_append_kv_cpu`.
 fn append(p: &FaProblem, cache: &FaKvCache, t: &[FaTensor; 4]) -> i32 {
     // SAFETY: every pointer is a live local or a buffer of the case of the right size (the
@@ -484,13 +494,7 @@ fn append_in_place_then_the_cache_call_matches_the_reference() {
         let (mut k, mut v) = (case.k.clone(), case.v.clone());
         let (p, cache, rows) =
             cache_descriptors(&case, before.as_ptr().cast(), case.block_table.as_ptr());
-        let ptr = |x: &[f32]| x.as_ptr() as *mut c_void;
-        let t = [
-            bshd(ptr(&k_new), FA_DTYPE_F32, new, hk, d),
-            bshd(ptr(&v_new), FA_DTYPE_F32, new, hk, d),
-            bshd(k.as_mut_ptr().cast(), FA_DTYPE_F32, rows, hk, d),
-            bshd(v.as_mut_ptr().cast(), FA_DTYPE_F32, rows, hk, d),
-        ];
+        let t = host_append(&case, [&k_new, &v_new], [&mut k, &mut v], new, rows);
         assert_eq!(append(&p, &cache, &t), FA_OK, "{}", last_error());
         assert!(
             k == k_want && v == v_want,
@@ -522,15 +526,9 @@ fn append_refusals_leave_the_cache_untouched() {
     );
     let new: Vec<f32> = (0..2 * 2 * 2 * 16).map(|_| rng.normal() as f32).collect();
     let (mut k, mut v) = (case.k.clone(), case.v.clone());
-    let ptr = |x: &[f32]| x.as_ptr() as *mut c_void;
     let before = [3i32, 7];
     let (p, cache, rows) = cache_descriptors(&case, before.as_ptr(), case.block_table.as_ptr());
-    let t = [
-        bshd(ptr(&new), FA_DTYPE_F32, 2, 2, 16),
-        bshd(ptr(&new), FA_DTYPE_F32, 2, 2, 16),
-        bshd(k.as_mut_ptr().cast(), FA_DTYPE_F32, rows, 2, 16),
-        bshd(v.as_mut_ptr().cast(), FA_DTYPE_F32, rows, 2, 16),
-    ];
+    let t = host_append(&case, [&new, &new], [&mut k, &mut v], 2, rows);
     // No room: sequence 1 would end at 17 keys; its table row holds 4 blocks of 4.
     let long = [3i32, 15];
     let c = FaKvCache {

@@ -15,6 +15,9 @@
 //! within 256 MiB..1 GiB; 0: a token copy, to profile the decode alone), `--pf` (prefetch
 //! schedules to alternate, e.g. `phase,ahead:4,off`; see `fa_cpu::DecodePrefetch::parse`).
 
+mod common;
+
+use common::{median, Inputs};
 use fa_cpu::{
     decode_prefetch, forward_with_workspace, set_decode_prefetch, DecodePrefetch, Element,
     ForwardOptions, Workspace,
@@ -30,11 +33,6 @@ fn arg(args: &[String], name: &str, default: usize) -> usize {
             v.parse()
                 .unwrap_or_else(|_| panic!("{name} {v}: not a number"))
         })
-}
-
-fn median(xs: &mut [f64]) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }
 
 fn run<T: Element>(args: &[String]) {
@@ -70,14 +68,10 @@ fn run<T: Element>(args: &[String]) {
         base.paged_cache(&used, &table, blocks_per_seq, page, pool)
     };
     let problem = desc.validate(256).expect("valid shape");
-    let fill = |len: usize, seed: f32| -> Vec<T> {
-        (0..len)
-            .map(|i| T::from_f32(((i as f32) * 0.618 + seed).sin()))
-            .collect()
-    };
-    let q = fill(b * sq * h * d, 0.1);
-    let k = fill(outer * rows * hkv * d, 0.2);
-    let v = fill(outer * rows * hkv * d, 0.3);
+    let mut inputs = Inputs::new();
+    let q = inputs.draw::<T>(b * sq * h * d);
+    let k = inputs.draw::<T>(outer * rows * hkv * d);
+    let v = inputs.draw::<T>(outer * rows * hkv * d);
     let mut o = vec![T::from_f32(0.0); b * sq * h * d];
     let opts = ForwardOptions {
         threads: Some(threads),

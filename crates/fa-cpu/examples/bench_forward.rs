@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::Inputs;
+use common::{median, Inputs};
 use fa_cpu::{forward_with_workspace, Element, Exp2Impl, ForwardOptions, SimdLevel, Workspace};
 use softmax_core::{Out, ProblemDesc, Qkv};
 use std::time::Instant;
@@ -160,9 +160,7 @@ fn bench<T: Element>(a: &Args) -> Result<(), String> {
             cpu_times.push(process_cpu_ms() - cpu_start);
         }
     }
-    times.sort_by(f64::total_cmp);
-    cpu_times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
+    let (median, cpu_median) = (median(&mut times), median(&mut cpu_times));
     let flops = softmax_core::flops::forward(
         a.batch, a.heads, a.seqlen_q, a.seqlen_k, a.head_dim, a.causal,
     );
@@ -179,7 +177,7 @@ fn bench<T: Element>(a: &Args) -> Result<(), String> {
         threads,
         median,
         times[0],
-        cpu_times[cpu_times.len() / 2],
+        cpu_median,
         flops / median / 1e6,
         peak_rss_bytes(),
         a.simd.resolve().name(),

@@ -104,8 +104,10 @@ fn held_bytes<S>(slots: &mut [Mutex<S>], bytes: impl Fn(&mut S) -> usize) -> usi
 
 /// Bytes of scratch one worker of the backward needs for `problem` at a SIMD level (the
 /// scratch-size companion of [`BackwardWorkspace`]): the rows of Q and dO of one GQA group
-/// (row-major and transposed), its dQ accumulator in f32 and a few tiles, so linear in the
-/// longest query sequence and independent of the batch; the total is this times the workers.
+/// (row-major; also transposed where a tile may take the blocked products' path: on AVX2 and
+/// scalar, and on AVX-512 under a mask), its dQ accumulator in f32 and a few tiles, so linear
+/// in the longest query sequence and independent of the batch; the total is this times the
+/// workers.
 /// At [`SimdLevel::Amx`] (which runs bf16 inputs on AMX tiles with buffers of its own, other
 /// inputs on the AVX-512 kernel) the larger of the two kernels' needs.
 pub fn backward_scratch_bytes_per_thread(problem: &Problem, level: SimdLevel) -> usize {

@@ -1,4 +1,5 @@
-//! Shared helpers of the fa-capi tests: descriptors for contiguous BSHD buffers.
+//! Shared helpers of the fa-capi tests: descriptors of contiguous BSHD buffers and of decode
+//! cases (cache, forward and append), the last error message, a refusal check.
 
 #![allow(dead_code)]
 
@@ -22,31 +23,6 @@ pub fn bshd(
     }
 }
 
-/// A dense problem, no mask, default scale.
-pub fn dense(batch: i64, sq: i64, sk: i64, hq: i64, hkv: i64, d: i64) -> FaProblem {
-    FaProblem {
-        batch,
-        seqlen_q: sq,
-        seqlen_k: sk,
-        heads_q: hq,
-        heads_kv: hkv,
-        head_dim: d,
-        head_dim_v: 0,
-        seqlens: FA_SEQLENS_FIXED,
-        causal: 0,
-        cu_seqlens_q: core::ptr::null(),
-        cu_seqlens_k: core::ptr::null(),
-        total_q: 0,
-        total_k: 0,
-        max_seqlen_q: 0,
-        max_seqlen_k: 0,
-        window_left: -1,
-        window_right: -1,
-        softmax_scale: 0.0,
-        softcap: 0.0,
-    }
-}
-
 /// This thread's last error message.
 pub fn last_error() -> String {
     // SAFETY: the library returns a NUL-terminated string, valid until the next call.
@@ -64,7 +40,7 @@ pub fn cache_descriptors(
     seqused_k: *const i32,
     block_table: *const i32,
 ) -> (FaProblem, FaKvCache, usize) {
-    let mut problem = dense(
+    let mut problem = FaProblem::dense(
         case.batch as i64,
         case.seqlen_q as i64,
         0,
@@ -122,4 +98,50 @@ pub fn appended(
         }
     }
     (k, v)
+}
+
+/// The Q, K, V and O descriptors of a decode case (contiguous) over the given buffers: K and V
+/// of `rows` per sequence or block (what [`cache_descriptors`] returns).
+pub fn cache_tensors(
+    case: &fa_reference::DecodeCase,
+    dtype: u32,
+    [q, k, v, o]: [*mut c_void; 4],
+    rows: usize,
+) -> [FaTensor; 4] {
+    let (sq, hq, hk, d) = (case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim);
+    [
+        bshd(q, dtype, sq, hq, d),
+        bshd(k, dtype, rows, hk, d),
+        bshd(v, dtype, rows, hk, d),
+        bshd(o, dtype, sq, hq, d),
+    ]
+}
+
+/// The descriptors of an append to a decode case's cache (contiguous), in the entries' order:
+/// the new K and V tokens (`new` per sequence), then the K and V caches (`rows` per sequence or
+/// block, as [`cache_descriptors`] returns).
+pub fn append_tensors(
+    case: &fa_reference::DecodeCase,
+    dtype: u32,
+    [k_new, v_new, k, v]: [*mut c_void; 4],
+    new: usize,
+    rows: usize,
+) -> [FaTensor; 4] {
+    let (hk, d) = (case.heads_kv, case.head_dim);
+    [
+        bshd(k_new, dtype, new, hk, d),
+        bshd(v_new, dtype, new, hk, d),
+        bshd(k, dtype, rows, hk, d),
+        bshd(v, dtype, rows, hk, d),
+    ]
+}
+
+/// Asserts a refused call: its code `got` is `code`, the message contains `words`, and the
+/// outputs were left `untouched`.
+#[track_caller]
+pub fn assert_refused(got: i32, code: i32, words: &str, untouched: bool) {
+    let message = last_error();
+    assert_eq!(got, code, "message: {message}");
+    assert!(message.contains(words), "{message:?} lacks {words:?}");
+    assert!(untouched, "outputs written on error ({message})");
 }

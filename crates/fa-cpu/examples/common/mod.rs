@@ -1,5 +1,5 @@
-//! What the fa-cpu examples share: their deterministic inputs, and the flags, shapes and table
-//! of the phase profilers (`bwd_phases`, `amx_phases`).
+//! What the fa-cpu examples share: their deterministic inputs, a median, and the flags, shapes
+//! and table of the phase profilers (`bwd_phases`, `amx_phases`).
 
 // Each example uses a part of this module.
 #![allow(dead_code)]
@@ -33,6 +33,12 @@ impl Inputs {
             })
             .collect()
     }
+}
+
+/// The median of `xs` (the upper one of an even count), sorting them.
+pub fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
 }
 
 /// The flags of a phase profiler: `--heads`, `--seqlens` and `--head-dims` (comma-separated
@@ -138,8 +144,7 @@ impl PhaseTable<'_> {
     ) {
         let reps = walls.len();
         let wall_sum: f64 = walls.iter().sum();
-        walls.sort_by(f64::total_cmp);
-        let median = walls[reps / 2];
+        let median = median(walls);
         print!(
             "{n:>5} {d:>4} {:>6} {:>8.2} {:>7.1}",
             if causal { "yes" } else { "no" },

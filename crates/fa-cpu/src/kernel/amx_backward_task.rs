@@ -39,6 +39,7 @@
 //! time).
 
 use super::amx_task::Bf16Inputs;
+use super::backward_gemm::Dest;
 use super::backward_task::{
     block_key_range, probabilities, row_dot, write_dq, BwdCtx, BwdStats, BwdTask, Scores, TileRows,
 };
@@ -96,7 +97,7 @@ impl AmxBwdLens {
         }
     }
 
-    /// Elements of each buffer: `[u16 buffers; 2]`, `[u32 buffers; 8]`, `[f32 buffers; 9]` in
+    /// Elements of each buffer: `[u16 buffers; 4]`, `[u32 buffers; 8]`, `[f32 buffers; 9]` in
     /// [`AmxBwdScratch`]'s field order (saturating: an absurd size fails to allocate).
     fn elems(&self) -> ([usize; 4], [usize; 8], [usize; 9]) {
         let (br, bc) = (AMX_BWD_ROWS, AMX_BWD_KEYS);
@@ -137,16 +138,18 @@ impl AmxBwdLens {
         )
     }
 
-    /// Bytes of one worker's scratch.
+    /// Bytes of one worker's scratch: each buffer's elements and its line of slack
+    /// ([`LineBuf::bytes_for`]), what [`AmxBwdScratch::try_ensure`] allocates from empty.
     pub fn bytes(&self) -> usize {
+        fn sum<E>(elems: &[usize]) -> usize {
+            elems.iter().fold(0usize, |acc, &n| {
+                acc.saturating_add(LineBuf::<E>::bytes_for(n))
+            })
+        }
         let (a, b, c) = self.elems();
-        let sum = |x: &[usize], size: usize| {
-            x.iter()
-                .fold(0usize, |acc, &n| acc.saturating_add(n.saturating_mul(size)))
-        };
-        sum(&a, 2)
-            .saturating_add(sum(&b, 4))
-            .saturating_add(sum(&c, 4))
+        sum::<u16>(&a)
+            .saturating_add(sum::<u32>(&b))
+            .saturating_add(sum::<f32>(&c))
     }
 }
 
@@ -638,26 +641,20 @@ unsafe fn tile_step<S: Simd, M: Tiles>(
             Phase::S,
             tile_gemm(
                 t,
-                s.qa.as_ptr().add(row0 * d32) as *const u8,
-                2 * d32,
-                s.kb.as_ptr() as *const u8,
-                4 * bc,
-                (s.s.as_mut_ptr(), bc),
+                TileOperand::rows(s.qa.as_ptr().add(row0 * d32), d32),
+                TileOperand::rows(s.kb.as_ptr(), bc),
+                Dest::overwrite(s.s.as_mut_ptr(), bc),
                 (br, bc, d32),
-                false,
             )
         );
         timed!(
             Phase::DP,
             tile_gemm(
                 t,
-                s.doa.as_ptr().add(row0 * dv32) as *const u8,
-                2 * dv32,
-                s.vb.as_ptr() as *const u8,
-                4 * bc,
-                (s.dp.as_mut_ptr(), bc),
+                TileOperand::rows(s.doa.as_ptr().add(row0 * dv32), dv32),
+                TileOperand::rows(s.vb.as_ptr(), bc),
+                Dest::overwrite(s.dp.as_mut_ptr(), bc),
                 (br, bc, dv32),
-                false,
             )
         );
         let probs_start = phase_start();
@@ -692,31 +689,26 @@ unsafe fn tile_step<S: Simd, M: Tiles>(
             }
         }
         phase_end(Phase::DsT, pairs_start);
-        // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS (sums over this block's rows).
+        // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS (sums over this block's rows): the A operands are
+        // bf16 pairs (rows of `br` bf16), the B operands rows of `bc` dwords.
         timed!(
             Phase::DV,
             tile_gemm(
                 t,
-                s.dota.as_ptr().add(blk * dv32) as *const u8,
-                2 * br,
-                s.pb.as_ptr() as *const u8,
-                4 * bc,
-                (s.dvt.as_mut_ptr(), bc),
+                TileOperand::rows(s.dota.as_ptr().add(blk * dv32), br / 2),
+                TileOperand::rows(s.pb.as_ptr(), bc),
+                Dest::add_to(s.dvt.as_mut_ptr(), bc),
                 (dv32, bc, br),
-                true,
             )
         );
         timed!(
             Phase::DK,
             tile_gemm(
                 t,
-                s.qta.as_ptr().add(blk * d32) as *const u8,
-                2 * br,
-                dsb.as_ptr() as *const u8,
-                4 * bc,
-                (s.dkt.as_mut_ptr(), bc),
+                TileOperand::rows(s.qta.as_ptr().add(blk * d32), br / 2),
+                TileOperand::rows(dsb.as_ptr(), bc),
+                Dest::add_to(s.dkt.as_mut_ptr(), bc),
                 (d32, bc, br),
-                true,
             )
         );
         // dQ += dS·K (sums over this block's keys).
@@ -724,13 +716,10 @@ unsafe fn tile_step<S: Simd, M: Tiles>(
             Phase::DQ,
             tile_gemm(
                 t,
-                dsa.as_ptr() as *const u8,
-                2 * bc,
-                s.kp.as_ptr() as *const u8,
-                4 * d32,
-                (s.dq.as_mut_ptr().add(row0 * d32), d32),
+                TileOperand::rows(dsa.as_ptr(), bc / 2),
+                TileOperand::rows(s.kp.as_ptr(), d32),
+                Dest::add_to(s.dq.as_mut_ptr().add(row0 * d32), d32),
                 (br, d32, bc),
-                true,
             )
         );
     }
@@ -805,27 +794,43 @@ unsafe fn transpose_dwords<S: Simd>(
     }
 }
 
-/// `C (+)= A·B` on tiles: `C` is `m × n` f32 (row stride `c.1` floats), `A` `m × k` bf16
-/// row-major (`a_stride` bytes per row), `B` the pair layout of a `k × n` matrix (`k/2` rows
-/// of `n` dwords, `b_stride` bytes per row); `m`, `n`, `k` multiples of 32. Per 32 × 32 block
-/// of C, four C tiles (loaded when `accumulate`, else zeroed) over the `k/32` chunks, in
-/// order, then stored: the sums' order is fixed by the shapes alone.
+/// One operand of [`tile_gemm`]: the start of its first row and the bytes between rows.
+#[derive(Clone, Copy)]
+struct TileOperand {
+    start: *const u8,
+    stride: usize,
+}
+
+impl TileOperand {
+    /// Rows of `row_len` elements of `E` from `start` (bf16 rows of an `A`, dword rows of a
+    /// `B`'s pair layout, or bf16 pairs as dwords).
+    fn rows<E>(start: *const E, row_len: usize) -> TileOperand {
+        TileOperand {
+            start: start as *const u8,
+            stride: row_len * std::mem::size_of::<E>(),
+        }
+    }
+}
+
+/// `C (+)= A·B` on tiles: `C` is `m × n` f32 (`dest`: overwritten, or added to when
+/// `dest.accumulate`), `A` `m × k` bf16 row-major, `B` the pair layout of a `k × n` matrix
+/// (`k/2` rows of `n` dwords); `m`, `n`, `k` multiples of 32. Per 32 × 32 block of C, four C
+/// tiles (loaded when accumulating, else zeroed) over the `k/32` chunks, in order, then
+/// stored: the sums' order is fixed by the shapes alone.
 ///
 /// # Safety
 /// The three regions are valid for the shapes (C writable, `A`/`B` readable); tile numbers
 /// and pointers as [`Tiles`] requires.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn tile_gemm<M: Tiles>(
     t: &mut M,
-    a: *const u8,
-    a_stride: usize,
-    b: *const u8,
-    b_stride: usize,
-    (c, c_stride): (*mut f32, usize),
+    a: TileOperand,
+    b: TileOperand,
+    dest: Dest,
     (m, n, k): (usize, usize, usize),
-    accumulate: bool,
 ) {
+    let (a, a_stride, b, b_stride) = (a.start, a.stride, b.start, b.stride);
+    let (c, c_stride) = (dest.c, dest.c_stride);
     let cs = 4 * c_stride;
     for m0 in (0..m).step_by(32) {
         for n0 in (0..n).step_by(32) {
@@ -833,7 +838,7 @@ unsafe fn tile_gemm<M: Tiles>(
             // and the chunk's bytes; rows k0/2..k0/2 + 16 of B, columns n0.. (caller).
             unsafe {
                 let c0 = c.add(m0 * c_stride + n0);
-                if accumulate {
+                if dest.accumulate {
                     t.load::<0>(c0 as *const u8, cs);
                     t.load::<1>(c0.add(16) as *const u8, cs);
                     t.load::<2>(c0.add(16 * c_stride) as *const u8, cs);

@@ -8,6 +8,7 @@
 //! Rapids or later); run there they FAIL when AMX is missing or not granted, never pass
 //! silently.
 
+use super::amx_backward_task::{AmxBwdLens, AmxBwdScratch};
 use crate::arch::amx;
 use crate::arch::SimdLevel;
 use crate::backward::{backward_on, BackwardInputs, BackwardOptions, BackwardWorkspace};
@@ -166,6 +167,39 @@ fn assert_within(e: &Grads<f64>, bound: f64, what: &str) -> f64 {
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn the_reserved_size_companion_counts_what_the_scratch_allocates() {
+    // `AmxBwdLens::bytes` is what a worker's scratch is reported to need (the error of a
+    // failed reservation, `backward_scratch_bytes_per_thread`): from empty, `try_ensure`
+    // allocates exactly that, slack included; growing to a larger problem, that one's bytes.
+    let mut rng = Rng::fresh();
+    let lens: Vec<AmxBwdLens> = cases(&mut rng)
+        .iter()
+        .map(|(_, case)| AmxBwdLens::new(&case.desc().validate(256).expect("valid case")))
+        .collect();
+    for l in &lens {
+        let mut s = AmxBwdScratch::default();
+        s.try_ensure(l).expect("small");
+        assert_eq!(s.bytes(), l.bytes(), "{l:?}");
+    }
+    let small = AmxBwdLens {
+        group: 1,
+        max_seqlen_q: 7,
+        head_dim: 40,
+        head_dim_v: 40,
+    };
+    let large = AmxBwdLens {
+        group: 3,
+        max_seqlen_q: 300,
+        head_dim: 200,
+        head_dim_v: 72,
+    };
+    let mut s = AmxBwdScratch::default();
+    s.try_ensure(&small).expect("small");
+    s.try_ensure(&large).expect("small");
+    assert_eq!(s.bytes(), large.bytes());
 }
 
 #[test]

@@ -10,7 +10,9 @@
 //! architecture alone: **bitwise identical results for any thread count**, no atomics, and
 //! only the five products of the textbook backward (no recomputed `S`/`dP` for a separate dQ
 //! pass). The price is memory linear in the sequence: the task keeps its rows of Q and dO
-//! (twice: row-major and transposed) and a dQ accumulator in f32 for the whole sequence.
+//! (row-major, and where a tile may take [`gemm`]'s path also transposed per row block: on
+//! AVX2 and scalar always, on AVX-512 only under a mask, see [`blocked_tiles`]) and a dQ
+//! accumulator in f32 for the whole sequence.
 //!
 //! # The loop
 //! The rows of every query head of the group are packed once per task. Then, per group of up

@@ -292,8 +292,9 @@ pub(crate) fn ensure<E: Copy>(buf: &mut Vec<E>, len: usize, fill: E) -> &mut [E]
 
 /// A reusable buffer whose elements start on a cache line: AMX tile rows of 64 bytes then
 /// read or write one line each (a misaligned `tileloadd` ran ~3× slower in a loop on the
-/// development VM, amx4). A `Vec` with a line's slack and the offset of its first aligned
-/// element; it dereferences to the aligned `len` elements.
+/// development VM, amx4). A `Vec` with [`line_slack`] elements of slack and the offset of its
+/// first aligned element ([`line_offset`], the rule of [`ensure_on_line`]); it dereferences to
+/// the aligned `len` elements.
 #[derive(Debug, Default)]
 pub(crate) struct LineBuf<E> {
     buf: Vec<E>,
@@ -302,22 +303,19 @@ pub(crate) struct LineBuf<E> {
 }
 
 impl<E: Copy + Default> LineBuf<E> {
-    /// Elements of slack that let the view start on a line.
-    const SLACK: usize = CACHE_LINE / std::mem::size_of::<E>();
-
     /// Grows the view to at least `len` elements, failing instead of aborting when memory
     /// runs out. A view that grows is all zeros again (as a fresh buffer would be).
     pub(crate) fn try_grow(&mut self, len: usize) -> Result<(), std::collections::TryReserveError> {
         if self.len >= len {
             return Ok(());
         }
-        let want = len + Self::SLACK;
+        let want = len + line_slack::<E>();
         if self.buf.len() < want {
             self.buf.try_reserve_exact(want - self.buf.len())?;
         }
         self.buf.clear();
         self.buf.resize(want, E::default());
-        self.offset = self.buf.as_ptr().align_offset(CACHE_LINE).min(Self::SLACK);
+        self.offset = line_offset(self.buf.as_ptr());
         self.len = len;
         Ok(())
     }
@@ -325,6 +323,16 @@ impl<E: Copy + Default> LineBuf<E> {
     /// Elements allocated (the view, the slack and any spare capacity).
     pub(crate) fn capacity(&self) -> usize {
         self.buf.capacity()
+    }
+}
+
+impl<E> LineBuf<E> {
+    /// Bytes a fresh buffer allocates for a view of `len` elements: the view and
+    /// [`line_slack`] elements (saturating: an absurd size fails to allocate). The
+    /// reserved-size companion of [`LineBuf::try_grow`].
+    pub(crate) const fn bytes_for(len: usize) -> usize {
+        len.saturating_add(line_slack::<E>())
+            .saturating_mul(std::mem::size_of::<E>())
     }
 }
 
@@ -347,11 +355,49 @@ pub(crate) const fn line_slack<E>() -> usize {
     CACHE_LINE / std::mem::size_of::<E>()
 }
 
+/// The index of the first element at or after `start` that lies on a cache line, at most
+/// [`line_slack`] (where no element can be aligned, as for an `E` whose size does not divide a
+/// line, the view starts at `line_slack` and only speed suffers): where the view of a buffer of
+/// `len` + [`line_slack`] elements starts ([`ensure_on_line`], [`LineBuf`]).
+fn line_offset<E>(start: *const E) -> usize {
+    start.align_offset(CACHE_LINE).min(line_slack::<E>())
+}
+
 /// `buf` grown to `len` + [`line_slack`] elements (zeros), and `len` of them starting on
 /// a cache line.
 pub(crate) fn ensure_on_line<E: Copy + Default>(buf: &mut Vec<E>, len: usize) -> &mut [E] {
-    let slack = line_slack::<E>();
-    let whole = ensure(buf, len + slack, E::default());
-    let offset = (whole.as_ptr().align_offset(CACHE_LINE)).min(slack);
+    let whole = ensure(buf, len + line_slack::<E>(), E::default());
+    let offset = line_offset(whole.as_ptr());
     &mut whole[offset..offset + len]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both users of [`line_offset`] give views on a cache line, of the asked length, at every
+    /// element size they are used with; a view that grows keeps the rule.
+    #[test]
+    fn line_views_start_on_a_cache_line() {
+        fn check<E: Copy + Default + std::fmt::Debug>() {
+            let mut line = LineBuf::<E>::default();
+            let mut plain = Vec::<E>::new();
+            for len in [1, 3, 17, 64, 1000, 4099] {
+                line.try_grow(len).expect("small");
+                assert_eq!(line.len(), len);
+                assert_eq!(line.as_ptr() as usize % CACHE_LINE, 0, "LineBuf, {len}");
+                assert!(line.capacity() >= len + line_slack::<E>());
+                let view = ensure_on_line(&mut plain, len);
+                assert_eq!(view.len(), len);
+                assert_eq!(
+                    view.as_ptr() as usize % CACHE_LINE,
+                    0,
+                    "ensure_on_line, {len}"
+                );
+            }
+        }
+        check::<u16>();
+        check::<u32>();
+        check::<f32>();
+    }
 }
