@@ -480,7 +480,8 @@ fn forward_stream<T: Element, O: Element>(
             AmxTiles::Emulated => true,
         };
     let plan = decode_stream::plan(problem, lanes, std::mem::size_of::<T>(), opts.kv_splits)?;
-    let lens = StreamLens::of::<O>(problem, &plan, lanes, amx);
+    let hardware_tiles = matches!(amx_tiles, AmxTiles::Hardware);
+    let lens = StreamLens::of::<O>(problem, &plan, lanes, amx, hardware_tiles);
     let bytes = lens.bytes();
     ws.ensure_slots(workers, bytes, |scratch| scratch.try_reserve_stream(lens))?;
     let stats = run_split_kv(

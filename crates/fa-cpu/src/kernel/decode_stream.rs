@@ -363,8 +363,14 @@ impl StreamLens {
     pub(crate) const AMX_C_FLOATS: usize = 2 * TILE_DWORDS;
 
     /// The lengths of one plan: `amx` when the items run on tiles (their `Q·Kᵀ`, and their
-    /// `P·V` too at 16 lanes: [`amx_pv_applies`]).
-    pub(crate) fn of<O: Element>(p: &Problem, plan: &Plan, lanes: usize, amx: bool) -> StreamLens {
+    /// `P·V` too where [`amx_pv_applies`]; `hardware`: on hardware tiles, not the emulation).
+    pub(crate) fn of<O: Element>(
+        p: &Problem,
+        plan: &Plan,
+        lanes: usize,
+        amx: bool,
+        hardware: bool,
+    ) -> StreamLens {
         let max_heads = plan.items.iter().map(|i| i.heads.len()).max().unwrap_or(0);
         StreamLens {
             rows: plan.max_rows,
@@ -375,7 +381,7 @@ impl StreamLens {
             } else {
                 0
             },
-            amx_o_rows: if amx && amx_pv_applies::<O>(lanes) {
+            amx_o_rows: if amx && amx_pv_applies::<O>(lanes, hardware) {
                 max_heads * TILE_ROWS
             } else {
                 0
@@ -419,8 +425,19 @@ impl StreamLens {
 /// a 32-element chunk of an O row in register order is two C-tile columns' worth (even
 /// elements, then odd), and for bf16/f16 outputs only: it rounds P to bf16 (relative 2⁻⁹,
 /// the size of the output's own rounding), which an f32 output's 1e-5 bound does not allow.
-pub(crate) fn amx_pv_applies<O: Element>(lanes: usize) -> bool {
-    lanes == TILE_ROWS && O::KIND != sealed::Kind::F32
+///
+/// On hardware tiles only when `FA_CPU_DECODE_AMX_PV=1` (read once per process): on the GPU
+/// machine's Xeon (2 pinned cores, bf16, 32/8 heads, caches from DRAM) it was slower than the
+/// SIMD `P·V` in 11 of 15 alternated pairs, median 1.10× the time (docs/gpu-notes.md run 84),
+/// though faster from L2 on the development VM. The emulated tiles (tests) always take it, so
+/// its code stays checked against the oracle.
+pub(crate) fn amx_pv_applies<O: Element>(lanes: usize, hardware: bool) -> bool {
+    static ON_HARDWARE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on_hardware = || {
+        *ON_HARDWARE
+            .get_or_init(|| std::env::var("FA_CPU_DECODE_AMX_PV").is_ok_and(|v| v.trim() == "1"))
+    };
+    lanes == TILE_ROWS && O::KIND != sealed::Kind::F32 && (!hardware || on_hardware())
 }
 
 /// Keys per AMX `P·V` step: one A-tile row of bf16 P (16 pairs).
@@ -1362,7 +1379,7 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
         0,
     );
     // The AMX `P·V` (`pv_tile_amx`): each head's O rows padded to a C tile's 16 rows.
-    let amx_pv = tiles.is_some() && amx_pv_applies::<O>(w);
+    let amx_pv = tiles.is_some() && amx_pv_applies::<O>(w, Tl::HARDWARE);
     let o_rph = if amx_pv { TILE_ROWS } else { sh.rph };
     let o_at = |r: usize| (r / sh.rph * o_rph + r % sh.rph) * sh.dv_pad;
     let pair_dwords = match (tiles.is_some(), amx_pv) {
