@@ -397,11 +397,7 @@ impl StreamLens {
     /// Dwords of the tile-operand buffer (`Scratch::amx_pairs`): the gathered K rows' A tile,
     /// and under the AMX `P·V` the P A tiles and the V B tiles of one head.
     pub(crate) fn amx_pair_dwords(&self) -> usize {
-        match (self.amx_q, self.amx_o_rows) {
-            (0, _) => 0,
-            (_, 0) => Self::AMX_A_DWORDS,
-            _ => Self::AMX_A_DWORDS + AMX_P_DWORDS + amx_v_dwords(self.dv_pad),
-        }
+        amx_pair_dwords(self.amx_q > 0, self.amx_o_rows > 0, self.dv_pad)
     }
 
     /// Bytes the lengths add up to (before alignment slack): what one worker reserves.
@@ -438,6 +434,18 @@ pub(crate) fn amx_pv_applies<O: Element>(lanes: usize, hardware: bool) -> bool {
             .get_or_init(|| std::env::var("FA_CPU_DECODE_AMX_PV").is_ok_and(|v| v.trim() == "1"))
     };
     lanes == TILE_ROWS && O::KIND != sealed::Kind::F32 && (!hardware || on_hardware())
+}
+
+/// Dwords of the tile-operand buffer (`Scratch::amx_pairs`) of an item: under the AMX
+/// `Q·Kᵀ` (`tiles`) the gathered K rows' A tile, and under the AMX `P·V` (`pv`) the P A tiles
+/// and the V B tiles of one head too. The one rule of [`StreamLens`] (what is reserved) and
+/// `run_item` (what is used).
+fn amx_pair_dwords(tiles: bool, pv: bool, dv_pad: usize) -> usize {
+    match (tiles, pv) {
+        (false, _) => 0,
+        (true, false) => StreamLens::AMX_A_DWORDS,
+        (true, true) => StreamLens::AMX_A_DWORDS + AMX_P_DWORDS + amx_v_dwords(dv_pad),
+    }
 }
 
 /// Keys per AMX `P·V` step: one A-tile row of bf16 P (16 pairs).
@@ -1382,11 +1390,7 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     let amx_pv = tiles.is_some() && amx_pv_applies::<O>(w, Tl::HARDWARE);
     let o_rph = if amx_pv { TILE_ROWS } else { sh.rph };
     let o_at = |r: usize| (r / sh.rph * o_rph + r % sh.rph) * sh.dv_pad;
-    let pair_dwords = match (tiles.is_some(), amx_pv) {
-        (false, _) => 0,
-        (true, false) => StreamLens::AMX_A_DWORDS,
-        (true, true) => StreamLens::AMX_A_DWORDS + AMX_P_DWORDS + amx_v_dwords(sh.dv_pad),
-    };
+    let pair_dwords = amx_pair_dwords(tiles.is_some(), amx_pv, sh.dv_pad);
     let (a_rows, pv_pairs) =
         ensure(amx_pairs, pair_dwords, 0).split_at_mut(pair_dwords.min(StreamLens::AMX_A_DWORDS));
     let c_buf = ensure_aligned(kt, amx_len(tiles.is_some(), StreamLens::AMX_C_FLOATS));

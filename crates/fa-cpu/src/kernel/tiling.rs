@@ -60,10 +60,16 @@ impl Tiling {
     /// lets D=256 take 1024 rows: with 1008, 1024-token sequences split into two tasks and
     /// pack every K/V tile twice.
     pub fn rows_for(&self, head_dim: usize, head_dim_v: usize) -> usize {
+        self.rows_within(5 * 512 * 1024, head_dim, head_dim_v)
+    }
+
+    /// As many query rows as keep `Qᵀ` and `Oᵀ` (f32, padded head dims) within `budget`
+    /// bytes, in whole panels, at least one panel and at most `rows`.
+    fn rows_within(&self, budget: usize, head_dim: usize, head_dim_v: usize) -> usize {
         let panel = self.lanes * self.row_vectors;
         let dv_pad = head_dim_v.div_ceil(self.pv_channels) * self.pv_channels;
-        let budget = (5 * 512 * 1024) / (4 * (head_dim + dv_pad));
-        (budget / panel * panel).clamp(panel, self.rows.max(panel))
+        let rows = budget / (4 * (head_dim + dv_pad));
+        (rows / panel * panel).clamp(panel, self.rows.max(panel))
     }
 
     /// Query rows per task of the AMX forward: [`Tiling::rows_for`], except without a mask at
@@ -80,10 +86,7 @@ impl Tiling {
         if masked || head_dim.max(head_dim_v) <= 128 {
             return self.rows_for(head_dim, head_dim_v);
         }
-        let panel = self.lanes * self.row_vectors;
-        let dv_pad = head_dim_v.div_ceil(self.pv_channels) * self.pv_channels;
-        let budget = (8 << 20) / (4 * (head_dim + dv_pad));
-        (budget / panel * panel).clamp(panel, self.rows.max(panel))
+        self.rows_within(8 << 20, head_dim, head_dim_v)
     }
 
     /// Keys per key tile for these head dims: twice `keys` for head dims up to 64 without a
