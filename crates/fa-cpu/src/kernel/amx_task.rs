@@ -228,7 +228,11 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let pb = ensure_on_line(amx_p, 2 * (bc / 2 * panel));
     let pairs = ensure(amx_pairs, (bc / 2 * dv32).max(16 * d32 / 2), 0);
     let mut lap = Lap::start();
-    ot.fill(0.0);
+    // Oᵀ is not cleared: a panel's first products start from zero tiles (`OPanels`).
+    let mut o_panels = OPanels::new(br / panel);
+    if o_panels.all_written() {
+        ot.fill(0.0);
+    }
     states.fill(RowState::new());
 
     // SAFETY: S available (caller); qv holds br·d32/2 dwords, pairs 16·d32/2.
@@ -289,13 +293,14 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         // floats (pi < br/panel).
         let scores_job =
             |pi: usize, b: usize| ScoresJob::new(q_panel(pi), kb.as_ptr(), st_buf[b], d32, nk32);
-        let products_job = |pi: usize, b: usize| {
+        let products_job = |pi: usize, b: usize, fresh: bool| {
             ProductsJob::new(
                 vb.as_ptr(),
                 pb_buf[b],
                 o_base.wrapping_add(pi * panel * dv32),
                 dv32,
                 nk32,
+                fresh,
             )
         };
         let mut first_scores = TileWork::new(Some(scores_job(first, 0)), None);
@@ -333,7 +338,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             lap.lap(AmxPhase::Softmax);
             let mut work = TileWork::new(
                 next.map(|n| scores_job(n, b ^ 1)),
-                prev.map(|pv| products_job(pv, b ^ 1)),
+                prev.map(|pv| products_job(pv, b ^ 1, o_panels.first_write(pv))),
             );
             // SAFETY: st_cur holds nk rows of `panel` floats, pb_buf[b] nk32/2 rows of
             // `panel` dwords (neither touched by `work`, which reads and writes the other
@@ -371,7 +376,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                 prefetch.after_call::<S, T, O>(ctx, &dims);
             }
             let corr_panel = &corr[rv0..rv0 + panel];
-            if corr_panel.iter().any(|&c| c != 1.0) {
+            // A panel not yet written has no Oᵀ to correct (its memory is not cleared).
+            if o_panels.written(cur) && corr_panel.iter().any(|&c| c != 1.0) {
                 // SAFETY: the panel's dv32 rows of `panel` floats inside `ot` (cur < br/panel),
                 // not touched by the tiles now (its products come in the next iteration);
                 // corr_panel `panel` = NR·W; S available.
@@ -392,7 +398,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             }
         }
         // The last panel's products (its P is in pb_buf[b]).
-        let mut last = TileWork::new(None, Some(products_job(cur, b)));
+        let fresh = o_panels.first_write(cur);
+        let mut last = TileWork::new(None, Some(products_job(cur, b, fresh)));
         // SAFETY: the job's buffers (above).
         unsafe { last.finish(tiles) };
         lap.lap(AmxPhase::Products);
@@ -400,6 +407,10 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         lap.lap(AmxPhase::PackKv);
     }
     stats.skipped = total_tiles * rows.div_ceil(panel) as u64 - stats.computed;
+    // Panels no key reached (a mask hid every key tile from them) write zeros.
+    for pi in (0..br / panel).filter(|&pi| !o_panels.written(pi)) {
+        ot[pi * panel * dv32..(pi + 1) * panel * dv32].fill(0.0);
+    }
     // SAFETY: S available; `ot` holds dv32·br floats (dims.dv_pad = dv32), `row` panel·dv,
     // `states` br rows.
     unsafe { write_back::<S, T, O>(ctx, task, &dims, ot, row, states) };
@@ -777,19 +788,71 @@ struct ProductsJob {
     /// The panel's `Oᵀ`: `dv32` rows of 32 floats.
     o: *mut f32,
     nk32: usize,
+    /// The panel's first products: the accumulators start from zero tiles, not from `o`
+    /// (which holds nothing yet).
+    fresh: bool,
     /// Steps in all: `dv32/32 · (nk32/32 + 1)`.
     steps: usize,
 }
 
 impl ProductsJob {
-    fn new(vb: *const u32, pb: *const u32, o: *mut f32, dv32: usize, nk32: usize) -> ProductsJob {
+    fn new(
+        vb: *const u32,
+        pb: *const u32,
+        o: *mut f32,
+        dv32: usize,
+        nk32: usize,
+        fresh: bool,
+    ) -> ProductsJob {
         ProductsJob {
             vb,
             pb,
             o,
             nk32,
+            fresh,
             steps: dv32 / 32 * (nk32 / STEP + 1),
         }
+    }
+}
+
+/// Which panels' `Oᵀ` the products have written: the task's `Oᵀ` is not cleared up front (a
+/// megabyte of stores per 2048-row task at head dim 128), so a panel's first products start
+/// from zero tiles, its correction is skipped until then, and panels never written are zeroed
+/// before the write-back. Tracks up to [`OPanels::MAX`] panels; a task with more (none under
+/// [`AMX_TASK_ROWS`]) clears `Oᵀ` up front and counts every panel as written.
+struct OPanels {
+    bits: [u64; 2],
+    all: bool,
+}
+
+impl OPanels {
+    /// Panels tracked at most.
+    const MAX: usize = 128;
+
+    fn new(panels: usize) -> OPanels {
+        OPanels {
+            bits: [0; 2],
+            all: panels > Self::MAX,
+        }
+    }
+
+    /// Whether every panel counts as written (and `Oᵀ` must be cleared up front).
+    fn all_written(&self) -> bool {
+        self.all
+    }
+
+    /// Whether panel `pi`'s `Oᵀ` holds products.
+    fn written(&self, pi: usize) -> bool {
+        self.all || self.bits[pi / 64] >> (pi % 64) & 1 == 1
+    }
+
+    /// Marks panel `pi` written; true if this is its first write.
+    fn first_write(&mut self, pi: usize) -> bool {
+        if self.written(pi) {
+            return false;
+        }
+        self.bits[pi / 64] |= 1 << (pi % 64);
+        true
     }
 }
 
@@ -920,7 +983,14 @@ impl TileWork {
             if self.sub < key_chunks {
                 let kc = self.sub;
                 if kc == 0 {
-                    load_c(t, oc);
+                    if j.fresh {
+                        t.zero::<0>();
+                        t.zero::<1>();
+                        t.zero::<2>();
+                        t.zero::<3>();
+                    } else {
+                        load_c(t, oc);
+                    }
                 }
                 let v0 = j.vb.add(cb * half + kc * 16);
                 let p0 = j.pb.add(kc * 2 * 256);
