@@ -29,7 +29,7 @@ use super::scratch::{ensure, ensure_aligned, ensure_on_line, Scratch};
 use super::softmax::{add_panel_sums, panel_maxima, panel_offsets, softcap_slice};
 use super::tiling::Task;
 use crate::arch::amx::Tiles;
-use crate::arch::{exp2_cubic, exp2_exact, Arch, Simd};
+use crate::arch::{exp2_cubic, Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::{sealed, Element};
 use crate::Exp2Impl;
@@ -638,7 +638,7 @@ struct PanelSoftmax<'p> {
 impl PanelSoftmax<'_> {
     /// Runs it on `(st, nk, nk32, pb)`: `st` holds `nk` rows of `NR·W` (= [`AMX_PANEL`])
     /// scores, `pb` gets `nk32/2` rows of pair dwords; `states` and `corr` are the task's.
-    /// `CUBIC`: [`exp2_cubic`], else [`exp2_exact`]; `NATIVE`: the CPU's bf16 conversion.
+    /// `CUBIC`: [`exp2_cubic`], else [`Simd::exp2_softmax`] ([`crate::arch::exp2_exact`]'s values); `NATIVE`: the CPU's bf16 conversion.
     /// `work` is issued on `tiles` a share at a time between the key pairs (some may be left
     /// for the caller's [`TileWork::finish`]).
     ///
@@ -686,7 +686,8 @@ impl PanelSoftmax<'_> {
                     if CUBIC {
                         exp2_cubic::<S>(x)
                     } else {
-                        exp2_exact::<S>(x)
+                        // x = factor·s − offset ≤ the rescale threshold (≤ 64).
+                        S::exp2_softmax(x)
                     }
                 }
             }
