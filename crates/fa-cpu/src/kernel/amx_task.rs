@@ -872,6 +872,10 @@ struct TileWork {
     block: usize,
     sub: usize,
     part: usize,
+    /// Calls of [`TileWork::pace`] so far, and `paced · total mod n` (the share not yet
+    /// worth a whole part), so that pacing needs no division.
+    paced: usize,
+    owed: usize,
 }
 
 /// Parts a step is issued in: each part issues `4 / SUB_STEPS` of the step's products (with
@@ -894,6 +898,8 @@ impl TileWork {
             block: 0,
             sub: 0,
             part: 0,
+            paced: 0,
+            owed: 0,
         }
     }
 
@@ -915,8 +921,14 @@ impl TileWork {
     /// As [`TileWork::step`].
     #[inline(always)]
     unsafe fn pace<M: Tiles>(&mut self, t: &mut M, i: usize, n: usize) {
-        let target = (i + 1) * self.total() / n.max(1);
-        while self.done < target {
+        // ⌊(i + 1)·total / n⌋ parts issued after call i, counted without a division: it runs
+        // twice per key pair of the softmax.
+        debug_assert_eq!(i, self.paced, "pace is called once per iteration, in order");
+        self.paced += 1;
+        self.owed += self.total();
+        let n = n.max(1);
+        while self.owed >= n {
+            self.owed -= n;
             // SAFETY: the caller's.
             unsafe { self.step(t) };
         }

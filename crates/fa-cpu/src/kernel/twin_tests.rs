@@ -6,7 +6,7 @@ use super::micro::{pv_micro, qk_micro};
 use super::pack::{pack_group, transpose_region};
 use super::softmax::{all_keep, exp2_slice, softcap_slice};
 use super::Tiling;
-use crate::arch::{Arch, Simd, SimdLevel};
+use crate::arch::{Arch, SimdLevel};
 use crate::dispatch::{dispatch, Isa, SimdTask};
 use crate::Exp2Impl;
 use fa_reference::Rng;
