@@ -99,6 +99,29 @@ unsafe impl Simd for Avx512 {
             _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
         }
     }
+    /// [`super::exp2_exact`]'s steps with AVX-512's rounding and scaling instructions: `n` by
+    /// `vrndscaleps` (nearest, ties to even, as the `ROUND_MAGIC` sum gives it), `p·2^n` by
+    /// `vscalefps` (correctly rounded, as the product with an exact `2^n` is), and `n = −127`
+    /// (inputs below −126.5, and `−∞`) zeroed by the mask, where the default builds the scale
+    /// 0: 10 operations against 13. No upper clamp: inputs stay at or below 127 (the caller's
+    /// contract); NaN stays NaN (its lanes are unordered, so the mask keeps them).
+    #[inline(always)]
+    unsafe fn exp2_softmax(x: __m512) -> __m512 {
+        // SAFETY: AVX-512F present (trait contract).
+        unsafe {
+            let xc = _mm512_max_ps(_mm512_set1_ps(super::EXP2_LO), x);
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
+            let f = _mm512_sub_ps(xc, n);
+            let c = super::EXP2_EXACT;
+            let mut p = _mm512_set1_ps(c[0]);
+            for &ci in &c[1..] {
+                p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ci));
+            }
+            let p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0));
+            let keep = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(n, _mm512_set1_ps(super::EXP2_LO));
+            _mm512_maskz_scalef_ps(keep, p, n)
+        }
+    }
     #[inline(always)]
     unsafe fn gt_mask(a: __m512, b: __m512) -> u32 {
         // SAFETY: AVX-512F present (trait contract).

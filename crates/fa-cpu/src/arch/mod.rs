@@ -183,6 +183,15 @@ pub(crate) unsafe trait Simd: Copy + 'static {
     /// integer bits of `biased`: `(bits(biased) − bits(ROUND_MAGIC) + 127) << 23`; 0 for
     /// `n = −127`, `+∞` for `n = 128`, as [`Simd::pow2i`].
     unsafe fn pow2i_biased(biased: Self::V) -> Self::V;
+    /// [`exp2_exact`]'s result, bit for bit, for lanes `x ≤ 127` (NaN and `−∞` included):
+    /// the softmax's arguments, which never exceed the rescale threshold
+    /// ([`softmax_core::MAX_RESCALE_THRESHOLD`] = 64). Architectures with a scale-by-power-of-two
+    /// instruction take fewer operations; the default is [`exp2_exact`] itself.
+    #[inline(always)]
+    unsafe fn exp2_softmax(x: Self::V) -> Self::V {
+        // SAFETY: S available (caller).
+        unsafe { exp2_exact::<Self>(x) }
+    }
     /// A bit mask of the lanes where `a > b` (bit `i` for lane `i`; false where either is NaN).
     unsafe fn gt_mask(a: Self::V, b: Self::V) -> u32;
     /// `if a < b { t } else { f }` per lane.
@@ -336,7 +345,7 @@ pub(crate) unsafe trait Simd: Copy + 'static {
 /// for the smallest maximum relative error (iteratively reweighted least squares), 9.2e-8 in
 /// exact arithmetic and 1.7e-7 evaluated in f32 with fused multiply-adds. One degree fewer than
 /// Cephes' `exp2f` polynomial at the same accuracy: f32 rounding dominates either way.
-const EXP2_EXACT: [f32; 5] = [
+pub(crate) const EXP2_EXACT: [f32; 5] = [
     1.326_468e-3,
     9.671_503e-3,
     5.550_734e-2,
@@ -355,7 +364,7 @@ pub(crate) const POW2I_BIAS: i32 = 127 - ROUND_MAGIC.to_bits() as i32;
 
 /// Inputs are clamped to `[EXP2_LO, EXP2_HI]` before the range reduction: `2^−127` is built
 /// as the scale 0 (so `−∞` and anything below −126.5 gives exactly 0) and `2^128` as `+∞`.
-const EXP2_LO: f32 = -127.0;
+pub(crate) const EXP2_LO: f32 = -127.0;
 /// See [`EXP2_LO`].
 const EXP2_HI: f32 = 128.0;
 

@@ -29,7 +29,7 @@ use super::scratch::{ensure, ensure_aligned, ensure_on_line, Scratch};
 use super::softmax::{add_panel_sums, panel_maxima, panel_offsets, softcap_slice};
 use super::tiling::Task;
 use crate::arch::amx::Tiles;
-use crate::arch::{exp2_cubic, exp2_exact, Arch, Simd};
+use crate::arch::{exp2_cubic, Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::{sealed, Element};
 use crate::Exp2Impl;
@@ -228,7 +228,11 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let pb = ensure_on_line(amx_p, 2 * (bc / 2 * panel));
     let pairs = ensure(amx_pairs, (bc / 2 * dv32).max(16 * d32 / 2), 0);
     let mut lap = Lap::start();
-    ot.fill(0.0);
+    // Oᵀ is not cleared: a panel's first products start from zero tiles (`OPanels`).
+    let mut o_panels = OPanels::new(br / panel);
+    if o_panels.all_written() {
+        ot.fill(0.0);
+    }
     states.fill(RowState::new());
 
     // SAFETY: S available (caller); qv holds br·d32/2 dwords, pairs 16·d32/2.
@@ -289,13 +293,14 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         // floats (pi < br/panel).
         let scores_job =
             |pi: usize, b: usize| ScoresJob::new(q_panel(pi), kb.as_ptr(), st_buf[b], d32, nk32);
-        let products_job = |pi: usize, b: usize| {
+        let products_job = |pi: usize, b: usize, fresh: bool| {
             ProductsJob::new(
                 vb.as_ptr(),
                 pb_buf[b],
                 o_base.wrapping_add(pi * panel * dv32),
                 dv32,
                 nk32,
+                fresh,
             )
         };
         let mut first_scores = TileWork::new(Some(scores_job(first, 0)), None);
@@ -333,7 +338,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             lap.lap(AmxPhase::Softmax);
             let mut work = TileWork::new(
                 next.map(|n| scores_job(n, b ^ 1)),
-                prev.map(|pv| products_job(pv, b ^ 1)),
+                prev.map(|pv| products_job(pv, b ^ 1, o_panels.first_write(pv))),
             );
             // SAFETY: st_cur holds nk rows of `panel` floats, pb_buf[b] nk32/2 rows of
             // `panel` dwords (neither touched by `work`, which reads and writes the other
@@ -371,7 +376,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                 prefetch.after_call::<S, T, O>(ctx, &dims);
             }
             let corr_panel = &corr[rv0..rv0 + panel];
-            if corr_panel.iter().any(|&c| c != 1.0) {
+            // A panel not yet written has no Oᵀ to correct (its memory is not cleared).
+            if o_panels.written(cur) && corr_panel.iter().any(|&c| c != 1.0) {
                 // SAFETY: the panel's dv32 rows of `panel` floats inside `ot` (cur < br/panel),
                 // not touched by the tiles now (its products come in the next iteration);
                 // corr_panel `panel` = NR·W; S available.
@@ -392,7 +398,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             }
         }
         // The last panel's products (its P is in pb_buf[b]).
-        let mut last = TileWork::new(None, Some(products_job(cur, b)));
+        let fresh = o_panels.first_write(cur);
+        let mut last = TileWork::new(None, Some(products_job(cur, b, fresh)));
         // SAFETY: the job's buffers (above).
         unsafe { last.finish(tiles) };
         lap.lap(AmxPhase::Products);
@@ -400,6 +407,10 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         lap.lap(AmxPhase::PackKv);
     }
     stats.skipped = total_tiles * rows.div_ceil(panel) as u64 - stats.computed;
+    // Panels no key reached (a mask hid every key tile from them) write zeros.
+    for pi in (0..br / panel).filter(|&pi| !o_panels.written(pi)) {
+        ot[pi * panel * dv32..(pi + 1) * panel * dv32].fill(0.0);
+    }
     // SAFETY: S available; `ot` holds dv32·br floats (dims.dv_pad = dv32), `row` panel·dv,
     // `states` br rows.
     unsafe { write_back::<S, T, O>(ctx, task, &dims, ot, row, states) };
@@ -627,7 +638,7 @@ struct PanelSoftmax<'p> {
 impl PanelSoftmax<'_> {
     /// Runs it on `(st, nk, nk32, pb)`: `st` holds `nk` rows of `NR·W` (= [`AMX_PANEL`])
     /// scores, `pb` gets `nk32/2` rows of pair dwords; `states` and `corr` are the task's.
-    /// `CUBIC`: [`exp2_cubic`], else [`exp2_exact`]; `NATIVE`: the CPU's bf16 conversion.
+    /// `CUBIC`: [`exp2_cubic`], else [`Simd::exp2_softmax`] ([`crate::arch::exp2_exact`]'s values); `NATIVE`: the CPU's bf16 conversion.
     /// `work` is issued on `tiles` a share at a time between the key pairs (some may be left
     /// for the caller's [`TileWork::finish`]).
     ///
@@ -648,8 +659,8 @@ impl PanelSoftmax<'_> {
     ) {
         let w = S::W;
         let panel = NR * w;
-        // The tile work is paced over the key pairs, one share before the maxima.
-        let slots = nk / 2 + 1;
+        // The tile work is paced over the key pairs' row vectors, one share before the maxima.
+        let slots = nk / 2 * NR + 1;
         // SAFETY: bounds are the caller's contract, and `work`'s ([`TileWork::step`]).
         unsafe {
             work.pace(tiles, 0, slots);
@@ -675,7 +686,8 @@ impl PanelSoftmax<'_> {
                     if CUBIC {
                         exp2_cubic::<S>(x)
                     } else {
-                        exp2_exact::<S>(x)
+                        // x = factor·s − offset ≤ the rescale threshold (≤ 64).
+                        S::exp2_softmax(x)
                     }
                 }
             }
@@ -686,8 +698,8 @@ impl PanelSoftmax<'_> {
             };
             let mut sum = [S::splat(0.0); NR];
             for jp in 0..nk / 2 {
-                work.pace(tiles, jp + 1, slots);
                 for (n, total) in sum.iter_mut().enumerate() {
+                    work.pace(tiles, jp * NR + n + 1, slots);
                     let at = st.add(2 * jp * panel + n * w);
                     let lo = exp::<S, CUBIC>(at, f, neg[n]);
                     let hi = exp::<S, CUBIC>(at.add(panel), f, neg[n]);
@@ -777,25 +789,77 @@ struct ProductsJob {
     /// The panel's `Oᵀ`: `dv32` rows of 32 floats.
     o: *mut f32,
     nk32: usize,
+    /// The panel's first products: the accumulators start from zero tiles, not from `o`
+    /// (which holds nothing yet).
+    fresh: bool,
     /// Steps in all: `dv32/32 · (nk32/32 + 1)`.
     steps: usize,
 }
 
 impl ProductsJob {
-    fn new(vb: *const u32, pb: *const u32, o: *mut f32, dv32: usize, nk32: usize) -> ProductsJob {
+    fn new(
+        vb: *const u32,
+        pb: *const u32,
+        o: *mut f32,
+        dv32: usize,
+        nk32: usize,
+        fresh: bool,
+    ) -> ProductsJob {
         ProductsJob {
             vb,
             pb,
             o,
             nk32,
+            fresh,
             steps: dv32 / 32 * (nk32 / STEP + 1),
         }
     }
 }
 
+/// Which panels' `Oᵀ` the products have written: the task's `Oᵀ` is not cleared up front (a
+/// megabyte of stores per 2048-row task at head dim 128), so a panel's first products start
+/// from zero tiles, its correction is skipped until then, and panels never written are zeroed
+/// before the write-back. Tracks up to [`OPanels::MAX`] panels; a task with more (none under
+/// [`AMX_TASK_ROWS`]) clears `Oᵀ` up front and counts every panel as written.
+struct OPanels {
+    bits: [u64; 2],
+    all: bool,
+}
+
+impl OPanels {
+    /// Panels tracked at most.
+    const MAX: usize = 128;
+
+    fn new(panels: usize) -> OPanels {
+        OPanels {
+            bits: [0; 2],
+            all: panels > Self::MAX,
+        }
+    }
+
+    /// Whether every panel counts as written (and `Oᵀ` must be cleared up front).
+    fn all_written(&self) -> bool {
+        self.all
+    }
+
+    /// Whether panel `pi`'s `Oᵀ` holds products.
+    fn written(&self, pi: usize) -> bool {
+        self.all || self.bits[pi / 64] >> (pi % 64) & 1 == 1
+    }
+
+    /// Marks panel `pi` written; true if this is its first write.
+    fn first_write(&mut self, pi: usize) -> bool {
+        if self.written(pi) {
+            return false;
+        }
+        self.bits[pi / 64] |= 1 << (pi % 64);
+        true
+    }
+}
+
 /// The tile work of one pipeline step: a panel's scores, then another panel's products, cut
-/// into steps of at most four tile loads (or four stores) and four products, so they can be
-/// issued a few at a time between vector instructions ([`TileWork::pace`]). Both jobs use
+/// into steps of at most four tile loads (or four stores) and four products, each issued in
+/// [`SUB_STEPS`] parts between the softmax's vector instructions ([`TileWork::pace`]). Both jobs use
 /// all eight tiles, so a job's C tiles stay live across its steps and the jobs run one after
 /// the other, never interleaved with each other.
 struct TileWork {
@@ -803,10 +867,27 @@ struct TileWork {
     products: Option<ProductsJob>,
     /// Steps issued.
     done: usize,
-    /// The current block (32 keys of the scores, 32 channels of the products) and step in it.
+    /// The current block (32 keys of the scores, 32 channels of the products), step in it,
+    /// and part of that step ([`SUB_STEPS`]).
     block: usize,
     sub: usize,
+    part: usize,
+    /// Calls of [`TileWork::pace`] so far, and `paced · total mod n` (the share not yet
+    /// worth a whole part), so that pacing needs no division.
+    paced: usize,
+    owed: usize,
 }
+
+/// Parts a step is issued in: each part issues `4 / SUB_STEPS` of the step's products (with
+/// the tile loads they need first) or stores, and the softmax paces them per row vector, so
+/// the vector work between two calls of [`TileWork::pace`] meets a short run of tile
+/// instructions. On the development VM a 2 × 2 step (4 products, ~54 ticks) and 128 FMAs
+/// (~55) cost their sum back to back, while 64 FMAs hide beside it; on the GPU machine's
+/// Xeon (docs/gpu-notes.md run 86, 2 pinned cores, bf16, 18 shapes × 3 rounds, alternating,
+/// geometric mean of paired ratios against main): parts of 1 product 1.147×, 2 products
+/// 1.064×, whole steps 1.032× (all paced per row vector, with this task's other changes,
+/// which with whole steps paced per key pair gave 1.069×).
+const SUB_STEPS: usize = 4;
 
 impl TileWork {
     fn new(scores: Option<ScoresJob>, products: Option<ProductsJob>) -> TileWork {
@@ -816,6 +897,9 @@ impl TileWork {
             done: 0,
             block: 0,
             sub: 0,
+            part: 0,
+            paced: 0,
+            owed: 0,
         }
     }
 
@@ -824,10 +908,10 @@ impl TileWork {
         self.scores.is_some() as usize + self.products.is_some() as usize
     }
 
-    /// Steps in all.
+    /// Parts in all (steps × [`SUB_STEPS`]).
     #[inline(always)]
     fn total(&self) -> usize {
-        self.scores.map_or(0, |j| j.steps) + self.products.map_or(0, |j| j.steps)
+        (self.scores.map_or(0, |j| j.steps) + self.products.map_or(0, |j| j.steps)) * SUB_STEPS
     }
 
     /// Issues steps until `(i + 1)/n` of them are done (`i < n`): called once per iteration
@@ -837,8 +921,14 @@ impl TileWork {
     /// As [`TileWork::step`].
     #[inline(always)]
     unsafe fn pace<M: Tiles>(&mut self, t: &mut M, i: usize, n: usize) {
-        let target = (i + 1) * self.total() / n.max(1);
-        while self.done < target {
+        // ⌊(i + 1)·total / n⌋ parts issued after call i, counted without a division: it runs
+        // twice per key pair of the softmax.
+        debug_assert_eq!(i, self.paced, "pace is called once per iteration, in order");
+        self.paced += 1;
+        self.owed += self.total();
+        let n = n.max(1);
+        while self.owed >= n {
+            self.owed -= n;
             // SAFETY: the caller's.
             unsafe { self.step(t) };
         }
@@ -856,7 +946,23 @@ impl TileWork {
         }
     }
 
-    /// Issues the next step (none when all are done).
+    /// Moves to the next part: past a step's last part to the next step, past a block's
+    /// `steps` steps to the next block.
+    #[inline(always)]
+    fn advance(&mut self, steps: usize) {
+        self.done += 1;
+        self.part += 1;
+        if self.part == SUB_STEPS {
+            self.part = 0;
+            self.sub += 1;
+            if self.sub == steps {
+                self.sub = 0;
+                self.block += 1;
+            }
+        }
+    }
+
+    /// Issues the next part of a step (none when all are done).
     ///
     /// # Safety
     /// The jobs' pointers are valid as their fields say (read for `q`, `kb`, `vb`, `pb`,
@@ -864,14 +970,15 @@ impl TileWork {
     /// until [`TileWork::finish`] returns.
     #[inline(always)]
     unsafe fn step<M: Tiles>(&mut self, t: &mut M) {
-        let s_steps = self.scores.map_or(0, |j| j.steps);
-        if self.done < s_steps {
+        let s_parts = self.scores.map_or(0, |j| j.steps) * SUB_STEPS;
+        let part = self.part;
+        if self.done < s_parts {
             let Some(j) = self.scores else { return };
             let chunks = j.d32 / STEP;
             let jb = self.block * 32;
             if self.sub < chunks {
                 let cc = self.sub;
-                if cc == 0 {
+                if cc == 0 && part == 0 {
                     t.zero::<0>();
                     t.zero::<1>();
                     t.zero::<2>();
@@ -882,8 +989,9 @@ impl TileWork {
                 unsafe {
                     let k0 = j.kb.add(jb * j.d32 + cc * STEP);
                     let q0 = j.q.add(cc * TILE_DWORDS);
-                    dot_2x2(
+                    dot_2x2_part(
                         t,
+                        part,
                         k0 as *const u8,
                         k0.add(16 * j.d32) as *const u8,
                         2 * j.d32,
@@ -891,22 +999,20 @@ impl TileWork {
                         q0.add(chunks * TILE_DWORDS) as *const u8,
                     );
                 }
-                self.sub += 1;
             } else {
                 // SAFETY: rows jb..jb + 32 ≤ nk32 of 32 floats.
-                unsafe { store_c(t, j.st.add(jb * AMX_PANEL)) };
-                self.block += 1;
-                self.sub = 0;
+                unsafe { store_c_part(t, part, j.st.add(jb * AMX_PANEL)) };
             }
-            self.done += 1;
-            if self.done == s_steps {
+            self.advance(chunks + 1);
+            if self.done == s_parts {
                 self.block = 0;
                 self.sub = 0;
+                self.part = 0;
             }
             return;
         }
         let Some(j) = self.products else { return };
-        if self.done >= s_steps + j.steps {
+        if self.done >= s_parts + j.steps * SUB_STEPS {
             return;
         }
         let half = j.nk32 / 2;
@@ -919,27 +1025,32 @@ impl TileWork {
             let oc = j.o.add(cb * AMX_PANEL);
             if self.sub < key_chunks {
                 let kc = self.sub;
-                if kc == 0 {
-                    load_c(t, oc);
+                if kc == 0 && part == 0 {
+                    if j.fresh {
+                        t.zero::<0>();
+                        t.zero::<1>();
+                        t.zero::<2>();
+                        t.zero::<3>();
+                    } else {
+                        load_c(t, oc);
+                    }
                 }
                 let v0 = j.vb.add(cb * half + kc * 16);
                 let p0 = j.pb.add(kc * 2 * 256);
-                dot_2x2(
+                dot_2x2_part(
                     t,
+                    part,
                     v0 as *const u8,
                     v0.add(16 * half) as *const u8,
                     2 * j.nk32,
                     p0 as *const u8,
                     p0.add(256) as *const u8,
                 );
-                self.sub += 1;
             } else {
-                store_c(t, oc);
-                self.block += 1;
-                self.sub = 0;
+                store_c_part(t, part, oc);
             }
         }
-        self.done += 1;
+        self.advance(key_chunks + 1);
     }
 }
 
@@ -960,45 +1071,65 @@ unsafe fn load_c<M: Tiles>(t: &mut M, c: *const f32) {
     }
 }
 
-/// The 32 × 32 floats at `c` ← tiles 0–3 (the layout of [`load_c`]).
+/// Part `part` of [`SUB_STEPS`] of storing tiles 0–3 to the 32 × 32 floats at `c` (the
+/// layout of [`load_c`]): tiles `part·4/SUB_STEPS ..` of it.
 ///
 /// # Safety
-/// 32 rows of 32 writable floats at `c`.
+/// 32 rows of 32 writable floats at `c`; `part < SUB_STEPS`.
 #[inline(always)]
-unsafe fn store_c<M: Tiles>(t: &mut M, c: *mut f32) {
+unsafe fn store_c_part<M: Tiles>(t: &mut M, part: usize, c: *mut f32) {
     let stride = 4 * AMX_PANEL;
+    let per = 4 / SUB_STEPS;
     // SAFETY: each tile's 16 rows of 64 bytes lie inside the caller's 32 × 32 floats.
     unsafe {
-        t.store::<0>(c as *mut u8, stride);
-        t.store::<1>(c.add(16) as *mut u8, stride);
-        t.store::<2>(c.add(16 * AMX_PANEL) as *mut u8, stride);
-        t.store::<3>(c.add(16 * AMX_PANEL + 16) as *mut u8, stride);
+        for tile in part * per..(part + 1) * per {
+            match tile {
+                0 => t.store::<0>(c as *mut u8, stride),
+                1 => t.store::<1>(c.add(16) as *mut u8, stride),
+                2 => t.store::<2>(c.add(16 * AMX_PANEL) as *mut u8, stride),
+                _ => t.store::<3>(c.add(16 * AMX_PANEL + 16) as *mut u8, stride),
+            }
+        }
     }
 }
 
-/// A tiles 4, 5 ← 16 rows of 64 bytes at `a0`, `a1` (`a_stride` bytes apart), B tiles 6, 7
-/// ← 1 KiB at `b0`, `b1`, then the 2 × 2 products `C(2i + j) += A(4 + i)·B(6 + j)`.
+/// Part `part` of [`SUB_STEPS`] of the 2 × 2 tile block: A tiles 4, 5 ← 16 rows of 64 bytes
+/// at `a0`, `a1` (`a_stride` bytes apart), B tiles 6, 7 ← 1 KiB at `b0`, `b1`, and the
+/// products `C(2i + j) += A(4 + i)·B(6 + j)` in the order (0,0), (0,1), (1,0), (1,1); a part
+/// issues `4/SUB_STEPS` of them, each after the loads it is the first to need.
 ///
 /// # Safety
-/// The four tiles' bytes readable.
+/// The four tiles' bytes readable; `part < SUB_STEPS`.
 #[inline(always)]
-unsafe fn dot_2x2<M: Tiles>(
+unsafe fn dot_2x2_part<M: Tiles>(
     t: &mut M,
+    part: usize,
     a0: *const u8,
     a1: *const u8,
     a_stride: usize,
     b0: *const u8,
     b1: *const u8,
 ) {
-    // SAFETY: the caller's.
-    unsafe {
-        t.load::<4>(a0, a_stride);
-        t.load::<5>(a1, a_stride);
-        t.load::<6>(b0, 64);
-        t.load::<7>(b1, 64);
+    let per = 4 / SUB_STEPS;
+    for product in part * per..(part + 1) * per {
+        // SAFETY: the caller's.
+        unsafe {
+            match product {
+                0 => {
+                    t.load::<4>(a0, a_stride);
+                    t.load::<6>(b0, 64);
+                    t.dot::<0, 4, 6>();
+                }
+                1 => {
+                    t.load::<7>(b1, 64);
+                    t.dot::<1, 4, 7>();
+                }
+                2 => {
+                    t.load::<5>(a1, a_stride);
+                    t.dot::<2, 5, 6>();
+                }
+                _ => t.dot::<3, 5, 7>(),
+            }
+        }
     }
-    t.dot::<0, 4, 6>();
-    t.dot::<1, 4, 7>();
-    t.dot::<2, 5, 6>();
-    t.dot::<3, 5, 7>();
 }

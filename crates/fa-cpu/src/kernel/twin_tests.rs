@@ -255,6 +255,23 @@ impl SimdTask for Exp2<'_> {
     }
 }
 
+/// [`Simd::exp2_softmax`] over a slice (length a multiple of W).
+struct Exp2Softmax<'a> {
+    x: &'a mut [f32],
+}
+
+impl SimdTask for Exp2Softmax<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        assert!(self.x.len().is_multiple_of(A::W));
+        for chunk in self.x.chunks_exact_mut(A::W) {
+            // SAFETY: chunk holds W floats; A available (caller).
+            unsafe { A::store(chunk.as_mut_ptr(), A::exp2_softmax(A::load(chunk.as_ptr()))) };
+        }
+    }
+}
+
 /// See [`ArchUnderTest::softcap`].
 struct Softcap<'a> {
     x: &'a mut [f32],
@@ -573,6 +590,42 @@ fn exp2_exact_accuracy_and_specials_every_arch() {
             "{}: exp2 max relative error {worst:e}",
             a.name
         );
+    }
+}
+
+#[test]
+fn exp2_softmax_is_exp2_exact_bit_for_bit_up_to_127_every_arch() {
+    let mut rng = Rng::new(0x5ca1ef);
+    for a in all_archs() {
+        // The sweep, ties and specials of the exact test (those above 127 dropped: outside
+        // the contract), every half-integer from −140 to 64, and random softmax arguments.
+        let mut x: Vec<f32> = exp2_inputs(50_001, a.lanes)
+            .into_iter()
+            .filter(|&v| v <= 127.0 || v.is_nan())
+            .collect();
+        x.extend((-280..=128).map(|k| k as f32 / 2.0));
+        x.extend([
+            -126.5,
+            -127.5,
+            -126.5 - 1e-5,
+            -126.5 + 1e-5,
+            127.0,
+            64.0,
+            -149.5,
+        ]);
+        x.extend((0..20_000).map(|_| -130.0 * rng.uniform() as f32 + 8.0));
+        x.resize(round_up(x.len(), a.lanes), -3.25);
+        let mut want = x.clone();
+        a.exp2(&mut want, Exp2Impl::Exact);
+        let mut got = x.clone();
+        dispatch(a.isa, Exp2Softmax { x: &mut got });
+        for ((&xi, &w), &g) in x.iter().zip(&want).zip(&got) {
+            assert!(
+                w.to_bits() == g.to_bits() || (w.is_nan() && g.is_nan()),
+                "{}: exp2_softmax({xi:e}) = {g:e}, exp2_exact {w:e}",
+                a.name
+            );
+        }
     }
 }
 
