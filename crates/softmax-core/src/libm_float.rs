@@ -31,35 +31,28 @@ pub trait LibmFloat: Float {
     fn libm_tanh(self) -> Self;
 }
 
-impl LibmFloat for f32 {
-    #[inline]
-    fn libm_exp2(self) -> f32 {
-        libm::exp2f(self)
-    }
-    #[inline]
-    fn libm_log2(self) -> f32 {
-        libm::log2f(self)
-    }
-    #[inline]
-    fn libm_tanh(self) -> f32 {
-        libm::tanhf(self)
-    }
+/// `impl LibmFloat for $float` with the `libm` crate's three functions of that width.
+macro_rules! libm_float {
+    ($float:ty, $exp2:path, $log2:path, $tanh:path) => {
+        impl LibmFloat for $float {
+            #[inline]
+            fn libm_exp2(self) -> $float {
+                $exp2(self)
+            }
+            #[inline]
+            fn libm_log2(self) -> $float {
+                $log2(self)
+            }
+            #[inline]
+            fn libm_tanh(self) -> $float {
+                $tanh(self)
+            }
+        }
+    };
 }
 
-impl LibmFloat for f64 {
-    #[inline]
-    fn libm_exp2(self) -> f64 {
-        libm::exp2(self)
-    }
-    #[inline]
-    fn libm_log2(self) -> f64 {
-        libm::log2(self)
-    }
-    #[inline]
-    fn libm_tanh(self) -> f64 {
-        libm::tanh(self)
-    }
-}
+libm_float!(f32, libm::exp2f, libm::log2f, libm::tanhf);
+libm_float!(f64, libm::exp2, libm::log2, libm::tanh);
 
 #[cfg(test)]
 mod tests {
