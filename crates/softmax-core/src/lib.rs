@@ -26,7 +26,10 @@
 //! - Scores live in the log2 domain (`x = s·scale·log2 e`), so every exponential is an `exp2`.
 //! - A row that sees no key produces output 0 and LSE −∞, never NaN. NaN or ±∞ inside the
 //!   inputs propagate as IEEE arithmetic does in the two-pass reference.
-//! - Generic over `f32`/`f64` (through `num_traits::Float`) where that costs nothing.
+//! - Generic over `f32`/`f64` (through `num_traits::Float`) where that costs nothing; every
+//!   `exp2`, `log2` and `tanh` is the `libm` crate's ([`LibmFloat`]), never `Float`'s, whose
+//!   implementation Cargo's feature unification picks (the platform's math library when any
+//!   crate in the build enables `num-traits/std`): results do not depend on what else is built.
 //!
 //! # Example
 //! The online softmax of one row seen in two blocks, against the two-pass answer:
@@ -67,6 +70,7 @@ pub mod dtype;
 pub mod error;
 pub mod exp2;
 pub mod flops;
+pub mod libm_float;
 pub mod mask;
 pub mod online;
 pub mod problem;
@@ -78,6 +82,7 @@ pub use append::{Append, AppendDesc, AppendLens};
 pub use dtype::DType;
 pub use error::{ProblemError, Tensor};
 pub use exp2::{exp2_cubic, EXP2_CUBIC, EXP2_CUBIC_MAX_REL_ERROR};
+pub use libm_float::LibmFloat;
 pub use mask::{Mask, TileKind};
 pub use online::{merge_into, BlockStep, RowResult, RowState};
 pub use problem::{

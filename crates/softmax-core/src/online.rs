@@ -12,6 +12,7 @@
 //! [`RowState::begin_block`] / [`RowState::add_sum`] for the bookkeeping, so that the rules live
 //! here once; [`RowState::update`] does the whole step on a slice for scalar code.
 
+use crate::libm_float::LibmFloat;
 use crate::rescale::{Decision, RescalePolicy, RescaleStats};
 use num_traits::Float;
 
@@ -70,6 +71,16 @@ impl<T: Float> RowState<T> {
         }
     }
 
+    /// Adds the sum of the block's `exp2(x − offset)` terms to `ℓ`.
+    #[inline]
+    pub fn add_sum(&mut self, block_sum: T) {
+        self.sum = self.sum + block_sum;
+    }
+}
+
+/// The rules that exponentiate or take a logarithm: `exp2` and `log2` are the `libm` crate's
+/// ([`LibmFloat`]) in every build.
+impl<T: LibmFloat> RowState<T> {
     /// Starts a block whose largest log2 score is `block_max` (−∞ if all of it is masked):
     /// moves the reference if the policy says so, rescales `ℓ`, and returns the offset for
     /// this block's `exp2` and the correction for the accumulator.
@@ -84,7 +95,7 @@ impl<T: Float> RowState<T> {
         if policy.decide(self.max, block_max, stats) == Decision::Move {
             // exp2(−∞ − finite) = 0: the first visible block zeroes an (empty) accumulator,
             // which is harmless and keeps the rule branch-free on the GPU.
-            correction = (self.max - block_max).exp2();
+            correction = (self.max - block_max).libm_exp2();
             self.sum = self.sum * correction;
             self.max = block_max;
         }
@@ -94,15 +105,9 @@ impl<T: Float> RowState<T> {
         }
     }
 
-    /// Adds the sum of the block's `exp2(x − offset)` terms to `ℓ`.
-    #[inline]
-    pub fn add_sum(&mut self, block_sum: T) {
-        self.sum = self.sum + block_sum;
-    }
-
     /// The whole step on a slice: replaces each log2 score by its unnormalised probability
     /// `exp2(x − offset)` and returns the accumulator correction. `exp2` is the exponential to
-    /// use (e.g. `T::exp2` or [`crate::exp2_cubic`]).
+    /// use (e.g. `T::libm_exp2` or [`crate::exp2_cubic`]).
     #[inline]
     pub fn update_with(
         &mut self,
@@ -124,7 +129,7 @@ impl<T: Float> RowState<T> {
         step.correction
     }
 
-    /// [`RowState::update_with`] with the exact `exp2`.
+    /// [`RowState::update_with`] with the `libm` crate's `exp2` ([`LibmFloat::libm_exp2`]).
     #[inline]
     pub fn update(
         &mut self,
@@ -132,7 +137,7 @@ impl<T: Float> RowState<T> {
         policy: &RescalePolicy<T>,
         stats: &mut RescaleStats,
     ) -> T {
-        self.update_with(scores, policy, stats, T::exp2)
+        self.update_with(scores, policy, stats, T::libm_exp2)
     }
 
     /// Merges two partial results over disjoint key sets. Returns the merged state and the
@@ -148,8 +153,8 @@ impl<T: Float> RowState<T> {
         if max == T::neg_infinity() {
             return (RowState::new(), T::one(), T::one());
         }
-        let factor_self = (self.max - max).exp2();
-        let factor_other = (other.max - max).exp2();
+        let factor_self = (self.max - max).libm_exp2();
+        let factor_other = (other.max - max).libm_exp2();
         let sum = self.sum * factor_self + other.sum * factor_other;
         (RowState { max, sum }, factor_self, factor_other)
     }
@@ -166,7 +171,7 @@ impl<T: Float> RowState<T> {
         let ln2 = T::from(core::f64::consts::LN_2).unwrap_or_else(T::one);
         RowResult {
             inv_sum: self.sum.recip(),
-            lse: (self.max + self.sum.log2()) * ln2,
+            lse: (self.max + self.sum.libm_log2()) * ln2,
         }
     }
 }
@@ -174,7 +179,12 @@ impl<T: Float> RowState<T> {
 /// Merges partial row `b` (state and accumulator) into partial row `a`: `acc_a` becomes the
 /// accumulator of the union of their keys. Split-KV decode and multi-device ring attention are
 /// this one operation.
-pub fn merge_into<T: Float>(a: &mut RowState<T>, acc_a: &mut [T], b: &RowState<T>, acc_b: &[T]) {
+pub fn merge_into<T: LibmFloat>(
+    a: &mut RowState<T>,
+    acc_a: &mut [T],
+    b: &RowState<T>,
+    acc_b: &[T],
+) {
     let (merged, fa, fb) = a.merge(*b);
     for (x, &y) in acc_a.iter_mut().zip(acc_b) {
         *x = *x * fa + y * fb;

@@ -12,6 +12,7 @@
 //! it is computed from `m` and `ℓ` together.
 
 use crate::error::ProblemError;
+use crate::libm_float::LibmFloat;
 use num_traits::Float;
 
 /// Default threshold for 16-bit P operands, in log2 units (a factor of 256).
@@ -80,39 +81,6 @@ impl<T: Float> RescalePolicy<T> {
         }
     }
 
-    /// Whether terms scaled by `2^offset_log2` stay below `dtype_max` (see
-    /// [`RescalePolicy::max_term_log2`]).
-    pub fn fits(&self, offset_log2: T, dtype_max: T) -> bool {
-        self.max_term_log2() + offset_log2 < dtype_max.log2()
-    }
-
-    /// The one rule every backend applies to a policy before it runs (FlashAttention-4's
-    /// condition): a threshold `τ` must be finite, in `0..=`[`MAX_RESCALE_THRESHOLD`], and the
-    /// largest unnormalised probability, `2^τ` times the P operand's scale `2^offset_log2`,
-    /// must stay below `p_max`, the largest finite value of the type P is stored in
-    /// ([`crate::DType::max_finite`] for f32/bf16/f16, 448 for FP8 e4m3). `Always` has
-    /// `τ = 0`.
-    pub fn check(&self, p_max: f32, offset_log2: f32) -> Result<(), ProblemError> {
-        let tau = match *self {
-            RescalePolicy::Always => 0.0,
-            RescalePolicy::Threshold(t) => t.to_f32().unwrap_or(f32::NAN),
-        };
-        let p_max_log2 = libm::log2f(p_max);
-        let fits = match (T::from(offset_log2), T::from(p_max)) {
-            (Some(offset), Some(max)) => self.fits(offset, max),
-            _ => false,
-        };
-        if tau.is_finite() && (0.0..=MAX_RESCALE_THRESHOLD).contains(&tau) && fits {
-            Ok(())
-        } else {
-            Err(ProblemError::RescaleThreshold {
-                tau,
-                offset_log2,
-                p_max_log2,
-            })
-        }
-    }
-
     /// Decides for a row whose reference is `current` (−∞ before any visible key) when a block
     /// with maximum `block_max` arrives, and records the decision in `stats`.
     #[inline]
@@ -142,6 +110,43 @@ impl<T: Float> RescalePolicy<T> {
                     Decision::Keep
                 }
             }
+        }
+    }
+}
+
+/// The checks that take a logarithm: `log2` is the `libm` crate's ([`LibmFloat`]) in every
+/// build, so a threshold at the edge is accepted or refused the same way everywhere.
+impl<T: LibmFloat> RescalePolicy<T> {
+    /// Whether terms scaled by `2^offset_log2` stay below `dtype_max` (see
+    /// [`RescalePolicy::max_term_log2`]).
+    pub fn fits(&self, offset_log2: T, dtype_max: T) -> bool {
+        self.max_term_log2() + offset_log2 < dtype_max.libm_log2()
+    }
+
+    /// The one rule every backend applies to a policy before it runs (FlashAttention-4's
+    /// condition): a threshold `τ` must be finite, in `0..=`[`MAX_RESCALE_THRESHOLD`], and the
+    /// largest unnormalised probability, `2^τ` times the P operand's scale `2^offset_log2`,
+    /// must stay below `p_max`, the largest finite value of the type P is stored in
+    /// ([`crate::DType::max_finite`] for f32/bf16/f16, 448 for FP8 e4m3). `Always` has
+    /// `τ = 0`.
+    pub fn check(&self, p_max: f32, offset_log2: f32) -> Result<(), ProblemError> {
+        let tau = match *self {
+            RescalePolicy::Always => 0.0,
+            RescalePolicy::Threshold(t) => t.to_f32().unwrap_or(f32::NAN),
+        };
+        let p_max_log2 = libm::log2f(p_max);
+        let fits = match (T::from(offset_log2), T::from(p_max)) {
+            (Some(offset), Some(max)) => self.fits(offset, max),
+            _ => false,
+        };
+        if tau.is_finite() && (0.0..=MAX_RESCALE_THRESHOLD).contains(&tau) && fits {
+            Ok(())
+        } else {
+            Err(ProblemError::RescaleThreshold {
+                tau,
+                offset_log2,
+                p_max_log2,
+            })
         }
     }
 }

@@ -1,5 +1,6 @@
 //! From raw dot products `q·k` to the scaled log2-domain scores the online softmax consumes.
 
+use crate::libm_float::LibmFloat;
 use num_traits::Float;
 
 /// `log2(e)`, the factor that turns natural-log scores into log2 scores.
@@ -32,15 +33,6 @@ impl<T: Float> ScoreTransform<T> {
         }
     }
 
-    /// Applies the transform to one raw dot product.
-    #[inline(always)]
-    pub fn apply(&self, dot: T) -> T {
-        match self.post {
-            None => dot * self.pre,
-            Some(post) => (dot * self.pre).tanh() * post,
-        }
-    }
-
     /// The multiplier applied to the dot product before anything else (`scale·log2 e`, or
     /// `scale/cap` with a softcap): what a kernel folds into its first FMA.
     pub fn pre_factor(&self) -> T {
@@ -50,5 +42,18 @@ impl<T: Float> ScoreTransform<T> {
     /// `Some(cap·log2 e)` when a softcap is on: the factor after `tanh`.
     pub fn softcap_post_factor(&self) -> Option<T> {
         self.post
+    }
+}
+
+/// The transform itself: the softcap's `tanh` is the `libm` crate's ([`LibmFloat`]) in every
+/// build.
+impl<T: LibmFloat> ScoreTransform<T> {
+    /// Applies the transform to one raw dot product.
+    #[inline(always)]
+    pub fn apply(&self, dot: T) -> T {
+        match self.post {
+            None => dot * self.pre,
+            Some(post) => (dot * self.pre).libm_tanh() * post,
+        }
     }
 }

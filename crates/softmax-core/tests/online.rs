@@ -18,7 +18,7 @@ fn two_pass(scores: &[f64], values: &[f64]) -> (f64, f64) {
 }
 
 /// The online softmax over the row split at `cuts`, in precision `T`.
-fn online<T: num_traits::Float>(
+fn online<T: softmax_core::LibmFloat>(
     scores: &[f64],
     values: &[f64],
     cuts: &[usize],
