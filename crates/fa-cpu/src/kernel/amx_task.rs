@@ -36,27 +36,29 @@ use crate::Exp2Impl;
 use half::bf16;
 use softmax_core::{RescalePolicy, RescaleStats, RowState, TileKind};
 
-/// Most keys per key tile of the AMX kernel ([`amx_keys_for`]), what the scratch is sized for.
-pub(crate) const fn amx_keys() -> usize {
-    256
-}
-
-/// Keys per key tile of the AMX kernel: 256 without a mask, 128 with one. Per tile, each
-/// panel loads and stores its `Oᵀ` accumulator tiles once, and on the development VM (a Xeon
-/// with AMX) a tile load costs ~30 ticks of the time-stamp counter and a store ~20 against
-/// ~9.5 per `tdpbf16ps` (a loop of each alone): longer tiles spread that traffic over more
-/// products. 256 against 128, alternating on the development VM (pipelined panels, B=1, H=8,
-/// N=2048, one thread, 3 rounds, median GFLOP/s): unmasked D=64 293→276 (noise: the rounds
-/// spread ±20 %), D=128 343→383, D=256 395→428; causal D=128 304→264, D=256 350→340, so
-/// masks keep 128 (a diagonal tile computes more hidden keys when longer). Measured again
-/// after the operands were put on cache lines ([`ensure_on_line`]; aligned, loads from L1 cost
-/// little beside the products), one thread, same-run paired: 256 under a mask 0.965× of 128,
-/// 512 without one 1.016× of 256 (noise), so both stay.
-pub(crate) const fn amx_keys_for(masked: bool) -> usize {
+/// Keys per key tile of the AMX kernel: 128 with a mask, 256 without one up to head dim 128,
+/// 512 above. Per tile, each panel loads and stores its `Oᵀ` accumulator tiles once (a
+/// `tileloadd` of them was the hottest instruction in a `perf` profile at D=128, after the
+/// operand loads), so longer tiles spread that traffic over more products; masks keep 128 (a
+/// diagonal tile computes more hidden keys when longer). Measured on the development VM (a
+/// Xeon with AMX; B=1, H=8, bf16, one thread, same-run paired, median of 3–5 rounds):
+/// - 256 against 128, pipelined panels: unmasked D=128 343→383 GFLOP/s, D=256 395→428;
+///   causal D=128 304→264, D=256 350→340. After the operands went on cache lines
+///   ([`ensure_on_line`]): 256 under a mask 0.965× of 128.
+/// - 512 against 256 unmasked, with the tile work issued in parts (amx7): N=2048 D=64 0.96×,
+///   D=128 1.02×, D=256 1.06×; N=4096 D=128 1.01× — so 512 only above head dim 128.
+pub(crate) const fn amx_keys_for(head_dim: usize, head_dim_v: usize, masked: bool) -> usize {
+    let widest = if head_dim > head_dim_v {
+        head_dim
+    } else {
+        head_dim_v
+    };
     if masked {
         128
-    } else {
+    } else if widest <= 128 {
         256
+    } else {
+        512
     }
 }
 
@@ -179,7 +181,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let (d32, dv32) = (d.div_ceil(STEP) * STEP, dv.div_ceil(STEP) * STEP);
     let rows = task.heads * task.len;
     let br = rows.div_ceil(panel) * panel;
-    let bc = amx_keys_for(!p.mask().is_none());
+    let bc = amx_keys_for(d, dv, !p.mask().is_none());
     let seq = p.seq(task.batch);
     let dims = Dims {
         d,
@@ -663,7 +665,7 @@ impl PanelSoftmax<'_> {
         let slots = nk / 2 * NR + 1;
         // SAFETY: bounds are the caller's contract, and `work`'s ([`TileWork::step`]).
         unsafe {
-            work.pace(tiles, 0, slots);
+            work.pace(tiles, slots);
             let mut mx = panel_maxima::<S, NR>(st, panel, nk);
             let f = S::splat(self.factor);
             for m in mx.iter_mut() {
@@ -699,7 +701,7 @@ impl PanelSoftmax<'_> {
             let mut sum = [S::splat(0.0); NR];
             for jp in 0..nk / 2 {
                 for (n, total) in sum.iter_mut().enumerate() {
-                    work.pace(tiles, jp * NR + n + 1, slots);
+                    work.pace(tiles, slots);
                     let at = st.add(2 * jp * panel + n * w);
                     let lo = exp::<S, CUBIC>(at, f, neg[n]);
                     let hi = exp::<S, CUBIC>(at.add(panel), f, neg[n]);
@@ -872,9 +874,8 @@ struct TileWork {
     block: usize,
     sub: usize,
     part: usize,
-    /// Calls of [`TileWork::pace`] so far, and `paced · total mod n` (the share not yet
+    /// `calls · total mod n` after [`TileWork::pace`]'s calls so far (the share not yet
     /// worth a whole part), so that pacing needs no division.
-    paced: usize,
     owed: usize,
 }
 
@@ -898,7 +899,6 @@ impl TileWork {
             block: 0,
             sub: 0,
             part: 0,
-            paced: 0,
             owed: 0,
         }
     }
@@ -914,17 +914,15 @@ impl TileWork {
         (self.scores.map_or(0, |j| j.steps) + self.products.map_or(0, |j| j.steps)) * SUB_STEPS
     }
 
-    /// Issues steps until `(i + 1)/n` of them are done (`i < n`): called once per iteration
-    /// `i` of a loop of `n`, it spreads the work evenly over the loop.
+    /// Issues parts until `(i + 1)/n` of them are done at the `i`-th call (counting from 0):
+    /// called once per iteration of a loop of `n`, it spreads the work evenly over the loop.
     ///
     /// # Safety
     /// As [`TileWork::step`].
     #[inline(always)]
-    unsafe fn pace<M: Tiles>(&mut self, t: &mut M, i: usize, n: usize) {
-        // ⌊(i + 1)·total / n⌋ parts issued after call i, counted without a division: it runs
-        // twice per key pair of the softmax.
-        debug_assert_eq!(i, self.paced, "pace is called once per iteration, in order");
-        self.paced += 1;
+    unsafe fn pace<M: Tiles>(&mut self, t: &mut M, n: usize) {
+        // ⌊(i + 1)·total / n⌋ parts issued after call i, counted without a division (it runs
+        // twice per key pair of the softmax): `owed` carries the remainder from call to call.
         self.owed += self.total();
         let n = n.max(1);
         while self.owed >= n {
@@ -979,10 +977,7 @@ impl TileWork {
             if self.sub < chunks {
                 let cc = self.sub;
                 if cc == 0 && part == 0 {
-                    t.zero::<0>();
-                    t.zero::<1>();
-                    t.zero::<2>();
-                    t.zero::<3>();
+                    zero_c(t);
                 }
                 // SAFETY: keys jb..jb + 32 ≤ nk32 rows of d32 u16 from column cc·32 (64
                 // bytes each); the Q tiles of row blocks 0 and 1, chunk cc, inside `q`.
@@ -1027,10 +1022,7 @@ impl TileWork {
                 let kc = self.sub;
                 if kc == 0 && part == 0 {
                     if j.fresh {
-                        t.zero::<0>();
-                        t.zero::<1>();
-                        t.zero::<2>();
-                        t.zero::<3>();
+                        zero_c(t);
                     } else {
                         load_c(t, oc);
                     }
@@ -1052,6 +1044,15 @@ impl TileWork {
         }
         self.advance(key_chunks + 1);
     }
+}
+
+/// Tiles 0–3 ← zeros (the accumulators of a fresh 32 × 32 block).
+#[inline(always)]
+fn zero_c<M: Tiles>(t: &mut M) {
+    t.zero::<0>();
+    t.zero::<1>();
+    t.zero::<2>();
+    t.zero::<3>();
 }
 
 /// Tiles 0–3 ← the 32 × 32 floats at `c` (rows of [`AMX_PANEL`] floats): tiles 0 and 1 rows
