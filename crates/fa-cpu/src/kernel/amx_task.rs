@@ -36,29 +36,31 @@ use crate::Exp2Impl;
 use half::bf16;
 use softmax_core::{RescalePolicy, RescaleStats, RowState, TileKind};
 
-/// Keys per key tile of the AMX kernel: 128 with a mask, 256 without one up to head dim 128,
-/// 512 above. Per tile, each panel loads and stores its `Oᵀ` accumulator tiles once (a
-/// `tileloadd` of them was the hottest instruction in a `perf` profile at D=128, after the
-/// operand loads), so longer tiles spread that traffic over more products; masks keep 128 (a
-/// diagonal tile computes more hidden keys when longer). Measured on the development VM (a
-/// Xeon with AMX; B=1, H=8, bf16, one thread, same-run paired, median of 3–5 rounds):
-/// - 256 against 128, pipelined panels: unmasked D=128 343→383 GFLOP/s, D=256 395→428;
-///   causal D=128 304→264, D=256 350→340. After the operands went on cache lines
-///   ([`ensure_on_line`]): 256 under a mask 0.965× of 128.
-/// - 512 against 256 unmasked, with the tile work issued in parts (amx7): N=2048 D=64 0.96×,
-///   D=128 1.02×, D=256 1.06×; N=4096 D=128 1.01× — so 512 only above head dim 128.
-pub(crate) const fn amx_keys_for(head_dim: usize, head_dim_v: usize, masked: bool) -> usize {
-    let widest = if head_dim > head_dim_v {
-        head_dim
-    } else {
-        head_dim_v
-    };
+/// Most keys per key tile of the AMX kernel ([`amx_keys_for`]), what the scratch is sized for.
+pub(crate) const fn amx_keys() -> usize {
+    256
+}
+
+/// Keys per key tile of the AMX kernel: 256 without a mask, 128 with one. Per tile, each
+/// panel loads and stores its `Oᵀ` accumulator tiles once, and on the development VM (a Xeon
+/// with AMX) a tile load costs ~30 ticks of the time-stamp counter and a store ~20 against
+/// ~9.5 per `tdpbf16ps` (a loop of each alone): longer tiles spread that traffic over more
+/// products. 256 against 128, alternating on the development VM (pipelined panels, B=1, H=8,
+/// N=2048, one thread, 3 rounds, median GFLOP/s): unmasked D=64 293→276 (noise: the rounds
+/// spread ±20 %), D=128 343→383, D=256 395→428; causal D=128 304→264, D=256 350→340, so
+/// masks keep 128 (a diagonal tile computes more hidden keys when longer). Measured again
+/// after the operands were put on cache lines ([`ensure_on_line`]; aligned, loads from L1 cost
+/// little beside the products), one thread, same-run paired: 256 under a mask 0.965× of 128,
+/// 512 without one 1.016× of 256 (noise), so both stay. Once more with the tile work issued
+/// in parts (amx7): 512 against 256 unmasked was 1.06–1.07× at D=256 on the development VM
+/// (0.96× at D=64, 1.02× at D=128), but on the GPU machine's Xeon, the target, neither 512
+/// above head dim 128 (paired geometric mean over issue 18's 18 shapes 0.996) nor 512 at
+/// every head dim (1.000) moved (docs/gpu-notes.md run 90).
+pub(crate) const fn amx_keys_for(masked: bool) -> usize {
     if masked {
         128
-    } else if widest <= 128 {
-        256
     } else {
-        512
+        256
     }
 }
 
@@ -181,7 +183,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let (d32, dv32) = (d.div_ceil(STEP) * STEP, dv.div_ceil(STEP) * STEP);
     let rows = task.heads * task.len;
     let br = rows.div_ceil(panel) * panel;
-    let bc = amx_keys_for(d, dv, !p.mask().is_none());
+    let bc = amx_keys_for(!p.mask().is_none());
     let seq = p.seq(task.batch);
     let dims = Dims {
         d,

@@ -202,8 +202,7 @@ impl Scratch {
         if lens.amx {
             // What `amx_task` asks for: 32-row panels, head dims and keys padded to 32.
             let (d32, dv32) = (d.div_ceil(32) * 32, dv.div_ceil(32) * 32);
-            let br32 = lens.max_rows.div_ceil(32) * 32;
-            let bc32 = super::amx_task::amx_keys_for(d, dv, lens.masked);
+            let (br32, bc32) = (lens.max_rows.div_ceil(32) * 32, super::amx_task::amx_keys());
             grow(&mut self.ot, dv32 * br32 + ALIGN_SLACK)?;
             // Scores and P double-buffered (the panel pipeline of `amx_task`).
             grow(&mut self.st, 2 * bc32 * 32 + ALIGN_SLACK)?;
