@@ -51,7 +51,11 @@ pub(crate) const fn amx_keys() -> usize {
 /// masks keep 128 (a diagonal tile computes more hidden keys when longer). Measured again
 /// after the operands were put on cache lines ([`ensure_on_line`]; aligned, loads from L1 cost
 /// little beside the products), one thread, same-run paired: 256 under a mask 0.965× of 128,
-/// 512 without one 1.016× of 256 (noise), so both stay.
+/// 512 without one 1.016× of 256 (noise), so both stay. Once more with the tile work issued
+/// in parts (amx7): 512 against 256 unmasked was 1.06–1.07× at D=256 on the development VM
+/// (0.96× at D=64, 1.02× at D=128), but on the GPU machine's Xeon, the target, neither 512
+/// above head dim 128 (paired geometric mean over issue 18's 18 shapes 0.996) nor 512 at
+/// every head dim (1.000) moved (docs/gpu-notes.md run 90).
 pub(crate) const fn amx_keys_for(masked: bool) -> usize {
     if masked {
         128
@@ -663,7 +667,7 @@ impl PanelSoftmax<'_> {
         let slots = nk / 2 * NR + 1;
         // SAFETY: bounds are the caller's contract, and `work`'s ([`TileWork::step`]).
         unsafe {
-            work.pace(tiles, 0, slots);
+            work.pace(tiles, slots);
             let mut mx = panel_maxima::<S, NR>(st, panel, nk);
             let f = S::splat(self.factor);
             for m in mx.iter_mut() {
@@ -699,7 +703,7 @@ impl PanelSoftmax<'_> {
             let mut sum = [S::splat(0.0); NR];
             for jp in 0..nk / 2 {
                 for (n, total) in sum.iter_mut().enumerate() {
-                    work.pace(tiles, jp * NR + n + 1, slots);
+                    work.pace(tiles, slots);
                     let at = st.add(2 * jp * panel + n * w);
                     let lo = exp::<S, CUBIC>(at, f, neg[n]);
                     let hi = exp::<S, CUBIC>(at.add(panel), f, neg[n]);
@@ -872,9 +876,8 @@ struct TileWork {
     block: usize,
     sub: usize,
     part: usize,
-    /// Calls of [`TileWork::pace`] so far, and `paced · total mod n` (the share not yet
+    /// `calls · total mod n` after [`TileWork::pace`]'s calls so far (the share not yet
     /// worth a whole part), so that pacing needs no division.
-    paced: usize,
     owed: usize,
 }
 
@@ -898,7 +901,6 @@ impl TileWork {
             block: 0,
             sub: 0,
             part: 0,
-            paced: 0,
             owed: 0,
         }
     }
@@ -914,17 +916,15 @@ impl TileWork {
         (self.scores.map_or(0, |j| j.steps) + self.products.map_or(0, |j| j.steps)) * SUB_STEPS
     }
 
-    /// Issues steps until `(i + 1)/n` of them are done (`i < n`): called once per iteration
-    /// `i` of a loop of `n`, it spreads the work evenly over the loop.
+    /// Issues parts until `(i + 1)/n` of them are done at the `i`-th call (counting from 0):
+    /// called once per iteration of a loop of `n`, it spreads the work evenly over the loop.
     ///
     /// # Safety
     /// As [`TileWork::step`].
     #[inline(always)]
-    unsafe fn pace<M: Tiles>(&mut self, t: &mut M, i: usize, n: usize) {
-        // ⌊(i + 1)·total / n⌋ parts issued after call i, counted without a division: it runs
-        // twice per key pair of the softmax.
-        debug_assert_eq!(i, self.paced, "pace is called once per iteration, in order");
-        self.paced += 1;
+    unsafe fn pace<M: Tiles>(&mut self, t: &mut M, n: usize) {
+        // ⌊(i + 1)·total / n⌋ parts issued after call i, counted without a division (it runs
+        // twice per key pair of the softmax): `owed` carries the remainder from call to call.
         self.owed += self.total();
         let n = n.max(1);
         while self.owed >= n {
@@ -979,10 +979,7 @@ impl TileWork {
             if self.sub < chunks {
                 let cc = self.sub;
                 if cc == 0 && part == 0 {
-                    t.zero::<0>();
-                    t.zero::<1>();
-                    t.zero::<2>();
-                    t.zero::<3>();
+                    zero_c(t);
                 }
                 // SAFETY: keys jb..jb + 32 ≤ nk32 rows of d32 u16 from column cc·32 (64
                 // bytes each); the Q tiles of row blocks 0 and 1, chunk cc, inside `q`.
@@ -1027,10 +1024,7 @@ impl TileWork {
                 let kc = self.sub;
                 if kc == 0 && part == 0 {
                     if j.fresh {
-                        t.zero::<0>();
-                        t.zero::<1>();
-                        t.zero::<2>();
-                        t.zero::<3>();
+                        zero_c(t);
                     } else {
                         load_c(t, oc);
                     }
@@ -1052,6 +1046,15 @@ impl TileWork {
         }
         self.advance(key_chunks + 1);
     }
+}
+
+/// Tiles 0–3 ← zeros (the accumulators of a fresh 32 × 32 block).
+#[inline(always)]
+fn zero_c<M: Tiles>(t: &mut M) {
+    t.zero::<0>();
+    t.zero::<1>();
+    t.zero::<2>();
+    t.zero::<3>();
 }
 
 /// Tiles 0–3 ← the 32 × 32 floats at `c` (rows of [`AMX_PANEL`] floats): tiles 0 and 1 rows

@@ -184,6 +184,8 @@ fn cases(rng: &mut Rng) -> Vec<(String, Case)> {
         (130, 257, 2, 1, 128),
         (64, 64, 1, 1, 256),
         (257, 129, 8, 1, 96),
+        // Several whole key tiles and a partial one (`amx_keys_for`), head dim > 128.
+        (40, 1100, 2, 1, 160),
     ] {
         let base = Case::dense(rng, 1, sq, sk, hq, hkv, d).round(Rounding::Bf16);
         out.push((format!("{sq}x{sk} h{hq}/{hkv} d{d}"), base.clone()));
