@@ -8,27 +8,17 @@
 //! most 2⁻⁹·Σⱼ pⱼ|vⱼ| / l (P's relative rounding) beyond the f32 path's error. Normwise that
 //! is at most 2⁻⁹·‖O_|V|‖ / ‖O‖, O_|V| the attention output with |V| in place of V (the f64
 //! reference computes it); the bf16 bounds get 2⁻⁸ times that ratio on top (twice the
-//! rounding: room for the f32 terms). Without cancellation in O the ratio is about 1, giving
+//! rounding: room for the f32 terms; `fa_reference::bf16_pv_slack`). Without cancellation in O the ratio is about 1, giving
 //! ~4e-3 — the 5e-3 of fa-cpu's AMX tests on random inputs.
 #![no_main]
 
 use fa_cpu::{forward, Element, Exp2Impl, ForwardOptions};
-use fa_reference::{attention_f64, compare, poison, Case, ErrorReport, Rng, Rounding};
+use fa_reference::{
+    attention_f64, bf16_pv_slack, compare, poison, Case, ErrorReport, Rng, Rounding,
+};
 use half::{bf16, f16};
 use libfuzzer_sys::fuzz_target;
 use softmax_core::{Mask, Out, Qkv, RescalePolicy};
-
-/// The AMX path's extra normwise bound for `case` (see the module docs): 2⁻⁸·‖O_|V|‖/‖O‖
-/// (absolute, 2⁻⁸·‖O_|V|‖, where the reference O is all zeros, as `compare` then is).
-fn amx_slack(case: &Case) -> f64 {
-    let problem = case.desc().validate(256).expect("the target builds valid cases");
-    let abs_v: Vec<f32> = case.v.iter().map(|x| x.abs()).collect();
-    let norm = |x: &[f64]| x.iter().map(|v| v * v).sum::<f64>().sqrt();
-    let o = norm(&attention_f64(&problem, &case.q, &case.k, &case.v).out);
-    let o_abs = norm(&attention_f64(&problem, &case.q, &case.k, &abs_v).out);
-    let ratio = if o > 0.0 { o_abs / o } else { o_abs };
-    2f64.powi(-8) * ratio
-}
 
 fn check<T: Element, O: Element + fa_reference::Element>(
     case: &Case,
@@ -97,7 +87,12 @@ fuzz_target!(|data: &[u8]| {
     let reports = match rounding {
         Rounding::F32 => vec![(check::<f32, f32>(&case, &opts), 1e-5)],
         Rounding::Bf16 => {
-            let amx = if fa_cpu::simd_level() == "avx512f+amx" { amx_slack(&case) } else { 0.0 };
+            let amx = if fa_cpu::simd_level() == "avx512f+amx" {
+                let problem = case.desc().validate(256).expect("the target builds valid cases");
+                bf16_pv_slack(&problem, &case.q, &case.k, &case.v)
+            } else {
+                0.0
+            };
             vec![
                 (check::<bf16, bf16>(&case, &opts), 1e-2 + amx),
                 (check::<bf16, f32>(&case, &opts), 1e-5 + amx),

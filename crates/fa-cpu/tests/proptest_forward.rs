@@ -4,9 +4,9 @@
 
 mod common;
 
-use common::{amx_slack, check, levels};
+use common::{check, levels};
 use fa_cpu::{Exp2Impl, ForwardOptions, SimdLevel};
-use fa_reference::{Case, Rng, Rounding};
+use fa_reference::{bf16_pv_slack, Case, Rng, Rounding};
 use half::{bf16, f16};
 use proptest::prelude::*;
 use softmax_core::{Mask, RescalePolicy};
@@ -139,9 +139,14 @@ proptest! {
                 ..ForwardOptions::default()
             };
             // bf16 on AMX rounds P to bf16 before P·V: its own slack on top where V's values
-            // cancel in O (`amx_slack`).
+            // cancel in O (`fa_reference::bf16_pv_slack`).
             let amx = level == SimdLevel::Amx && p.rounding == 1;
-            let slack = if amx { amx_slack(&case) } else { 0.0 };
+            let slack = if amx {
+                let problem = case.desc().validate(256).expect("valid case");
+                bf16_pv_slack(&problem, &case.q, &case.k, &case.v)
+            } else {
+                0.0
+            };
             let (rep, bound) = match p.rounding {
                 0 => (check::<f32, f32>(&case, &opts), 1e-5),
                 1 => (check::<bf16, bf16>(&case, &opts), 1e-2 + slack),

@@ -1,7 +1,7 @@
 //! The oracle against cases with known answers and against itself under re-layouts
 //! (GQA = duplicated KV heads, varlen = separate dense problems, strides = contiguous).
 
-use fa_reference::{attention_f64, compare, Case, Rng, Rounding};
+use fa_reference::{attention_f64, bf16_pv_slack, compare, Case, Rng, Rounding};
 use softmax_core::{Mask, MAX_HEAD_DIM};
 
 #[test]
@@ -152,4 +152,50 @@ fn strided_layout_equals_contiguous() {
     // ... and an unwritten element inside the tensor fails.
     out[p.o_offset(1, 6, 1)] = f32::NAN;
     assert!(!compare(&p, &out, None, &r).within(1.0, 1.0));
+}
+
+#[test]
+fn bf16_pv_slack_scales_with_cancellation_in_o() {
+    let unit = 2f64.powi(-8);
+    // One query, two keys, head_dim 2, scale 0: P = (1/2, 1/2), O = the mean of the V rows.
+    let mut rng = Rng::new(5);
+    let case = Case::dense(&mut rng, 1, 1, 2, 1, 1, 2).with_scale(0.0);
+    let p = case.desc().validate(MAX_HEAD_DIM).unwrap();
+    let hand = [
+        // V rows (3, 1) and (−1, 1): O = (1, 1), O_|V| = (2, 1): ratio √5/√2.
+        ([3.0, 1.0, -1.0, 1.0], (5.0f64 / 2.0).sqrt()),
+        // V rows (1, 1) and (−1, 1): O = (0, 1), O_|V| = (1, 1): ratio √2.
+        ([1.0, 1.0, -1.0, 1.0], 2f64.sqrt()),
+        // V rows (1, 2) and (−1, −2): O = 0, so the slack is absolute: 2⁻⁸·‖O_|V|‖ = 2⁻⁸·√5.
+        ([1.0, 2.0, -1.0, -2.0], 5f64.sqrt()),
+        // V rows (1, 2) and (3, 4): no cancellation, ratio 1.
+        ([1.0, 2.0, 3.0, 4.0], 1.0),
+    ];
+    for (v, ratio) in hand {
+        let slack = bf16_pv_slack(&p, &case.q, &case.k, &v);
+        assert!(
+            (slack - unit * ratio).abs() < 1e-15,
+            "{v:?}: {slack} vs {}",
+            unit * ratio
+        );
+    }
+
+    // All-positive V on a random GQA, masked, padded bf16 problem: O_|V| = O, ratio exactly 1.
+    let case = Case::dense(&mut rng, 2, 7, 11, 4, 2, 16)
+        .with_mask(Mask {
+            left: Some(3),
+            right: Some(0),
+        })
+        .padded(&mut rng, 2, Rounding::Bf16);
+    let p = case.desc().validate(MAX_HEAD_DIM).unwrap();
+    let abs_v: Vec<f32> = case.v.iter().map(|x| x.abs()).collect();
+    assert_eq!(bf16_pv_slack(&p, &case.q, &case.k, &abs_v), unit);
+    // With its N(0,1) V the values cancel: the slack exceeds 2⁻⁸, and the bf16 element type
+    // reads the same (bf16-rounded) values as f32, so it gives the very same number.
+    let slack = bf16_pv_slack(&p, &case.q, &case.k, &case.v);
+    assert!(slack > unit, "{slack}");
+    let bf =
+        |x: &[f32]| -> Vec<half::bf16> { x.iter().map(|&y| half::bf16::from_f32(y)).collect() };
+    let (q, k, v) = (bf(&case.q), bf(&case.k), bf(&case.v));
+    assert_eq!(bf16_pv_slack(&p, &q, &k, &v), slack);
 }

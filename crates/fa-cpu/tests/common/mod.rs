@@ -68,20 +68,3 @@ pub fn check<T: Element, O: Element + fa_reference::Element>(
     let r = run::<T, O>(case, opts);
     compare(&problem, &r.out, Some(&r.lse), &oracle)
 }
-
-/// The AMX path's extra normwise error for `case`'s bf16 inputs: it rounds P to bf16 before
-/// `P·V` (relative 2⁻⁹ per probability), which moves each output element by at most
-/// 2⁻⁹·Σⱼ pⱼ|vⱼ| / l, i.e. normwise by 2⁻⁹·‖O_|V|‖ / ‖O‖ with O_|V| the output for |V| in place
-/// of V. Returns twice that (2⁻⁸·‖O_|V|‖/‖O‖; absolute where the reference O is all zeros):
-/// about 4e-3 without cancellation in O, more where the rows' V values cancel (the rule of the
-/// `cpu_forward` fuzz target).
-#[allow(dead_code)]
-pub fn amx_slack(case: &Case) -> f64 {
-    let problem = case.desc().validate(256).expect("valid case");
-    let abs_v: Vec<f32> = case.v.iter().map(|x| x.abs()).collect();
-    let norm = |x: &[f64]| x.iter().map(|v| v * v).sum::<f64>().sqrt();
-    let o = norm(&attention_f64(&problem, &case.q, &case.k, &case.v).out);
-    let o_abs = norm(&attention_f64(&problem, &case.q, &case.k, &abs_v).out);
-    let ratio = if o > 0.0 { o_abs / o } else { o_abs };
-    2f64.powi(-8) * ratio
-}
