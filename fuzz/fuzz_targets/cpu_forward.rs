@@ -8,8 +8,8 @@
 //! most 2⁻⁹·Σⱼ pⱼ|vⱼ| / l (P's relative rounding) beyond the f32 path's error. Normwise that
 //! is at most 2⁻⁹·‖O_|V|‖ / ‖O‖, O_|V| the attention output with |V| in place of V (the f64
 //! reference computes it); the bf16 bounds get 2⁻⁸ times that ratio on top (twice the
-//! rounding: room for the f32 terms; `fa_reference::bf16_pv_slack`). Without cancellation in O the ratio is about 1, giving
-//! ~4e-3 — the 5e-3 of fa-cpu's AMX tests on random inputs.
+//! rounding: room for the f32 terms; `fa_reference::bf16_pv_slack`). Without cancellation in
+//! O the ratio is about 1, giving ~4e-3 — the 5e-3 of fa-cpu's AMX tests on random inputs.
 #![no_main]
 
 use fa_cpu::{forward, Element, Exp2Impl, ForwardOptions};
