@@ -68,6 +68,8 @@ mod backward;
 mod dispatch;
 mod element;
 mod forward;
+#[cfg(all(debug_assertions, not(fuzzing)))]
+mod instances;
 mod kernel;
 
 pub use append::append_kv;
@@ -80,6 +82,9 @@ pub use element::Element;
 pub use forward::{
     forward_with_workspace, scratch_bytes_per_thread, supports, Workspace, MAX_THREADS,
 };
+#[cfg(all(debug_assertions, not(fuzzing)))]
+#[doc(hidden)]
+pub use instances::shared_instances;
 #[cfg(feature = "phase-timing")]
 pub use kernel::amx_phases::{take_amx_forward_phases, AMX_FORWARD_PHASE_NAMES};
 pub use kernel::decode_stream::{decode_prefetch, set_decode_prefetch, DecodePrefetch};
