@@ -10,7 +10,7 @@ use crate::backend::{Backend, Options};
 use crate::error::CliError;
 use crate::peers::PeerRatios;
 use crate::plan::human_bytes;
-use crate::tensor::{random_normal, DType, HostTensor};
+use crate::tensor::{random_normal, DType, HostTensor, TensorViews};
 pub use flash_attention::shapes::{paper_shapes, BenchShape};
 use softmax_core::{Out, Qkv};
 

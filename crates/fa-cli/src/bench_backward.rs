@@ -16,7 +16,7 @@ use crate::backend::{Backend, Options};
 use crate::bench::{heads_label, median, throughput, BenchShape};
 use crate::error::CliError;
 use crate::plan::human_bytes;
-use crate::tensor::{random_normal, DType, HostTensor};
+use crate::tensor::{random_normal, DType, HostTensor, TensorViews};
 use flash_attention::backward::BackwardInputs;
 use softmax_core::{Grads, Out, Qkv};
 

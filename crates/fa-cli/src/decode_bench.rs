@@ -20,7 +20,7 @@
 use crate::backend::{Backend, Options};
 use crate::bench::median;
 use crate::error::CliError;
-use crate::tensor::{random_normal, DType, HostTensor};
+use crate::tensor::{random_normal, DType, HostTensor, TensorViews};
 use flash_attention::BackendKind;
 use softmax_core::{Out, ProblemDesc, Qkv};
 

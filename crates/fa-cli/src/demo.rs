@@ -7,7 +7,7 @@ use crate::bench::{peak_rss_bytes, reset_peak_rss, BenchShape};
 use crate::error::CliError;
 use crate::plan::human_bytes;
 use crate::rows::{compare_rows, reference_rows, sample_rows};
-use crate::tensor::{random_normal, DType, HostTensor};
+use crate::tensor::{random_normal, DType, HostTensor, TensorViews};
 use crate::verify::bounds;
 use flash_attention::KernelOrigin;
 use flash_attention::{BackendKind, DTypes};

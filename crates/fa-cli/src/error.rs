@@ -85,6 +85,27 @@ impl From<ProblemError> for CliError {
     }
 }
 
+/// fa-io's errors become the command's variants of the same name, with the same messages; an
+/// unsupported dtype is a usage error.
+impl From<fa_io::Error> for CliError {
+    fn from(e: fa_io::Error) -> Self {
+        match e {
+            fa_io::Error::Io { path, source } => CliError::Io { path, source },
+            fa_io::Error::BadFile { path, reason } => CliError::BadFile { path, reason },
+            fa_io::Error::TooLarge {
+                what,
+                needed,
+                available,
+            } => CliError::TooLarge {
+                what,
+                needed,
+                available,
+            },
+            e @ fa_io::Error::UnsupportedDtype(_) => CliError::Usage(e.to_string()),
+        }
+    }
+}
+
 impl From<flash_attention::Error> for CliError {
     fn from(e: flash_attention::Error) -> Self {
         match e {

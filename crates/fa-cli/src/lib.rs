@@ -34,7 +34,6 @@ pub mod error;
 pub mod exp2_error;
 pub mod files;
 pub mod memory;
-pub mod npy;
 pub mod peers;
 pub mod plan;
 pub mod rows;
@@ -45,3 +44,5 @@ pub mod verify;
 pub mod verify_backward;
 
 pub use error::CliError;
+/// The `.npy` codec (fa-io's; `fa_cli::npy` is kept for callers).
+pub use fa_io::npy;

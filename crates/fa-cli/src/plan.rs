@@ -189,21 +189,8 @@ pub fn check_decode_sizes(m: &ModelShape) -> Result<(), String> {
     })
 }
 
-/// `bytes` in binary units: an exact multiple prints without decimals (`40 GiB`).
-pub fn human_bytes(bytes: u128) -> String {
-    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    let mut unit = 0;
-    let mut div = 1u128;
-    while unit + 1 < UNITS.len() && bytes >= div * 1024 {
-        div *= 1024;
-        unit += 1;
-    }
-    if bytes.is_multiple_of(div) {
-        format!("{} {}", bytes / div, UNITS[unit])
-    } else {
-        format!("{:.2} {}", bytes as f64 / div as f64, UNITS[unit])
-    }
-}
+/// `bytes` in binary units (fa-io's, whose size errors print the same way).
+pub use fa_io::memory::human_bytes;
 
 /// `n` with thousands separators.
 pub fn grouped(n: u128) -> String {
@@ -590,9 +577,6 @@ mod tests {
 
     #[test]
     fn byte_formatting() {
-        assert_eq!(human_bytes(0), "0 B");
-        assert_eq!(human_bytes(1023), "1023 B");
-        assert_eq!(human_bytes(1536), "1.50 KiB");
         assert_eq!(grouped(42_949_672_960), "42,949,672,960");
         assert_eq!(grouped(999), "999");
     }

@@ -6,7 +6,7 @@ use crate::files::{
     check_outputs_are_not_inputs, encode_tensors, read_tensor, same_file, write_files, FileFormat,
 };
 use crate::rows::{compare_rows, reference_rows, sample_rows, RowErrors};
-use crate::tensor::HostTensor;
+use crate::tensor::{HostTensor, TensorViews};
 use flash_attention::DTypes;
 use softmax_core::{Mask, Out, ProblemDesc, Qkv};
 use std::path::PathBuf;

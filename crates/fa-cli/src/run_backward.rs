@@ -6,7 +6,7 @@
 use crate::backend::{Backend, Options};
 use crate::error::CliError;
 use crate::files::{encode_tensors, read_tensor, FileFormat};
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::{DType, HostTensor, TensorViews};
 use flash_attention::backward::BackwardInputs;
 use softmax_core::{Grads, Problem, Qkv};
 use std::path::{Path, PathBuf};

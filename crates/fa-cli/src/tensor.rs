@@ -1,61 +1,26 @@
 //! Host tensors as the command reads and writes them: a shape and typed data (f32, bf16, f16),
 //! handed to the library as dtype-erased views ([`TensorRef`], [`TensorMut`]).
+//!
+//! The tensor types are fa-io's (re-exported here); the views, which need the
+//! `flash_attention` library, are [`TensorViews`].
 
 use crate::error::CliError;
-use crate::memory::{checked_bytes, checked_product, ensure_fits, try_filled, try_with_capacity};
+use crate::memory::try_with_capacity;
+pub use fa_io::tensor::{element_count, DType, Data, HostTensor};
 use flash_attention::{TensorMut, TensorRef};
 use half::{bf16, f16};
-pub use softmax_core::DType;
 
-/// The error for a dtype host tensors do not hold (`DType` may grow, e.g. fp8).
-fn unsupported(dtype: DType) -> CliError {
-    CliError::Usage(format!(
-        "{dtype} tensors are not supported by fa (f32, bf16, f16 are)"
-    ))
-}
-
-/// The element count of `shape`, checked: an overflow or a size beyond the available memory is
-/// [`CliError::TooLarge`].
-pub fn element_count(shape: &[usize], dtype: DType) -> Result<usize, CliError> {
-    let what = format!("a {dtype} tensor of shape {shape:?}");
-    ensure_fits(&what, checked_bytes(shape, dtype.size()))?;
-    checked_product(shape).ok_or(CliError::TooLarge {
-        what,
-        needed: None,
-        available: None,
-    })
-}
-
-/// Collects `n` items into a vector reserved fallibly.
-fn try_extend<T>(n: usize, items: impl Iterator<Item = T>) -> Result<Vec<T>, CliError> {
-    let mut v = try_with_capacity(n, "a tensor")?;
-    v.extend(items);
-    Ok(v)
-}
-
-/// Typed element storage.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Data {
-    /// f32 elements.
-    F32(Vec<f32>),
-    /// bf16 elements.
-    Bf16(Vec<bf16>),
-    /// f16 elements.
-    F16(Vec<f16>),
-}
-
-impl Data {
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        match self {
-            Data::F32(_) => DType::F32,
-            Data::Bf16(_) => DType::Bf16,
-            Data::F16(_) => DType::F16,
-        }
-    }
-
+/// Dtype-erased views of host tensors, for the library (`use fa_cli::tensor::TensorViews` to
+/// call them).
+pub trait TensorViews {
     /// A read-only view of the elements, for the library.
-    pub fn view(&self) -> TensorRef<'_> {
+    fn view(&self) -> TensorRef<'_>;
+    /// A writable view of the elements, for the library.
+    fn view_mut(&mut self) -> TensorMut<'_>;
+}
+
+impl TensorViews for Data {
+    fn view(&self) -> TensorRef<'_> {
         match self {
             Data::F32(v) => TensorRef::from(v),
             Data::Bf16(v) => TensorRef::from(v),
@@ -63,8 +28,7 @@ impl Data {
         }
     }
 
-    /// A writable view of the elements, for the library.
-    pub fn view_mut(&mut self) -> TensorMut<'_> {
+    fn view_mut(&mut self) -> TensorMut<'_> {
         match self {
             Data::F32(v) => TensorMut::from(v),
             Data::Bf16(v) => TensorMut::from(v),
@@ -73,140 +37,21 @@ impl Data {
     }
 }
 
-/// A dense, C-ordered tensor in host memory.
-#[derive(Clone, Debug, PartialEq)]
-pub struct HostTensor {
-    /// Dimensions, outermost first.
-    pub shape: Vec<usize>,
-    /// Elements in C order; `shape.iter().product()` of them.
-    pub data: Data,
-}
-
-impl HostTensor {
-    /// Element type.
-    pub fn dtype(&self) -> DType {
-        self.data.dtype()
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match &self.data {
-            Data::F32(v) => v.len(),
-            Data::Bf16(v) => v.len(),
-            Data::F16(v) => v.len(),
-        }
-    }
-
-    /// Whether the tensor has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Bytes of the element data.
-    pub fn byte_len(&self) -> usize {
-        self.len() * self.dtype().size()
-    }
-
-    /// A tensor of `dtype` filled with zeros.
-    /// Sizes are checked and the allocation is fallible: a shape too large is
-    /// [`CliError::TooLarge`], never an abort.
-    pub fn zeros(dtype: DType, shape: Vec<usize>) -> Result<HostTensor, CliError> {
-        let n = element_count(&shape, dtype)?;
-        let data = match dtype {
-            DType::F32 => Data::F32(try_filled(n, 0.0, "a tensor")?),
-            DType::Bf16 => Data::Bf16(try_filled(n, bf16::ZERO, "a tensor")?),
-            DType::F16 => Data::F16(try_filled(n, f16::ZERO, "a tensor")?),
-            other => return Err(unsupported(other)),
-        };
-        Ok(HostTensor { shape, data })
-    }
-
-    /// A tensor of `dtype` from f32 values (rounded to nearest even).
-    pub fn from_f32(
-        dtype: DType,
-        shape: Vec<usize>,
-        values: &[f32],
-    ) -> Result<HostTensor, CliError> {
-        let data = match dtype {
-            DType::F32 => Data::F32(values.to_vec()),
-            DType::Bf16 => Data::Bf16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
-            DType::F16 => Data::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
-            other => return Err(unsupported(other)),
-        };
-        Ok(HostTensor { shape, data })
-    }
-
-    /// A read-only view of the elements, for the library.
-    pub fn view(&self) -> TensorRef<'_> {
+impl TensorViews for HostTensor {
+    fn view(&self) -> TensorRef<'_> {
         self.data.view()
     }
 
-    /// The elements widened to f32.
-    pub fn to_f32(&self) -> Vec<f32> {
-        match &self.data {
-            Data::F32(v) => v.clone(),
-            Data::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            Data::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-        }
+    fn view_mut(&mut self) -> TensorMut<'_> {
+        self.data.view_mut()
     }
+}
 
-    /// Decodes raw element bytes (`big_endian` selects the byte order). The caller checked
-    /// that `bytes.len()` is the element count times the element size.
-    pub fn from_bytes(
-        dtype: DType,
-        shape: Vec<usize>,
-        bytes: &[u8],
-        big_endian: bool,
-    ) -> Result<Self, CliError> {
-        let two = |c: &[u8]| {
-            let b = [c[0], c[1]];
-            if big_endian {
-                u16::from_be_bytes(b)
-            } else {
-                u16::from_le_bytes(b)
-            }
-        };
-        let n = bytes.len() / dtype.size().max(1);
-        let data = match dtype {
-            DType::F32 => Data::F32(try_extend(
-                n,
-                bytes.chunks_exact(4).map(|c| {
-                    let b = [c[0], c[1], c[2], c[3]];
-                    if big_endian {
-                        f32::from_be_bytes(b)
-                    } else {
-                        f32::from_le_bytes(b)
-                    }
-                }),
-            )?),
-            DType::Bf16 => Data::Bf16(try_extend(
-                n,
-                bytes.chunks_exact(2).map(|c| bf16::from_bits(two(c))),
-            )?),
-            DType::F16 => Data::F16(try_extend(
-                n,
-                bytes.chunks_exact(2).map(|c| f16::from_bits(two(c))),
-            )?),
-            other => return Err(unsupported(other)),
-        };
-        Ok(HostTensor { shape, data })
-    }
-
-    /// Appends the elements as little-endian bytes.
-    pub fn append_le_bytes(&self, out: &mut Vec<u8>) {
-        out.reserve(self.byte_len());
-        match &self.data {
-            Data::F32(v) => v
-                .iter()
-                .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            Data::Bf16(v) => v
-                .iter()
-                .for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
-            Data::F16(v) => v
-                .iter()
-                .for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
-        }
-    }
+/// Collects `n` items into a vector reserved fallibly.
+fn try_extend<T>(n: usize, items: impl Iterator<Item = T>) -> Result<Vec<T>, CliError> {
+    let mut v = try_with_capacity(n, "a tensor")?;
+    v.extend(items);
+    Ok(v)
 }
 
 /// N(0,1) values from the shared test generator (never zeros), for benchmarks and the demo.
@@ -220,7 +65,7 @@ pub fn random_normal(
         DType::F32 => Data::F32(try_extend(n, (0..n).map(|_| rng.normal() as f32))?),
         DType::Bf16 => Data::Bf16(try_extend(n, (0..n).map(|_| bf16::from_f64(rng.normal())))?),
         DType::F16 => Data::F16(try_extend(n, (0..n).map(|_| f16::from_f64(rng.normal())))?),
-        other => return Err(unsupported(other)),
+        other => return Err(fa_io::Error::UnsupportedDtype(other).into()),
     };
     Ok(HostTensor { shape, data })
 }

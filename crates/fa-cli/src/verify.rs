@@ -7,7 +7,7 @@
 //! With the cubic software exp2 the bounds widen by twice its documented relative error.
 
 use crate::backend::{Backend, Exp2, Options};
-use crate::tensor::{DType, Data, HostTensor};
+use crate::tensor::{DType, Data, HostTensor, TensorViews};
 use fa_reference::{attention_f64, compare, poison, CacheLayout, Case, DecodeCase, Rng, Rounding};
 use softmax_core::{Mask, Out, ProblemError, Qkv, EXP2_CUBIC_MAX_REL_ERROR};
 

@@ -5,7 +5,7 @@
 //! reports the largest of the three).
 
 use crate::backend::{Backend, Exp2, Options};
-use crate::tensor::{DType, Data};
+use crate::tensor::{DType, Data, TensorViews};
 use crate::verify::{dtype_label, rounding_of, to_data, Outcome, VerifyRow};
 use fa_reference::{attention_backward_f64, compare_grads, poison, Case, Rng};
 use flash_attention::backward::BackwardInputs;
