@@ -1,11 +1,11 @@
-//! `fa_cli::npy::read_npy` on arbitrary bytes: never panics, aborts or allocates what the
+//! `fa_io::npy::read_npy` on arbitrary bytes: never panics, aborts or allocates what the
 //! bytes do not hold; when it accepts, the tensor holds exactly `product(shape)` elements and
 //! writing it back and reading again gives the same tensor. Half the inputs get a well-formed
 //! magic, version and header (dtype, order, shape from the fuzz bytes) so that the parser's
 //! deeper paths are reached, not only the magic check.
 #![no_main]
 
-use fa_cli::npy::{read_npy, write_npy};
+use fa_io::npy::{read_npy, write_npy};
 use libfuzzer_sys::fuzz_target;
 
 fn framed(data: &[u8]) -> Vec<u8> {

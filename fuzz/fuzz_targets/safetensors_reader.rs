@@ -1,11 +1,11 @@
-//! `fa_cli::files::read_tensor` on arbitrary `.safetensors` bytes (the public reader takes a
-//! path, so each input goes through a file in the temp directory): never panics or aborts;
-//! when it accepts, the tensor holds exactly `product(shape)` elements. Half the inputs get a
-//! well-formed frame (length prefix, JSON header with a fuzzed dtype, shape and offsets) so
-//! that the checks after the header are reached.
+//! `fa_io::files::read_tensor` (the reader behind `fa run`) on arbitrary `.safetensors` bytes
+//! (the public reader takes a path, so each input goes through a file in the temp directory):
+//! never panics or aborts; when it accepts, the tensor holds exactly `product(shape)` elements.
+//! Half the inputs get a well-formed frame (length prefix, JSON header with a fuzzed dtype,
+//! shape and offsets) so that the checks after the header are reached.
 #![no_main]
 
-use fa_cli::files::read_tensor;
+use fa_io::files::read_tensor;
 use libfuzzer_sys::fuzz_target;
 use std::path::PathBuf;
 
