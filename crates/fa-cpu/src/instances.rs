@@ -1,6 +1,6 @@
 //! The entry points' instances that the workspace's callers use, compiled once, here.
 //!
-//! [`crate::forward`], [`crate::backward`] and their `_with_workspace` forms are generic over
+//! [`crate::forward()`], [`crate::backward()`] and their `_with_workspace` forms are generic over
 //! the element types, so every crate that calls them compiled the whole kernel tree again for
 //! its types (each SIMD level, the AMX and decode paths). Measured on the 2-core development
 //! VM (`cargo test --workspace --no-run --timings`, a cold target, the dev profile with line

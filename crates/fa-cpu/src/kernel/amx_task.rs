@@ -7,7 +7,7 @@
 //!   the bf16 copy, padded to 32 channels); B tiles are Q in the pair layout, `[channel pair][row
 //!   in block][2]`, packed once per task. The C tiles (16 keys × 16 rows, f32) are stored at
 //!   `st[j·panel + r]`, the score layout the SIMD path uses, so the scale, softcap, mask and
-//!   [`softmax_panel`] (softmax-core's rules) run unchanged on them.
+//!   [`PanelSoftmax`] (softmax-core's rules) run unchanged on them.
 //! - `Oᵀ += Vᵀ·Pᵀ`: A tiles are `Vᵀ` (16 channels × 32 keys, transposed once per key tile for
 //!   all the rows of the task: a GQA group's heads × a block of positions), B tiles are P
 //!   rounded to bf16 in the pair layout (`[key pair][row][2]`, from two score rows at a time:
@@ -279,9 +279,9 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         };
         lap.lap(AmxPhase::PackKv);
         // The panels run as a pipeline: while the vector units run panel i's softmax, the
-        // tiles compute panel i+1's scores and panel i−1's products (`TileWork`, issued a
-        // step at a time between the softmax's key pairs), so the two kinds of work overlap
-        // instead of taking turns. Scores and P are double-buffered (`st`, `pb` halves).
+        // tiles compute panel i+1's scores and panel i−1's products (`TileWork`, with the
+        // softmax's vector work issued a share at a time between its parts), so the two
+        // kinds of work overlap instead of taking turns. Scores and P are double-buffered (`st`, `pb` halves).
         let mut live = (0..br / panel).filter(|&pi| kinds[pi] != TileKind::Empty);
         let Some(first) = live.next() else {
             continue;
@@ -307,9 +307,12 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                 fresh,
             )
         };
-        let mut first_scores = TileWork::new(Some(scores_job(first, 0)), None);
+        let first_scores = TileWork {
+            scores: Some(scores_job(first, 0)),
+            products: None,
+        };
         // SAFETY: the job's buffers (above).
-        unsafe { first_scores.finish(tiles) };
+        unsafe { run_tile_work(tiles, &first_scores, &mut Alone) };
         lap.lap(AmxPhase::Scores);
         prefetch.after_call::<S, T, O>(ctx, &dims);
         let (mut cur, mut prev, mut b) = (first, None, 0);
@@ -340,10 +343,10 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
             // SAFETY: S available; st_cur holds nk rows of `panel`; rv0 < rows.
             unsafe { mask_partial::<S, NR>(kind, &mask, task, &dims, st_cur, rv0, j0, nk) };
             lap.lap(AmxPhase::Softmax);
-            let mut work = TileWork::new(
-                next.map(|n| scores_job(n, b ^ 1)),
-                prev.map(|pv| products_job(pv, b ^ 1, o_panels.first_write(pv))),
-            );
+            let work = TileWork {
+                scores: next.map(|n| scores_job(n, b ^ 1)),
+                products: prev.map(|pv| products_job(pv, b ^ 1, o_panels.first_write(pv))),
+            };
             // SAFETY: st_cur holds nk rows of `panel` floats, pb_buf[b] nk32/2 rows of
             // `panel` dwords (neither touched by `work`, which reads and writes the other
             // halves and other panels' Oᵀ); states and corr hold br ≥ rv0 + panel rows; S
@@ -358,7 +361,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                 };
                 let args = (st_cur.as_ptr(), nk, nk32, pb_buf[b]);
                 let (s, c, r) = (&mut *states, &mut *corr, &mut stats.rescale);
-                let w = (&mut work, &mut *tiles);
+                let w = (&work, &mut *tiles);
                 match (ctx.exp2, M::HARDWARE) {
                     (Exp2Impl::Exact, true) => {
                         softmax.run::<S, M, NR, false, true>(args, s, c, r, w)
@@ -373,7 +376,6 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                         softmax.run::<S, M, NR, true, false>(args, s, c, r, w)
                     }
                 }
-                work.finish(tiles);
             }
             lap.lap(AmxPhase::Softmax);
             for _ in 0..work.jobs() {
@@ -403,9 +405,12 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         }
         // The last panel's products (its P is in pb_buf[b]).
         let fresh = o_panels.first_write(cur);
-        let mut last = TileWork::new(None, Some(products_job(cur, b, fresh)));
+        let last = TileWork {
+            scores: None,
+            products: Some(products_job(cur, b, fresh)),
+        };
         // SAFETY: the job's buffers (above).
-        unsafe { last.finish(tiles) };
+        unsafe { run_tile_work(tiles, &last, &mut Alone) };
         lap.lap(AmxPhase::Products);
         prefetch.after_call::<S, T, O>(ctx, &dims);
         lap.lap(AmxPhase::PackKv);
@@ -642,15 +647,20 @@ struct PanelSoftmax<'p> {
 impl PanelSoftmax<'_> {
     /// Runs it on `(st, nk, nk32, pb)`: `st` holds `nk` rows of `NR·W` (= [`AMX_PANEL`])
     /// scores, `pb` gets `nk32/2` rows of pair dwords; `states` and `corr` are the task's.
-    /// `CUBIC`: [`exp2_cubic`], else [`Simd::exp2_softmax`] ([`crate::arch::exp2_exact`]'s values); `NATIVE`: the CPU's bf16 conversion.
-    /// `work` is issued on `tiles` a share at a time between the key pairs (some may be left
-    /// for the caller's [`TileWork::finish`]).
+    /// `CUBIC`: [`exp2_cubic`], else [`Simd::exp2_softmax`] ([`crate::arch::exp2_exact`]'s
+    /// values); `NATIVE`: the CPU's bf16 conversion.
+    ///
+    /// `work` runs on `tiles` meanwhile, and it sets the pace: after each of its parts
+    /// ([`run_tile_work`]) the softmax advances by its share of [`SoftmaxUnits`] (the maxima
+    /// pass first, then one row vector of a key pair per unit), so that the two kinds of work
+    /// end together. The tile work's loops are plain nested loops and a unit is a few vector
+    /// instructions behind one counter, so the interleaving costs little scalar work.
     ///
     /// # Safety
     /// S available (and with `NATIVE` AVX512-BF16 and AVX512-BW); `st` readable for `nk·NR·W`
     /// floats, `pb` writable for `nk32/2·NR·W` dwords; `states` and `corr` hold `rv0 +
-    /// NR·W` entries; `nk ≤ nk32`, `nk32` even; `NR·W == AMX_PANEL`; `work` as
-    /// [`TileWork::step`] asks, its buffers apart from `st` and `pb`.
+    /// NR·W` entries; `1 ≤ nk ≤ nk32`, `nk32` even; `NR·W == AMX_PANEL`; `work` as
+    /// [`run_tile_work`] asks, its buffers apart from `st` and `pb`.
     #[inline(always)]
     #[allow(clippy::type_complexity)]
     unsafe fn run<S: Simd, M: Tiles, const NR: usize, const CUBIC: bool, const NATIVE: bool>(
@@ -659,75 +669,187 @@ impl PanelSoftmax<'_> {
         states: &mut [RowState<f32>],
         corr: &mut [f32],
         stats: &mut RescaleStats,
-        (work, tiles): (&mut TileWork, &mut M),
+        (work, tiles): (&TileWork, &mut M),
     ) {
+        let units = 1 + nk / 2 * NR;
+        // SAFETY: S available (caller).
+        let (f, zero) = unsafe { (S::splat(self.factor), S::splat(0.0)) };
+        let mut softmax = SoftmaxUnits::<S, NR, CUBIC, NATIVE> {
+            panel: self,
+            st,
+            nk,
+            pb,
+            states,
+            corr,
+            stats,
+            f,
+            neg: [zero; NR],
+            sum: [zero; NR],
+            done: 0,
+            units,
+            parts: work.parts().max(1),
+            owed: 0,
+        };
+        // SAFETY: bounds are the caller's contract, and `work`'s ([`run_tile_work`]).
+        unsafe {
+            run_tile_work(tiles, work, &mut softmax);
+            while softmax.done < units {
+                softmax.unit();
+            }
+            softmax.finish(nk32);
+        }
+    }
+}
+
+/// `exp2(f·s − offset)` of the W scores at `p` (`neg` = −offset). No closures here: a
+/// closure would not inherit the trampoline's target features, and its vector intrinsics
+/// would become calls.
+///
+/// # Safety
+/// S available; W readable floats at `p`.
+#[inline(always)]
+unsafe fn exp_scores<S: Simd, const CUBIC: bool>(p: *const f32, f: S::V, neg: S::V) -> S::V {
+    // SAFETY: the caller's.
+    unsafe {
+        let x = S::fma(S::load(p), f, neg);
+        if CUBIC {
+            exp2_cubic::<S>(x)
+        } else {
+            // x = factor·s − offset ≤ the rescale threshold (≤ 64).
+            S::exp2_softmax(x)
+        }
+    }
+}
+
+/// The dword of key pair `jp`, rows `r..r + W` in P's B-tile layout: offset into `pb`.
+#[inline(always)]
+fn pair_dword(jp: usize, r: usize) -> usize {
+    ((jp / 16) * 2 + r / 16) * 256 + (jp % 16) * 16 + r % 16
+}
+
+/// [`PanelSoftmax::run`]'s vector work in units: unit 0 the maxima pass and the offsets, unit
+/// `1 + NR·jp + n` the exponentials, sums and bf16 pairs of key pair `jp`, row vector `n`;
+/// [`SoftmaxUnits::finish`] the odd last key, P's zero padding and the sums. As
+/// [`Between`], it takes `units/parts` units per part of the tile work (without a division:
+/// `owed` carries the remainder).
+struct SoftmaxUnits<'u, 'p, S: Simd, const NR: usize, const CUBIC: bool, const NATIVE: bool> {
+    panel: &'u PanelSoftmax<'p>,
+    st: *const f32,
+    nk: usize,
+    pb: *mut u32,
+    states: &'u mut [RowState<f32>],
+    corr: &'u mut [f32],
+    stats: &'u mut RescaleStats,
+    /// The factor, splatted.
+    f: S::V,
+    /// −offset per row vector (after unit 0).
+    neg: [S::V; NR],
+    /// The row sums so far.
+    sum: [S::V; NR],
+    /// Units done, of `units`.
+    done: usize,
+    units: usize,
+    /// Parts of the tile work (≥ 1), and `parts_done · units mod parts`.
+    parts: usize,
+    owed: usize,
+}
+
+impl<S: Simd, const NR: usize, const CUBIC: bool, const NATIVE: bool>
+    SoftmaxUnits<'_, '_, S, NR, CUBIC, NATIVE>
+{
+    /// The next unit (`done < units`).
+    ///
+    /// # Safety
+    /// As [`PanelSoftmax::run`].
+    #[inline(always)]
+    unsafe fn unit(&mut self) {
         let w = S::W;
         let panel = NR * w;
-        // The tile work is paced over the key pairs' row vectors, one share before the maxima.
-        let slots = nk / 2 * NR + 1;
-        // SAFETY: bounds are the caller's contract, and `work`'s ([`TileWork::step`]).
+        let p = self.panel;
+        // SAFETY: bounds are the caller's contract (unit `1 + NR·jp + n` reads keys 2jp and
+        // 2jp + 1 < nk, writes pair jp < nk32/2).
         unsafe {
-            work.pace(tiles, slots);
-            let mut mx = panel_maxima::<S, NR>(st, panel, nk);
-            let f = S::splat(self.factor);
-            for m in mx.iter_mut() {
-                *m = S::mul(*m, f);
-            }
-            let offset =
-                panel_offsets::<S, NR>(&mx, self.rv0, self.rows, states, corr, self.policy, stats);
-            let mut neg = [S::splat(0.0); NR];
-            for (x, off) in neg.iter_mut().zip(&offset) {
-                *x = S::sub(*x, *off);
-            }
-            // `exp2(f·s − offset)` for key `j`, row vector `n` (no closures here: a closure
-            // would not inherit the trampoline's target features, and its vector intrinsics
-            // would become calls).
-            #[inline(always)]
-            unsafe fn exp<S: Simd, const CUBIC: bool>(p: *const f32, f: S::V, neg: S::V) -> S::V {
-                // SAFETY: W readable floats at p; S available (caller).
-                unsafe {
-                    let x = S::fma(S::load(p), f, neg);
-                    if CUBIC {
-                        exp2_cubic::<S>(x)
-                    } else {
-                        // x = factor·s − offset ≤ the rescale threshold (≤ 64).
-                        S::exp2_softmax(x)
+            if self.done == 0 {
+                let mut mx = panel_maxima::<S, NR>(self.st, panel, self.nk);
+                for m in mx.iter_mut() {
+                    *m = S::mul(*m, self.f);
+                }
+                let offset = panel_offsets::<S, NR>(
+                    &mx,
+                    p.rv0,
+                    p.rows,
+                    self.states,
+                    self.corr,
+                    p.policy,
+                    self.stats,
+                );
+                for (x, off) in self.neg.iter_mut().zip(&offset) {
+                    *x = S::sub(*x, *off);
+                }
+            } else {
+                let u = self.done - 1;
+                let (jp, n) = (u / NR, u % NR);
+                let at = self.st.add(2 * jp * panel);
+                // One arm per row vector, so that the arrays' indices are constants and they
+                // stay in registers.
+                for i in 0..NR {
+                    if i == n {
+                        let lo = exp_scores::<S, CUBIC>(at.add(i * w), self.f, self.neg[i]);
+                        let hi = exp_scores::<S, CUBIC>(at.add(panel + i * w), self.f, self.neg[i]);
+                        self.sum[i] = S::add(S::add(self.sum[i], lo), hi);
+                        S::bf16_pairs_v::<NATIVE>(lo, hi, self.pb.add(pair_dword(jp, i * w)));
                     }
                 }
             }
-            // The dword of key pair `jp`, row vector `n`: offset into pb.
-            let dst = |jp: usize, n: usize| {
-                let r = n * w;
-                ((jp / 16) * 2 + r / 16) * 256 + (jp % 16) * 16 + r % 16
-            };
-            let mut sum = [S::splat(0.0); NR];
-            for jp in 0..nk / 2 {
-                for (n, total) in sum.iter_mut().enumerate() {
-                    work.pace(tiles, slots);
-                    let at = st.add(2 * jp * panel + n * w);
-                    let lo = exp::<S, CUBIC>(at, f, neg[n]);
-                    let hi = exp::<S, CUBIC>(at.add(panel), f, neg[n]);
-                    *total = S::add(S::add(*total, lo), hi);
-                    S::bf16_pairs_v::<NATIVE>(lo, hi, pb.add(dst(jp, n)));
-                }
-            }
+        }
+        self.done += 1;
+    }
+
+    /// After the last unit: the odd last key, P's zero pairs up to `nk32`, the row sums into
+    /// the states.
+    ///
+    /// # Safety
+    /// As [`PanelSoftmax::run`].
+    #[inline(always)]
+    unsafe fn finish(mut self, nk32: usize) {
+        let w = S::W;
+        let panel = NR * w;
+        let nk = self.nk;
+        // SAFETY: bounds are the caller's contract; S available.
+        unsafe {
             let zero = S::splat(0.0);
             let mut jp = nk / 2;
             if nk % 2 == 1 {
-                for (n, total) in sum.iter_mut().enumerate() {
-                    let lo = exp::<S, CUBIC>(st.add((nk - 1) * panel + n * w), f, neg[n]);
-                    *total = S::add(*total, lo);
-                    S::bf16_pairs_v::<NATIVE>(lo, zero, pb.add(dst(jp, n)));
+                for n in 0..NR {
+                    let at = self.st.add((nk - 1) * panel + n * w);
+                    let lo = exp_scores::<S, CUBIC>(at, self.f, self.neg[n]);
+                    self.sum[n] = S::add(self.sum[n], lo);
+                    S::bf16_pairs_v::<NATIVE>(lo, zero, self.pb.add(pair_dword(jp, n * w)));
                 }
                 jp += 1;
             }
             while jp < nk32 / 2 {
                 for n in 0..NR {
-                    S::bf16_pairs_v::<NATIVE>(zero, zero, pb.add(dst(jp, n)));
+                    S::bf16_pairs_v::<NATIVE>(zero, zero, self.pb.add(pair_dword(jp, n * w)));
                 }
                 jp += 1;
             }
-            add_panel_sums::<S, NR>(&sum, self.rv0, self.rows, states);
+            add_panel_sums::<S, NR>(&self.sum, self.panel.rv0, self.panel.rows, self.states);
+        }
+    }
+}
+
+impl<S: Simd, const NR: usize, const CUBIC: bool, const NATIVE: bool> Between
+    for SoftmaxUnits<'_, '_, S, NR, CUBIC, NATIVE>
+{
+    #[inline(always)]
+    unsafe fn between(&mut self) {
+        self.owed += self.units;
+        while self.owed >= self.parts {
+            self.owed -= self.parts;
+            // SAFETY: the caller's ([`PanelSoftmax::run`]); after all `parts` parts exactly
+            // `units` units are done, never more.
+            unsafe { self.unit() };
         }
     }
 }
@@ -752,9 +874,9 @@ unsafe fn rescale<S: Simd, const NR: usize>(o: &mut [f32], corr: &[f32], dv32: u
     }
 }
 
-/// `Sᵀ = K·Qᵀ` for one panel, as [`TileWork`] steps: per 32 keys, four C tiles (2 key
-/// blocks × 2 row blocks) zeroed, accumulated over the `d32/32` channel chunks (one step
-/// each: two K tiles, two Q tiles, four products) and stored at `st[j·32 + r]` (one step).
+/// `Sᵀ = K·Qᵀ` for one panel ([`run_tile_work`]): per 32 keys, four C tiles (2 key blocks ×
+/// 2 row blocks) zeroed, accumulated over the `d32/32` channel chunks (two K tiles, two Q
+/// tiles, four products each) and stored at `st[j·32 + r]`.
 #[derive(Clone, Copy)]
 struct ScoresJob {
     /// The panel's Q tiles: row block 0's `d32/32` tiles, then row block 1's.
@@ -764,8 +886,7 @@ struct ScoresJob {
     /// `nk32` rows of 32 floats.
     st: *mut f32,
     d32: usize,
-    /// Steps in all: `nk32/32 · (d32/32 + 1)`.
-    steps: usize,
+    nk32: usize,
 }
 
 impl ScoresJob {
@@ -775,15 +896,20 @@ impl ScoresJob {
             kb,
             st,
             d32,
-            steps: nk32 / 32 * (d32 / STEP + 1),
+            nk32,
         }
+    }
+
+    /// Parts ([`run_tile_work`]): per 32 keys, 4 per channel chunk and 4 stores.
+    fn parts(&self) -> usize {
+        self.nk32 / 32 * (self.d32 / STEP + 1) * 4
     }
 }
 
-/// `Oᵀ += Vᵀ·Pᵀ` for one panel, as [`TileWork`] steps: per 32 channels, four C tiles (2
-/// channel blocks × 2 row blocks) loaded from `o` with the first key chunk's products, one
-/// step per 32-key chunk (two Vᵀ tiles, two P tiles, four products), and a step storing them
-/// back.
+/// `Oᵀ += Vᵀ·Pᵀ` for one panel ([`run_tile_work`]): per 32 channels, four C tiles (2 channel
+/// blocks × 2 row blocks) loaded from `o` (or zeroed for the panel's first products),
+/// accumulated over the 32-key chunks (two Vᵀ tiles, two P tiles, four products each) and
+/// stored back.
 #[derive(Clone, Copy)]
 struct ProductsJob {
     /// `dv32` rows of `nk32/2` dwords (`Vᵀ` pairs).
@@ -792,12 +918,11 @@ struct ProductsJob {
     pb: *const u32,
     /// The panel's `Oᵀ`: `dv32` rows of 32 floats.
     o: *mut f32,
+    dv32: usize,
     nk32: usize,
     /// The panel's first products: the accumulators start from zero tiles, not from `o`
     /// (which holds nothing yet).
     fresh: bool,
-    /// Steps in all: `dv32/32 · (nk32/32 + 1)`.
-    steps: usize,
 }
 
 impl ProductsJob {
@@ -813,10 +938,15 @@ impl ProductsJob {
             vb,
             pb,
             o,
+            dv32,
             nk32,
             fresh,
-            steps: dv32 / 32 * (nk32 / STEP + 1),
         }
+    }
+
+    /// Parts ([`run_tile_work`]): per 32 channels, 4 per key chunk and 4 stores.
+    fn parts(&self) -> usize {
+        self.dv32 / 32 * (self.nk32 / STEP + 1) * 4
     }
 }
 
@@ -861,190 +991,110 @@ impl OPanels {
     }
 }
 
-/// The tile work of one pipeline step: a panel's scores, then another panel's products, cut
-/// into steps of at most four tile loads (or four stores) and four products, each issued in
-/// [`SUB_STEPS`] parts between the softmax's vector instructions ([`TileWork::pace`]). Both jobs use
-/// all eight tiles, so a job's C tiles stay live across its steps and the jobs run one after
-/// the other, never interleaved with each other.
+/// The tile work of one pipeline step: a panel's scores, then another panel's products. Both
+/// jobs use all eight tiles, so they run one after the other.
 struct TileWork {
     scores: Option<ScoresJob>,
     products: Option<ProductsJob>,
-    /// Steps issued.
-    done: usize,
-    /// The current block (32 keys of the scores, 32 channels of the products), step in it,
-    /// and part of that step ([`SUB_STEPS`]).
-    block: usize,
-    sub: usize,
-    part: usize,
-    /// `calls · total mod n` after [`TileWork::pace`]'s calls so far (the share not yet
-    /// worth a whole part), so that pacing needs no division.
-    owed: usize,
 }
 
-/// Parts a step is issued in: each part issues `4 / SUB_STEPS` of the step's products (with
-/// the tile loads they need first) or stores, and the softmax paces them per row vector, so
-/// the vector work between two calls of [`TileWork::pace`] meets a short run of tile
-/// instructions. On the development VM a 2 × 2 step (4 products, ~54 ticks) and 128 FMAs
-/// (~55) cost their sum back to back, while 64 FMAs hide beside it; on the GPU machine's
-/// Xeon (docs/gpu-notes.md run 86, 2 pinned cores, bf16, 18 shapes × 3 rounds, alternating,
-/// geometric mean of paired ratios against main): parts of 1 product 1.147×, 2 products
-/// 1.064×, whole steps 1.032× (all paced per row vector, with this task's other changes,
-/// which with whole steps paced per key pair gave 1.069×).
-const SUB_STEPS: usize = 4;
-
 impl TileWork {
-    fn new(scores: Option<ScoresJob>, products: Option<ProductsJob>) -> TileWork {
-        TileWork {
-            scores,
-            products,
-            done: 0,
-            block: 0,
-            sub: 0,
-            part: 0,
-            owed: 0,
-        }
-    }
-
     /// Jobs held (0 to 2).
     fn jobs(&self) -> usize {
         self.scores.is_some() as usize + self.products.is_some() as usize
     }
 
-    /// Parts in all (steps × [`SUB_STEPS`]).
-    #[inline(always)]
-    fn total(&self) -> usize {
-        (self.scores.map_or(0, |j| j.steps) + self.products.map_or(0, |j| j.steps)) * SUB_STEPS
+    /// Parts in all ([`run_tile_work`]).
+    fn parts(&self) -> usize {
+        self.scores.map_or(0, |j| j.parts()) + self.products.map_or(0, |j| j.parts())
     }
+}
 
-    /// Issues parts until `(i + 1)/n` of them are done at the `i`-th call (counting from 0):
-    /// called once per iteration of a loop of `n`, it spreads the work evenly over the loop.
+/// What runs between the parts of the tile work ([`run_tile_work`]).
+trait Between {
+    /// Called after each part.
     ///
     /// # Safety
-    /// As [`TileWork::step`].
-    #[inline(always)]
-    unsafe fn pace<M: Tiles>(&mut self, t: &mut M, n: usize) {
-        // ⌊(i + 1)·total / n⌋ parts issued after call i, counted without a division (it runs
-        // twice per key pair of the softmax): `owed` carries the remainder from call to call.
-        self.owed += self.total();
-        let n = n.max(1);
-        while self.owed >= n {
-            self.owed -= n;
-            // SAFETY: the caller's.
-            unsafe { self.step(t) };
-        }
-    }
+    /// The implementor's.
+    unsafe fn between(&mut self);
+}
 
-    /// Issues every step left.
-    ///
-    /// # Safety
-    /// As [`TileWork::step`].
-    #[inline(always)]
-    unsafe fn finish<M: Tiles>(&mut self, t: &mut M) {
-        while self.done < self.total() {
-            // SAFETY: the caller's.
-            unsafe { self.step(t) };
-        }
-    }
+/// Nothing between the parts: the tile work alone.
+struct Alone;
 
-    /// Moves to the next part: past a step's last part to the next step, past a block's
-    /// `steps` steps to the next block.
+impl Between for Alone {
     #[inline(always)]
-    fn advance(&mut self, steps: usize) {
-        self.done += 1;
-        self.part += 1;
-        if self.part == SUB_STEPS {
-            self.part = 0;
-            self.sub += 1;
-            if self.sub == steps {
-                self.sub = 0;
-                self.block += 1;
-            }
-        }
-    }
+    unsafe fn between(&mut self) {}
+}
 
-    /// Issues the next part of a step (none when all are done).
-    ///
-    /// # Safety
-    /// The jobs' pointers are valid as their fields say (read for `q`, `kb`, `vb`, `pb`,
-    /// read and written for `o`, written for `st`) and no other code touches `st` and `o`
-    /// until [`TileWork::finish`] returns.
-    #[inline(always)]
-    unsafe fn step<M: Tiles>(&mut self, t: &mut M) {
-        let s_parts = self.scores.map_or(0, |j| j.steps) * SUB_STEPS;
-        let part = self.part;
-        if self.done < s_parts {
-            let Some(j) = self.scores else { return };
-            let chunks = j.d32 / STEP;
-            let jb = self.block * 32;
-            if self.sub < chunks {
-                let cc = self.sub;
-                if cc == 0 && part == 0 {
-                    zero_c(t);
-                }
+/// Runs `work` on `t`, calling `b.between()` after each part: a product (after the tile
+/// loads it is the first to need) or a tile store. [`TileWork::parts`] counts them.
+///
+/// The parts are this small because the softmax's vector work goes between them: on the
+/// development VM a 2 × 2 step (4 products, ~54 ticks) and 128 FMAs (~55) cost their sum
+/// back to back, while 64 FMAs hide beside it; on the GPU machine's Xeon
+/// (docs/gpu-notes.md run 86, 2 pinned cores, bf16, 18 shapes × 3 rounds, alternating,
+/// geometric mean of paired ratios against main): parts of 1 product 1.147×, 2 products
+/// 1.064×, whole steps 1.032×. The loops here are fixed for a job, so the interleaving's
+/// scalar cost is the loop counters and `b`'s own (an earlier version chose each part in a
+/// state machine called from the softmax, ~1.5 ms of ~23 at head dim 128 on the development
+/// VM).
+///
+/// # Safety
+/// The jobs' pointers are valid as their fields say (read for `q`, `kb`, `vb`, `pb`, read and
+/// written for `o`, written for `st`) and `b` touches none of the bytes the jobs write, nor
+/// the tiles.
+#[inline(always)]
+unsafe fn run_tile_work<M: Tiles, B: Between>(t: &mut M, work: &TileWork, b: &mut B) {
+    if let Some(j) = work.scores {
+        let chunks = j.d32 / STEP;
+        for jb in (0..j.nk32).step_by(32) {
+            zero_c(t);
+            for cc in 0..chunks {
                 // SAFETY: keys jb..jb + 32 ≤ nk32 rows of d32 u16 from column cc·32 (64
-                // bytes each); the Q tiles of row blocks 0 and 1, chunk cc, inside `q`.
+                // bytes each); the Q tiles of row blocks 0 and 1, chunk cc, inside `q`; rows
+                // jb..jb + 32 ≤ nk32 of 32 floats in `st`.
                 unsafe {
                     let k0 = j.kb.add(jb * j.d32 + cc * STEP);
                     let q0 = j.q.add(cc * TILE_DWORDS);
-                    dot_2x2_part(
+                    dot_2x2(
                         t,
-                        part,
-                        k0 as *const u8,
-                        k0.add(16 * j.d32) as *const u8,
-                        2 * j.d32,
-                        q0 as *const u8,
-                        q0.add(chunks * TILE_DWORDS) as *const u8,
+                        (k0 as *const u8, k0.add(16 * j.d32) as *const u8, 2 * j.d32),
+                        (q0 as *const u8, q0.add(chunks * TILE_DWORDS) as *const u8),
+                        b,
                     );
                 }
-            } else {
-                // SAFETY: rows jb..jb + 32 ≤ nk32 of 32 floats.
-                unsafe { store_c_part(t, part, j.st.add(jb * AMX_PANEL)) };
             }
-            self.advance(chunks + 1);
-            if self.done == s_parts {
-                self.block = 0;
-                self.sub = 0;
-                self.part = 0;
-            }
-            return;
+            // SAFETY: as above.
+            unsafe { store_c(t, j.st.add(jb * AMX_PANEL), b) };
         }
-        let Some(j) = self.products else { return };
-        if self.done >= s_parts + j.steps * SUB_STEPS {
-            return;
-        }
+    }
+    if let Some(j) = work.products {
         let half = j.nk32 / 2;
-        let key_chunks = j.nk32 / STEP;
-        let cb = self.block * 32;
-        // SAFETY: channel rows cb..cb + 32 ≤ dv32 of 32 floats in `o`, columns 0..16 and
-        // 16..32; channel rows cb..cb + 32 of `vb` (nk32 u16 each) from key kc·32 (64 bytes);
-        // the P tiles of chunk kc (row blocks 0 and 1) inside pb's nk32/2·32 dwords.
-        unsafe {
-            let oc = j.o.add(cb * AMX_PANEL);
-            if self.sub < key_chunks {
-                let kc = self.sub;
-                if kc == 0 && part == 0 {
-                    if j.fresh {
-                        zero_c(t);
-                    } else {
-                        load_c(t, oc);
-                    }
+        for cb in (0..j.dv32).step_by(32) {
+            // SAFETY: channel rows cb..cb + 32 ≤ dv32 of 32 floats in `o`; channel rows
+            // cb..cb + 32 of `vb` (nk32 u16 each) from key kc·32 (64 bytes); the P tiles of
+            // chunk kc (row blocks 0 and 1) inside pb's nk32/2·32 dwords.
+            unsafe {
+                let oc = j.o.add(cb * AMX_PANEL);
+                if j.fresh {
+                    zero_c(t);
+                } else {
+                    load_c(t, oc);
                 }
-                let v0 = j.vb.add(cb * half + kc * 16);
-                let p0 = j.pb.add(kc * 2 * 256);
-                dot_2x2_part(
-                    t,
-                    part,
-                    v0 as *const u8,
-                    v0.add(16 * half) as *const u8,
-                    2 * j.nk32,
-                    p0 as *const u8,
-                    p0.add(256) as *const u8,
-                );
-            } else {
-                store_c_part(t, part, oc);
+                for kc in 0..j.nk32 / STEP {
+                    let v0 = j.vb.add(cb * half + kc * 16);
+                    let p0 = j.pb.add(kc * 2 * 256);
+                    dot_2x2(
+                        t,
+                        (v0 as *const u8, v0.add(16 * half) as *const u8, 2 * j.nk32),
+                        (p0 as *const u8, p0.add(256) as *const u8),
+                        b,
+                    );
+                }
+                store_c(t, oc, b);
             }
         }
-        self.advance(key_chunks + 1);
     }
 }
 
@@ -1074,65 +1124,53 @@ unsafe fn load_c<M: Tiles>(t: &mut M, c: *const f32) {
     }
 }
 
-/// Part `part` of [`SUB_STEPS`] of storing tiles 0–3 to the 32 × 32 floats at `c` (the
-/// layout of [`load_c`]): tiles `part·4/SUB_STEPS ..` of it.
+/// Tiles 0–3 → the 32 × 32 floats at `c` (the layout of [`load_c`]), `b` after each store.
 ///
 /// # Safety
-/// 32 rows of 32 writable floats at `c`; `part < SUB_STEPS`.
+/// 32 rows of 32 writable floats at `c`; `b` as [`run_tile_work`] asks.
 #[inline(always)]
-unsafe fn store_c_part<M: Tiles>(t: &mut M, part: usize, c: *mut f32) {
+unsafe fn store_c<M: Tiles, B: Between>(t: &mut M, c: *mut f32, b: &mut B) {
     let stride = 4 * AMX_PANEL;
-    let per = 4 / SUB_STEPS;
     // SAFETY: each tile's 16 rows of 64 bytes lie inside the caller's 32 × 32 floats.
     unsafe {
-        for tile in part * per..(part + 1) * per {
-            match tile {
-                0 => t.store::<0>(c as *mut u8, stride),
-                1 => t.store::<1>(c.add(16) as *mut u8, stride),
-                2 => t.store::<2>(c.add(16 * AMX_PANEL) as *mut u8, stride),
-                _ => t.store::<3>(c.add(16 * AMX_PANEL + 16) as *mut u8, stride),
-            }
-        }
+        t.store::<0>(c as *mut u8, stride);
+        b.between();
+        t.store::<1>(c.add(16) as *mut u8, stride);
+        b.between();
+        t.store::<2>(c.add(16 * AMX_PANEL) as *mut u8, stride);
+        b.between();
+        t.store::<3>(c.add(16 * AMX_PANEL + 16) as *mut u8, stride);
+        b.between();
     }
 }
 
-/// Part `part` of [`SUB_STEPS`] of the 2 × 2 tile block: A tiles 4, 5 ← 16 rows of 64 bytes
-/// at `a0`, `a1` (`a_stride` bytes apart), B tiles 6, 7 ← 1 KiB at `b0`, `b1`, and the
-/// products `C(2i + j) += A(4 + i)·B(6 + j)` in the order (0,0), (0,1), (1,0), (1,1); a part
-/// issues `4/SUB_STEPS` of them, each after the loads it is the first to need.
+/// The 2 × 2 tile block: A tiles 4, 5 ← 16 rows of 64 bytes at `a0`, `a1` (`a_stride` bytes
+/// apart), B tiles 6, 7 ← 1 KiB at `b0`, `b1`, and the products `C(2i + j) += A(4 + i)·B(6 +
+/// j)` in the order (0,0), (0,1), (1,0), (1,1), each after the loads it is the first to need
+/// and followed by `b`.
 ///
 /// # Safety
-/// The four tiles' bytes readable; `part < SUB_STEPS`.
+/// The four tiles' bytes readable; `b` as [`run_tile_work`] asks.
 #[inline(always)]
-unsafe fn dot_2x2_part<M: Tiles>(
+unsafe fn dot_2x2<M: Tiles, B: Between>(
     t: &mut M,
-    part: usize,
-    a0: *const u8,
-    a1: *const u8,
-    a_stride: usize,
-    b0: *const u8,
-    b1: *const u8,
+    (a0, a1, a_stride): (*const u8, *const u8, usize),
+    (b0, b1): (*const u8, *const u8),
+    b: &mut B,
 ) {
-    let per = 4 / SUB_STEPS;
-    for product in part * per..(part + 1) * per {
-        // SAFETY: the caller's.
-        unsafe {
-            match product {
-                0 => {
-                    t.load::<4>(a0, a_stride);
-                    t.load::<6>(b0, 64);
-                    t.dot::<0, 4, 6>();
-                }
-                1 => {
-                    t.load::<7>(b1, 64);
-                    t.dot::<1, 4, 7>();
-                }
-                2 => {
-                    t.load::<5>(a1, a_stride);
-                    t.dot::<2, 5, 6>();
-                }
-                _ => t.dot::<3, 5, 7>(),
-            }
-        }
+    // SAFETY: the caller's.
+    unsafe {
+        t.load::<4>(a0, a_stride);
+        t.load::<6>(b0, 64);
+        t.dot::<0, 4, 6>();
+        b.between();
+        t.load::<7>(b1, 64);
+        t.dot::<1, 4, 7>();
+        b.between();
+        t.load::<5>(a1, a_stride);
+        t.dot::<2, 5, 6>();
+        b.between();
+        t.dot::<3, 5, 7>();
+        b.between();
     }
 }
