@@ -30,7 +30,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     add_shape_args(p)
     p.add_argument("--json-out")
-    p.add_argument("--dtype", choices=("f32", "bf16"), default="f32",
+    p.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32",
                    help="input dtype of the forward (both sides); the backward is f32 only")
     p.add_argument("--backward", action="store_true",
                    help="the backward pass: variants are `fa` binaries (`fa bench --backward`)")

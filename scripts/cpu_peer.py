@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 
-DTYPES = ("f32", "bf16")
+DTYPES = ("f32", "bf16", "f16")
 
 
 def cpu_model():
@@ -103,7 +103,7 @@ def run_json(cmd):
 
 
 def run_peer(torch, dtype, b, h, n, d, causal, iters, warmup):
-    tdt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    tdt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype]
     gen = torch.Generator().manual_seed(1)
     # SDPA takes [batch, heads, seq, dim]; inputs drawn in BSHD like ours, then viewed.
     q, k, v = (torch.randn(b, n, h, d, generator=gen).to(tdt).transpose(1, 2)
@@ -123,7 +123,7 @@ def run_peer(torch, dtype, b, h, n, d, causal, iters, warmup):
 def run_peer_backward(torch, dtype, b, h, n, d, causal, iters, warmup):
     """SDPA forward then its autograd backward, each timed, per iteration: (median backward ms,
     fastest backward ms, median forward + backward ms)."""
-    tdt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    tdt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype]
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(b, n, h, d, generator=gen).to(tdt).transpose(1, 2).requires_grad_()
                for _ in range(3))
@@ -220,7 +220,7 @@ def main_backward(args, torch, shapes):
 
 def decode_kv_bytes(dtype, b, cache, hkv, d):
     """decode_bench::DecodeShape::kv_bytes: K and V read once per KV head."""
-    return 2 * b * cache * hkv * d * {"f32": 4, "bf16": 2}[dtype]
+    return 2 * b * cache * hkv * d * {"f32": 4, "bf16": 2, "f16": 2}[dtype]
 
 
 def decode_command(args, dtype, b, cache, hq, hkv, d, page):
@@ -248,7 +248,7 @@ class DecodePeer:
         key = (dtype, b, cache, hq, hkv, d)
         if key not in self.inputs:
             torch = self.torch
-            tdt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+            tdt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype]
             gen = torch.Generator().manual_seed(1)
             q = torch.randn(b, hq, 1, d, generator=gen).to(tdt)
             k, v = (torch.randn(b, hkv, cache, d, generator=gen).to(tdt) for _ in range(2))

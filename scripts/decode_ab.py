@@ -43,7 +43,7 @@ class Peer:
         dt, b, n, _ = shape
         key = (dt, b, n)
         if key not in self.inputs:
-            tdt = {"f32": torch.float32, "bf16": torch.bfloat16}[dt]
+            tdt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dt]
             g = torch.Generator().manual_seed(1)
             q = torch.randn(b, a.heads, 1, a.head_dim, generator=g).to(tdt)
             k, v = (torch.randn(b, a.heads_kv, n, a.head_dim, generator=g).to(tdt) for _ in range(2))
@@ -105,7 +105,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for s in shapes:
         dt, b, n, page = s
-        kv = 2 * b * n * a.heads_kv * a.head_dim * {"f32": 4, "bf16": 2}[dt]
+        kv = 2 * b * n * a.heads_kv * a.head_dim * {"f32": 4, "bf16": 2, "f16": 2}[dt]
         for v in names:
             ms = statistics.median(t[(s, v)])
             pr = [x / y for x, y in zip(t[(s, names[0])], t[(s, v)])]

@@ -3,7 +3,7 @@
 use crate::arch::amx::Tiles;
 use crate::arch::SimdLevel;
 use crate::dispatch::{dispatch, Isa, SimdTask};
-use crate::kernel::amx_task::{Bf16Inputs, AMX_TASK_ROWS};
+use crate::kernel::amx_task::{AmxInputs, AMX_TASK_ROWS};
 use crate::kernel::decode_stream::{self, StreamLens, StreamTask};
 use crate::kernel::decode_task::{self, DecodeTask, Partials};
 use crate::kernel::scratch::ensure;
@@ -204,12 +204,13 @@ pub(crate) fn forward_on<T: Element, O: Element>(
     // tasks alone fill the machine); other problems only when splits are asked for.
     let decode = problem.has_kv_cache() || opts.kv_splits.is_some();
     let tiling = Tiling::for_level(isa.level());
-    // The AMX kernel: bf16 inputs, the whole-sequence forward (not split-KV), no hook (it
-    // would see P before the rounding to bf16 that the tiles need).
+    // The AMX kernel: bf16 or f16 inputs (f16 split exactly into two bf16 each: `HalfKind`),
+    // the whole-sequence forward (not split-KV), no hook (it would see P before the rounding
+    // to bf16 that the tiles need).
     let amx_inputs = match amx_tiles {
         AmxTiles::Hardware if isa.level() != SimdLevel::Amx => None,
         _ if decode || opts.probability_hook.is_some() => None,
-        _ => Bf16Inputs::of(q, k, v),
+        _ => AmxInputs::of(q, k, v),
     };
     // AMX tasks may be larger than the SIMD path's (`Tiling::amx_rows_for`: the 2.5 MiB
     // rule of `rows_for` under a mask or at head dims up to 128, else 8 MiB): each task packs
@@ -239,7 +240,7 @@ pub(crate) fn forward_on<T: Element, O: Element>(
         head_dim_v: problem.head_dim_v(),
         masked: !problem.mask().is_none(),
         hook: opts.probability_hook.is_some(),
-        amx: amx_inputs.is_some(),
+        amx: amx_inputs.map(|i| i.kind),
     };
     let ctx = Ctx {
         problem,
@@ -407,7 +408,7 @@ fn run_on_tiles<W: WithTiles>(isa: Isa, amx_tiles: AmxTiles, work: W) -> Option<
 /// The AMX forward's task without its tiles.
 struct ForwardOnTiles<'t, 'a, T, O> {
     ctx: &'t Ctx<'a, T, O>,
-    inputs: Bf16Inputs<'t>,
+    inputs: AmxInputs<'t>,
     task: &'t kernel::tiling::Task,
     scratch: &'t mut Scratch,
 }

@@ -31,13 +31,16 @@
 //!   contiguously, bf16/f16 widened in registers. [`append_kv`] writes new tokens into a
 //!   cache in place.
 //! - AMX: where the CPU has AMX-BF16 and Linux grants the tile-data permission,
-//!   [`SimdLevel::Auto`] resolves to [`SimdLevel::Amx`] and bf16 forward calls run both
-//!   products on AMX tiles (P rounded to bf16 before `P·V`: ~2e-3 normwise against the f64
-//!   reference, inside the bf16 contract of 1e-2); `FA_CPU_AMX=0` in the environment, or
-//!   `simd: SimdLevel::Avx512f`, keeps it off. bf16 backward calls run all five products on
-//!   AMX tiles too (P and dS rounded to bf16 before the gradient products: ~2e-3 normwise
-//!   against the f64 reference, inside the bf16 contract of 2e-2). f16, split-KV decode and
-//!   probability hooks still run through f32 FMAs.
+//!   [`SimdLevel::Auto`] resolves to [`SimdLevel::Amx`] and bf16 and f16 forward calls run
+//!   both products on AMX tiles (P rounded to bf16 before `P·V`: ~2e-3 normwise against the
+//!   f64 reference, inside the bf16/f16 contract of 1e-2). f16 goes through conversion
+//!   without losing its precision: each value is split exactly into two bf16 (`hi + lo`), and
+//!   `Q·Kᵀ` takes three products (`hi·hi + hi·lo + lo·hi`), `P·V` two, so scores and the LSE
+//!   are as exact as on the f32 FMAs (the CPUs at hand have no AMX-FP16). `FA_CPU_AMX=0` in
+//!   the environment, or `simd: SimdLevel::Avx512f`, keeps AMX off. bf16 backward calls run
+//!   all five products on AMX tiles too (P and dS rounded to bf16 before the gradient
+//!   products: ~2e-3 normwise against the f64 reference, inside the bf16 contract of 2e-2).
+//!   f16 backward calls, split-KV decode and probability hooks still run through f32 FMAs.
 //!
 //! # Example
 //! ```

@@ -80,7 +80,7 @@ const STEP: usize = 32;
 /// Dwords in one tile (16 rows × 64 bytes).
 const TILE_DWORDS: usize = 256;
 
-/// Q, K and V as bf16 (the AMX path runs only on bf16 inputs).
+/// Q, K and V as bf16 (the AMX backward runs only on bf16 inputs).
 #[derive(Clone, Copy)]
 pub(crate) struct Bf16Inputs<'a> {
     /// Q.
@@ -107,12 +107,121 @@ impl<'a> Bf16Inputs<'a> {
     }
 }
 
+/// The 16-bit type of the AMX forward's inputs, and how its values become the tiles' bf16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HalfKind {
+    /// bf16: the tiles' own type, copied.
+    Bf16,
+    /// f16: each value `x` is split into two bf16, `hi` (x rounded to bf16) and `lo = x − hi`,
+    /// whose sum is `x` exactly (f16 has 11 significant bits, bf16 8: `x − hi` is a multiple
+    /// of x's f16 ulp of at most 2⁻⁸·|x|, so 3 significant bits, and f16's range lies inside
+    /// bf16's). `q·k = qh·kh + qh·kl + ql·kh` up to the dropped `ql·kl` (≤ 2⁻¹⁶ of `|q·k|`):
+    /// Q·Kᵀ runs over three times the channels, Q as `[hi | hi | lo]`, K as `[hi | lo | hi]`;
+    /// `Vᵀ·Pᵀ` over twice the keys, V as `[hi | lo]` against P twice. So f16 inputs keep their
+    /// precision, and the only rounding beyond the SIMD path's is P's, as for bf16; the tile
+    /// work grows 3× for the scores and 2× for the products (AMX has no f16 product on the
+    /// CPUs at hand: AMX-FP16 came with Granite Rapids).
+    F16,
+}
+
+impl HalfKind {
+    /// bf16 parts per channel in Q·Kᵀ's operands.
+    pub(crate) const fn qk_parts(self) -> usize {
+        match self {
+            HalfKind::Bf16 => 1,
+            HalfKind::F16 => 3,
+        }
+    }
+
+    /// bf16 parts per key in `Vᵀ`.
+    pub(crate) const fn v_parts(self) -> usize {
+        match self {
+            HalfKind::Bf16 => 1,
+            HalfKind::F16 => 2,
+        }
+    }
+}
+
+/// Q, K and V as the bits of a 16-bit type the AMX forward takes ([`HalfKind`]).
+#[derive(Clone, Copy)]
+pub(crate) struct AmxInputs<'a> {
+    /// Q's bits.
+    pub q: &'a [u16],
+    /// K's bits.
+    pub k: &'a [u16],
+    /// V's bits.
+    pub v: &'a [u16],
+    /// Their type.
+    pub kind: HalfKind,
+}
+
+impl<'a> AmxInputs<'a> {
+    /// The inputs, if they are bf16 or f16.
+    pub fn of<T: Element>(q: &'a [T], k: &'a [T], v: &'a [T]) -> Option<Self> {
+        use half::slice::HalfFloatSliceExt;
+        use sealed::Slice::{Bf16, F16};
+        let view = <T as sealed::Sealed>::view;
+        let (q, k, v, kind) = match (view(q), view(k), view(v)) {
+            (Bf16(q), Bf16(k), Bf16(v)) => (
+                q.reinterpret_cast(),
+                k.reinterpret_cast(),
+                v.reinterpret_cast(),
+                HalfKind::Bf16,
+            ),
+            (F16(q), F16(k), F16(v)) => (
+                q.reinterpret_cast(),
+                k.reinterpret_cast(),
+                v.reinterpret_cast(),
+                HalfKind::F16,
+            ),
+            _ => return None,
+        };
+        Some(AmxInputs { q, k, v, kind })
+    }
+}
+
+/// `x` rounded to bf16 (to nearest even; a NaN stays a quiet NaN), as the bits in the low
+/// half. Branch-free apart from the NaN select, so loops of it vectorise.
+#[inline(always)]
+pub(super) fn bf16_bits(x: f32) -> u32 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    if x.is_nan() {
+        (b >> 16) | 0x40
+    } else {
+        rounded
+    }
+}
+
+/// [`HalfKind::F16`]'s split of an f16 value `x` (exact in f32): the bits of `hi` = x rounded
+/// to bf16 and of `lo = x − hi` (exact, so exactly a bf16). Infinities and NaN go whole into
+/// `hi`, with `lo = 0`.
+#[inline(always)]
+pub(super) fn split_bf16(x: f32) -> (u32, u32) {
+    let hi = bf16_bits(x);
+    let rest = x - f32::from_bits(hi << 16);
+    let lo = if rest.is_finite() { bf16_bits(rest) } else { 0 };
+    (hi, lo)
+}
+
+/// The f16 row `src` widened into `tmp[..width]`, zeros past `src.len()`.
+///
+/// # Safety
+/// S available; `tmp` holds `width ≥ src.len()` floats.
+#[inline(always)]
+unsafe fn widen_f16_row<S: Simd>(src: &[u16], tmp: &mut [f32], width: usize) {
+    let n = src.len();
+    // SAFETY: `src` holds n halves and `tmp` width ≥ n floats (caller); S available.
+    unsafe { S::widen_f16(src.as_ptr(), tmp.as_mut_ptr(), n) };
+    tmp[n..width].fill(0.0);
+}
+
 /// One task of the forward pass on AMX tiles `M`, with its worker's scratch.
 pub(crate) struct AmxForwardTask<'t, 'a, T, O, M> {
     /// The call's inputs and outputs.
     pub ctx: &'t Ctx<'a, T, O>,
-    /// Q, K, V as bf16 (the same buffers as the context's).
-    pub inputs: Bf16Inputs<'t>,
+    /// Q, K, V as bf16 or f16 bits (the same buffers as the context's).
+    pub inputs: AmxInputs<'t>,
     /// The rows to compute.
     pub task: &'t Task,
     /// The worker's scratch.
@@ -171,7 +280,7 @@ impl<T: Element, O: Element, M: Tiles> SimdTask for AmxForwardTask<'_, '_, T, O,
 #[inline(always)]
 unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     ctx: &Ctx<'_, T, O>,
-    inputs: Bf16Inputs<'_>,
+    inputs: AmxInputs<'_>,
     task: &Task,
     scratch: &mut Scratch,
     tiles: &mut M,
@@ -181,6 +290,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let p = ctx.problem;
     let (d, dv) = (p.head_dim(), p.head_dim_v());
     let (d32, dv32) = (d.div_ceil(STEP) * STEP, dv.div_ceil(STEP) * STEP);
+    // Channels of Q·Kᵀ's packed operands and bf16 parts per key of Vᵀ (`HalfKind`).
+    let (dk, v_parts) = (inputs.kind.qk_parts() * d32, inputs.kind.v_parts());
     let rows = task.heads * task.len;
     let br = rows.div_ceil(panel) * panel;
     let bc = amx_keys_for(!p.mask().is_none());
@@ -218,7 +329,7 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     } = scratch;
     let ot = ensure_aligned(ot, dv32 * br);
     let st = ensure_aligned(st, 2 * bc * panel);
-    let row = ensure_aligned(row, panel * d.max(dv));
+    let row = ensure_aligned(row, amx_row_floats(d, dv));
     let corr = ensure(corr, br, 1.0);
     let states = ensure(states, br, RowState::new());
     let kinds = ensure(kinds, br / panel, TileKind::Full);
@@ -226,11 +337,11 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     let (k_offs, v_offs) = kv_offsets.split_at_mut(2 * bc);
     // The tiles' operands start on cache lines: a tile row of 64 bytes then reads one line,
     // not two (a misaligned `tileloadd` ran ~3× slower in a loop on the development VM).
-    let qv = ensure_on_line(amx_q, br * d32 / 2);
-    let kb = ensure_on_line(amx_k, bc * d32);
-    let vb = ensure_on_line(amx_v, dv32 * bc / 2);
+    let qv = ensure_on_line(amx_q, br * dk / 2);
+    let kb = ensure_on_line(amx_k, bc * dk);
+    let vb = ensure_on_line(amx_v, v_parts * dv32 * bc / 2);
     let pb = ensure_on_line(amx_p, 2 * (bc / 2 * panel));
-    let pairs = ensure(amx_pairs, (bc / 2 * dv32).max(16 * d32 / 2), 0);
+    let pairs = ensure(amx_pairs, amx_pair_dwords(d, dv, bc, inputs.kind), 0);
     let mut lap = Lap::start();
     // Oᵀ is not cleared: a panel's first products start from zero tiles (`OPanels`).
     let mut o_panels = OPanels::new(br / panel);
@@ -239,8 +350,8 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     }
     states.fill(RowState::new());
 
-    // SAFETY: S available (caller); qv holds br·d32/2 dwords, pairs 16·d32/2.
-    unsafe { pack_q::<S, T, O>(inputs.q, ctx, task, d, d32, qv, pairs) };
+    // SAFETY: S available (caller); qv holds br·dk/2 dwords, pairs 16·dk/2, row 2·d32.
+    unsafe { pack_q::<S, T, O>(inputs, ctx, task, (d, d32), qv, pairs, row) };
     lap.lap(AmxPhase::PackQ);
     let transform = p.score_transform::<f32>();
     let (pre, post) = (transform.pre_factor(), transform.softcap_post_factor());
@@ -263,9 +374,12 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         // stride apart are beyond the hardware prefetchers).
         let has_next = tile + 1 < key_tiles.end;
         let next_rows = kv.tile_offsets(j0, nk, bc, sk, has_next, k_offs, v_offs);
-        pack_k(inputs.k, &k_offs[..nk], d, d32, nk32, kb);
-        // SAFETY: S available; vb holds dv32·nk32/2 dwords, pairs nk32/2·dv32.
-        unsafe { pack_vt::<S>(inputs.v, &v_offs[..nk], dv, dv32, nk32, vb, pairs) };
+        // SAFETY: S available; kb holds nk32·dk halves, row d32 floats; vb holds
+        // v_parts·dv32·nk32/2 dwords, pairs v_parts·nk32/2·dv32, row 2·dv32 floats.
+        unsafe {
+            pack_k::<S>(inputs, &k_offs[..nk], (d, d32), nk32, kb, row);
+            pack_vt::<S>(inputs, &v_offs[..nk], (dv, dv32), nk32, vb, pairs, row);
+        }
         classify_panels(kinds, &mask, task, &dims, kind, j0..j0 + nk);
         let live_panels = kinds.iter().filter(|&&k| k != TileKind::Empty).count();
         let mut prefetch = NextTile {
@@ -286,26 +400,25 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
         let Some(first) = live.next() else {
             continue;
         };
-        let q_panel = |pi: usize| qv[(pi * panel / 16) * (d32 / STEP) * TILE_DWORDS..].as_ptr();
+        let q_panel = |pi: usize| qv[(pi * panel / 16) * (dk / STEP) * TILE_DWORDS..].as_ptr();
         let st_buf = [st.as_mut_ptr(), st[bc * panel..].as_mut_ptr()];
         let pb_buf = [pb.as_mut_ptr(), pb[bc / 2 * panel..].as_mut_ptr()];
         let o_base = ot.as_mut_ptr();
         // SAFETY: (scores and products jobs below) `q_panel` points at the panel's two row
-        // blocks of d32/32 tiles inside qv, `kb` holds nk32 rows of d32, each st half bc ≥
-        // nk32 rows of `panel` floats; `vb` dv32 rows of nk32/2 dwords, each pb half nk32/2
-        // rows of `panel` dwords, `o_base + pi·panel·dv32` the panel's dv32 rows of `panel`
-        // floats (pi < br/panel).
+        // blocks of dk/32 tiles inside qv, `kb` holds nk32 rows of dk, each st half bc ≥
+        // nk32 rows of `panel` floats; `vb` dv32 rows of v_parts·nk32/2 dwords, each pb half
+        // nk32/2 rows of `panel` dwords, `o_base + pi·panel·dv32` the panel's dv32 rows of
+        // `panel` floats (pi < br/panel).
         let scores_job =
-            |pi: usize, b: usize| ScoresJob::new(q_panel(pi), kb.as_ptr(), st_buf[b], d32, nk32);
-        let products_job = |pi: usize, b: usize, fresh: bool| {
-            ProductsJob::new(
-                vb.as_ptr(),
-                pb_buf[b],
-                o_base.wrapping_add(pi * panel * dv32),
-                dv32,
-                nk32,
-                fresh,
-            )
+            |pi: usize, b: usize| ScoresJob::new(q_panel(pi), kb.as_ptr(), st_buf[b], dk, nk32);
+        let products_job = |pi: usize, b: usize, fresh: bool| ProductsJob {
+            vb: vb.as_ptr(),
+            pb: pb_buf[b],
+            o: o_base.wrapping_add(pi * panel * dv32),
+            dv32,
+            nk32,
+            v_parts,
+            fresh,
         };
         let first_scores = TileWork {
             scores: Some(scores_job(first, 0)),
@@ -428,31 +541,48 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
     stats
 }
 
-/// Q's rows of the task as B tiles: the dword (channel pair `cp`) of row `r` at
-/// `(r/16·(d32/32) + cp/16)·256 + (cp%16)·16 + r%16`, zeros in the padding. Per 16 rows, the
-/// rows' dwords are gathered row-major into `pairs` (16 × d32/2) and transposed 16 × 16 at a
-/// time (a dword transpose moves bf16 pairs whole).
+/// Floats of the `row` scratch the AMX forward asks for: the write-back's panel of rows, and
+/// two widened f16 rows of the packing ([`HalfKind::F16`]).
+pub(crate) fn amx_row_floats(d: usize, dv: usize) -> usize {
+    let (d32, dv32) = (d.div_ceil(STEP) * STEP, dv.div_ceil(STEP) * STEP);
+    (AMX_PANEL * d.max(dv)).max(2 * d32.max(dv32))
+}
+
+/// Dwords of the `pairs` scratch the AMX forward asks for at `bc` keys per tile: Q's 16-row
+/// blocks and `Vᵀ`'s key pairs before their transposes.
+pub(crate) fn amx_pair_dwords(d: usize, dv: usize, bc: usize, kind: HalfKind) -> usize {
+    let (d32, dv32) = (d.div_ceil(STEP) * STEP, dv.div_ceil(STEP) * STEP);
+    (kind.v_parts() * bc / 2 * dv32).max(16 * kind.qk_parts() * d32 / 2)
+}
+
+/// Q's rows of the task as B tiles of `dk = qk_parts·d32` channels ([`HalfKind`]; f16 rows
+/// as `[hi | hi | lo]`): the dword (channel pair `cp`) of row `r` at `(r/16·(dk/32) +
+/// cp/16)·256 + (cp%16)·16 + r%16`, zeros in the padding. Per 16 rows, the rows' dwords are
+/// gathered row-major into `pairs` (16 × dk/2) and transposed 16 × 16 at a time (a dword
+/// transpose moves bf16 pairs whole).
 ///
 /// # Safety
-/// S available; `qv` holds `rows.div_ceil(16)·16·d32/2` dwords, `pairs` `16·d32/2`.
+/// S available; `qv` holds `rows.div_ceil(16)·16·dk/2` dwords, `pairs` `16·dk/2`, `tmp`
+/// `d32` floats.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn pack_q<S: Simd, T, O>(
-    q: &[bf16],
+    inputs: AmxInputs<'_>,
     ctx: &Ctx<'_, T, O>,
     task: &Task,
-    d: usize,
-    d32: usize,
+    (d, d32): (usize, usize),
     qv: &mut [u32],
     pairs: &mut [u32],
+    tmp: &mut [f32],
 ) {
     let p = ctx.problem;
     let rows = task.heads * task.len;
-    let half = d32 / 2;
+    let dk = inputs.kind.qk_parts() * d32;
+    let (half, hk) = (d32 / 2, dk / 2);
     for rb in 0..rows.div_ceil(16) {
-        let block = &mut pairs[..16 * half];
+        let block = &mut pairs[..16 * hk];
         for l in 0..16 {
-            let dst = &mut block[l * half..(l + 1) * half];
+            let dst = &mut block[l * hk..(l + 1) * hk];
             let r = rb * 16 + l;
             if r >= rows {
                 dst.fill(0);
@@ -460,35 +590,49 @@ unsafe fn pack_q<S: Simd, T, O>(
             }
             let (head, i) = task.row(r);
             let off = p.q_offset(task.batch, i, head);
-            let src = &q[off..off + d];
+            let src = &inputs.q[off..off + d];
+            if inputs.kind == HalfKind::F16 {
+                // SAFETY: `tmp` holds d32 ≥ d floats (caller); S available.
+                unsafe { widen_f16_row::<S>(src, tmp, d32) };
+                let (hi, rest) = dst.split_at_mut(half);
+                let (hi_again, lo) = rest.split_at_mut(half);
+                for (cp, (h, l)) in hi.iter_mut().zip(lo.iter_mut()).enumerate() {
+                    let (h0, l0) = split_bf16(tmp[2 * cp]);
+                    let (h1, l1) = split_bf16(tmp[2 * cp + 1]);
+                    *h = h0 | h1 << 16;
+                    *l = l0 | l1 << 16;
+                }
+                hi_again.copy_from_slice(hi);
+                continue;
+            }
             if cfg!(target_endian = "little") {
                 // A row's channel pairs are its bf16 in memory order: dword cp = channel 2cp
                 // in the low half, 2cp + 1 in the high half. Copy the bytes, zero the rest.
                 let bytes = 2 * d;
-                // SAFETY: `src` holds d bf16 (2d bytes), `dst` half = d32/2 ≥ d/2 dwords
-                // (4·half ≥ 2d bytes); distinct buffers.
+                // SAFETY: `src` holds d bf16 (2d bytes), `dst` hk = d32/2 ≥ d/2 dwords
+                // (4·hk ≥ 2d bytes); distinct buffers.
                 unsafe {
                     let to = dst.as_mut_ptr() as *mut u8;
                     std::ptr::copy_nonoverlapping(src.as_ptr() as *const u8, to, bytes);
-                    std::ptr::write_bytes(to.add(bytes), 0, 4 * half - bytes);
+                    std::ptr::write_bytes(to.add(bytes), 0, 4 * hk - bytes);
                 }
                 continue;
             }
             for (cp, x) in dst.iter_mut().enumerate() {
-                let lo = src.get(2 * cp).map_or(0, |v| v.to_bits() as u32);
-                let hi = src.get(2 * cp + 1).map_or(0, |v| v.to_bits() as u32);
+                let lo = src.get(2 * cp).map_or(0, |&v| v as u32);
+                let hi = src.get(2 * cp + 1).map_or(0, |&v| v as u32);
                 *x = lo | hi << 16;
             }
         }
-        let out = &mut qv[rb * 16 * half..(rb + 1) * 16 * half];
-        for cc in 0..d32 / STEP {
-            // SAFETY: the block holds 16 rows of `half` dwords (columns cc·16..cc·16 + 16
+        let out = &mut qv[rb * 16 * hk..(rb + 1) * 16 * hk];
+        for cc in 0..dk / STEP {
+            // SAFETY: the block holds 16 rows of `hk` dwords (columns cc·16..cc·16 + 16
             // inside), `out` the 16 × 16 tile at cc·256; bits move unchanged (dwords as f32
             // through loads and stores, no arithmetic); S available (caller).
             unsafe {
                 transpose16::<S>(
                     block.as_ptr().add(cc * 16) as *const f32,
-                    half,
+                    hk,
                     out.as_mut_ptr().add(cc * TILE_DWORDS) as *mut f32,
                     16,
                 )
@@ -497,54 +641,99 @@ unsafe fn pack_q<S: Simd, T, O>(
     }
 }
 
-/// The tile's K rows as bf16 rows of `d32` (A tiles), zero-padded to `d32` channels and
-/// `nk32` keys.
-fn pack_k(k: &[bf16], k_offs: &[usize], d: usize, d32: usize, nk32: usize, kb: &mut [u16]) {
-    for (j, dst) in kb[..nk32 * d32].chunks_exact_mut(d32).enumerate() {
-        match k_offs.get(j) {
-            Some(&off) => {
-                for (x, y) in dst[..d].iter_mut().zip(&k[off..off + d]) {
-                    *x = y.to_bits();
-                }
+/// The tile's K rows as A tiles: bf16 rows of `dk = qk_parts·d32` channels (f16 rows as
+/// `[hi | lo | hi]`, [`HalfKind`]), each part zero-padded to `d32` channels, and zero rows up
+/// to `nk32` keys.
+///
+/// # Safety
+/// S available; `kb` holds `nk32·dk` halves, `tmp` `d32` floats.
+#[inline(always)]
+unsafe fn pack_k<S: Simd>(
+    inputs: AmxInputs<'_>,
+    k_offs: &[usize],
+    (d, d32): (usize, usize),
+    nk32: usize,
+    kb: &mut [u16],
+    tmp: &mut [f32],
+) {
+    let dk = inputs.kind.qk_parts() * d32;
+    for (j, dst) in kb[..nk32 * dk].chunks_exact_mut(dk).enumerate() {
+        let Some(&off) = k_offs.get(j) else {
+            dst.fill(0);
+            continue;
+        };
+        let src = &inputs.k[off..off + d];
+        match inputs.kind {
+            HalfKind::Bf16 => {
+                dst[..d].copy_from_slice(src);
                 dst[d..].fill(0);
             }
-            None => dst.fill(0),
+            HalfKind::F16 => {
+                // SAFETY: `tmp` holds d32 ≥ d floats (caller); S available.
+                unsafe { widen_f16_row::<S>(src, tmp, d32) };
+                let (hi, rest) = dst.split_at_mut(d32);
+                let (lo, hi_again) = rest.split_at_mut(d32);
+                for ((h, l), &x) in hi.iter_mut().zip(lo.iter_mut()).zip(&tmp[..d32]) {
+                    let (xh, xl) = split_bf16(x);
+                    (*h, *l) = (xh as u16, xl as u16);
+                }
+                hi_again.copy_from_slice(hi);
+            }
         }
     }
 }
 
 /// The tile's V rows as A tiles of `Vᵀ`: dword `(c, jp)` = `V[2jp][c] | V[2jp+1][c] << 16` at
-/// `c·nk32/2 + jp`, zero-padded to `dv32` channels and `nk32` keys. Pairs of V rows are
-/// interleaved row-major into `pairs` (`nk32/2 × dv32`), then transposed.
+/// `c·(v_parts·nk32/2) + jp`, zero-padded to `dv32` channels and `nk32` keys; for f16
+/// ([`HalfKind`]) the `hi` parts' pairs, then the `lo` parts' (`jp + nk32/2`). Pairs of V
+/// rows are interleaved row-major into `pairs` (`v_parts·nk32/2 × dv32`), then transposed.
 ///
 /// # Safety
-/// S available; `vb` holds `dv32·nk32/2` dwords, `pairs` `nk32/2·dv32`; `nk32` a multiple of
-/// 32, `dv32` of 32.
+/// S available; `vb` holds `v_parts·dv32·nk32/2` dwords, `pairs` `v_parts·nk32/2·dv32`, `tmp`
+/// `2·dv32` floats; `nk32` a multiple of 32, `dv32` of 32.
 #[inline(always)]
 unsafe fn pack_vt<S: Simd>(
-    v: &[bf16],
+    inputs: AmxInputs<'_>,
     v_offs: &[usize],
-    dv: usize,
-    dv32: usize,
+    (dv, dv32): (usize, usize),
     nk32: usize,
     vb: &mut [u32],
     pairs: &mut [u32],
+    tmp: &mut [f32],
 ) {
     let nk = v_offs.len();
     let half = nk32 / 2;
+    let v = inputs.v;
     let row = |j: usize| v_offs.get(j).map(|&off| &v[off..off + dv]);
+    let (his, los) = pairs[..inputs.kind.v_parts() * half * dv32].split_at_mut(half * dv32);
     for jp in 0..half {
-        let dst = &mut pairs[jp * dv32..(jp + 1) * dv32];
+        let dst = &mut his[jp * dv32..(jp + 1) * dv32];
+        if inputs.kind == HalfKind::F16 {
+            let (ta, tb) = tmp[..2 * dv32].split_at_mut(dv32);
+            for (t, r) in [(&mut *ta, row(2 * jp)), (&mut *tb, row(2 * jp + 1))] {
+                match r {
+                    // SAFETY: `t` holds dv32 ≥ dv floats; S available (caller).
+                    Some(r) => unsafe { widen_f16_row::<S>(r, t, dv32) },
+                    None => t.fill(0.0),
+                }
+            }
+            let lo = &mut los[jp * dv32..(jp + 1) * dv32];
+            for (((h, l), &a), &b) in dst.iter_mut().zip(lo.iter_mut()).zip(&*ta).zip(&*tb) {
+                let ((ah, al), (bh, bl)) = (split_bf16(a), split_bf16(b));
+                (*h, *l) = (ah | bh << 16, al | bl << 16);
+            }
+            continue;
+        }
         match (row(2 * jp), row(2 * jp + 1)) {
             (Some(a), Some(b)) => {
-                for ((x, y), z) in dst.iter_mut().zip(a).zip(b) {
-                    *x = y.to_bits() as u32 | (z.to_bits() as u32) << 16;
+                for ((x, &y), &z) in dst.iter_mut().zip(a).zip(b) {
+                    *x = y as u32 | (z as u32) << 16;
                 }
                 dst[dv..].fill(0);
             }
             (Some(a), None) => {
-                for (x, y) in dst.iter_mut().zip(a) {
-                    *x = y.to_bits() as u32;
+                for (x, &y) in dst.iter_mut().zip(a) {
+                    *x = y as u32;
                 }
                 dst[dv..].fill(0);
             }
@@ -552,17 +741,19 @@ unsafe fn pack_vt<S: Simd>(
         }
     }
     debug_assert!(2 * half >= nk);
-    for j0 in (0..half).step_by(16) {
+    // Key pairs of all parts, one part after the other (half is a multiple of 16).
+    let pair_rows = inputs.kind.v_parts() * half;
+    for j0 in (0..pair_rows).step_by(16) {
         for c0 in (0..dv32).step_by(16) {
-            // SAFETY: rows j0..j0 + 16 ≤ half of `pairs` (stride dv32), columns c0..c0 + 16 ≤
-            // dv32; into rows c0.. of vb (stride half), columns j0..; bits move unchanged; S
-            // available (caller).
+            // SAFETY: rows j0..j0 + 16 ≤ pair_rows of `pairs` (stride dv32), columns c0..c0 +
+            // 16 ≤ dv32; into rows c0.. of vb (stride pair_rows), columns j0..; bits move
+            // unchanged; S available (caller).
             unsafe {
                 transpose16::<S>(
                     pairs.as_ptr().add(j0 * dv32 + c0) as *const f32,
                     dv32,
-                    vb.as_mut_ptr().add(c0 * half + j0) as *mut f32,
-                    half,
+                    vb.as_mut_ptr().add(c0 * pair_rows + j0) as *mut f32,
+                    pair_rows,
                 )
             };
         }
@@ -875,44 +1066,45 @@ unsafe fn rescale<S: Simd, const NR: usize>(o: &mut [f32], corr: &[f32], dv32: u
 }
 
 /// `Sᵀ = K·Qᵀ` for one panel ([`run_tile_work`]): per 32 keys, four C tiles (2 key blocks ×
-/// 2 row blocks) zeroed, accumulated over the `d32/32` channel chunks (two K tiles, two Q
+/// 2 row blocks) zeroed, accumulated over the `dk/32` channel chunks (two K tiles, two Q
 /// tiles, four products each) and stored at `st[j·32 + r]`.
 #[derive(Clone, Copy)]
 struct ScoresJob {
-    /// The panel's Q tiles: row block 0's `d32/32` tiles, then row block 1's.
+    /// The panel's Q tiles: row block 0's `dk/32` tiles, then row block 1's.
     q: *const u32,
-    /// `nk32` K rows of `d32` bf16.
+    /// `nk32` K rows of `dk` bf16.
     kb: *const u16,
     /// `nk32` rows of 32 floats.
     st: *mut f32,
-    d32: usize,
+    /// Channels of the packed operands (`qk_parts·d32`, [`HalfKind`]).
+    dk: usize,
     nk32: usize,
 }
 
 impl ScoresJob {
-    fn new(q: *const u32, kb: *const u16, st: *mut f32, d32: usize, nk32: usize) -> ScoresJob {
+    fn new(q: *const u32, kb: *const u16, st: *mut f32, dk: usize, nk32: usize) -> ScoresJob {
         ScoresJob {
             q,
             kb,
             st,
-            d32,
+            dk,
             nk32,
         }
     }
 
     /// Parts ([`run_tile_work`]): per 32 keys, 4 per channel chunk and 4 stores.
     fn parts(&self) -> usize {
-        self.nk32 / 32 * (self.d32 / STEP + 1) * 4
+        self.nk32 / 32 * (self.dk / STEP + 1) * 4
     }
 }
 
 /// `Oᵀ += Vᵀ·Pᵀ` for one panel ([`run_tile_work`]): per 32 channels, four C tiles (2 channel
 /// blocks × 2 row blocks) loaded from `o` (or zeroed for the panel's first products),
-/// accumulated over the 32-key chunks (two Vᵀ tiles, two P tiles, four products each) and
-/// stored back.
+/// accumulated over the 32-key chunks of each part of `Vᵀ` (two Vᵀ tiles, two P tiles, four
+/// products each) and stored back.
 #[derive(Clone, Copy)]
 struct ProductsJob {
-    /// `dv32` rows of `nk32/2` dwords (`Vᵀ` pairs).
+    /// `dv32` rows of `v_parts·nk32/2` dwords (`Vᵀ` pairs, part after part).
     vb: *const u32,
     /// `nk32/2` rows of 32 dwords (P pairs, B-tile layout).
     pb: *const u32,
@@ -920,33 +1112,17 @@ struct ProductsJob {
     o: *mut f32,
     dv32: usize,
     nk32: usize,
+    /// bf16 parts per key of `Vᵀ` ([`HalfKind::v_parts`]), each against the same P.
+    v_parts: usize,
     /// The panel's first products: the accumulators start from zero tiles, not from `o`
     /// (which holds nothing yet).
     fresh: bool,
 }
 
 impl ProductsJob {
-    fn new(
-        vb: *const u32,
-        pb: *const u32,
-        o: *mut f32,
-        dv32: usize,
-        nk32: usize,
-        fresh: bool,
-    ) -> ProductsJob {
-        ProductsJob {
-            vb,
-            pb,
-            o,
-            dv32,
-            nk32,
-            fresh,
-        }
-    }
-
-    /// Parts ([`run_tile_work`]): per 32 channels, 4 per key chunk and 4 stores.
+    /// Parts ([`run_tile_work`]): per 32 channels, 4 per key chunk and part, and 4 stores.
     fn parts(&self) -> usize {
-        self.dv32 / 32 * (self.nk32 / STEP + 1) * 4
+        self.dv32 / 32 * (self.v_parts * self.nk32 / STEP + 1) * 4
     }
 }
 
@@ -1047,19 +1223,19 @@ impl Between for Alone {
 #[inline(always)]
 unsafe fn run_tile_work<M: Tiles, B: Between>(t: &mut M, work: &TileWork, b: &mut B) {
     if let Some(j) = work.scores {
-        let chunks = j.d32 / STEP;
+        let chunks = j.dk / STEP;
         for jb in (0..j.nk32).step_by(32) {
             zero_c(t);
             for cc in 0..chunks {
-                // SAFETY: keys jb..jb + 32 ≤ nk32 rows of d32 u16 from column cc·32 (64
+                // SAFETY: keys jb..jb + 32 ≤ nk32 rows of dk u16 from column cc·32 (64
                 // bytes each); the Q tiles of row blocks 0 and 1, chunk cc, inside `q`; rows
                 // jb..jb + 32 ≤ nk32 of 32 floats in `st`.
                 unsafe {
-                    let k0 = j.kb.add(jb * j.d32 + cc * STEP);
+                    let k0 = j.kb.add(jb * j.dk + cc * STEP);
                     let q0 = j.q.add(cc * TILE_DWORDS);
                     dot_2x2(
                         t,
-                        (k0 as *const u8, k0.add(16 * j.d32) as *const u8, 2 * j.d32),
+                        (k0 as *const u8, k0.add(16 * j.dk) as *const u8, 2 * j.dk),
                         (q0 as *const u8, q0.add(chunks * TILE_DWORDS) as *const u8),
                         b,
                     );
@@ -1070,11 +1246,14 @@ unsafe fn run_tile_work<M: Tiles, B: Between>(t: &mut M, work: &TileWork, b: &mu
         }
     }
     if let Some(j) = work.products {
-        let half = j.nk32 / 2;
+        // Dwords per row of `Vᵀ`: the key pairs of every part.
+        let row = j.v_parts * j.nk32 / 2;
+        let steps = j.nk32 / STEP;
         for cb in (0..j.dv32).step_by(32) {
             // SAFETY: channel rows cb..cb + 32 ≤ dv32 of 32 floats in `o`; channel rows
-            // cb..cb + 32 of `vb` (nk32 u16 each) from key kc·32 (64 bytes); the P tiles of
-            // chunk kc (row blocks 0 and 1) inside pb's nk32/2·32 dwords.
+            // cb..cb + 32 of `vb` (`row` dwords each) from key pair (part·steps + kc)·16 (64
+            // bytes); the P tiles of chunk kc (row blocks 0 and 1) inside pb's nk32/2·32
+            // dwords.
             unsafe {
                 let oc = j.o.add(cb * AMX_PANEL);
                 if j.fresh {
@@ -1082,15 +1261,17 @@ unsafe fn run_tile_work<M: Tiles, B: Between>(t: &mut M, work: &TileWork, b: &mu
                 } else {
                     load_c(t, oc);
                 }
-                for kc in 0..j.nk32 / STEP {
-                    let v0 = j.vb.add(cb * half + kc * 16);
-                    let p0 = j.pb.add(kc * 2 * 256);
-                    dot_2x2(
-                        t,
-                        (v0 as *const u8, v0.add(16 * half) as *const u8, 2 * j.nk32),
-                        (p0 as *const u8, p0.add(256) as *const u8),
-                        b,
-                    );
+                for part in 0..j.v_parts {
+                    for kc in 0..steps {
+                        let v0 = j.vb.add(cb * row + (part * steps + kc) * 16);
+                        let p0 = j.pb.add(kc * 2 * 256);
+                        dot_2x2(
+                            t,
+                            (v0 as *const u8, v0.add(16 * row) as *const u8, 4 * row),
+                            (p0 as *const u8, p0.add(256) as *const u8),
+                            b,
+                        );
+                    }
                 }
                 store_c(t, oc, b);
             }

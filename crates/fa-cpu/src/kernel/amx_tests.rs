@@ -1,19 +1,21 @@
-//! The AMX kernel: its bf16 conversion on every level against `half`, the whole forward on
-//! emulated tiles against the f64 reference over odd shapes (every level, so the packing and
-//! the driver are checked on any CPU), and — on CPUs with AMX — the hardware tiles against
-//! the emulation, instruction by instruction and call by call.
+//! The AMX kernel: its bf16 conversion on every level against `half`, f16's exact split into
+//! two bf16 over every f16, the whole forward on emulated tiles against the f64 reference over
+//! odd shapes with bf16 and f16 inputs (every level, so the packing and the driver are checked
+//! on any CPU), and — on CPUs with AMX — the hardware tiles against the emulation,
+//! instruction by instruction and call by call.
 //!
 //! The hardware tests are `#[ignore]`d (`--include-ignored` on an AMX machine: Intel Sapphire
 //! Rapids or later); run there they FAIL when AMX is missing or not granted, never pass
 //! silently.
 
+use super::amx_task::{bf16_bits, split_bf16};
 use crate::arch::amx::{self, EmuTiles, Tiles};
 use crate::arch::SimdLevel;
 use crate::dispatch::{dispatch, Isa, SimdTask};
 use crate::forward::{forward_on, AmxTiles};
 use crate::{ForwardOptions, Workspace};
 use fa_reference::{attention_f64, compare, poison, Case, ErrorReport, Rng, Rounding};
-use half::bf16;
+use half::{bf16, f16};
 use softmax_core::{Mask, Out, Qkv};
 
 /// Every level this CPU runs, `Amx` excluded (the emulation runs on the SIMD levels).
@@ -172,9 +174,62 @@ fn emulated_dot_is_the_dot_product_in_f32() {
     }
 }
 
-/// Shapes for the forward sweeps: odd lengths, head dims not multiples of 32, GQA, masks,
-/// softcap, varlen, padded strides.
-fn cases(rng: &mut Rng) -> Vec<(String, Case)> {
+#[test]
+fn bf16_bits_round_like_half() {
+    // The packing's scalar rounding (f16's split) against `half` on special values and a
+    // random sweep of bit patterns (NaNs compared as NaN).
+    let mut rng = Rng::new(11);
+    let specials = [
+        0.0f32,
+        -0.0,
+        1.0,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        1e-40,
+        f32::INFINITY,
+    ];
+    let randoms = (0..200_000).map(|_| f32::from_bits(rng.next_u64() as u32));
+    for x in specials
+        .into_iter()
+        .chain(specials.map(|x| -x))
+        .chain(randoms)
+    {
+        let (got, want) = (bf16_bits(x) as u16, bf16::from_f32(x));
+        if want.is_nan() {
+            assert!(bf16::from_bits(got).is_nan(), "{x:e} ({:#x})", x.to_bits());
+        } else {
+            assert_eq!(got, want.to_bits(), "{x:e} ({:#x})", x.to_bits());
+        }
+    }
+}
+
+#[test]
+fn f16_splits_exactly_into_two_bf16() {
+    // Every f16: hi is the value rounded to bf16, hi + lo is the value exactly, lo is a bf16
+    // (its low 16 bits are zero in f32, checked by the round trip); infinities and NaN go
+    // whole into hi.
+    for bits in 0..=u16::MAX {
+        let x = f16::from_bits(bits).to_f32();
+        let (hi, lo) = split_bf16(x);
+        let (h, l) = (bf16::from_bits(hi as u16), bf16::from_bits(lo as u16));
+        assert!(hi <= 0xffff && lo <= 0xffff, "{bits:#x}");
+        if x.is_nan() {
+            assert!(h.is_nan() && lo == 0, "{bits:#x}");
+            continue;
+        }
+        assert_eq!(h, bf16::from_f32(x), "{bits:#x}");
+        if x.is_infinite() {
+            assert_eq!(lo, 0, "{bits:#x}");
+        } else {
+            assert_eq!(h.to_f32() + l.to_f32(), x, "{bits:#x}: {h} + {l}");
+            assert_eq!(l.to_f32(), x - h.to_f32(), "{bits:#x}");
+        }
+    }
+}
+
+/// Shapes for the forward sweeps (inputs rounded as asked): odd lengths, head dims not
+/// multiples of 32, GQA, masks, softcap, varlen, padded strides.
+fn cases(rng: &mut Rng, rounding: Rounding) -> Vec<(String, Case)> {
     let mut out = Vec::new();
     for &(sq, sk, hq, hkv, d) in &[
         (1, 1, 1, 1, 8),
@@ -187,7 +242,7 @@ fn cases(rng: &mut Rng) -> Vec<(String, Case)> {
         // Several whole key tiles and a partial one (`amx_keys_for`), head dim > 128.
         (40, 1100, 2, 1, 160),
     ] {
-        let base = Case::dense(rng, 1, sq, sk, hq, hkv, d).round(Rounding::Bf16);
+        let base = Case::dense(rng, 1, sq, sk, hq, hkv, d).round(rounding);
         out.push((format!("{sq}x{sk} h{hq}/{hkv} d{d}"), base.clone()));
         out.push((
             format!("{sq}x{sk} h{hq}/{hkv} d{d} causal"),
@@ -204,23 +259,45 @@ fn cases(rng: &mut Rng) -> Vec<(String, Case)> {
     }
     let mut dv = Case::dense(rng, 2, 70, 90, 4, 2, 48);
     dv.head_dim_v = 72;
-    dv.fill(rng, Rounding::Bf16);
+    dv.fill(rng, rounding);
     out.push(("dv 72 != d 48, batch 2".into(), dv.causal()));
-    let varlen = Case::varlen(rng, &[5, 64, 100], &[9, 64, 33], 4, 2, 64).round(Rounding::Bf16);
+    let varlen = Case::varlen(rng, &[5, 64, 100], &[9, 64, 33], 4, 2, 64).round(rounding);
     out.push(("varlen".into(), varlen.causal()));
-    let padded = Case::dense(rng, 2, 50, 77, 2, 1, 72).padded(rng, 3, Rounding::Bf16);
+    let padded = Case::dense(rng, 2, 50, 77, 2, 1, 72).padded(rng, 3, rounding);
     out.push(("padded strides".into(), padded));
     out
 }
 
-/// Output (f32) and LSE of the case through `forward_on` with bf16 inputs; outputs poisoned.
-fn run_bf16(case: &Case, opts: &ForwardOptions, tiles: AmxTiles) -> (Vec<f32>, Vec<f32>) {
+/// The 16-bit input types of the AMX forward.
+const HALVES: [Rounding; 2] = [Rounding::Bf16, Rounding::F16];
+
+/// Output (f32) and LSE of the case through `forward_on` with its inputs in `half`'s type
+/// (bf16 or f16: the case's values must be representable); outputs poisoned.
+fn run_half(
+    case: &Case,
+    half: Rounding,
+    opts: &ForwardOptions,
+    tiles: AmxTiles,
+) -> (Vec<f32>, Vec<f32>) {
+    match half {
+        Rounding::Bf16 => run_as(case, opts, tiles, bf16::from_f32),
+        Rounding::F16 => run_as(case, opts, tiles, f16::from_f32),
+        Rounding::F32 => panic!("the AMX forward takes bf16 or f16"),
+    }
+}
+
+fn run_as<T: crate::Element>(
+    case: &Case,
+    opts: &ForwardOptions,
+    tiles: AmxTiles,
+    from_f32: fn(f32) -> T,
+) -> (Vec<f32>, Vec<f32>) {
     let problem = case.desc().validate(256).expect("valid case");
     let lens = problem.min_buffer_lens();
     let mut out = vec![0.0f32; lens.o];
     poison(&mut out);
     let mut lse = vec![f32::NAN; problem.lse_len()];
-    let conv = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+    let conv = |x: &[f32]| x.iter().map(|&v| from_f32(v)).collect::<Vec<_>>();
     let (q, k, v) = (conv(&case.q), conv(&case.k), conv(&case.v));
     forward_on(
         &problem,
@@ -240,9 +317,9 @@ fn report(case: &Case, out: &[f32], lse: Option<&[f32]>) -> ErrorReport {
     compare(&problem, out, lse, &oracle)
 }
 
-/// Normwise bound of the AMX path against the f64 reference on the same bf16 inputs: P's
-/// rounding to bf16 (2⁻⁹ relative per probability) gives ~1–3e-3 measured; the bf16
-/// contract is 1e-2.
+/// Normwise bound of the AMX path against the f64 reference on the same bf16 or f16 inputs:
+/// P's rounding to bf16 (2⁻⁹ relative per probability) gives ~1–3e-3 measured; the bf16/f16
+/// contract is 1e-2. (f16 inputs are split exactly, so they see only P's rounding too.)
 const AMX_BOUND: f64 = 5e-3;
 /// The LSE does not see P's rounding (scores and sums stay f32).
 const LSE_BOUND: f64 = 1e-4;
@@ -250,21 +327,23 @@ const LSE_BOUND: f64 = 1e-4;
 #[test]
 fn emulated_amx_forward_matches_the_reference_on_every_level() {
     let mut rng = Rng::fresh();
-    let cases = cases(&mut rng);
-    for isa in simd_levels() {
-        for threads in [Some(1), Some(3)] {
-            let opts = ForwardOptions {
-                simd: isa.level(),
-                threads,
-                ..ForwardOptions::default()
-            };
-            for (what, case) in &cases {
-                let (out, lse) = run_bf16(case, &opts, AmxTiles::Emulated);
-                let rep = report(case, &out, Some(&lse));
-                assert!(
-                    rep.within(AMX_BOUND, LSE_BOUND),
-                    "{what} on {isa:?} (emulated AMX): {rep:?}"
-                );
+    for half in HALVES {
+        let cases = cases(&mut rng, half);
+        for isa in simd_levels() {
+            for threads in [Some(1), Some(3)] {
+                let opts = ForwardOptions {
+                    simd: isa.level(),
+                    threads,
+                    ..ForwardOptions::default()
+                };
+                for (what, case) in &cases {
+                    let (out, lse) = run_half(case, half, &opts, AmxTiles::Emulated);
+                    let rep = report(case, &out, Some(&lse));
+                    assert!(
+                        rep.within(AMX_BOUND, LSE_BOUND),
+                        "{half:?} {what} on {isa:?} (emulated AMX): {rep:?}"
+                    );
+                }
             }
         }
     }
@@ -275,23 +354,78 @@ fn emulated_amx_differs_from_the_simd_path_only_by_p_rounding() {
     // The same call without AMX keeps P in f32 (within 1e-5 of the reference): the AMX
     // result must be near it but not equal (P is rounded), so the AMX kernel really ran.
     let mut rng = Rng::fresh();
-    for (what, case) in cases(&mut rng).iter().skip(4) {
+    for half in HALVES {
+        for (what, case) in cases(&mut rng, half).iter().skip(4) {
+            for isa in simd_levels() {
+                let opts = ForwardOptions {
+                    simd: isa.level(),
+                    ..ForwardOptions::default()
+                };
+                let (amx_out, _) = run_half(case, half, &opts, AmxTiles::Emulated);
+                let (simd_out, _) = run_half(case, half, &opts, AmxTiles::Hardware);
+                let rep = report(case, &simd_out, None);
+                assert!(rep.rel_l2 <= 1e-5, "{half:?} {what}: SIMD path {rep:?}");
+                let diff = amx_out
+                    .iter()
+                    .zip(&simd_out)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert!(diff > 0, "{what} on {isa:?}: the AMX kernel did not run");
+            }
+        }
+    }
+}
+
+#[test]
+fn emulated_amx_keeps_f16_scores_exact() {
+    // Large scores (scale 1, |s| up to ~100) make the LSE sensitive to every input's
+    // rounding: f16 inputs merely rounded to bf16 would move it by ~1e-1, which is what the
+    // exact split into two bf16 is for. The LSE never sees P's rounding, so it must match the
+    // f64 reference on the f16 inputs to f32 accuracy: a few f32 roundings of LSEs of ~50
+    // over sums of up to 3·256 products (1.4e-4 seen on the scalar emulation, whose tiles
+    // sum sequentially), and the dropped lo·lo products (≤ 2⁻¹⁶ of each term). The last
+    // assertion shows the check can fail: the reference on the same inputs rounded to bf16 is
+    // far outside it.
+    let mut rng = Rng::fresh();
+    let lse_bound = 1e-3;
+    for &(sq, sk, d, causal) in &[
+        (40, 300, 64, false),
+        (70, 70, 128, true),
+        (33, 90, 200, false),
+    ] {
+        let mut case = Case::dense(&mut rng, 1, sq, sk, 2, 1, d).with_scale(1.0);
+        case.fill(&mut rng, Rounding::F32);
+        for x in case.q.iter_mut().chain(&mut case.k) {
+            *x = f16::from_f32(*x * 1.5).to_f32();
+        }
+        let case = if causal { case.causal() } else { case }.round(Rounding::F16);
         for isa in simd_levels() {
             let opts = ForwardOptions {
                 simd: isa.level(),
                 ..ForwardOptions::default()
             };
-            let (amx_out, _) = run_bf16(case, &opts, AmxTiles::Emulated);
-            let (simd_out, _) = run_bf16(case, &opts, AmxTiles::Hardware);
-            let rep = report(case, &simd_out, None);
-            assert!(rep.rel_l2 <= 1e-5, "{what}: SIMD path {rep:?}");
-            let diff = amx_out
-                .iter()
-                .zip(&simd_out)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            assert!(diff > 0, "{what} on {isa:?}: the AMX kernel did not run");
+            let (out, lse) = run_half(&case, Rounding::F16, &opts, AmxTiles::Emulated);
+            let rep = report(&case, &out, Some(&lse));
+            assert!(
+                rep.within(AMX_BOUND, lse_bound),
+                "{sq}x{sk} d{d} on {isa:?}: {rep:?}"
+            );
         }
+        let rounded = case.clone().round(Rounding::Bf16);
+        let problem = case.desc().validate(256).expect("valid case");
+        let exact = attention_f64(&problem, &case.q, &case.k, &case.v);
+        let coarse = attention_f64(&problem, &rounded.q, &rounded.k, &rounded.v);
+        let moved = exact
+            .lse
+            .iter()
+            .zip(&coarse.lse)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f64, f64::max);
+        eprintln!("{sq}x{sk} d{d}: bf16 rounding moves the LSE by {moved:e}");
+        assert!(
+            moved > 10.0 * lse_bound,
+            "{sq}x{sk} d{d}: bf16 rounding moved the LSE by only {moved:e}"
+        );
     }
 }
 
@@ -359,7 +493,10 @@ fn hardware_amx_forward_matches_the_emulation_and_the_reference() {
     let mut rng = Rng::fresh();
     let mut worst = 0.0f64;
     for threads in [Some(1), Some(2), None] {
-        for (what, case) in &cases(&mut rng) {
+        for (half, (what, case)) in HALVES
+            .into_iter()
+            .flat_map(|h| cases(&mut rng, h).into_iter().map(move |c| (h, c)))
+        {
             let hw = ForwardOptions {
                 simd: SimdLevel::Amx,
                 threads,
@@ -369,11 +506,11 @@ fn hardware_amx_forward_matches_the_emulation_and_the_reference() {
                 simd: SimdLevel::Avx512f,
                 ..hw
             };
-            let (out, lse) = run_bf16(case, &hw, AmxTiles::Hardware);
-            let rep = report(case, &out, Some(&lse));
+            let (out, lse) = run_half(&case, half, &hw, AmxTiles::Hardware);
+            let rep = report(&case, &out, Some(&lse));
             assert!(
                 rep.within(AMX_BOUND, LSE_BOUND),
-                "{what} (hardware AMX): {rep:?}"
+                "{half:?} {what} (hardware AMX): {rep:?}"
             );
             // The emulated tiles under the same AVX-512 softmax: the same up to the products'
             // f32 rounding and the P values whose bf16 rounding that flips. A flip moves one P
@@ -381,7 +518,7 @@ fn hardware_amx_forward_matches_the_emulation_and_the_reference() {
             // 2^-7 normwise (cancellation aside; fresh random cases of few keys per row reached
             // 2.6e-4, past the 2e-4 this bound was before). The f64 reference check above is
             // the accuracy contract.
-            let (eout, else_) = run_bf16(case, &emu, AmxTiles::Emulated);
+            let (eout, else_) = run_half(&case, half, &emu, AmxTiles::Emulated);
             let rel = |x: &[f32], y: &[f32]| {
                 let (mut num, mut den) = (0.0f64, 0.0f64);
                 // Equal non-finite values (LSE −∞ of rows that see no key, the poison left in
@@ -396,7 +533,7 @@ fn hardware_amx_forward_matches_the_emulation_and_the_reference() {
             let (ro, rl) = (rel(&out, &eout), rel(&lse, &else_));
             assert!(
                 ro <= 2f64.powi(-7) && rl <= 1e-6,
-                "{what}: hardware vs emulated O {ro:e}, LSE {rl:e}"
+                "{half:?} {what}: hardware vs emulated O {ro:e}, LSE {rl:e}"
             );
             worst = worst.max(ro);
         }

@@ -159,8 +159,8 @@ pub(crate) struct ScratchLens {
     pub masked: bool,
     /// Whether a probability hook runs (its row-major copy).
     pub hook: bool,
-    /// Whether the AMX kernel runs (its bf16 tiles, 32-row panels).
-    pub amx: bool,
+    /// Whether the AMX kernel runs (its bf16 tiles, 32-row panels), and on which inputs.
+    pub amx: Option<super::amx_task::HalfKind>,
 }
 
 impl Scratch {
@@ -199,9 +199,12 @@ impl Scratch {
         if lens.hook {
             grow(&mut self.probs, panel * bc)?;
         }
-        if lens.amx {
-            // What `amx_task` asks for: 32-row panels, head dims and keys padded to 32.
+        if let Some(kind) = lens.amx {
+            use super::amx_task::{amx_pair_dwords, amx_row_floats};
+            // What `amx_task` asks for: 32-row panels, head dims and keys padded to 32, Q·Kᵀ's
+            // and Vᵀ's operands in `kind`'s parts.
             let (d32, dv32) = (d.div_ceil(32) * 32, dv.div_ceil(32) * 32);
+            let (dk, v_parts) = (kind.qk_parts() * d32, kind.v_parts());
             let (br32, bc32) = (lens.max_rows.div_ceil(32) * 32, super::amx_task::amx_keys());
             grow(&mut self.ot, dv32 * br32 + ALIGN_SLACK)?;
             // Scores and P double-buffered (the panel pipeline of `amx_task`).
@@ -210,13 +213,14 @@ impl Scratch {
             grow(&mut self.states, br32)?;
             grow(&mut self.kinds, br32 / 32)?;
             grow(&mut self.kv_offsets, 4 * bc32)?;
+            grow(&mut self.row, amx_row_floats(d, dv) + ALIGN_SLACK)?;
             // The tile operands start on cache lines (`line_slack`).
             let slack32 = line_slack::<u32>();
-            grow(&mut self.amx_q, br32 * d32 / 2 + slack32)?;
-            grow(&mut self.amx_k, bc32 * d32 + line_slack::<u16>())?;
-            grow(&mut self.amx_v, dv32 * bc32 / 2 + slack32)?;
+            grow(&mut self.amx_q, br32 * dk / 2 + slack32)?;
+            grow(&mut self.amx_k, bc32 * dk + line_slack::<u16>())?;
+            grow(&mut self.amx_v, v_parts * dv32 * bc32 / 2 + slack32)?;
             grow(&mut self.amx_p, 2 * bc32 * 16 + slack32)?;
-            grow(&mut self.amx_pairs, (bc32 / 2 * dv32).max(16 * d32 / 2))?;
+            grow(&mut self.amx_pairs, amx_pair_dwords(d, dv, bc32, kind))?;
         }
         Ok(())
     }
