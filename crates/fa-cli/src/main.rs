@@ -76,7 +76,7 @@ struct ComputeArgs {
     /// CUDA sm90 load pipeline (tuning; default: the plan's choice).
     #[arg(long, value_enum)]
     sm90_pipeline: Option<PipelineArg>,
-    /// CPU instruction set: auto (the best this CPU has: AMX tiles for bf16 where present,
+    /// CPU instruction set: auto (the best this CPU has: AMX tiles for bf16/f16 where present,
     /// unless FA_CPU_AMX=0), amx, avx512f (AVX-512 without AMX), avx2 or scalar; a set this
     /// CPU lacks is an error.
     #[arg(long, value_enum, default_value_t = SimdArg::Auto)]
@@ -88,7 +88,7 @@ struct ComputeArgs {
 enum SimdArg {
     /// The best this CPU has.
     Auto,
-    /// AVX-512 with AMX tiles for bf16.
+    /// AVX-512 with AMX tiles for bf16 and f16.
     Amx,
     /// AVX-512 without AMX.
     Avx512f,

@@ -181,8 +181,8 @@ pub struct Options {
     /// problem; on the CPU KV-cache problems split, others do not; CUDA splits only KV-cache
     /// problems). Results agree with the unsplit call to rounding.
     pub kv_splits: Option<usize>,
-    /// CPU instruction set (default `Auto`: the best this CPU has, AMX tiles for bf16
-    /// included unless the environment variable `FA_CPU_AMX` is `0`). `Avx512f` keeps bf16
+    /// CPU instruction set (default `Auto`: the best this CPU has, AMX tiles for bf16 and f16
+    /// included unless the environment variable `FA_CPU_AMX` is `0`). `Avx512f` keeps them
     /// off AMX; a level this CPU lacks is an error. Ignored on CUDA.
     pub cpu_simd: CpuSimd,
 }
