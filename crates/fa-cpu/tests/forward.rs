@@ -129,7 +129,8 @@ fn half_inputs_within_bound() {
         let rep = check::<f16, f16>(&hf, &opts(level));
         assert!(rep.within(HALF_BOUND, 1e-2), "f16 {level:?}: {rep:?}");
         let rep = check::<f16, f32>(&hf, &opts(level));
-        assert!(rep.within(1e-5, LSE_BOUND), "f16->f32 {level:?}: {rep:?}");
+        // f16 on AMX too (split exactly into two bf16 each; P rounded as for bf16).
+        assert!(rep.within(bound, LSE_BOUND), "f16->f32 {level:?}: {rep:?}");
     }
 }
 
