@@ -4,7 +4,7 @@ run, alternating (issue 18's "backward on AMX": the AMX kernel against the widen
 path and against PyTorch).
 
 Side A: `fa bench --backward --json` as is; side B: the same binary with the environment
-assignments of --env-b (default `FA_CPU_AMX=0`: the dispatch stays off AMX, so bf16 inputs
+assignments of --env-b (default `FA_CPU_AMX=0`: the dispatch stays off AMX, so bf16 and f16 inputs
 widen to f32 and run the AVX-512 backward); the peer: SDPA's autograd backward, timed exactly as
 cpu_peer.py --backward times it. Every round runs the three sides on every shape, the order
 rotating each round, so slow phases of a shared machine hit all sides alike. Reported per
@@ -32,7 +32,7 @@ def main():
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--dtype", default="bf16", choices=("f32", "bf16"))
+    p.add_argument("--dtype", default="bf16", choices=("f32", "bf16", "f16"))
     add_shape_args(p)
     a = p.parse_args()
 

@@ -6,7 +6,7 @@ use crate::dispatch::dispatch;
 use crate::dispatch::Isa;
 use crate::forward::{check_level_and_threads, ensure_pool, AmxTiles};
 use crate::kernel::amx_backward_task::{AmxBackwardTask, AmxBwdLens, AmxBwdScratch};
-use crate::kernel::amx_task::Bf16Inputs;
+use crate::kernel::amx_task::{AmxInputs, HalfKind};
 use crate::kernel::backward_task::{
     backward_tasks, BackwardTask, BwdCtx, BwdLens, BwdScratch, BwdStats, BwdTask,
 };
@@ -108,12 +108,13 @@ fn held_bytes<S>(slots: &mut [Mutex<S>], bytes: impl Fn(&mut S) -> usize) -> usi
 /// scalar, and on AVX-512 under a mask), its dQ accumulator in f32 and a few tiles, so linear
 /// in the longest query sequence and independent of the batch; the total is this times the
 /// workers.
-/// At [`SimdLevel::Amx`] (which runs bf16 inputs on AMX tiles with buffers of its own, other
-/// inputs on the AVX-512 kernel) the larger of the two kernels' needs.
+/// At [`SimdLevel::Amx`] (which runs bf16 and f16 inputs on AMX tiles with buffers of its
+/// own, f32 inputs on the AVX-512 kernel) the larger of the two kernels' needs, with the AMX
+/// kernel's for f16 (the larger: three bf16 parts per channel).
 pub fn backward_scratch_bytes_per_thread(problem: &Problem, level: SimdLevel) -> usize {
     let simd = BwdLens::new(problem, level).bytes();
     if level.resolve() == SimdLevel::Amx {
-        simd.max(AmxBwdLens::new(problem).bytes())
+        simd.max(AmxBwdLens::new(problem, HalfKind::F16).bytes())
     } else {
         simd
     }
@@ -265,14 +266,14 @@ pub(crate) fn backward_on<T: Element, O: Element, G: Element>(
     let workers = threads
         .unwrap_or_else(|| rayon::current_num_threads().max(1))
         .min(task_list.len().max(1));
-    // The AMX kernel: bf16 Q, K and V (any O/dO and gradient type) on the AMX level, or on
-    // emulated tiles in tests. Everything else runs the SIMD kernel of the level.
+    // The AMX kernel: bf16 or f16 Q, K and V (any O/dO and gradient type) on the AMX level,
+    // or on emulated tiles in tests. Everything else runs the SIMD kernel of the level.
     let amx_inputs = match amx_tiles {
         AmxTiles::Hardware if isa.level() != SimdLevel::Amx => None,
-        _ => Bf16Inputs::of(qkv.q, qkv.k, qkv.v),
+        _ => AmxInputs::of(qkv.q, qkv.k, qkv.v),
     };
-    if amx_inputs.is_some() {
-        let lens = AmxBwdLens::new(problem);
+    if let Some(inputs) = amx_inputs {
+        let lens = AmxBwdLens::new(problem, inputs.kind);
         ensure_slots(
             &mut ws.amx_slots,
             workers,
@@ -391,7 +392,7 @@ fn run_amx_tasks<T: Element, O: Element, G: Element>(
     isa: Isa,
     amx_tiles: AmxTiles,
     ctx: &BwdCtx<'_, T, O, G>,
-    inputs: Bf16Inputs<'_>,
+    inputs: AmxInputs<'_>,
     task_list: &[BwdTask],
     next: &AtomicUsize,
     scratch: &mut AmxBwdScratch,
@@ -401,7 +402,7 @@ fn run_amx_tasks<T: Element, O: Element, G: Element>(
         isa: Isa,
         tiles: &mut M,
         ctx: &BwdCtx<'_, T, O, G>,
-        inputs: Bf16Inputs<'_>,
+        inputs: AmxInputs<'_>,
         task_list: &[BwdTask],
         next: &AtomicUsize,
         scratch: &mut AmxBwdScratch,

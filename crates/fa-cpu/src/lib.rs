@@ -37,10 +37,11 @@
 //!   without losing its precision: each value is split exactly into two bf16 (`hi + lo`), and
 //!   `Q·Kᵀ` takes three products (`hi·hi + hi·lo + lo·hi`), `P·V` two, so scores and the LSE
 //!   are as exact as on the f32 FMAs (the CPUs at hand have no AMX-FP16). `FA_CPU_AMX=0` in
-//!   the environment, or `simd: SimdLevel::Avx512f`, keeps AMX off. bf16 backward calls run
-//!   all five products on AMX tiles too (P and dS rounded to bf16 before the gradient
-//!   products: ~2e-3 normwise against the f64 reference, inside the bf16 contract of 2e-2).
-//!   f16 backward calls, split-KV decode and probability hooks still run through f32 FMAs.
+//!   the environment, or `simd: SimdLevel::Avx512f`, keeps AMX off. bf16 and f16 backward
+//!   calls run all five products on AMX tiles too (P and dS rounded to bf16 before the
+//!   gradient products: ~2e-3 normwise against the f64 reference, inside the contract of
+//!   2e-2; f16's Q, K, V and dO split into two bf16 each as in the forward). Split-KV decode
+//!   and probability hooks still run through f32 FMAs.
 //!
 //! # Example
 //! ```

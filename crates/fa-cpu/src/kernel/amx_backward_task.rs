@@ -1,4 +1,4 @@
-//! The bf16 backward on AMX tiles ([`AmxBackwardTask`]): the backward task's plan (one task per
+//! The bf16 and f16 backward on AMX tiles ([`AmxBackwardTask`]): the backward task's plan (one task per
 //! (sequence, KV head), every gradient element with one writer, sums in an order fixed by the
 //! problem alone: bitwise identical results for any thread count) with its five products on
 //! tiles ([`crate::arch::amx::Tiles`]) and the element-wise step between them shared with the
@@ -27,18 +27,27 @@
 //!
 //! # Error
 //! Products accumulate in f32; beyond the f32 path's rounding, P and dS are rounded to bf16
-//! before the three gradient products (relative 2⁻⁹ each), and dO too when O is wider than
-//! bf16. Measured against the f64 reference: see the tests (`amx_backward_tests`); the bf16
+//! before the three gradient products (relative 2⁻⁹ each), and for bf16 inputs dO too when O
+//! is wider than bf16 (f16 inputs split dO: relative 2⁻¹⁷ for an f32 dO, exact for f16). Measured against the f64 reference: see the tests (`amx_backward_tests`); the bf16
 //! contract is 2e-2 normwise.
 //!
+//! # f16 inputs
+//! f16 Q, K, V (and dO) are split exactly into two bf16 each, as the forward does
+//! ([`HalfKind::F16`]): `S` and `dP` contract over three parts per channel (Q and dO packed
+//! `[hi | lo | hi]`, K and V `[hi | hi | lo]`, so the sum is hi·hi + lo·hi + hi·lo, dropping
+//! lo·lo ≤ 2⁻¹⁶ of each term), and each gradient product runs once per part of its input
+//! operand (`dVᵀ` over dO's hi and lo, `dKᵀ` over Q's, dQ over K's), added into the same
+//! accumulator. So the inputs keep their precision; the rounding beyond the SIMD path's is
+//! P's and dS's, as for bf16. The tile work grows 3× for `S` and `dP`, 2× for the gradients.
+//!
 //! # What is not on AMX
-//! This kernel takes bf16 Q, K and V (any O/dO and gradient type); f32 and f16 inputs run the
+//! This kernel takes bf16 and f16 Q, K and V (any O/dO and gradient type); f32 inputs run the
 //! SIMD backward (`backward_task`). Partly masked tiles run whole (the hidden pairs are exact
 //! zeros of P and dS) instead of the SIMD path's per-block spans; the SIMD path's grouping of
 //! several resident key blocks per pass over the rows is not done here (one key block at a
 //! time).
 
-use super::amx_task::Bf16Inputs;
+use super::amx_task::{bf16_bits, split_bf16, AmxInputs, HalfKind};
 use super::backward_gemm::Dest;
 use super::backward_task::{
     block_key_range, probabilities, row_dot, write_dq, BwdCtx, BwdStats, BwdTask, Scores, TileRows,
@@ -50,7 +59,6 @@ use crate::arch::amx::Tiles;
 use crate::arch::{Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::Element;
-use half::bf16;
 use softmax_core::{Problem, TileKind, LOG2_E};
 
 /// Query rows per tile of the AMX backward (a multiple of 32). 128 rows × 128 keys against 64
@@ -81,11 +89,13 @@ pub(crate) struct AmxBwdLens {
     pub head_dim: usize,
     /// Head dim of V.
     pub head_dim_v: usize,
+    /// The inputs' type (f16 packs three bf16 parts per channel: [`HalfKind`]).
+    pub kind: HalfKind,
 }
 
 impl AmxBwdLens {
-    /// The sizes for `problem`.
-    pub fn new(problem: &Problem) -> AmxBwdLens {
+    /// The sizes for `problem` with inputs of `kind`.
+    pub fn new(problem: &Problem, kind: HalfKind) -> AmxBwdLens {
         AmxBwdLens {
             group: problem.group_size(),
             max_seqlen_q: (0..problem.batch())
@@ -94,6 +104,7 @@ impl AmxBwdLens {
                 .unwrap_or(0),
             head_dim: problem.head_dim(),
             head_dim_v: problem.head_dim_v(),
+            kind,
         }
     }
 
@@ -102,6 +113,8 @@ impl AmxBwdLens {
     fn elems(&self) -> ([usize; 4], [usize; 8], [usize; 9]) {
         let (br, bc) = (AMX_BWD_ROWS, AMX_BWD_KEYS);
         let (d32, dv32) = (pad32(self.head_dim), pad32(self.head_dim_v));
+        // The packed operands' widths: every channel as `qk_parts` bf16.
+        let (dk, dvk) = (self.kind.qk_parts() * d32, self.kind.qk_parts() * dv32);
         let rows = self
             .group
             .saturating_mul(self.max_seqlen_q.div_ceil(br).max(1))
@@ -109,20 +122,20 @@ impl AmxBwdLens {
         let wide = d32.max(dv32);
         (
             [
-                rows.saturating_mul(d32),  // qa
-                rows.saturating_mul(dv32), // doa
-                bc * d32,                  // krows
-                bc * dv32,                 // vrows
+                rows.saturating_mul(dk),  // qa
+                rows.saturating_mul(dvk), // doa
+                bc * dk,                  // krows
+                bc * dvk,                 // vrows
             ],
             [
-                rows.saturating_mul(d32 / 2),  // qta
-                rows.saturating_mul(dv32 / 2), // dota
-                d32 / 2 * bc,                  // kb
-                dv32 / 2 * bc,                 // vb
-                bc / 2 * d32,                  // kp
-                br / 2 * bc,                   // pb
-                br / 2 * bc + br * bc / 2,     // dsb, dsa
-                (br / 2).max(bc) * wide,       // pairs
+                rows.saturating_mul(dk / 2),    // qta
+                rows.saturating_mul(dvk / 2),   // dota
+                dk / 2 * bc,                    // kb
+                dvk / 2 * bc,                   // vb
+                bc / 2 * dk,                    // kp
+                br / 2 * bc,                    // pb
+                br / 2 * bc + br * bc / 2,      // dsb, dsa
+                (br / 2).max(bc) * dk.max(dvk), // pairs
             ],
             [
                 rows,                     // lse2
@@ -157,16 +170,16 @@ impl AmxBwdLens {
 /// typed error when that fails; reused across tasks and calls).
 #[derive(Debug, Default)]
 pub(crate) struct AmxBwdScratch {
-    /// Per query head: Q rows as bf16 (`[i][c]`, `d32` per row): the A operand of `S`.
+    /// Per query head: Q rows as bf16 (`[i][c]`, `dk` per row: [`Geom`]): the A operand of `S`.
     qa: LineBuf<u16>,
-    /// Per query head: dO rows as bf16 (`dv32` per row): the A operand of `dP`.
+    /// Per query head: dO rows as bf16 (`dvk` per row): the A operand of `dP`.
     doa: LineBuf<u16>,
-    /// The key block's K rows as bf16 (`[j][c]`, `d32` per row, zero rows past the keys).
+    /// The key block's K rows as bf16 (`[j][c]`, `dk` per row, zero rows past the keys).
     krows: LineBuf<u16>,
-    /// The key block's V rows as bf16 (`dv32` per row).
+    /// The key block's V rows as bf16 (`dvk` per row).
     vrows: LineBuf<u16>,
     /// Per query head and row block: `Qᵀ` pairs, `[c][chunk·16 + t]` = rows `(t, t + 16)` of
-    /// each 32-row chunk (`d32` rows of `rows/2` dwords): the A operand of `dKᵀ`.
+    /// each 32-row chunk (`dk` rows of `rows/2` dwords): the A operand of `dKᵀ`.
     qta: LineBuf<u32>,
     /// Per query head and row block: `dOᵀ` pairs, as `qta`: the A operand of `dVᵀ`.
     dota: LineBuf<u32>,
@@ -298,13 +311,13 @@ impl AmxBwdScratch {
 }
 
 /// One backward task on AMX tiles `M` with its worker's scratch: the [`SimdTask`] the
-/// backward dispatches for bf16 inputs on [`crate::SimdLevel::Amx`] (and, in tests, on
-/// emulated tiles at any level).
+/// backward dispatches for bf16 and f16 inputs on [`crate::SimdLevel::Amx`] (and, in tests,
+/// on emulated tiles at any level).
 pub(crate) struct AmxBackwardTask<'t, 'a, T, O, G, M> {
     /// The call's inputs and outputs.
     pub ctx: &'t BwdCtx<'a, T, O, G>,
-    /// Q, K, V as bf16 (the context's buffers).
-    pub inputs: Bf16Inputs<'t>,
+    /// Q, K, V as bf16 or f16 bits (the context's buffers).
+    pub inputs: AmxInputs<'t>,
     /// The work.
     pub task: &'t BwdTask,
     /// The worker's scratch, sized by [`AmxBwdScratch::try_ensure`] for the call.
@@ -329,6 +342,12 @@ impl<T: Element, O: Element, G: Element, M: Tiles> SimdTask
     }
 }
 
+/// Where f16's `lo` part goes in the packed rows of Q and dO (`[hi | lo | hi]`).
+const ROW_LO: usize = 1;
+/// Where f16's `lo` part goes in the packed rows of K and V (`[hi | hi | lo]`): against
+/// [`ROW_LO`], the three parts of `S` and `dP` sum hi·hi + lo·hi + hi·lo.
+const KEY_LO: usize = 2;
+
 /// Per-task geometry.
 #[derive(Clone, Copy)]
 struct Geom {
@@ -336,6 +355,12 @@ struct Geom {
     dv: usize,
     d32: usize,
     dv32: usize,
+    /// Packed width of Q's and K's rows: `kind.qk_parts()·d32` (bf16: `d32`; f16: three parts).
+    dk: usize,
+    /// Packed width of dO's and V's rows.
+    dvk: usize,
+    /// The inputs' type.
+    kind: HalfKind,
     /// Rows per query head in the row buffers (`seqlen_q` rounded up to whole row blocks).
     nq_pad: usize,
     /// Row blocks per query head.
@@ -350,7 +375,7 @@ struct Geom {
 #[inline(always)]
 unsafe fn run_task<S: Simd, T: Element, O: Element, G: Element, M: Tiles>(
     ctx: &BwdCtx<'_, T, O, G>,
-    inputs: Bf16Inputs<'_>,
+    inputs: AmxInputs<'_>,
     task: &BwdTask,
     s: &mut AmxBwdScratch,
     t: &mut M,
@@ -366,6 +391,9 @@ unsafe fn run_task<S: Simd, T: Element, O: Element, G: Element, M: Tiles>(
         dv,
         d32: pad32(d),
         dv32: pad32(dv),
+        dk: inputs.kind.qk_parts() * pad32(d),
+        dvk: inputs.kind.qk_parts() * pad32(dv),
+        kind: inputs.kind,
         nq_pad: nqb * br,
         nqb,
     };
@@ -388,7 +416,7 @@ unsafe fn run_task<S: Simd, T: Element, O: Element, G: Element, M: Tiles>(
         let keys = bc.min(nk - j0);
         // SAFETY: S available; the key-block buffers hold one block of `bc` keys.
         timed!(Phase::PackKeys, unsafe {
-            pack_keys::<S>(ctx.problem, inputs, task, j0, keys, &g, s)
+            pack_keys::<S, T, O, G>(ctx, inputs, task, j0, keys, &g, s)
         });
         s.dkt[..g.d32 * bc].fill(0.0);
         s.dvt[..g.dv32 * bc].fill(0.0);
@@ -438,9 +466,9 @@ unsafe fn run_task<S: Simd, T: Element, O: Element, G: Element, M: Tiles>(
     stats
 }
 
-/// Packs query head `head` (the `hl`-th of the group): Q and dO rows as bf16 (zeros past `d`,
-/// `dv` and past the sequence), their paired transposes per row block, `lse·log2 e` and
-/// `D = dO·O` per row (pad rows: `+∞` and 0, so their `P` is 0).
+/// Packs query head `head` (the `hl`-th of the group): Q and dO rows as bf16 parts
+/// ([`pack_parts`]: zeros past `d`, `dv` and past the sequence), their paired transposes per
+/// row block, `lse·log2 e` and `D = dO·O` per row (pad rows: `+∞` and 0, so their `P` is 0).
 ///
 /// # Safety
 /// S available; `s` sized for the call.
@@ -448,7 +476,7 @@ unsafe fn run_task<S: Simd, T: Element, O: Element, G: Element, M: Tiles>(
 #[allow(clippy::too_many_arguments)]
 unsafe fn pack_rows<S: Simd, T: Element, O: Element, G: Element>(
     ctx: &BwdCtx<'_, T, O, G>,
-    q: &[bf16],
+    q_bits: &[u16],
     task: &BwdTask,
     head: usize,
     hl: usize,
@@ -458,10 +486,10 @@ unsafe fn pack_rows<S: Simd, T: Element, O: Element, G: Element>(
     let p = ctx.problem;
     let nq = p.seq(task.batch).seqlen_q;
     let base = hl * g.nq_pad;
-    let (d, dv, d32, dv32) = (g.d, g.dv, g.d32, g.dv32);
+    let (d, dv, d32, dv32, dk, dvk) = (g.d, g.dv, g.d32, g.dv32, g.dk, g.dvk);
     for i in 0..g.nq_pad {
-        let qrow = &mut s.qa[(base + i) * d32..(base + i + 1) * d32];
-        let orow = &mut s.doa[(base + i) * dv32..(base + i + 1) * dv32];
+        let qrow = &mut s.qa[(base + i) * dk..(base + i + 1) * dk];
+        let orow = &mut s.doa[(base + i) * dvk..(base + i + 1) * dvk];
         if i >= nq {
             qrow.fill(0);
             orow.fill(0);
@@ -471,24 +499,30 @@ unsafe fn pack_rows<S: Simd, T: Element, O: Element, G: Element>(
         }
         let ahead = i + ROW_PREFETCH_AHEAD;
         if ahead < nq {
-            prefetch_row::<S, bf16>(q, p.q_offset(task.batch, ahead, head), d);
+            prefetch_row::<S, T>(ctx.q, p.q_offset(task.batch, ahead, head), d);
             let oa = p.o_offset(task.batch, ahead, head);
             prefetch_row::<S, O>(ctx.d_o, oa, dv);
             prefetch_row::<S, O>(ctx.o, oa, dv);
         }
         let qo = p.q_offset(task.batch, i, head);
-        for (x, y) in qrow.iter_mut().zip(&q[qo..qo + d]) {
-            *x = y.to_bits();
-        }
-        qrow[d..].fill(0);
+        // SAFETY: S available (caller); the offset was validated against Q.
+        unsafe {
+            pack_input_row::<S, T>(
+                ctx.q,
+                q_bits,
+                qo,
+                (d, d32),
+                g.kind,
+                ROW_LO,
+                &mut s.row,
+                qrow,
+            )
+        };
         let oo = p.o_offset(task.batch, i, head);
         let wide = &mut s.row[..dv];
         // SAFETY: S available (caller); the offset was validated against dO.
         unsafe { widen::<S, O>(ctx.d_o, oo, dv, wide) };
-        for (x, &y) in orow.iter_mut().zip(wide.iter()) {
-            *x = bf16::from_f32(y).to_bits();
-        }
-        orow[dv..].fill(0);
+        pack_parts(wide, dv32, g.kind, ROW_LO, orow);
         // SAFETY: S available (caller).
         s.delta[base + i] = unsafe { row_dot::<S, O>(wide, &ctx.o[oo..oo + dv]) };
         let lse = ctx.lse[p.lse_offset(task.batch, head, i)];
@@ -502,21 +536,82 @@ unsafe fn pack_rows<S: Simd, T: Element, O: Element, G: Element>(
     for ib in 0..g.nqb {
         let r0 = base + ib * br;
         let blk = (hl * g.nqb + ib) * br / 2;
-        // SAFETY: the block's rows lie in qa/doa; `pairs` holds br/2 rows of max(d32, dv32);
-        // the destinations hold d32 (dv32) rows of br/2 dwords at blk·d32 (blk·dv32).
+        // SAFETY: the block's rows lie in qa/doa; `pairs` holds br/2 rows of max(dk, dvk);
+        // the destinations hold dk (dvk) rows of br/2 dwords at blk·dk (blk·dvk).
         unsafe {
             pair_rows_transposed::<S>(
-                &s.qa[r0 * d32..(r0 + br) * d32],
-                d32,
+                &s.qa[r0 * dk..(r0 + br) * dk],
+                dk,
                 &mut s.pairs,
-                &mut s.qta[blk * d32..(blk + br / 2) * d32],
+                &mut s.qta[blk * dk..(blk + br / 2) * dk],
             );
             pair_rows_transposed::<S>(
-                &s.doa[r0 * dv32..(r0 + br) * dv32],
-                dv32,
+                &s.doa[r0 * dvk..(r0 + br) * dvk],
+                dvk,
                 &mut s.pairs,
-                &mut s.dota[blk * dv32..(blk + br / 2) * dv32],
+                &mut s.dota[blk * dvk..(blk + br / 2) * dvk],
             );
+        }
+    }
+}
+
+/// The values `x` (zeros past `x.len()` up to `w32`) as the tiles' bf16 in `out`
+/// (`kind.qk_parts()·w32`): rounded to bf16 ([`HalfKind::Bf16`]: for dO wider than bf16), or
+/// split exactly ([`HalfKind::F16`], [`split_bf16`]) with `lo` in part `lo_part` and `hi` in
+/// the other two.
+fn pack_parts(x: &[f32], w32: usize, kind: HalfKind, lo_part: usize, out: &mut [u16]) {
+    let n = x.len();
+    match kind {
+        HalfKind::Bf16 => {
+            for (o, &v) in out[..n].iter_mut().zip(x) {
+                *o = bf16_bits(v) as u16;
+            }
+            out[n..w32].fill(0);
+        }
+        HalfKind::F16 => {
+            let (p0, rest) = out[..3 * w32].split_at_mut(w32);
+            let (p1, p2) = rest.split_at_mut(w32);
+            for (c, &v) in x.iter().enumerate() {
+                let (hi, lo) = split_bf16(v);
+                let (hi, lo) = (hi as u16, lo as u16);
+                p0[c] = hi;
+                p1[c] = if lo_part == 1 { lo } else { hi };
+                p2[c] = if lo_part == 2 { lo } else { hi };
+            }
+            for part in [p0, p1, p2] {
+                part[n..].fill(0);
+            }
+        }
+    }
+}
+
+/// Row `offset..offset + n` of the input `src` (Q, K or V; `bits` its 16-bit view) packed
+/// into `out` (`kind.qk_parts()·w32` bf16): bf16 copied, f16 widened into `tmp` and split
+/// ([`pack_parts`], `lo` in part `lo_part`).
+///
+/// # Safety
+/// S available; the row lies inside `src` (= `bits`); `tmp` holds `n` floats.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_input_row<S: Simd, T: Element>(
+    src: &[T],
+    bits: &[u16],
+    offset: usize,
+    (n, w32): (usize, usize),
+    kind: HalfKind,
+    lo_part: usize,
+    tmp: &mut [f32],
+    out: &mut [u16],
+) {
+    match kind {
+        HalfKind::Bf16 => {
+            out[..n].copy_from_slice(&bits[offset..offset + n]);
+            out[n..w32].fill(0);
+        }
+        HalfKind::F16 => {
+            // SAFETY: S available, the row inside `src` (caller).
+            unsafe { widen::<S, T>(src, offset, n, tmp) };
+            pack_parts(&tmp[..n], w32, kind, lo_part, out);
         }
     }
 }
@@ -558,15 +653,15 @@ fn interleave_rows(rows: &[u16], width: usize, n: usize, out: &mut [u32]) {
     }
 }
 
-/// Packs keys `j0..j0 + keys` (zero rows up to `AMX_BWD_KEYS`): K and V rows as bf16, their
-/// channel pairs by key (`kb`, `vb`) and K's key pairs (`kp`).
+/// Packs keys `j0..j0 + keys` (zero rows up to `AMX_BWD_KEYS`): K and V rows as bf16 parts
+/// ([`pack_input_row`]), their channel pairs by key (`kb`, `vb`) and K's key pairs (`kp`).
 ///
 /// # Safety
-/// S available; `s` sized for the call.
+/// S available; the context's buffers checked against its problem; `s` sized for the call.
 #[inline(always)]
-unsafe fn pack_keys<S: Simd>(
-    p: &Problem,
-    inputs: Bf16Inputs<'_>,
+unsafe fn pack_keys<S: Simd, T: Element, O: Element, G: Element>(
+    ctx: &BwdCtx<'_, T, O, G>,
+    inputs: AmxInputs<'_>,
     task: &BwdTask,
     j0: usize,
     keys: usize,
@@ -574,10 +669,11 @@ unsafe fn pack_keys<S: Simd>(
     s: &mut AmxBwdScratch,
 ) {
     let bc = AMX_BWD_KEYS;
-    let (d, dv, d32, dv32) = (g.d, g.dv, g.d32, g.dv32);
+    let p = ctx.problem;
+    let (d, dv, d32, dv32, dk, dvk) = (g.d, g.dv, g.d32, g.dv32, g.dk, g.dvk);
     for jj in 0..bc {
-        let krow = &mut s.krows[jj * d32..(jj + 1) * d32];
-        let vrow = &mut s.vrows[jj * dv32..(jj + 1) * dv32];
+        let krow = &mut s.krows[jj * dk..(jj + 1) * dk];
+        let vrow = &mut s.vrows[jj * dvk..(jj + 1) * dvk];
         if jj >= keys {
             krow.fill(0);
             vrow.fill(0);
@@ -585,22 +681,20 @@ unsafe fn pack_keys<S: Simd>(
         }
         if jj + ROW_PREFETCH_AHEAD < keys {
             let ja = j0 + jj + ROW_PREFETCH_AHEAD;
-            prefetch_row::<S, bf16>(inputs.k, p.k_offset(task.batch, ja, task.head_kv), d);
-            prefetch_row::<S, bf16>(inputs.v, p.v_offset(task.batch, ja, task.head_kv), dv);
+            prefetch_row::<S, T>(ctx.k, p.k_offset(task.batch, ja, task.head_kv), d);
+            prefetch_row::<S, T>(ctx.v, p.v_offset(task.batch, ja, task.head_kv), dv);
         }
+        let (kind, tmp) = (g.kind, &mut s.row);
         let ko = p.k_offset(task.batch, j0 + jj, task.head_kv);
-        for (x, y) in krow.iter_mut().zip(&inputs.k[ko..ko + d]) {
-            *x = y.to_bits();
-        }
-        krow[d..].fill(0);
         let vo = p.v_offset(task.batch, j0 + jj, task.head_kv);
-        for (x, y) in vrow.iter_mut().zip(&inputs.v[vo..vo + dv]) {
-            *x = y.to_bits();
+        // SAFETY: S available (caller); the offsets were validated against K and V.
+        unsafe {
+            pack_input_row::<S, T>(ctx.k, inputs.k, ko, (d, d32), kind, KEY_LO, tmp, krow);
+            pack_input_row::<S, T>(ctx.v, inputs.v, vo, (dv, dv32), kind, KEY_LO, tmp, vrow);
         }
-        vrow[dv..].fill(0);
     }
     // Channel pairs by key: the rows' dwords (`[j][c/2]`) transposed.
-    for (rows, width, dst) in [(&s.krows, d32, &mut s.kb), (&s.vrows, dv32, &mut s.vb)] {
+    for (rows, width, dst) in [(&s.krows, dk, &mut s.kb), (&s.vrows, dvk, &mut s.vb)] {
         let half = width / 2;
         let pairs = &mut s.pairs[..bc * half];
         for (x, pair) in pairs.iter_mut().zip(rows[..bc * width].chunks_exact(2)) {
@@ -610,7 +704,7 @@ unsafe fn pack_keys<S: Simd>(
         // 16; S available (caller).
         unsafe { transpose_dwords::<S>(pairs.as_ptr(), half, bc, half, dst.as_mut_ptr(), bc) };
     }
-    interleave_rows(&s.krows, d32, bc, &mut s.kp[..bc / 2 * d32]);
+    interleave_rows(&s.krows, dk, bc, &mut s.kp[..bc / 2 * dk]);
 }
 
 /// One (row block, key block) tile of query head `hl`: `S` and `dP` on tiles, `P` and `dS` by
@@ -629,32 +723,38 @@ unsafe fn tile_step<S: Simd, M: Tiles>(
     range: Option<&dyn Fn(usize) -> (usize, usize)>,
 ) {
     let (br, bc) = (AMX_BWD_ROWS, AMX_BWD_KEYS);
-    let (d32, dv32) = (g.d32, g.dv32);
+    let (d32, dv32, dk, dvk) = (g.d32, g.dv32, g.dk, g.dvk);
+    // The gradient products take one side's bf16 parts one at a time: hi, and f16's lo.
+    let (row_parts, key_parts): (&[usize], &[usize]) = match g.kind {
+        HalfKind::Bf16 => (&[0], &[0]),
+        HalfKind::F16 => (&[0, ROW_LO], &[0, KEY_LO]),
+    };
     let row0 = hl * g.nq_pad + ib * br;
     let blk = (hl * g.nqb + ib) * br / 2;
     // SAFETY: every operand below lies inside its buffer (sizes: `AmxBwdLens::elems`): the
-    // row block's rows `row0..row0 + br` of qa/doa/dq, its paired transposes at blk, the key
-    // block's packs, the tile buffers of br × bc.
+    // row block's rows `row0..row0 + br` of qa/doa/dq, its paired transposes at blk·dk
+    // (blk·dvk) with each part's d32 (dv32) rows at part·d32·br/2 inside, the key block's
+    // packs (a part of kp: columns part·d32.. of rows of dk), the tile buffers of br × bc.
     unsafe {
         // S = Q·Kᵀ, dP = dO·Vᵀ.
         timed!(
             Phase::S,
             tile_gemm(
                 t,
-                TileOperand::rows(s.qa.as_ptr().add(row0 * d32), d32),
+                TileOperand::rows(s.qa.as_ptr().add(row0 * dk), dk),
                 TileOperand::rows(s.kb.as_ptr(), bc),
                 Dest::overwrite(s.s.as_mut_ptr(), bc),
-                (br, bc, d32),
+                (br, bc, dk),
             )
         );
         timed!(
             Phase::DP,
             tile_gemm(
                 t,
-                TileOperand::rows(s.doa.as_ptr().add(row0 * dv32), dv32),
+                TileOperand::rows(s.doa.as_ptr().add(row0 * dvk), dvk),
                 TileOperand::rows(s.vb.as_ptr(), bc),
                 Dest::overwrite(s.dp.as_mut_ptr(), bc),
-                (br, bc, dv32),
+                (br, bc, dvk),
             )
         );
         let probs_start = phase_start();
@@ -690,38 +790,46 @@ unsafe fn tile_step<S: Simd, M: Tiles>(
         }
         phase_end(Phase::DsT, pairs_start);
         // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS (sums over this block's rows): the A operands are
-        // bf16 pairs (rows of `br` bf16), the B operands rows of `bc` dwords.
-        timed!(
-            Phase::DV,
-            tile_gemm(
-                t,
-                TileOperand::rows(s.dota.as_ptr().add(blk * dv32), br / 2),
-                TileOperand::rows(s.pb.as_ptr(), bc),
-                Dest::add_to(s.dvt.as_mut_ptr(), bc),
-                (dv32, bc, br),
-            )
-        );
-        timed!(
-            Phase::DK,
-            tile_gemm(
-                t,
-                TileOperand::rows(s.qta.as_ptr().add(blk * d32), br / 2),
-                TileOperand::rows(dsb.as_ptr(), bc),
-                Dest::add_to(s.dkt.as_mut_ptr(), bc),
-                (d32, bc, br),
-            )
-        );
-        // dQ += dS·K (sums over this block's keys).
-        timed!(
-            Phase::DQ,
-            tile_gemm(
-                t,
-                TileOperand::rows(dsa.as_ptr(), bc / 2),
-                TileOperand::rows(s.kp.as_ptr(), d32),
-                Dest::add_to(s.dq.as_mut_ptr().add(row0 * d32), d32),
-                (br, d32, bc),
-            )
-        );
+        // bf16 pairs (rows of `br` bf16; part `part` of dO's and Q's packed channels), the B
+        // operands rows of `bc` dwords.
+        for &part in row_parts {
+            timed!(
+                Phase::DV,
+                tile_gemm(
+                    t,
+                    TileOperand::rows(
+                        s.dota.as_ptr().add(blk * dvk + part * dv32 * br / 2),
+                        br / 2
+                    ),
+                    TileOperand::rows(s.pb.as_ptr(), bc),
+                    Dest::add_to(s.dvt.as_mut_ptr(), bc),
+                    (dv32, bc, br),
+                )
+            );
+            timed!(
+                Phase::DK,
+                tile_gemm(
+                    t,
+                    TileOperand::rows(s.qta.as_ptr().add(blk * dk + part * d32 * br / 2), br / 2),
+                    TileOperand::rows(dsb.as_ptr(), bc),
+                    Dest::add_to(s.dkt.as_mut_ptr(), bc),
+                    (d32, bc, br),
+                )
+            );
+        }
+        // dQ += dS·K (sums over this block's keys; part `part` of K's packed channels).
+        for &part in key_parts {
+            timed!(
+                Phase::DQ,
+                tile_gemm(
+                    t,
+                    TileOperand::rows(dsa.as_ptr(), bc / 2),
+                    TileOperand::rows(s.kp.as_ptr().add(part * d32), dk),
+                    Dest::add_to(s.dq.as_mut_ptr().add(row0 * d32), d32),
+                    (br, d32, bc),
+                )
+            );
+        }
     }
 }
 

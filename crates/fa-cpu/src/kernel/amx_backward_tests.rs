@@ -9,6 +9,7 @@
 //! silently.
 
 use super::amx_backward_task::{AmxBwdLens, AmxBwdScratch};
+use super::amx_task::HalfKind;
 use crate::arch::amx;
 use crate::arch::SimdLevel;
 use crate::backward::{backward_on, BackwardInputs, BackwardOptions, BackwardWorkspace};
@@ -16,7 +17,7 @@ use crate::dispatch::Isa;
 use crate::forward::AmxTiles;
 use crate::{forward, Element, ForwardOptions};
 use fa_reference::{attention_backward_f64, compare_grads, Case, Rng, Rounding};
-use half::bf16;
+use half::{bf16, f16};
 use softmax_core::{Grads, Mask, Out, Qkv};
 
 /// The issue's bound for bf16 gradients (normwise, each of dQ, dK, dV).
@@ -32,9 +33,8 @@ fn simd_levels() -> Vec<SimdLevel> {
 
 /// Shapes: odd lengths, head dims not multiples of 32 (up to 256), GQA and MQA, every mask
 /// kind, softcap (with `seqlen_q > seqlen_k` under causal), `head_dim_v ≠ head_dim` both ways,
-/// varlen with empty sequences, padded strides. Inputs rounded to bf16.
-fn cases(rng: &mut Rng) -> Vec<(String, Case)> {
-    let r = Rounding::Bf16;
+/// varlen with empty sequences, padded strides. Inputs rounded by `r` (bf16 or f16).
+fn cases(rng: &mut Rng, r: Rounding) -> Vec<(String, Case)> {
     let mut out = Vec::new();
     for &(sq, sk, hq, hkv, d) in &[
         (1, 1, 1, 1, 8),
@@ -95,17 +95,17 @@ fn cases(rng: &mut Rng) -> Vec<(String, Case)> {
     out
 }
 
-/// dO for a case (N(0,1), rounded to bf16, laid out as O).
-fn draw_d_o(case: &Case, rng: &mut Rng) -> Vec<f32> {
+/// dO for a case (N(0,1), rounded by `r`, laid out as O).
+fn draw_d_o(case: &Case, rng: &mut Rng, r: Rounding) -> Vec<f32> {
     let problem = case.desc().validate(256).expect("valid case");
     (0..problem.min_buffer_lens().o)
-        .map(|_| Rounding::Bf16.apply(rng.normal() as f32))
+        .map(|_| r.apply(rng.normal() as f32))
         .collect()
 }
 
-/// The forward (bf16 in, bf16 O, the default level) then the backward on `tiles` with
+/// The forward (inputs and O as `T`, the default level) then the backward on `tiles` with
 /// gradients as `G`, poisoned with NaN first.
-fn run_backward<G: Element>(
+fn run_backward<T: Element, G: Element>(
     case: &Case,
     d_o: &[f32],
     opts: &BackwardOptions,
@@ -113,9 +113,9 @@ fn run_backward<G: Element>(
 ) -> Grads<Vec<G>> {
     let problem = case.desc().validate(256).expect("valid case");
     let lens = problem.min_buffer_lens();
-    let conv = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+    let conv = |x: &[f32]| x.iter().map(|&v| T::from_f32(v)).collect::<Vec<_>>();
     let (q, k, v, d_o) = (conv(&case.q), conv(&case.k), conv(&case.v), conv(d_o));
-    let mut o = vec![bf16::from_f32(f32::NAN); lens.o];
+    let mut o = vec![T::from_f32(f32::NAN); lens.o];
     let mut lse = vec![f32::NAN; problem.lse_len()];
     forward(
         &problem,
@@ -141,6 +141,24 @@ fn run_backward<G: Element>(
     )
     .expect("backward");
     grads
+}
+
+/// The input types the AMX backward takes, as the rounding that gives a case their values.
+const HALVES: [Rounding; 2] = [Rounding::Bf16, Rounding::F16];
+
+/// [`run_backward`] with inputs and O in `half`'s type (one of [`HALVES`]).
+fn run_half<G: Element>(
+    half: Rounding,
+    case: &Case,
+    d_o: &[f32],
+    opts: &BackwardOptions,
+    tiles: AmxTiles,
+) -> Grads<Vec<G>> {
+    match half {
+        Rounding::Bf16 => run_backward::<bf16, G>(case, d_o, opts, tiles),
+        Rounding::F16 => run_backward::<f16, G>(case, d_o, opts, tiles),
+        Rounding::F32 => panic!("the AMX backward takes bf16 or f16 inputs"),
+    }
 }
 
 /// Normwise errors of dQ, dK, dV against the f64 reference backward on the same inputs.
@@ -175,9 +193,12 @@ fn the_reserved_size_companion_counts_what_the_scratch_allocates() {
     // failed reservation, `backward_scratch_bytes_per_thread`): from empty, `try_ensure`
     // allocates exactly that, slack included; growing to a larger problem, that one's bytes.
     let mut rng = Rng::fresh();
-    let lens: Vec<AmxBwdLens> = cases(&mut rng)
+    let lens: Vec<AmxBwdLens> = cases(&mut rng, Rounding::Bf16)
         .iter()
-        .map(|(_, case)| AmxBwdLens::new(&case.desc().validate(256).expect("valid case")))
+        .flat_map(|(_, case)| {
+            let problem = case.desc().validate(256).expect("valid case");
+            [HalfKind::Bf16, HalfKind::F16].map(|kind| AmxBwdLens::new(&problem, kind))
+        })
         .collect();
     for l in &lens {
         let mut s = AmxBwdScratch::default();
@@ -189,12 +210,14 @@ fn the_reserved_size_companion_counts_what_the_scratch_allocates() {
         max_seqlen_q: 7,
         head_dim: 40,
         head_dim_v: 40,
+        kind: HalfKind::Bf16,
     };
     let large = AmxBwdLens {
         group: 3,
         max_seqlen_q: 300,
         head_dim: 200,
         head_dim_v: 72,
+        kind: HalfKind::F16,
     };
     let mut s = AmxBwdScratch::default();
     s.try_ensure(&small).expect("small");
@@ -205,33 +228,99 @@ fn the_reserved_size_companion_counts_what_the_scratch_allocates() {
 #[test]
 fn emulated_amx_backward_matches_the_reference_on_every_level() {
     let mut rng = Rng::fresh();
-    let cases = cases(&mut rng);
-    let mut worst = 0.0f64;
-    for (what, case) in &cases {
-        let d_o = draw_d_o(case, &mut rng);
-        for simd in simd_levels() {
-            for threads in [Some(1), Some(3)] {
-                let opts = BackwardOptions { threads, simd };
-                let g = run_backward::<f32>(case, &d_o, &opts, AmxTiles::Emulated);
-                let e = errors(case, &d_o, &g);
-                let w = assert_within(&e, BF16_BOUND, &format!("{what} {simd:?} (emulated)"));
-                worst = worst.max(w);
+    for half in HALVES {
+        let mut worst = 0.0f64;
+        for (what, case) in &cases(&mut rng, half) {
+            let d_o = draw_d_o(case, &mut rng, half);
+            for simd in simd_levels() {
+                for threads in [Some(1), Some(3)] {
+                    let opts = BackwardOptions { threads, simd };
+                    let g = run_half::<f32>(half, case, &d_o, &opts, AmxTiles::Emulated);
+                    let e = errors(case, &d_o, &g);
+                    let what = format!("{what} {half:?} {simd:?} (emulated)");
+                    worst = worst.max(assert_within(&e, BF16_BOUND, &what));
+                }
             }
         }
+        eprintln!(
+            "emulated AMX backward, {half:?} inputs: worst normwise error {worst:.3e} (bound \
+             {BF16_BOUND:e})"
+        );
     }
-    eprintln!("emulated AMX backward: worst normwise error {worst:.3e} (bound {BF16_BOUND:e})");
 }
 
 #[test]
-fn emulated_amx_backward_writes_bf16_gradients_within_the_bound() {
+fn emulated_amx_backward_writes_half_gradients_within_the_bound() {
     let mut rng = Rng::fresh();
-    for (what, case) in cases(&mut rng).iter().step_by(3) {
-        let d_o = draw_d_o(case, &mut rng);
+    for (what, case) in cases(&mut rng, Rounding::Bf16).iter().step_by(3) {
+        let d_o = draw_d_o(case, &mut rng, Rounding::Bf16);
         let opts = BackwardOptions::default();
-        let g = run_backward::<bf16>(case, &d_o, &opts, AmxTiles::Emulated);
+        let g = run_half::<bf16>(Rounding::Bf16, case, &d_o, &opts, AmxTiles::Emulated);
         let wide = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
         let g = Grads::new(wide(&g.dq), wide(&g.dk), wide(&g.dv));
         assert_within(&errors(case, &d_o, &g), BF16_BOUND, what);
+    }
+    for (what, case) in cases(&mut rng, Rounding::F16).iter().skip(1).step_by(3) {
+        let d_o = draw_d_o(case, &mut rng, Rounding::F16);
+        let opts = BackwardOptions::default();
+        let g = run_half::<f16>(Rounding::F16, case, &d_o, &opts, AmxTiles::Emulated);
+        let wide = |x: &[f16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+        let g = Grads::new(wide(&g.dq), wide(&g.dk), wide(&g.dv));
+        assert_within(&errors(case, &d_o, &g), BF16_BOUND, what);
+    }
+}
+
+#[test]
+fn emulated_amx_backward_keeps_f16_scores_exact() {
+    // Large scores (scale 1, |s| up to ~100) make P, and so every gradient, sensitive to the
+    // inputs' rounding: f16 inputs merely rounded to bf16 would move the scores by ~2⁻⁹·|s|.
+    // The exact split keeps them to f32 accuracy, so the gradients keep the error of P's and
+    // dS's rounding alone. The last assertion shows that the check can fail: the reference
+    // backward on the same inputs rounded to bf16 is far outside the bound.
+    // Seen: 2.3e-3 with the split; rounding to bf16 moves the reference by ~2e-2.
+    let mut rng = Rng::fresh();
+    let bound = 5e-3;
+    for &(sq, sk, d, causal) in &[
+        (40, 300, 64, false),
+        (70, 70, 128, true),
+        (33, 90, 200, false),
+    ] {
+        let mut case = Case::dense(&mut rng, 1, sq, sk, 2, 1, d).with_scale(1.0);
+        case.fill(&mut rng, Rounding::F32);
+        for x in case.q.iter_mut().chain(&mut case.k) {
+            *x = f16::from_f32(*x * 1.5).to_f32();
+        }
+        let case = if causal { case.causal() } else { case }.round(Rounding::F16);
+        let d_o = draw_d_o(&case, &mut rng, Rounding::F16);
+        let what = format!("{sq}x{sk} d{d}");
+        for simd in simd_levels() {
+            let opts = BackwardOptions {
+                threads: Some(2),
+                simd,
+            };
+            let g = run_half::<f32>(Rounding::F16, &case, &d_o, &opts, AmxTiles::Emulated);
+            assert_within(&errors(&case, &d_o, &g), bound, &format!("{what} {simd:?}"));
+        }
+        let problem = case.desc().validate(256).expect("valid case");
+        let rounded = case.clone().round(Rounding::Bf16);
+        let exact = attention_backward_f64(&problem, &case.q, &case.k, &case.v, &d_o);
+        let coarse = attention_backward_f64(&problem, &rounded.q, &rounded.k, &rounded.v, &d_o);
+        let as_f32 = |x: &[f64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+        let e = compare_grads(
+            &problem,
+            Grads::new(
+                &as_f32(&coarse.dq)[..],
+                &as_f32(&coarse.dk)[..],
+                &as_f32(&coarse.dv)[..],
+            ),
+            &exact,
+        );
+        let moved = e.dq.max(e.dk).max(e.dv);
+        eprintln!("{what}: bf16 rounding moves the gradients by {moved:e} (normwise)");
+        assert!(
+            moved > 2.0 * bound,
+            "{what}: bf16 rounding moved the gradients by only {moved:e}"
+        );
     }
 }
 
@@ -239,22 +328,35 @@ fn emulated_amx_backward_writes_bf16_gradients_within_the_bound() {
 fn emulated_amx_backward_is_bitwise_identical_for_any_thread_count() {
     let mut rng = Rng::fresh();
     let cases = [
-        Case::dense(&mut rng, 2, 150, 133, 4, 2, 64)
-            .round(Rounding::Bf16)
-            .causal(),
-        Case::varlen(&mut rng, &[17, 0, 130, 1], &[40, 3, 100, 9], 6, 2, 40).round(Rounding::Bf16),
+        (
+            Rounding::Bf16,
+            Case::dense(&mut rng, 2, 150, 133, 4, 2, 64)
+                .round(Rounding::Bf16)
+                .causal(),
+        ),
+        (
+            Rounding::Bf16,
+            Case::varlen(&mut rng, &[17, 0, 130, 1], &[40, 3, 100, 9], 6, 2, 40)
+                .round(Rounding::Bf16),
+        ),
+        (
+            Rounding::F16,
+            Case::varlen(&mut rng, &[17, 0, 130, 1], &[40, 3, 100, 9], 6, 2, 72)
+                .round(Rounding::F16)
+                .causal(),
+        ),
     ];
     let simd = *simd_levels().last().expect("scalar always runs");
-    for case in &cases {
-        let d_o = draw_d_o(case, &mut rng);
+    for (half, case) in &cases {
+        let d_o = draw_d_o(case, &mut rng, *half);
         let base = BackwardOptions {
             threads: Some(1),
             simd,
         };
-        let want = run_backward::<f32>(case, &d_o, &base, AmxTiles::Emulated);
+        let want = run_half::<f32>(*half, case, &d_o, &base, AmxTiles::Emulated);
         for threads in [Some(2), Some(3), Some(5), None] {
             let opts = BackwardOptions { threads, simd };
-            let got = run_backward::<f32>(case, &d_o, &opts, AmxTiles::Emulated);
+            let got = run_half::<f32>(*half, case, &d_o, &opts, AmxTiles::Emulated);
             assert_eq!(bits(&got.dq), bits(&want.dq), "{threads:?} dQ");
             assert_eq!(bits(&got.dk), bits(&want.dk), "{threads:?} dK");
             assert_eq!(bits(&got.dv), bits(&want.dv), "{threads:?} dV");
@@ -269,29 +371,37 @@ fn emulated_amx_backward_differs_from_the_simd_path() {
     // really ran.
     let mut rng = Rng::fresh();
     let simd = *simd_levels().last().expect("scalar always runs");
-    for (what, case) in cases(&mut rng).iter().skip(2).step_by(4) {
-        let d_o = draw_d_o(case, &mut rng);
-        let opts = BackwardOptions {
-            threads: Some(2),
-            simd,
-        };
-        let amx_g = run_backward::<f32>(case, &d_o, &opts, AmxTiles::Emulated);
-        let simd_g = run_backward::<f32>(case, &d_o, &opts, AmxTiles::Hardware);
-        let e = errors(case, &d_o, &simd_g);
-        assert_within(&e, BF16_BOUND, &format!("{what}: SIMD path"));
-        let differ = |a: &[f32], b: &[f32]| {
-            a.iter()
-                .zip(b)
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count()
-        };
-        assert!(
-            differ(&amx_g.dq, &simd_g.dq) > 0
-                && differ(&amx_g.dk, &simd_g.dk) > 0
-                && differ(&amx_g.dv, &simd_g.dv) > 0,
-            "{what}: the AMX kernel did not run"
-        );
+    for (half, skip) in [(Rounding::Bf16, 2), (Rounding::F16, 3)] {
+        for (what, case) in cases(&mut rng, half).iter().skip(skip).step_by(4) {
+            check_amx_ran(half, case, what, simd, &mut rng);
+        }
     }
+}
+
+/// Runs `case` on emulated tiles and on the SIMD path (`simd`, not AMX): both within the
+/// bound, and different everywhere (so the AMX kernel really ran).
+fn check_amx_ran(half: Rounding, case: &Case, what: &str, simd: SimdLevel, rng: &mut Rng) {
+    let d_o = draw_d_o(case, rng, half);
+    let opts = BackwardOptions {
+        threads: Some(2),
+        simd,
+    };
+    let amx_g = run_half::<f32>(half, case, &d_o, &opts, AmxTiles::Emulated);
+    let simd_g = run_half::<f32>(half, case, &d_o, &opts, AmxTiles::Hardware);
+    let e = errors(case, &d_o, &simd_g);
+    assert_within(&e, BF16_BOUND, &format!("{what}: SIMD path"));
+    let differ = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count()
+    };
+    assert!(
+        differ(&amx_g.dq, &simd_g.dq) > 0
+            && differ(&amx_g.dk, &simd_g.dk) > 0
+            && differ(&amx_g.dv, &simd_g.dv) > 0,
+        "{what}: the AMX kernel did not run"
+    );
 }
 
 /// Panics unless AMX is there: the hardware tests fail, never pass, without it.
@@ -332,13 +442,20 @@ fn hardware_amx_backward_matches_the_reference_and_the_emulation() {
     require_amx();
     let mut rng = Rng::fresh();
     let (mut worst_ref, mut worst_emu) = (0.0f64, 0.0f64);
-    for (what, case) in &cases(&mut rng) {
-        let d_o = draw_d_o(case, &mut rng);
+    let all: Vec<(String, Case, Rounding)> = HALVES
+        .iter()
+        .flat_map(|&half| {
+            let named = cases(&mut rng, half).into_iter();
+            named.map(move |(what, case)| (format!("{what} {half:?}"), case, half))
+        })
+        .collect();
+    for (what, case, half) in &all {
+        let d_o = draw_d_o(case, &mut rng, *half);
         let hw = BackwardOptions {
             threads: Some(2),
             simd: SimdLevel::Amx,
         };
-        let g = run_backward::<f32>(case, &d_o, &hw, AmxTiles::Hardware);
+        let g = run_half::<f32>(*half, case, &d_o, &hw, AmxTiles::Hardware);
         let e = errors(case, &d_o, &g);
         worst_ref = worst_ref.max(assert_within(&e, BF16_BOUND, &format!("{what} (hardware)")));
         // The emulated tiles under the same AVX-512 element-wise step: the same up to the
@@ -348,7 +465,7 @@ fn hardware_amx_backward_matches_the_reference_and_the_emulation() {
             simd: SimdLevel::Avx512f,
             ..hw
         };
-        let ge = run_backward::<f32>(case, &d_o, &emu, AmxTiles::Emulated);
+        let ge = run_half::<f32>(*half, case, &d_o, &emu, AmxTiles::Emulated);
         for (name, x, y) in [
             ("dQ", &g.dq, &ge.dq),
             ("dK", &g.dk, &ge.dk),
@@ -378,20 +495,29 @@ fn hardware_amx_backward_is_bitwise_identical_for_any_thread_count() {
         Case::dense(&mut rng, 1, 200, 130, 8, 1, 72)
             .round(Rounding::Bf16)
             .with_softcap(3.0),
+        Case::dense(&mut rng, 1, 300, 290, 4, 1, 136)
+            .round(Rounding::F16)
+            .causal(),
     ];
-    for case in &cases {
-        let d_o = draw_d_o(case, &mut rng);
+    for (i, case) in cases.iter().enumerate() {
+        // The last case's inputs are f16.
+        let half = if i + 1 == cases.len() {
+            Rounding::F16
+        } else {
+            Rounding::Bf16
+        };
+        let d_o = draw_d_o(case, &mut rng, half);
         let base = BackwardOptions {
             threads: Some(1),
             simd: SimdLevel::Amx,
         };
-        let want = run_backward::<f32>(case, &d_o, &base, AmxTiles::Hardware);
+        let want = run_half::<f32>(half, case, &d_o, &base, AmxTiles::Hardware);
         for threads in [Some(2), Some(3), Some(4), None] {
             let opts = BackwardOptions {
                 threads,
                 simd: SimdLevel::Amx,
             };
-            let got = run_backward::<f32>(case, &d_o, &opts, AmxTiles::Hardware);
+            let got = run_half::<f32>(half, case, &d_o, &opts, AmxTiles::Hardware);
             assert_eq!(bits(&got.dq), bits(&want.dq), "{threads:?} dQ");
             assert_eq!(bits(&got.dk), bits(&want.dk), "{threads:?} dK");
             assert_eq!(bits(&got.dv), bits(&want.dv), "{threads:?} dV");

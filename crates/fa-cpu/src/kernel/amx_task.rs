@@ -33,7 +33,6 @@ use crate::arch::{exp2_cubic, Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::{sealed, Element};
 use crate::Exp2Impl;
-use half::bf16;
 use softmax_core::{RescalePolicy, RescaleStats, RowState, TileKind};
 
 /// Most keys per key tile of the AMX kernel ([`amx_keys_for`]), what the scratch is sized for.
@@ -80,34 +79,7 @@ const STEP: usize = 32;
 /// Dwords in one tile (16 rows × 64 bytes).
 const TILE_DWORDS: usize = 256;
 
-/// Q, K and V as bf16 (the AMX backward runs only on bf16 inputs).
-#[derive(Clone, Copy)]
-pub(crate) struct Bf16Inputs<'a> {
-    /// Q.
-    pub q: &'a [bf16],
-    /// K.
-    pub k: &'a [bf16],
-    /// V.
-    pub v: &'a [bf16],
-}
-
-impl<'a> Bf16Inputs<'a> {
-    /// The inputs, if they are bf16.
-    pub fn of<T: Element>(q: &'a [T], k: &'a [T], v: &'a [T]) -> Option<Self> {
-        match (
-            <T as sealed::Sealed>::view(q),
-            <T as sealed::Sealed>::view(k),
-            <T as sealed::Sealed>::view(v),
-        ) {
-            (sealed::Slice::Bf16(q), sealed::Slice::Bf16(k), sealed::Slice::Bf16(v)) => {
-                Some(Bf16Inputs { q, k, v })
-            }
-            _ => None,
-        }
-    }
-}
-
-/// The 16-bit type of the AMX forward's inputs, and how its values become the tiles' bf16.
+/// The 16-bit type of the AMX kernels' inputs, and how its values become the tiles' bf16.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum HalfKind {
     /// bf16: the tiles' own type, copied.
@@ -142,7 +114,7 @@ impl HalfKind {
     }
 }
 
-/// Q, K and V as the bits of a 16-bit type the AMX forward takes ([`HalfKind`]).
+/// Q, K and V as the bits of a 16-bit type the AMX kernels take ([`HalfKind`]).
 #[derive(Clone, Copy)]
 pub(crate) struct AmxInputs<'a> {
     /// Q's bits.
