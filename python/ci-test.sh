@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python package's CI step (called by .ci/run; runs the same by hand): builds the abi3
-# wheel with maturin (debug profile), installs it in a fresh venv with NumPy, ml_dtypes and
-# pytest, and runs python/tests. Without a GPU or torch the CUDA and torch tests skip, and
+# wheel with maturin (the workspace's unoptimised `python-ci` profile), installs it in a fresh
+# venv with NumPy, ml_dtypes and pytest, and runs python/tests. Without a GPU or torch the CUDA and torch tests skip, and
 # pytest's summary (-rs) names each skip and why.
 #
 # Env: FA_PY_BUILD_VENV (where maturin lives; default .ci-cache/py-build-venv, re-used),
@@ -23,7 +23,7 @@ fi
 
 rm -rf "$wheels"
 # manylinux_2_34: the glibc symbols Rust's std uses here (checked by maturin's audit).
-(cd python && "$build_venv/bin/maturin" build --compatibility manylinux_2_34 --strip -o "$wheels")
+(cd python && "$build_venv/bin/maturin" build --profile python-ci --compatibility manylinux_2_34 --strip -o "$wheels")
 
 test_venv="$(mktemp -d)/venv"
 trap 'rm -rf "$(dirname "$test_venv")"' EXIT
