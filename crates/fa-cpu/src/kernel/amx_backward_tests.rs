@@ -10,6 +10,7 @@
 
 use super::amx_backward_task::{AmxBwdLens, AmxBwdScratch};
 use super::amx_task::HalfKind;
+use super::amx_tests::large_score_f16_cases;
 use crate::arch::amx;
 use crate::arch::SimdLevel;
 use crate::backward::{backward_on, BackwardInputs, BackwardOptions, BackwardWorkspace};
@@ -280,19 +281,8 @@ fn emulated_amx_backward_keeps_f16_scores_exact() {
     // Seen: 2.3e-3 with the split; rounding to bf16 moves the reference by ~2e-2.
     let mut rng = Rng::fresh();
     let bound = 5e-3;
-    for &(sq, sk, d, causal) in &[
-        (40, 300, 64, false),
-        (70, 70, 128, true),
-        (33, 90, 200, false),
-    ] {
-        let mut case = Case::dense(&mut rng, 1, sq, sk, 2, 1, d).with_scale(1.0);
-        case.fill(&mut rng, Rounding::F32);
-        for x in case.q.iter_mut().chain(&mut case.k) {
-            *x = f16::from_f32(*x * 1.5).to_f32();
-        }
-        let case = if causal { case.causal() } else { case }.round(Rounding::F16);
+    for (what, case) in large_score_f16_cases(&mut rng) {
         let d_o = draw_d_o(&case, &mut rng, Rounding::F16);
-        let what = format!("{sq}x{sk} d{d}");
         for simd in simd_levels() {
             let opts = BackwardOptions {
                 threads: Some(2),
