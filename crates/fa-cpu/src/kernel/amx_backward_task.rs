@@ -1,6 +1,6 @@
-//! The bf16 and f16 backward on AMX tiles ([`AmxBackwardTask`]): the backward task's plan (one task per
-//! (sequence, KV head), every gradient element with one writer, sums in an order fixed by the
-//! problem alone: bitwise identical results for any thread count) with its five products on
+//! The bf16 and f16 backward on AMX tiles ([`AmxBackwardTask`]): the backward task's plan (one
+//! task per (sequence, KV head), every gradient element with one writer, sums in an order fixed
+//! by the problem alone: bitwise identical results for any thread count) with its five products on
 //! tiles ([`crate::arch::amx::Tiles`]) and the element-wise step between them shared with the
 //! f32 backward ([`probabilities`]: `P = exp2(x − lse·log2 e)`, `dS = P ∘ (dP − D)·scale·t'`,
 //! hidden pairs 0, on AVX-512 — softmax-core's score transform and masks).
@@ -28,7 +28,8 @@
 //! # Error
 //! Products accumulate in f32; beyond the f32 path's rounding, P and dS are rounded to bf16
 //! before the three gradient products (relative 2⁻⁹ each), and for bf16 inputs dO too when O
-//! is wider than bf16 (f16 inputs split dO: relative 2⁻¹⁷ for an f32 dO, exact for f16). Measured against the f64 reference: see the tests (`amx_backward_tests`); the bf16
+//! is wider than bf16 (f16 inputs split dO: relative 2⁻¹⁷ for an f32 dO, exact for f16).
+//! Measured against the f64 reference: see the tests (`amx_backward_tests`); the bf16 and f16
 //! contract is 2e-2 normwise.
 //!
 //! # f16 inputs
