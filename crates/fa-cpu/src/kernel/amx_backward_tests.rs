@@ -254,21 +254,22 @@ fn emulated_amx_backward_matches_the_reference_on_every_level() {
 fn emulated_amx_backward_writes_half_gradients_within_the_bound() {
     let mut rng = Rng::fresh();
     for (what, case) in cases(&mut rng, Rounding::Bf16).iter().step_by(3) {
-        let d_o = draw_d_o(case, &mut rng, Rounding::Bf16);
-        let opts = BackwardOptions::default();
-        let g = run_half::<bf16>(Rounding::Bf16, case, &d_o, &opts, AmxTiles::Emulated);
-        let wide = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
-        let g = Grads::new(wide(&g.dq), wide(&g.dk), wide(&g.dv));
-        assert_within(&errors(case, &d_o, &g), BF16_BOUND, what);
+        check_half_gradients::<bf16>(Rounding::Bf16, case, what, &mut rng);
     }
     for (what, case) in cases(&mut rng, Rounding::F16).iter().skip(1).step_by(3) {
-        let d_o = draw_d_o(case, &mut rng, Rounding::F16);
-        let opts = BackwardOptions::default();
-        let g = run_half::<f16>(Rounding::F16, case, &d_o, &opts, AmxTiles::Emulated);
-        let wide = |x: &[f16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
-        let g = Grads::new(wide(&g.dq), wide(&g.dk), wide(&g.dv));
-        assert_within(&errors(case, &d_o, &g), BF16_BOUND, what);
+        check_half_gradients::<f16>(Rounding::F16, case, what, &mut rng);
     }
+}
+
+/// `case` with inputs in `half`'s type and gradients written as `G` (that type), on emulated
+/// tiles: within the bound of the reference.
+fn check_half_gradients<G: Element>(half: Rounding, case: &Case, what: &str, rng: &mut Rng) {
+    let d_o = draw_d_o(case, rng, half);
+    let opts = BackwardOptions::default();
+    let g = run_half::<G>(half, case, &d_o, &opts, AmxTiles::Emulated);
+    let wide = |x: &[G]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+    let g = Grads::new(wide(&g.dq), wide(&g.dk), wide(&g.dv));
+    assert_within(&errors(case, &d_o, &g), BF16_BOUND, what);
 }
 
 #[test]
