@@ -10,7 +10,7 @@ use softmax_core::{Out, ProblemDesc, Qkv, RescalePolicy, MAX_HEAD_DIM};
 
 #[test]
 fn error_ordering_on_the_outlier_distribution() {
-    let (n, d, rows) = (2048usize, 128usize, 256usize);
+    let (n, d) = (2048usize, 128usize);
     let mut rng = Rng::fresh();
     let mut draw = || -> Vec<f32> {
         (0..n * d)
@@ -25,23 +25,19 @@ fn error_ordering_on_the_outlier_distribution() {
             .collect()
     };
     let (q, k, v) = (draw(), draw(), draw());
-    // Reference on evenly spread rows (non-causal rows are independent).
-    let picked: Vec<usize> = (0..rows).map(|i| i * n / rows).collect();
-    let q_rows: Vec<f32> = picked
-        .iter()
-        .flat_map(|&r| q[r * d..(r + 1) * d].iter().copied())
-        .collect();
-    let sub = ProblemDesc::new(1, rows, n, 1, 1, d);
-    let reference = attention_f64(&sub.validate(256).unwrap(), &q_rows, &k, &v).out;
+    // The reference covers every row. The per-tensor error comes from the rare query/key
+    // pairs whose outliers share a coordinate (~0.26 per row at this size, see the README),
+    // so a sample of rows makes the ratio below noisy: with 256 evenly spread rows a CI draw
+    // gave 1.15; with all rows, 240 seeds gave 1.56–3.25.
     let desc = ProblemDesc::new(1, n, n, 1, 1, d);
+    let reference = attention_f64(&desc.validate(256).unwrap(), &q, &k, &v).out;
     let rmse = |out: &[f32]| -> f64 {
-        let mut s = 0.0;
-        for (i, &r) in picked.iter().enumerate() {
-            for c in 0..d {
-                s += (out[r * d + c] as f64 - reference[i * d + c]).powi(2);
-            }
-        }
-        (s / (rows * d) as f64).sqrt()
+        let s: f64 = out
+            .iter()
+            .zip(&reference)
+            .map(|(&o, &r)| (o as f64 - r).powi(2))
+            .sum();
+        (s / reference.len() as f64).sqrt()
     };
     let rounded = |rounding: Rounding| -> f64 {
         let r = |x: &[f32]| x.iter().map(|&y| rounding.apply(y)).collect::<Vec<_>>();
@@ -91,8 +87,9 @@ fn error_ordering_on_the_outlier_distribution() {
     );
     assert!(f32_err < 1e-5);
     assert!(f32_err < f16_err && f16_err < bf16_err && bf16_err < best);
-    // Measured at this size: ratio 1.7–2.2 over five fresh draws (2.6–3.2 at 8k–16k, see the README).
+    // Measured at this size over all rows: ratio 1.56–3.25 over 240 seeds, median ~1.9
+    // (2.6–3.2 at 8k–16k, see the README).
     assert!(per_tensor > 1.2 * best, "{per_tensor} vs {best}");
-    // FlashAttention-3's per-block + Hadamard RMSE is 9.1e-3; ours ~8e-3 at this size.
+    // FlashAttention-3's per-block + Hadamard RMSE is 9.1e-3; ours 6.0e-3–1.1e-2 at this size.
     assert!(best < 1.5e-2, "{best}");
 }
