@@ -90,6 +90,8 @@ fn error_ordering_on_the_outlier_distribution() {
     // Measured at this size over all rows: ratio 1.56–3.25 over 240 seeds, median ~1.9
     // (2.6–3.2 at 8k–16k, see the README).
     assert!(per_tensor > 1.2 * best, "{per_tensor} vs {best}");
-    // FlashAttention-3's per-block + Hadamard RMSE is 9.1e-3; ours 6.0e-3–1.1e-2 at this size.
-    assert!(best < 1.5e-2, "{best}");
+    // FlashAttention-3's per-block + Hadamard RMSE is 9.1e-3; ours 6.0e-3–1.1e-2 at this size
+    // over the same 240 seeds. The bound leaves room for the tail of a few-outlier statistic;
+    // the ordering above is the test's point.
+    assert!(best < 2e-2, "{best}");
 }

@@ -13,8 +13,10 @@
 //! - [`DecodeCase`]: a random decode problem over a padded or paged KV cache (shuffled block
 //!   table), and the same attention gathered into a packed problem without a cache.
 //! - [`compare`]: normwise and elementwise error of a backend's output against the oracle.
+//! - [`pv_cancellation`]: how much V's values cancel in O, the factor by which a normwise
+//!   error bound grows where O is small against the |V| it averages.
 //! - [`bf16_pv_slack`]: the extra normwise error allowance of a backend that rounds P to bf16
-//!   before `P·V` (scaled by how much V's values cancel in O).
+//!   before `P·V` (scaled by [`pv_cancellation`]).
 //!
 //! # Example
 //! ```
@@ -480,30 +482,42 @@ pub fn compare<E: Element>(
     }
 }
 
-/// The extra normwise error allowance of a backend that rounds the probabilities P to bf16
-/// before the `P·V` product (fa-cpu's AMX path does): `2⁻⁸·‖O_|V|‖₂ / ‖O‖₂`, where O is
-/// [`attention_f64`] of `(q, k, v)` and O_|V| the same with |V| in place of V.
+/// How much V's values cancel in O: `‖O_|V|‖₂ / ‖O‖₂`, where O is [`attention_f64`] of
+/// `(q, k, v)` and O_|V| the same with |V| in place of V (`‖O_|V|‖₂` itself where the
+/// reference O is all zeros, as [`compare`] then reports an absolute error).
 ///
-/// Why: rounding each `pⱼ` to bf16 changes it by at most 2⁻⁹·pⱼ (relative), so an output
-/// element `Σⱼ pⱼvⱼ / l` moves by at most 2⁻⁹·Σⱼ pⱼ|vⱼ| / l, i.e. 2⁻⁹ times the same element of
-/// O_|V|; normwise the output moves by at most 2⁻⁹·‖O_|V|‖ and its relative error by
-/// 2⁻⁹·‖O_|V|‖/‖O‖. The ratio is 1 when V's values do not cancel in O (all of one sign) and
-/// grows where they do (O small against the |V| it averages). The result is twice that
-/// rounding bound, leaving room for the f32 terms: 2⁻⁸ ≈ 3.9e-3 without cancellation. Where
-/// the reference O is all zeros (as [`compare`] then reports an absolute error) it is the
-/// absolute `2⁻⁸·‖O_|V|‖₂`. A tolerance on [`ErrorReport::rel_l2`] adds it to the bound of the
-/// unrounded path.
+/// Why: a perturbation of the probabilities (a rounding of P, or of the scores it comes
+/// from) of relative size ε moves an output element `Σⱼ pⱼvⱼ / l` by up to ε·`Σⱼ pⱼ|vⱼ| / l`,
+/// i.e. ε times the same element of O_|V|; normwise O moves by up to ε·‖O_|V|‖ and its
+/// relative error by ε times this ratio. It is 1 when V's values do not cancel in O (all of
+/// one sign) and grows where they do (O small against the |V| it averages: a single output
+/// element of a few keys can be near zero). A normwise bound on [`ErrorReport::rel_l2`]
+/// scales with it ([`bf16_pv_slack`]; the f32 bound of fa-cpu's property test).
 ///
 /// The norms run over the whole O buffer (`problem.min_buffer_lens().o`), whose entries
 /// outside the tensor are 0. Like [`attention_f64`], this materialises each row's scores (twice):
 /// a test helper, not a product path.
-pub fn bf16_pv_slack<E: Element>(problem: &Problem, q: &[E], k: &[E], v: &[E]) -> f64 {
+pub fn pv_cancellation<E: Element>(problem: &Problem, q: &[E], k: &[E], v: &[E]) -> f64 {
     let abs_v: Vec<E> = v.iter().map(|&x| E::from_f64(x.to_f64().abs())).collect();
     let norm = |x: &[f64]| x.iter().map(|y| y * y).sum::<f64>().sqrt();
     let o = norm(&attention_f64(problem, q, k, v).out);
     let o_abs = norm(&attention_f64(problem, q, k, &abs_v).out);
-    let ratio = if o > 0.0 { o_abs / o } else { o_abs };
-    2f64.powi(-8) * ratio
+    if o > 0.0 {
+        o_abs / o
+    } else {
+        o_abs
+    }
+}
+
+/// The extra normwise error allowance of a backend that rounds the probabilities P to bf16
+/// before the `P·V` product (fa-cpu's AMX path does): `2⁻⁸·`[`pv_cancellation`].
+///
+/// Why: rounding each `pⱼ` to bf16 changes it by at most 2⁻⁹·pⱼ (relative), so the output's
+/// relative error grows by at most 2⁻⁹ times the cancellation ratio. The result is twice that
+/// rounding bound, leaving room for the f32 terms: 2⁻⁸ ≈ 3.9e-3 without cancellation. A
+/// tolerance on [`ErrorReport::rel_l2`] adds it to the bound of the unrounded path.
+pub fn bf16_pv_slack<E: Element>(problem: &Problem, q: &[E], k: &[E], v: &[E]) -> f64 {
+    2f64.powi(-8) * pv_cancellation(problem, q, k, v)
 }
 
 /// The value outputs are filled with before a kernel runs, so that an element it forgets to
