@@ -19,7 +19,8 @@
 
 use fa_cpu::{forward, Element, Exp2Impl, ForwardOptions};
 use fa_reference::{
-    attention_f64, compare, poison, pv_cancellation, Case, ErrorReport, Rng, Rounding,
+    attention_f64, compare, f32_forward_bound, poison, pv_cancellation, Case, ErrorReport, Rng,
+    Rounding,
 };
 use half::{bf16, f16};
 use libfuzzer_sys::fuzz_target;
@@ -95,7 +96,7 @@ fuzz_target!(|data: &[u8]| {
         let problem = case.desc().validate(256).expect("the target builds valid cases");
         pv_cancellation(&problem, &case.q, &case.k, &case.v)
     };
-    let f32_bound = 1e-5 * (cancel / 4.0).max(1.0);
+    let f32_bound = f32_forward_bound(cancel);
     let amx = if rounding != Rounding::F32 && fa_cpu::simd_level() == "avx512f+amx" {
         2f64.powi(-8) * cancel
     } else {

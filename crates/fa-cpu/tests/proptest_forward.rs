@@ -6,7 +6,7 @@ mod common;
 
 use common::{check, levels};
 use fa_cpu::{Exp2Impl, ForwardOptions, SimdLevel};
-use fa_reference::{pv_cancellation, Case, Rng, Rounding};
+use fa_reference::{f32_forward_bound, pv_cancellation, Case, Rng, Rounding};
 use half::{bf16, f16};
 use proptest::prelude::*;
 use softmax_core::{Mask, RescalePolicy};
@@ -149,7 +149,7 @@ proptest! {
             // the cancellation (`fa_reference::bf16_pv_slack`).
             let amx = level == SimdLevel::Amx && p.rounding != 0;
             let slack = if amx { 2f64.powi(-8) * cancel } else { 0.0 };
-            let f32_bound = 1e-5 * (cancel / 4.0).max(1.0);
+            let f32_bound = f32_forward_bound(cancel);
             let (rep, bound) = match p.rounding {
                 0 => (check::<f32, f32>(&case, &opts), f32_bound),
                 1 => (check::<bf16, bf16>(&case, &opts), 1e-2 + slack),

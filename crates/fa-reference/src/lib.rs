@@ -509,6 +509,14 @@ pub fn pv_cancellation<E: Element>(problem: &Problem, q: &[E], k: &[E], v: &[E])
     }
 }
 
+/// The normwise bound ([`ErrorReport::rel_l2`]) of an f32-accumulating forward against the
+/// oracle, given [`pv_cancellation`]'s ratio: 1e-5 up to a ratio of 4, then in proportion
+/// (the rounding error moves O relative to the |V| it averages; without cancellation it is
+/// ~1e-7). fa-cpu's property test and its `cpu_forward` fuzz target hold f32 outputs to it.
+pub fn f32_forward_bound(cancellation: f64) -> f64 {
+    1e-5 * (cancellation / 4.0).max(1.0)
+}
+
 /// The extra normwise error allowance of a backend that rounds the probabilities P to bf16
 /// before the `P·V` product (fa-cpu's AMX path does): `2⁻⁸·`[`pv_cancellation`].
 ///
