@@ -17,6 +17,8 @@
 //!   error bound grows where O is small against the |V| it averages.
 //! - [`bf16_pv_slack`]: the extra normwise error allowance of a backend that rounds P to bf16
 //!   before `P·V` (scaled by [`pv_cancellation`]).
+//! - [`f32_forward_bound`]: the normwise bound of an f32-accumulating forward, scaled by
+//!   [`pv_cancellation`] where V's values cancel.
 //!
 //! # Example
 //! ```
