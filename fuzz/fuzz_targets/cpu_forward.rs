@@ -19,8 +19,8 @@
 
 use fa_cpu::{forward, Element, Exp2Impl, ForwardOptions};
 use fa_reference::{
-    attention_f64, compare, f32_forward_bound, poison, pv_cancellation, Case, ErrorReport, Rng,
-    Rounding,
+    attention_f64, bf16_pv_slack_for, compare, f32_forward_bound, poison, pv_cancellation, Case,
+    ErrorReport, Rng, Rounding,
 };
 use half::{bf16, f16};
 use libfuzzer_sys::fuzz_target;
@@ -98,7 +98,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let f32_bound = f32_forward_bound(cancel);
     let amx = if rounding != Rounding::F32 && fa_cpu::simd_level() == "avx512f+amx" {
-        2f64.powi(-8) * cancel
+        bf16_pv_slack_for(cancel)
     } else {
         0.0
     };

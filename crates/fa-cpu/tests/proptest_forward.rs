@@ -6,7 +6,7 @@ mod common;
 
 use common::{check, levels};
 use fa_cpu::{Exp2Impl, ForwardOptions, SimdLevel};
-use fa_reference::{f32_forward_bound, pv_cancellation, Case, Rng, Rounding};
+use fa_reference::{bf16_pv_slack_for, f32_forward_bound, pv_cancellation, Case, Rng, Rounding};
 use half::{bf16, f16};
 use proptest::prelude::*;
 use softmax_core::{Mask, RescalePolicy};
@@ -148,7 +148,7 @@ proptest! {
             // bf16 and f16 on AMX round P to bf16 before P·V: their own slack on top, 2⁻⁸ times
             // the cancellation (`fa_reference::bf16_pv_slack`).
             let amx = level == SimdLevel::Amx && p.rounding != 0;
-            let slack = if amx { 2f64.powi(-8) * cancel } else { 0.0 };
+            let slack = if amx { bf16_pv_slack_for(cancel) } else { 0.0 };
             let f32_bound = f32_forward_bound(cancel);
             let (rep, bound) = match p.rounding {
                 0 => (check::<f32, f32>(&case, &opts), f32_bound),

@@ -527,7 +527,12 @@ pub fn f32_forward_bound(cancellation: f64) -> f64 {
 /// rounding bound, leaving room for the f32 terms: 2⁻⁸ ≈ 3.9e-3 without cancellation. A
 /// tolerance on [`ErrorReport::rel_l2`] adds it to the bound of the unrounded path.
 pub fn bf16_pv_slack<E: Element>(problem: &Problem, q: &[E], k: &[E], v: &[E]) -> f64 {
-    2f64.powi(-8) * pv_cancellation(problem, q, k, v)
+    bf16_pv_slack_for(pv_cancellation(problem, q, k, v))
+}
+
+/// [`bf16_pv_slack`] from an already computed [`pv_cancellation`] ratio: `2⁻⁸·cancellation`.
+pub fn bf16_pv_slack_for(cancellation: f64) -> f64 {
+    2f64.powi(-8) * cancellation
 }
 
 /// The value outputs are filled with before a kernel runs, so that an element it forgets to
