@@ -437,7 +437,7 @@ fn run_amx_tasks<T: Element, O: Element, G: Element>(
             let _ = (isa, ctx, inputs, task_list, next, scratch);
             None
         }
-        #[cfg(test)]
+        #[cfg(feature = "internal-tests")]
         AmxTiles::Emulated => Some(drain(
             isa,
             &mut crate::arch::amx::EmuTiles::new(),

@@ -177,7 +177,7 @@ pub(crate) enum AmxTiles {
     Hardware,
     /// The software emulation, on whatever level the call runs (tests: the AMX kernel's
     /// packing and driver checked on any CPU).
-    #[cfg(test)]
+    #[cfg(feature = "internal-tests")]
     Emulated,
 }
 
@@ -400,7 +400,7 @@ fn run_on_tiles<W: WithTiles>(isa: Isa, amx_tiles: AmxTiles, work: W) -> Option<
             let _ = (isa, work);
             None
         }
-        #[cfg(test)]
+        #[cfg(feature = "internal-tests")]
         AmxTiles::Emulated => Some(dispatch(isa, work.with(crate::arch::amx::EmuTiles::new()))),
     }
 }
@@ -477,7 +477,7 @@ fn forward_stream<T: Element, O: Element>(
     let amx = decode_stream::amx_applies::<T>(problem)
         && match amx_tiles {
             AmxTiles::Hardware => isa.level() == SimdLevel::Amx,
-            #[cfg(test)]
+            #[cfg(feature = "internal-tests")]
             AmxTiles::Emulated => true,
         };
     let plan = decode_stream::plan(problem, lanes, std::mem::size_of::<T>(), opts.kv_splits)?;

@@ -92,6 +92,23 @@ pub use instances::shared_instances;
 #[cfg(feature = "phase-timing")]
 pub use kernel::amx_phases::{take_amx_forward_phases, AMX_FORWARD_PHASE_NAMES};
 pub use kernel::decode_stream::{decode_prefetch, set_decode_prefetch, DecodePrefetch};
+
+/// The crate's white-box tests (SIMD kernels against their scalar twins, emulated AMX tiles,
+/// packers), compiled into the library under the `internal-tests` feature and run from
+/// `tests/internal.rs`. Not part of the API.
+///
+/// They sit here, not under `#[cfg(test)]`, so that `cargo test` compiles the kernel tree
+/// once: a `cfg(test)` build of the library compiled every kernel instance a second time, the
+/// longest step of the CI's compile (see `Cargo.toml`).
+#[cfg(feature = "internal-tests")]
+#[doc(hidden)]
+pub mod internal_tests {
+    pub use crate::kernel::scratch::tests as scratch_tests;
+    pub use crate::kernel::{
+        amx_backward_tests, amx_tests, backward_gemm_speed, backward_twin_tests,
+        decode_stream_tests, twin_tests,
+    };
+}
 #[cfg(feature = "phase-timing")]
 pub use kernel::phase_timing::{take_backward_phases, PHASE_NAMES as BACKWARD_PHASE_NAMES};
 

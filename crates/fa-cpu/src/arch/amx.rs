@@ -245,12 +245,12 @@ unsafe impl Tiles for HwTiles {
 
 /// Software tiles: eight 16 × 16-dword registers and the operations of [`Tiles`], exactly as
 /// the instructions define them (the twin of [`HwTiles`]).
-#[cfg(test)]
+#[cfg(feature = "internal-tests")]
 pub(crate) struct EmuTiles {
     regs: Box<[[u32; 256]; 8]>,
 }
 
-#[cfg(test)]
+#[cfg(feature = "internal-tests")]
 impl EmuTiles {
     /// Eight zero tiles.
     pub fn new() -> EmuTiles {
@@ -261,7 +261,7 @@ impl EmuTiles {
 }
 
 /// A bf16 (the low or high half of a dword) as f32, denormals read as zero.
-#[cfg(test)]
+#[cfg(feature = "internal-tests")]
 fn bf16_daz(bits: u16) -> f32 {
     let x = f32::from_bits((bits as u32) << 16);
     if x.is_subnormal() {
@@ -272,7 +272,7 @@ fn bf16_daz(bits: u16) -> f32 {
 }
 
 /// `x`, a subnormal flushed to zero (sign kept).
-#[cfg(test)]
+#[cfg(feature = "internal-tests")]
 fn ftz(x: f32) -> f32 {
     if x.is_subnormal() {
         0.0f32.copysign(x)
@@ -283,7 +283,7 @@ fn ftz(x: f32) -> f32 {
 
 // SAFETY: the loads and stores copy exactly 16 rows of 64 bytes at `stride`; `dot` follows
 // the instruction's definition (module docs).
-#[cfg(test)]
+#[cfg(feature = "internal-tests")]
 unsafe impl Tiles for EmuTiles {
     const HARDWARE: bool = false;
     unsafe fn load<const T: u8>(&mut self, src: *const u8, stride: usize) {

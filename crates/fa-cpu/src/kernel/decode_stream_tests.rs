@@ -239,18 +239,15 @@ fn kernels_match<T: Element>(seed: u64) {
     }
 }
 
-#[test]
-fn stream_kernels_match_scalar_twin_and_f64_f32() {
+pub fn stream_kernels_match_scalar_twin_and_f64_f32() {
     kernels_match::<f32>(1511);
 }
 
-#[test]
-fn stream_kernels_match_scalar_twin_and_f64_bf16() {
+pub fn stream_kernels_match_scalar_twin_and_f64_bf16() {
     kernels_match::<half::bf16>(1512);
 }
 
-#[test]
-fn stream_kernels_match_scalar_twin_and_f64_f16() {
+pub fn stream_kernels_match_scalar_twin_and_f64_f16() {
     kernels_match::<half::f16>(1513);
 }
 
@@ -278,8 +275,7 @@ impl SimdTask for Loads<'_> {
     }
 }
 
-#[test]
-fn pair_loads_widen_exactly() {
+pub fn pair_loads_widen_exactly() {
     let mut rng = Rng::new(1514);
     for (isa, name) in levels() {
         let w = lanes(isa);
@@ -337,8 +333,7 @@ impl SimdTask for Horizontal<'_> {
     }
 }
 
-#[test]
-fn horizontal_sum_and_max() {
+pub fn horizontal_sum_and_max() {
     let mut rng = Rng::new(1515);
     for (isa, name) in levels() {
         let w = lanes(isa);
@@ -497,8 +492,7 @@ fn check_amx_decode<O: Element>(
         .any(|(a, b)| a.to_bits() != b.to_bits())
 }
 
-#[test]
-fn emulated_amx_decode_matches_the_oracle_on_every_level() {
+pub fn emulated_amx_decode_matches_the_oracle_on_every_level() {
     use crate::forward::AmxTiles;
     let mut rng = Rng::fresh();
     let cases = amx_decode_cases(&mut rng);
@@ -545,9 +539,7 @@ fn emulated_amx_decode_matches_the_oracle_on_every_level() {
     }
 }
 
-#[test]
-#[ignore = "needs AMX (Intel Sapphire Rapids or later)"]
-fn hardware_amx_decode_matches_the_oracle() {
+pub fn hardware_amx_decode_matches_the_oracle() {
     use crate::forward::AmxTiles;
     assert!(
         crate::arch::amx::available() && SimdLevel::Amx.is_available(),
@@ -595,8 +587,7 @@ fn hardware_amx_decode_matches_the_oracle() {
 
 /// `natural_row` (the write-out's register order → natural order) against the layout, for
 /// each level's lane count, odd lengths (partial last chunks) included.
-#[test]
-fn natural_row_undoes_register_order() {
+pub fn natural_row_undoes_register_order() {
     fn check<T: Element>(rng: &mut Rng) {
         for w in [1usize, 4, 8, 16] {
             for n in [1usize, 7, 16, 31, 32, 33, 64, 100, 128, 257] {

@@ -65,18 +65,24 @@ pub(crate) mod scratch;
 pub(crate) mod softmax;
 pub(crate) mod tiling;
 
-#[cfg(test)]
-mod amx_backward_tests;
-#[cfg(test)]
-mod amx_tests;
-#[cfg(test)]
-mod backward_gemm_speed;
-#[cfg(test)]
-mod backward_twin_tests;
-#[cfg(test)]
-mod decode_stream_tests;
-#[cfg(test)]
-mod twin_tests;
+#[cfg(feature = "internal-tests")]
+#[allow(missing_docs)]
+pub mod amx_backward_tests;
+#[cfg(feature = "internal-tests")]
+#[allow(missing_docs)]
+pub mod amx_tests;
+#[cfg(feature = "internal-tests")]
+#[allow(missing_docs)]
+pub mod backward_gemm_speed;
+#[cfg(feature = "internal-tests")]
+#[allow(missing_docs)]
+pub mod backward_twin_tests;
+#[cfg(feature = "internal-tests")]
+#[allow(missing_docs)]
+pub mod decode_stream_tests;
+#[cfg(feature = "internal-tests")]
+#[allow(missing_docs)]
+pub mod twin_tests;
 
 pub(crate) use forward_task::{Ctx, ForwardTask, TaskStats};
 pub(crate) use scratch::{scratch_elems, Scratch, ScratchLens, SharedOut};

@@ -375,14 +375,14 @@ pub(crate) fn ensure_on_line<E: Copy + Default>(buf: &mut Vec<E>, len: usize) ->
     &mut whole[offset..offset + len]
 }
 
-#[cfg(test)]
-mod tests {
+#[cfg(feature = "internal-tests")]
+#[allow(missing_docs)]
+pub mod tests {
     use super::*;
 
     /// Both users of [`line_offset`] give views on a cache line, of the asked length, at every
     /// element size they are used with; a view that grows keeps the rule.
-    #[test]
-    fn line_views_start_on_a_cache_line() {
+    pub fn line_views_start_on_a_cache_line() {
         fn check<E: Copy + Default + std::fmt::Debug>() {
             let mut line = LineBuf::<E>::default();
             let mut plain = Vec::<E>::new();

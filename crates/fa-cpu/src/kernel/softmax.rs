@@ -10,7 +10,7 @@ use softmax_core::{RescalePolicy, RescaleStats, RowState};
 /// # Safety
 /// `x` read/writable for `n` f32, `n % W == 0`; S available.
 #[inline(always)]
-#[cfg(test)]
+#[cfg(feature = "internal-tests")]
 pub(crate) unsafe fn exp2_slice<S: Simd>(x: *mut f32, n: usize, imp: Exp2Impl) {
     let mut i = 0;
     while i < n {

@@ -435,8 +435,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Transposed-tile products computed in f64 from the panel-major layout the twins use
 /// (one panel when `rows` equals the micro-kernel's width; here rows are a single panel
 /// stride, so the layout is plain `[c][rows]`).
-#[test]
-fn qk_matches_scalar_twin_and_f64() {
+pub fn qk_matches_scalar_twin_and_f64() {
     let mut rng = Rng::new(21);
     let s = scalar();
     for a in simd_archs() {
@@ -479,8 +478,7 @@ fn qk_matches_scalar_twin_and_f64() {
     }
 }
 
-#[test]
-fn pv_matches_scalar_twin_and_f64() {
+pub fn pv_matches_scalar_twin_and_f64() {
     let mut rng = Rng::new(22);
     let s = scalar();
     for a in simd_archs() {
@@ -564,8 +562,7 @@ fn exp2_inputs(n: usize, lanes: usize) -> Vec<f32> {
     x
 }
 
-#[test]
-fn exp2_exact_accuracy_and_specials_every_arch() {
+pub fn exp2_exact_accuracy_and_specials_every_arch() {
     for a in all_archs() {
         let x = exp2_inputs(200_003, a.lanes);
         let mut y = x.clone();
@@ -593,8 +590,7 @@ fn exp2_exact_accuracy_and_specials_every_arch() {
     }
 }
 
-#[test]
-fn exp2_softmax_is_exp2_exact_bit_for_bit_up_to_127_every_arch() {
+pub fn exp2_softmax_is_exp2_exact_bit_for_bit_up_to_127_every_arch() {
     let mut rng = Rng::new(0x5ca1ef);
     for a in all_archs() {
         // The sweep, ties and specials of the exact test (those above 127 dropped: outside
@@ -629,8 +625,7 @@ fn exp2_softmax_is_exp2_exact_bit_for_bit_up_to_127_every_arch() {
     }
 }
 
-#[test]
-fn exp2_cubic_matches_softmax_core() {
+pub fn exp2_cubic_matches_softmax_core() {
     for a in all_archs() {
         let x = exp2_inputs(100_001, a.lanes);
         let mut y = x.clone();
@@ -655,8 +650,7 @@ fn exp2_cubic_matches_softmax_core() {
     }
 }
 
-#[test]
-fn softcap_tanh_matches_f64() {
+pub fn softcap_tanh_matches_f64() {
     for a in all_archs() {
         let mut x: Vec<f32> = (0..4096).map(|i| (i as f32 - 2048.0) / 100.0).collect();
         x.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e-7]);
@@ -678,8 +672,7 @@ fn softcap_tanh_matches_f64() {
     }
 }
 
-#[test]
-fn widen_f16_matches_half() {
+pub fn widen_f16_matches_half() {
     for a in all_archs() {
         for &n in &SIZES {
             let src: Vec<u16> = (0..n).map(|i| (i as u16).wrapping_mul(40_503)).collect();
@@ -704,16 +697,14 @@ fn widen_f16_matches_half() {
     }
 }
 
-#[test]
-fn detection_is_cached_and_consistent() {
+pub fn detection_is_cached_and_consistent() {
     let level = crate::arch::detected();
     assert_eq!(level, crate::arch::detected());
     assert!(level.is_available());
     assert_eq!(crate::simd_level(), level.name());
 }
 
-#[test]
-fn transpose_is_exact_and_touches_nothing_else() {
+pub fn transpose_is_exact_and_touches_nothing_else() {
     let mut rng = Rng::new(77);
     for arch in &all_archs() {
         for &rows in &SIZES {
@@ -742,8 +733,7 @@ fn transpose_is_exact_and_touches_nothing_else() {
     }
 }
 
-#[test]
-fn pack_group_is_exact_for_every_head_dim() {
+pub fn pack_group_is_exact_for_every_head_dim() {
     let mut rng = Rng::new(78);
     for arch in &all_archs() {
         let mr = arch.qk_keys;
@@ -773,8 +763,7 @@ fn pack_group_is_exact_for_every_head_dim() {
 /// The vector "every lane keeps" test agrees with `RescalePolicy::decide` lane by lane:
 /// same verdict, same skipped count, on references and maxima that sit on every boundary
 /// (equal, exactly τ apart, NaN, ±∞, first block).
-#[test]
-fn all_keep_agrees_with_decide() {
+pub fn all_keep_agrees_with_decide() {
     let mut rng = Rng::new(79);
     let policies = [
         RescalePolicy::Always,
