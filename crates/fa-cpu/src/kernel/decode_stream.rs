@@ -962,7 +962,8 @@ unsafe fn qk_tile_amx<S: Simd, T: Element, Tl: Tiles>(
                 }
             }
             // C[u][n] = row n's score of key j + u: transposed, scaled, into s.
-            // SAFETY: c_tile and c_t are 16 × 16 floats each; the rows of s written are the
+            // SAFETY: c_tile and c_t are 16 × 16 floats each (a strip's columns and rows
+            // n0..n0 + 4 ≤ 16: rph ≤ 12 there); the rows of s written are the
             // head's (h·rph + n < rows), keys j..j + 16 ≤ TILE_KEYS; S available (caller).
             unsafe {
                 let c_dst = c_tile.as_mut_ptr() as *mut u8;
@@ -972,7 +973,20 @@ unsafe fn qk_tile_amx<S: Simd, T: Element, Tl: Tiles>(
                     tiles.store::<0>(c_dst, TILE_ROW_BYTES);
                 }
                 if S::W == TILE_ROWS {
-                    S::transpose(c_tile.as_ptr(), TILE_ROWS, c_t.as_mut_ptr(), TILE_ROWS);
+                    // Only the head's rph columns: strips of 4 (rows of c_t past rph are
+                    // scratch), the whole block's transpose where more than 12 are used.
+                    if rph <= 3 * TILE_ROWS / 4 {
+                        for n0 in (0..rph).step_by(4) {
+                            S::transpose_w4(
+                                c_tile.as_ptr().add(n0),
+                                TILE_ROWS,
+                                c_t.as_mut_ptr().add(n0 * TILE_ROWS),
+                                TILE_ROWS,
+                            );
+                        }
+                    } else {
+                        S::transpose(c_tile.as_ptr(), TILE_ROWS, c_t.as_mut_ptr(), TILE_ROWS);
+                    }
                 } else {
                     for u in 0..TILE_ROWS {
                         for n in 0..TILE_ROWS {
