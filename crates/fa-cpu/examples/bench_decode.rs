@@ -13,7 +13,7 @@
 //! 0: padded cache), `--threads` (default: all cores), `--splits` (default: the library's
 //! rule), `--rounds` (default 9), `--copy-mib` (copy buffer size; default the K/V bytes
 //! within 256 MiB..1 GiB; 0: a token copy, to profile the decode alone), `--pf` (prefetch
-//! schedules to alternate, e.g. `phase,ahead:4,off`; see `fa_cpu::DecodePrefetch::parse`).
+//! schedules to alternate, e.g. `phase,next,ahead:4,off`; see `fa_cpu::DecodePrefetch::parse`).
 
 mod common;
 

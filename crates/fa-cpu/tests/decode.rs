@@ -249,6 +249,49 @@ fn bitwise_identical_for_any_thread_count() {
     }
 }
 
+/// The prefetch schedule is a timing knob: every schedule gives bitwise the same results
+/// (bf16 and f32 caches, padded and paged, the tiles' path where this CPU has AMX), and the
+/// names parse.
+#[test]
+fn every_prefetch_schedule_gives_the_same_bits() {
+    use fa_cpu::{decode_prefetch, set_decode_prefetch, DecodePrefetch};
+    let names = ["off", "phase", "next", "ahead:4", "phase+ahead:16"];
+    let modes: Vec<DecodePrefetch> = names
+        .iter()
+        .map(|n| DecodePrefetch::parse(n).unwrap_or_else(|| panic!("{n}")))
+        .collect();
+    assert_eq!(modes[2], DecodePrefetch::Next);
+    let before = decode_prefetch();
+    let mut rng = Rng::new(1505);
+    let used = [700u32, 33, 257];
+    for layout in [
+        CacheLayout::Padded { capacity: 701 },
+        DecodeCase::paged_layout(&used, 16),
+    ] {
+        let case = DecodeCase::new(&mut rng, &used, 1, 8, 2, 128, layout, Rounding::Bf16);
+        let base = ForwardOptions {
+            kv_splits: Some(3),
+            threads: Some(1),
+            ..ForwardOptions::default()
+        };
+        let bits = |mode: DecodePrefetch| {
+            set_decode_prefetch(mode);
+            let bf = run::<half::bf16, f32>(&case, &base);
+            let f = run::<f32, f32>(&case, &base);
+            [bf.out, bf.lse, f.out, f.lse]
+                .iter()
+                .flatten()
+                .map(|x| x.to_bits())
+                .collect::<Vec<u32>>()
+        };
+        let first = bits(modes[0]);
+        for (name, &mode) in names.iter().zip(&modes).skip(1) {
+            assert!(bits(mode) == first, "{layout:?}: {name} differs from off");
+        }
+    }
+    set_decode_prefetch(before);
+}
+
 #[test]
 fn split_path_on_a_problem_without_cache_matches_the_oracle() {
     let mut rng = Rng::new(1505);

@@ -161,6 +161,38 @@ unsafe impl Simd for Avx512 {
         }
     }
     #[inline(always)]
+    unsafe fn transpose_w4(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+        // SAFETY: 16 rows of 4 readable floats at src, 4 rows of 16 writable floats at dst
+        // (trait contract); AVX-512F present.
+        unsafe {
+            // v[a]: 128-bit lane l holds source row 4l + a (one load, three load-inserts).
+            // (Loops, not closures: the intrinsics stay inlined into the caller's features.)
+            let mut v = [_mm512_setzero_ps(); 4];
+            for (a, x) in v.iter_mut().enumerate() {
+                let row = |r: usize| src.add(r * src_stride);
+                *x = _mm512_castps128_ps512(_mm_loadu_ps(row(a)));
+                *x = _mm512_insertf32x4::<1>(*x, _mm_loadu_ps(row(4 + a)));
+                *x = _mm512_insertf32x4::<2>(*x, _mm_loadu_ps(row(8 + a)));
+                *x = _mm512_insertf32x4::<3>(*x, _mm_loadu_ps(row(12 + a)));
+            }
+            // A 4 × 4 transpose inside each 128-bit lane: lane l of output c is column c of
+            // rows 4l..4l + 4, i.e. output c is column c of all 16 rows in order.
+            let t0 = _mm512_castps_pd(_mm512_unpacklo_ps(v[0], v[1]));
+            let t1 = _mm512_castps_pd(_mm512_unpackhi_ps(v[0], v[1]));
+            let t2 = _mm512_castps_pd(_mm512_unpacklo_ps(v[2], v[3]));
+            let t3 = _mm512_castps_pd(_mm512_unpackhi_ps(v[2], v[3]));
+            let out = [
+                _mm512_unpacklo_pd(t0, t2),
+                _mm512_unpackhi_pd(t0, t2),
+                _mm512_unpacklo_pd(t1, t3),
+                _mm512_unpackhi_pd(t1, t3),
+            ];
+            for (c, o) in out.into_iter().enumerate() {
+                _mm512_storeu_ps(dst.add(c * dst_stride), _mm512_castpd_ps(o));
+            }
+        }
+    }
+    #[inline(always)]
     unsafe fn transpose8(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
         // SAFETY: 8 rows of 8 floats at src and dst (trait contract); AVX2 present (this level's features include it).
         unsafe { super::avx2::Avx2::transpose(src, src_stride, dst, dst_stride) }

@@ -326,6 +326,20 @@ pub(crate) unsafe trait Simd: Copy + 'static {
             }
         }
     }
+    /// Transposes a `W × 4` strip: `dst[c·dst_stride + r] = src[r·src_stride + c]` for
+    /// `r < W`, `c < 4` (`W` rows of 4 readable floats at `src`, 4 rows of `W` writable
+    /// floats at `dst`, the two not overlapping): the columns of a C tile that a decode head's
+    /// few query rows use, without [`Simd::transpose`]'s whole block. The default is the
+    /// scalar loop; architectures with shuffles override it.
+    #[inline(always)]
+    unsafe fn transpose_w4(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+        for r in 0..Self::W {
+            for c in 0..4 {
+                // SAFETY: r < W, c < 4: inside both blocks (caller's contract).
+                unsafe { *dst.add(c * dst_stride + r) = *src.add(r * src_stride + c) };
+            }
+        }
+    }
     /// Transposes a `W × W` block: `dst[c·dst_stride + r] = src[r·src_stride + c]` for
     /// `r, c < W` (`W` rows of `W` readable floats at `src`, `W` rows of `W` writable floats
     /// at `dst`, the two not overlapping). The default is the scalar loop; architectures with

@@ -95,10 +95,16 @@ pub enum DecodePrefetch {
     Ahead(usize),
     /// Both [`DecodePrefetch::Phase`] and [`DecodePrefetch::Ahead`].
     PhaseAhead(usize),
+    /// One tile ahead in both streams, paced by `P·V` (the longer phase): the next tile's K
+    /// and V rows during this tile's `P·V`, nothing during `Q·Kᵀ` (except an item's first
+    /// tile's V rows, which no earlier `P·V` fetched), and an item's first K rows before its
+    /// Q rows are loaded. V rows a whole tile ahead (under `Phase`, only one `Q·Kᵀ` ahead),
+    /// and no burst of prefetches during the short AMX `Q·Kᵀ`.
+    Next,
 }
 
 impl DecodePrefetch {
-    /// Parses `off`, `phase`, `ahead:N` or `phase+ahead:N`.
+    /// Parses `off`, `phase`, `next`, `ahead:N` or `phase+ahead:N`.
     pub fn parse(s: &str) -> Option<DecodePrefetch> {
         let ahead = |n: &str| {
             n.parse::<usize>()
@@ -108,6 +114,7 @@ impl DecodePrefetch {
         match s {
             "off" => Some(DecodePrefetch::Off),
             "phase" => Some(DecodePrefetch::Phase),
+            "next" => Some(DecodePrefetch::Next),
             _ => {
                 if let Some(n) = s.strip_prefix("phase+ahead:") {
                     ahead(n).map(DecodePrefetch::PhaseAhead)
@@ -124,6 +131,7 @@ impl DecodePrefetch {
         match self {
             DecodePrefetch::Off => 1,
             DecodePrefetch::Phase => 2,
+            DecodePrefetch::Next => 3,
             DecodePrefetch::Ahead(n) => 4 | n << 3,
             DecodePrefetch::PhaseAhead(n) => 6 | n << 3,
         }
@@ -133,6 +141,7 @@ impl DecodePrefetch {
         let n = (code >> 3).clamp(1, TILE_KEYS);
         match code & 7 {
             1 => DecodePrefetch::Off,
+            3 => DecodePrefetch::Next,
             4 => DecodePrefetch::Ahead(n),
             6 => DecodePrefetch::PhaseAhead(n),
             _ => DecodePrefetch::Phase,
@@ -142,6 +151,11 @@ impl DecodePrefetch {
     /// Whether the phase-ahead streams run.
     fn phase(self) -> bool {
         matches!(self, DecodePrefetch::Phase | DecodePrefetch::PhaseAhead(_))
+    }
+
+    /// Whether both streams run one tile ahead during `P·V` ([`DecodePrefetch::Next`]).
+    fn next(self) -> bool {
+        self == DecodePrefetch::Next
     }
 
     /// Keys of the fixed-distance streams (0: none).
@@ -962,7 +976,8 @@ unsafe fn qk_tile_amx<S: Simd, T: Element, Tl: Tiles>(
                 }
             }
             // C[u][n] = row n's score of key j + u: transposed, scaled, into s.
-            // SAFETY: c_tile and c_t are 16 × 16 floats each; the rows of s written are the
+            // SAFETY: c_tile and c_t are 16 × 16 floats each (a strip's columns and rows
+            // n0..n0 + 4 ≤ 16: rph ≤ 12 there); the rows of s written are the
             // head's (h·rph + n < rows), keys j..j + 16 ≤ TILE_KEYS; S available (caller).
             unsafe {
                 let c_dst = c_tile.as_mut_ptr() as *mut u8;
@@ -972,7 +987,20 @@ unsafe fn qk_tile_amx<S: Simd, T: Element, Tl: Tiles>(
                     tiles.store::<0>(c_dst, TILE_ROW_BYTES);
                 }
                 if S::W == TILE_ROWS {
-                    S::transpose(c_tile.as_ptr(), TILE_ROWS, c_t.as_mut_ptr(), TILE_ROWS);
+                    // Only the head's rph columns: strips of 4 (rows of c_t past rph are
+                    // scratch), the whole block's transpose where more than 12 are used.
+                    if rph <= 3 * TILE_ROWS / 4 {
+                        for n0 in (0..rph).step_by(4) {
+                            S::transpose_w4(
+                                c_tile.as_ptr().add(n0),
+                                TILE_ROWS,
+                                c_t.as_mut_ptr().add(n0 * TILE_ROWS),
+                                TILE_ROWS,
+                            );
+                        }
+                    } else {
+                        S::transpose(c_tile.as_ptr(), TILE_ROWS, c_t.as_mut_ptr(), TILE_ROWS);
+                    }
                 } else {
                     for u in 0..TILE_ROWS {
                         for n in 0..TILE_ROWS {
@@ -1414,7 +1442,7 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     let end = item.keys.end.min(sk);
     // The item's first K rows (the first tile's under `Phase`, the first `ahead` keys' under
     // `Ahead`) start on their way while the Q rows are loaded.
-    let first = match (pf.phase(), ahead) {
+    let first = match (pf.phase() || pf.next(), ahead) {
         (true, _) => TILE_KEYS,
         (false, n) => n,
     }
@@ -1511,11 +1539,13 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
         let next = TILE_KEYS.min(end - j0 - nk);
         kv.offsets(j0, &mut k_offs[..nk + next], &mut v_offs[..nk + next]);
         // Prefetch (into L2), per the schedule: one phase ahead (this tile's V rows during
-        // Q·Kᵀ, the next tile's K rows during P·V) and/or `ahead` keys ahead in each stream.
+        // Q·Kᵀ, the next tile's K rows during P·V) and/or `ahead` keys ahead in each stream,
+        // or (`Next`) the next tile's K and V rows during P·V.
         let none: PfStream<'_, T> = (ctx.k, &[], 0, 0);
         let ahead_from = ahead.min(nk + next);
+        let first_tile = j0 == item.keys.start;
         let qk_pf = [
-            if pf.phase() {
+            if pf.phase() || (pf.next() && first_tile) {
                 (ctx.v, &v_offs[..nk], sh.v_head, dv)
             } else {
                 none
@@ -1527,12 +1557,14 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
             },
         ];
         let pv_pf = [
-            if pf.phase() {
+            if pf.phase() || pf.next() {
                 (ctx.k, &k_offs[nk..nk + next], sh.k_head, d)
             } else {
                 none
             },
-            if ahead > 0 {
+            if pf.next() {
+                (ctx.v, &v_offs[nk..nk + next], sh.v_head, dv)
+            } else if ahead > 0 {
                 (ctx.v, &v_offs[ahead_from..nk + next], sh.v_head, dv)
             } else {
                 none

@@ -369,6 +369,76 @@ pub fn horizontal_sum_and_max() {
     }
 }
 
+/// [`crate::arch::Simd::transpose_w4`] on one level: `W` rows of 4 floats, `src_stride`
+/// apart, into 4 rows of `W`, `dst_stride` apart.
+struct Strip<'a> {
+    src: &'a [f32],
+    src_stride: usize,
+    dst: &'a mut [f32],
+    dst_stride: usize,
+}
+
+impl SimdTask for Strip<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        assert!(self.src.len() >= (A::W - 1) * self.src_stride + 4);
+        assert!(self.dst.len() >= 3 * self.dst_stride + A::W);
+        // SAFETY: W rows of 4 floats at src and 4 rows of W at dst (asserted), disjoint
+        // slices; A available.
+        unsafe {
+            A::transpose_w4(
+                self.src.as_ptr(),
+                self.src_stride,
+                self.dst.as_mut_ptr(),
+                self.dst_stride,
+            )
+        };
+    }
+}
+
+/// The narrow transpose of the AMX `Q·Kᵀ`'s C tile on every level against its definition
+/// (the scalar twin is the trait's default): exact, over odd strides and offsets, and nothing
+/// outside the 4 destination rows written.
+#[test]
+fn strip_transpose_matches_the_definition() {
+    let mut rng = Rng::new(1516);
+    for (isa, name) in levels() {
+        let w = lanes(isa);
+        for (src_stride, dst_stride) in [(4, w), (16, 16), (5, w + 3), (17, 2 * w + 1)] {
+            let src = draw(&mut rng, (w - 1) * src_stride + 4 + 3);
+            let from = rng.below(4);
+            let poison = -1234.5f32;
+            let mut dst = vec![poison; 3 * dst_stride + w + 5];
+            dispatch(
+                isa,
+                Strip {
+                    src: &src[from..],
+                    src_stride,
+                    dst: &mut dst[1..],
+                    dst_stride,
+                },
+            );
+            for (i, &got) in dst.iter().enumerate() {
+                let (c, r) = (
+                    (i.wrapping_sub(1)) / dst_stride,
+                    (i.wrapping_sub(1)) % dst_stride,
+                );
+                let want = if i >= 1 && c < 4 && r < w {
+                    src[from + r * src_stride + c]
+                } else {
+                    poison
+                };
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{name} strides {src_stride}/{dst_stride}, dst[{i}]"
+                );
+            }
+        }
+    }
+}
+
 /// Output (f32) and LSE of a bf16 decode case through `forward_on` on `tiles`; outputs
 /// poisoned first.
 fn run_decode_bf16<O: Element>(
