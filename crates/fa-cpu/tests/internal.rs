@@ -68,6 +68,7 @@ internal!(decode_stream_tests:
     stream_kernels_match_scalar_twin_and_f64_f16,
     pair_loads_widen_exactly,
     horizontal_sum_and_max,
+    strip_transpose_matches_the_definition,
     emulated_amx_decode_matches_the_oracle_on_every_level,
     #[ignore = "needs AMX (Intel Sapphire Rapids or later)"]
     hardware_amx_decode_matches_the_oracle,

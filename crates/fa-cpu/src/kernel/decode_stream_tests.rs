@@ -400,8 +400,7 @@ impl SimdTask for Strip<'_> {
 /// The narrow transpose of the AMX `Q·Kᵀ`'s C tile on every level against its definition
 /// (the scalar twin is the trait's default): exact, over odd strides and offsets, and nothing
 /// outside the 4 destination rows written.
-#[test]
-fn strip_transpose_matches_the_definition() {
+pub fn strip_transpose_matches_the_definition() {
     let mut rng = Rng::new(1516);
     for (isa, name) in levels() {
         let w = lanes(isa);
