@@ -372,8 +372,8 @@ pub fn emulated_amx_differs_from_the_simd_path_only_by_p_rounding() {
 
 /// f16 cases whose scores are large (scale 1, Q and K drawn with standard deviation 1.5 and
 /// rounded to f16: |s| up to ~100), where the inputs' rounding to bf16 would show; the AMX
-/// kernels' exact f16 split is for them. Named by shape.
-pub(super) fn large_score_f16_cases(rng: &mut Rng) -> Vec<(String, Case)> {
+/// kernels' exact f16 split is for them. `heads` query heads share one KV head. Named by shape.
+pub(super) fn large_score_f16_cases(rng: &mut Rng, heads: usize) -> Vec<(String, Case)> {
     [
         (40, 300, 64, false),
         (70, 70, 128, true),
@@ -381,7 +381,7 @@ pub(super) fn large_score_f16_cases(rng: &mut Rng) -> Vec<(String, Case)> {
     ]
     .into_iter()
     .map(|(sq, sk, d, causal)| {
-        let mut case = Case::dense(rng, 1, sq, sk, 2, 1, d).with_scale(1.0);
+        let mut case = Case::dense(rng, 1, sq, sk, heads, 1, d).with_scale(1.0);
         case.fill(rng, Rounding::F32);
         for x in case.q.iter_mut().chain(&mut case.k) {
             *x = f16::from_f32(*x * 1.5).to_f32();
@@ -403,7 +403,7 @@ pub fn emulated_amx_keeps_f16_scores_exact() {
     // far outside it.
     let mut rng = Rng::fresh();
     let lse_bound = 1e-3;
-    for (what, case) in large_score_f16_cases(&mut rng) {
+    for (what, case) in large_score_f16_cases(&mut rng, 2) {
         for isa in simd_levels() {
             let opts = ForwardOptions {
                 simd: isa.level(),
