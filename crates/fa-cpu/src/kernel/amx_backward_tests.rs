@@ -19,7 +19,7 @@ use crate::forward::AmxTiles;
 use crate::{forward, Element, ForwardOptions};
 use fa_reference::{attention_backward_f64, compare_grads, Case, Rng, Rounding};
 use half::{bf16, f16};
-use softmax_core::{Grads, Mask, Out, Qkv};
+use softmax_core::{Grads, Mask, Out, Problem, Qkv};
 
 /// The bound for bf16 gradients (normwise, each of dQ, dK, dV).
 const BF16_BOUND: f64 = 2e-2;
@@ -164,12 +164,27 @@ fn run_half<G: Element>(
 
 /// Normwise errors of dQ, dK, dV against the f64 reference backward on the same inputs.
 fn errors(case: &Case, d_o: &[f32], grads: &Grads<Vec<f32>>) -> Grads<f64> {
+    let (problem, reference) = reference_backward(case, d_o);
+    errors_against(&problem, &reference, grads)
+}
+
+/// The validated problem of `case` and the f64 reference backward on its inputs.
+fn reference_backward<'c>(case: &'c Case, d_o: &[f32]) -> (Problem<'c>, Grads<Vec<f64>>) {
     let problem = case.desc().validate(256).expect("valid case");
     let reference = attention_backward_f64(&problem, &case.q, &case.k, &case.v, d_o);
+    (problem, reference)
+}
+
+/// [`errors`] against a reference already computed.
+fn errors_against(
+    problem: &Problem,
+    reference: &Grads<Vec<f64>>,
+    grads: &Grads<Vec<f32>>,
+) -> Grads<f64> {
     compare_grads(
-        &problem,
+        problem,
         Grads::new(&grads.dq[..], &grads.dk[..], &grads.dv[..]),
-        &reference,
+        reference,
     )
 }
 
@@ -285,17 +300,17 @@ pub fn emulated_amx_backward_keeps_f16_scores_exact() {
     let bound = 5e-3;
     for (what, case) in large_score_f16_cases(&mut rng, 8) {
         let d_o = draw_d_o(&case, &mut rng, Rounding::F16);
+        let (problem, exact) = reference_backward(&case, &d_o);
         for simd in simd_levels() {
             let opts = BackwardOptions {
                 threads: Some(2),
                 simd,
             };
             let g = run_half::<f32>(Rounding::F16, &case, &d_o, &opts, AmxTiles::Emulated);
-            assert_within(&errors(&case, &d_o, &g), bound, &format!("{what} {simd:?}"));
+            let e = errors_against(&problem, &exact, &g);
+            assert_within(&e, bound, &format!("{what} {simd:?}"));
         }
-        let problem = case.desc().validate(256).expect("valid case");
         let rounded = case.clone().round(Rounding::Bf16);
-        let exact = attention_backward_f64(&problem, &case.q, &case.k, &case.v, &d_o);
         let coarse = attention_backward_f64(&problem, &rounded.q, &rounded.k, &rounded.v, &d_o);
         let as_f32 = |x: &[f64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();
         let e = compare_grads(
@@ -446,7 +461,8 @@ pub fn hardware_amx_backward_matches_the_reference_and_the_emulation() {
             simd: SimdLevel::Amx,
         };
         let g = run_half::<f32>(*half, case, &d_o, &hw, AmxTiles::Hardware);
-        let e = errors(case, &d_o, &g);
+        let (problem, reference) = reference_backward(case, &d_o);
+        let e = errors_against(&problem, &reference, &g);
         worst_ref = worst_ref.max(assert_within(&e, BF16_BOUND, &format!("{what} (hardware)")));
         // The emulated tiles under the same AVX-512 element-wise step: the same up to the
         // products' f32 rounding (the hardware's sum order is not the emulation's) and the few
@@ -460,8 +476,6 @@ pub fn hardware_amx_backward_matches_the_reference_and_the_emulation() {
         // zero in exact arithmetic (one key: dS = dP − D = 0, so dQ = dK = 0) is rounding
         // noise in both runs, and the difference of two noises relative to one of them means
         // nothing (seen: 9e-2 on a 1 × 1, d 8 f16 case).
-        let problem = case.desc().validate(256).expect("valid case");
-        let reference = attention_backward_f64(&problem, &case.q, &case.k, &case.v, &d_o);
         for (name, x, y, exact) in [
             ("dQ", &g.dq, &ge.dq, &reference.dq),
             ("dK", &g.dk, &ge.dk, &reference.dk),
