@@ -303,22 +303,6 @@ unsafe impl Simd for Avx512 {
         }
     }
     #[inline(always)]
-    unsafe fn bf16_pair_rows(a: *const u16, b: *const u16, even: *mut u32, odd: *mut u32) {
-        // SAFETY: 32 readable u16 at a and b, 16 writable dwords at even and odd (trait
-        // contract); AVX-512F present. Dword i of a row holds elements 2i (low half) and
-        // 2i + 1 (high half): even = a's low halves | b's low halves moved up, odd = a's high
-        // halves moved down | b's high halves.
-        unsafe {
-            let x = _mm512_loadu_si512(a as *const _);
-            let y = _mm512_loadu_si512(b as *const _);
-            let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
-            let e = _mm512_or_si512(_mm512_andnot_si512(high, x), _mm512_slli_epi32::<16>(y));
-            let o = _mm512_or_si512(_mm512_srli_epi32::<16>(x), _mm512_and_si512(y, high));
-            _mm512_storeu_si512(even as *mut __m512i, e);
-            _mm512_storeu_si512(odd as *mut __m512i, o);
-        }
-    }
-    #[inline(always)]
     unsafe fn load_f16(p: *const u16) -> __m512 {
         // SAFETY: 16 readable u16 at p (trait contract); AVX-512F present.
         unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }

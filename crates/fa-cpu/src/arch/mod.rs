@@ -284,25 +284,6 @@ pub(crate) unsafe trait Simd: Copy + 'static {
         // SAFETY: both arrays hold 16 ≥ W floats; S available (caller).
         unsafe { (Self::load(even.as_ptr()), Self::load(odd.as_ptr())) }
     }
-    /// Interleaves two rows of `2·W` bf16 (bit patterns) into AMX B-tile rows (the VNNI
-    /// pair layout, `a` the low half of each pair), split by parity: `even[i] = a[2i] |
-    /// b[2i] << 16` and `odd[i] = a[2i + 1] | b[2i + 1] << 16` for `i < W`. With 16 lanes,
-    /// the columns of `even` and `odd` are the elements a de-interleaved
-    /// [`Simd::load_bf16_pair`] puts in its first and second vector (the decode's register
-    /// order). The default is the scalar loop.
-    ///
-    /// # Safety
-    /// S available; `2·W` readable u16 at `a` and `b`, `W` writable dwords at `even` and `odd`.
-    #[inline(always)]
-    unsafe fn bf16_pair_rows(a: *const u16, b: *const u16, even: *mut u32, odd: *mut u32) {
-        for i in 0..Self::W {
-            // SAFETY: 2i + 1 < 2·W and i < W: inside the caller's buffers.
-            unsafe {
-                *even.add(i) = u32::from(*a.add(2 * i)) | u32::from(*b.add(2 * i)) << 16;
-                *odd.add(i) = u32::from(*a.add(2 * i + 1)) | u32::from(*b.add(2 * i + 1)) << 16;
-            }
-        }
-    }
     /// Loads `W` f16 values (bit patterns) at `p`, widened to f32 in order.
     #[inline(always)]
     unsafe fn load_f16(p: *const u16) -> Self::V {

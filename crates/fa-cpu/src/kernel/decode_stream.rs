@@ -365,9 +365,8 @@ pub(crate) struct StreamLens {
     /// Dwords of the Q B tiles of the item with the most KV heads when the AMX `Q·Kᵀ` runs
     /// ([`amx_q_dwords`]), else 0 (no AMX buffers).
     pub amx_q: usize,
-    /// Rows of O when the AMX `P·V` runs (each KV head's rows padded to a C tile's
-    /// [`TILE_ROWS`], for the item with the most KV heads), else 0.
-    pub amx_o_rows: usize,
+    /// Whether the AMX `P·V` may run ([`amx_pv_applies`]; its P tiles are reserved).
+    pub amx_pv: bool,
 }
 
 impl StreamLens {
@@ -395,29 +394,20 @@ impl StreamLens {
             } else {
                 0
             },
-            amx_o_rows: if amx && amx_pv_applies::<O>(lanes, hardware) {
-                max_heads * TILE_ROWS
-            } else {
-                0
-            },
+            amx_pv: amx && amx_pv_applies::<O>(lanes, hardware),
         }
-    }
-
-    /// Rows of the O buffer.
-    pub(crate) fn o_rows(&self) -> usize {
-        self.rows.max(self.amx_o_rows)
     }
 
     /// Dwords of the tile-operand buffer (`Scratch::amx_pairs`): the gathered K rows' A tile,
     /// and under the AMX `P·V` the P A tiles and the V B tiles of one head.
     pub(crate) fn amx_pair_dwords(&self) -> usize {
-        amx_pair_dwords(self.amx_q > 0, self.amx_o_rows > 0, self.dv_pad)
+        amx_pair_dwords(self.amx_q > 0, self.amx_pv)
     }
 
     /// Bytes the lengths add up to (before alignment slack): what one worker reserves.
     pub(crate) fn bytes(&self) -> usize {
         let floats = self.rows * (self.d_pad + TILE_KEYS)
-            + self.o_rows() * self.dv_pad
+            + self.rows * self.dv_pad
             + self.d_pad.max(self.dv_pad)
             + if self.amx_q > 0 {
                 Self::AMX_C_FLOATS
@@ -431,47 +421,42 @@ impl StreamLens {
     }
 }
 
-/// Whether the AMX `P·V` ([`pv_tile_amx`]) runs beside the AMX `Q·Kᵀ`: at 16 lanes, where
-/// a 32-element chunk of an O row in register order is two C-tile columns' worth (even
-/// elements, then odd), and for bf16/f16 outputs only: it rounds P to bf16 (relative 2⁻⁹,
-/// the size of the output's own rounding), which an f32 output's 1e-5 bound does not allow.
+/// Whether the AMX `P·V` ([`pv_tile_amx`]) may run beside the AMX `Q·Kᵀ` (an item takes it
+/// when its rows per KV head are at most [`AMX_PV_MAX_ROWS`]): at 16 lanes, where a
+/// 32-element chunk of an O row in register order is two C-tile rows' worth (even elements,
+/// then odd), and for bf16/f16 outputs only: it rounds P to bf16 (relative 2⁻⁹, the size of
+/// the output's own rounding), which an f32 output's 1e-5 bound does not allow.
 ///
-/// On hardware tiles only when `FA_CPU_DECODE_AMX_PV=1` (read once per process): on the GPU
-/// machine's Xeon (2 pinned cores, bf16, 32/8 heads, caches from DRAM) it was slower than the
-/// SIMD `P·V` in 11 of 15 alternated pairs, median 1.10× the time (docs/gpu-notes.md run 84),
-/// though faster from L2 on the development VM. The emulated tiles (tests) always take it, so
-/// its code stays checked against the oracle.
+/// On hardware tiles unless `FA_CPU_DECODE_AMX_PV=0` (read once per process; the A/B knob of
+/// the benchmarks). The emulated tiles (tests) always take it, so its code stays checked
+/// against the oracle.
 pub(crate) fn amx_pv_applies<O: Element>(lanes: usize, hardware: bool) -> bool {
     static ON_HARDWARE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on_hardware = || {
         *ON_HARDWARE
-            .get_or_init(|| std::env::var("FA_CPU_DECODE_AMX_PV").is_ok_and(|v| v.trim() == "1"))
+            .get_or_init(|| std::env::var("FA_CPU_DECODE_AMX_PV").map_or(true, |v| v.trim() != "0"))
     };
     lanes == TILE_ROWS && O::KIND != sealed::Kind::F32 && (!hardware || on_hardware())
 }
 
 /// Dwords of the tile-operand buffer (`Scratch::amx_pairs`) of an item: under the AMX
-/// `Q·Kᵀ` (`tiles`) the gathered K rows' A tile, and under the AMX `P·V` (`pv`) the P A tiles
-/// and the V B tiles of one head too. The one rule of [`StreamLens`] (what is reserved) and
-/// `run_item` (what is used).
-fn amx_pair_dwords(tiles: bool, pv: bool, dv_pad: usize) -> usize {
+/// `Q·Kᵀ` (`tiles`) one gathered tile (K rows, or V rows under the AMX `P·V`), and under the
+/// AMX `P·V` (`pv`) the P A tiles of one head too. The one rule of [`StreamLens`] (what is
+/// reserved) and `run_item` (what is used).
+fn amx_pair_dwords(tiles: bool, pv: bool) -> usize {
     match (tiles, pv) {
         (false, _) => 0,
         (true, false) => StreamLens::AMX_A_DWORDS,
-        (true, true) => StreamLens::AMX_A_DWORDS + AMX_P_DWORDS + amx_v_dwords(dv_pad),
+        (true, true) => StreamLens::AMX_A_DWORDS + AMX_P_DWORDS,
     }
 }
 
-/// Keys per AMX `P·V` step: one A-tile row of bf16 P (16 pairs).
-const AMX_PV_KEYS: usize = 2 * TILE_ROWS;
-/// Dwords of the P A tiles of one head: [`TILE_ROWS`] rows of a key tile's bf16 pairs.
-const AMX_P_DWORDS: usize = TILE_ROWS * TILE_KEYS / 2;
-
-/// Dwords of the V B tiles of one head and key tile: per 32-key step, one tile per 16
-/// elements of the padded V row.
-fn amx_v_dwords(dv_pad: usize) -> usize {
-    TILE_KEYS / AMX_PV_KEYS * dv_pad.div_ceil(TILE_ROWS) * TILE_DWORDS
-}
+/// Most query rows per KV head the AMX `P·V` takes: its A tiles hold each row twice.
+pub(crate) const AMX_PV_MAX_ROWS: usize = TILE_ROWS / 2;
+/// Dwords of the P A tiles of one head: one tile per 16-key group of a key tile.
+const AMX_P_DWORDS: usize = TILE_KEYS / AMX_KEYS * TILE_DWORDS;
+/// Chunks of the V row per pass of the AMX `P·V`: the C tiles beside two A and two B tiles.
+const AMX_PV_PASS: usize = 4;
 
 /// Dwords of the AMX `Q·Kᵀ`'s Q B tiles for an item of `heads` KV heads and head dim `d`:
 /// one tile per head and 32-element chunk.
@@ -951,22 +936,7 @@ unsafe fn qk_tile_amx<S: Simd, T: Element, Tl: Tiles>(
                 let (a_src, a_stride) = match stride {
                     // Element lo of the first row (inside it: the chunk is whole).
                     Some(st) if whole => (first.wrapping_add(lo) as *const u8, st * esize),
-                    _ => {
-                        a_rows.fill(0);
-                        for u in 0..u_n {
-                            let src = &row(u)[lo..d.min(lo + AMX_CHUNK)];
-                            // SAFETY: src.len() ≤ 32 bf16 = 64 bytes, the tile row u of
-                            // a_rows (TILE_DWORDS dwords); bf16 is a transparent u16.
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    src.as_ptr() as *const u8,
-                                    (a_rows.as_mut_ptr() as *mut u8).add(u * TILE_ROW_BYTES),
-                                    std::mem::size_of_val(src),
-                                )
-                            };
-                        }
-                        (a_rows.as_ptr() as *const u8, TILE_ROW_BYTES)
-                    }
+                    _ => gather_chunk(a_rows, u_n, row, lo),
                 };
                 // SAFETY: the A source is 16 rows of 64 readable bytes a_stride apart (whole
                 // chunks of 16 rows checked above, or the gathered tile); the B tiles are
@@ -1020,6 +990,33 @@ unsafe fn qk_tile_amx<S: Simd, T: Element, Tl: Tiles>(
             j += u_n;
         }
     }
+}
+
+/// Gathers elements `lo..lo + 32` (those that exist) of rows `row(0..n)`, `n ≤ 16`, into the
+/// rows of one zeroed tile; returns the tile's address and row stride for a tile load.
+#[inline(always)]
+fn gather_chunk<'r, T: Element + 'r>(
+    tile: &mut [u32],
+    n: usize,
+    row: impl Fn(usize) -> &'r [T],
+    lo: usize,
+) -> (*const u8, usize) {
+    let tile = &mut tile[..TILE_DWORDS];
+    tile.fill(0);
+    for u in 0..n.min(TILE_ROWS) {
+        let r = row(u);
+        let src = &r[lo..r.len().min(lo + AMX_CHUNK)];
+        // SAFETY: src.len() ≤ 32 bf16 = 64 bytes, tile row u (< 16) of the TILE_DWORDS
+        // dwords; bf16 is a transparent u16 (the only T of the tile paths).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr() as *const u8,
+                (tile.as_mut_ptr() as *mut u8).add(u * TILE_ROW_BYTES),
+                std::mem::size_of_val(src).min(TILE_ROW_BYTES),
+            )
+        };
+    }
+    (tile.as_ptr() as *const u8, TILE_ROW_BYTES)
 }
 
 /// One chunk of [`qk_tile_amx`]: A ← 16 rows at `a_src` (`a_stride` bytes apart), then
@@ -1148,20 +1145,29 @@ unsafe fn pv_tile<S: Simd, T: Element>(
     }
 }
 
-/// `O += P·V` for the tile's `nk` keys on AMX tiles (bf16 V, 16 lanes), probabilities in `s`.
-/// Per head: P's rows rounded to bf16 as A tiles (row m, 32-key step kc: dword k holds the
-/// probabilities of keys 32kc + k and 32kc + 16 + k), V rows of the same key pairs
-/// interleaved into B tiles by [`Simd::bf16_pair_rows`] (one tile per 16 elements of the
-/// padded V row, even then odd elements of each 32-element chunk, so C's columns are O's
-/// register order), then per 16-element block of O: C ← the head's 16 O rows, one
-/// `tdpbf16ps` per 32-key step, C → O. Keys past `nk` are zero in both operands.
-/// Tiles: C in 0 or 1 (alternating by block), A in 2 and 3, B in 4..8.
+/// `O += P·V` for the tile's `nk` keys on AMX tiles (bf16 V, 16 lanes), probabilities in `s`,
+/// with V's rows loaded **in place** as B tiles (no repacking). A B tile of 16 keys' V rows
+/// pairs each key's elements `2i` and `2i + 1`, which a VNNI product would sum; so each
+/// probability stands in an A tile twice, once against the even element of the pair (row m:
+/// `bf16(P) | 0`) and once against the odd (row `rph + m`: `0 | bf16(P) << 16`): C row m
+/// gathers O row m's even elements of the 32-element chunk, row `rph + m` its odd ones,
+/// which is the chunk in register order ([`reg_pos`]). Half of each product's K depth
+/// multiplies zeros, which the tiles can afford: they replace the SIMD kernel's 40 vector
+/// operations per key and head (32/8 heads). On the GPU machine's Xeon (2 cores, bf16 caches
+/// from DRAM) 1.00–1.17× the SIMD `P·V`'s speed, paired medians (docs/gpu-notes.md run 110).
+///
+/// Per head: the 16-key groups' A tiles built in `pa`, then in passes of up to
+/// [`AMX_PV_PASS`] chunks of the V row: C tiles zeroed, per group its A tile and per chunk
+/// the V rows' B tile (in place when the group's 16 rows lie one stride apart and the chunk
+/// is whole, else gathered into `gather` with zero padding), one `tdpbf16ps` each; then each
+/// C tile through `c_buf` added into O's rows (already rescaled by the softmax). Tiles: C in
+/// 0..4, A in 4 and 5, B in 6 and 7 (alternating), so that four products are in flight.
 ///
 /// # Safety
-/// S available with 16 lanes; `T` is bf16; `s` holds `rows·TILE_KEYS`, `o` 16 rows of
-/// `dv_pad` floats per head (rows past a head's `rph` are padding), `pairs`
-/// [`AMX_P_DWORDS`] + [`amx_v_dwords`] dwords with P's rows past `rph` zero; the offsets are
-/// rows of the checked V buffer.
+/// S available with 16 lanes; `T` is bf16; `sh.rph ≤` [`AMX_PV_MAX_ROWS`]; `s` holds
+/// `rows·TILE_KEYS`, `o` `rows·dv_pad`; `pa` holds [`AMX_P_DWORDS`] dwords, zero past each
+/// group's `2·rph` rows; `gather` and `c_buf` one tile each; the offsets are rows of the
+/// checked V buffer.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn pv_tile_amx<S: Simd, T: Element, Tl: Tiles>(
@@ -1171,122 +1177,196 @@ unsafe fn pv_tile_amx<S: Simd, T: Element, Tl: Tiles>(
     sh: &Shape,
     s: &mut [f32],
     o: &mut [f32],
-    pairs: &mut [u32],
+    bufs: PvBufs<'_>,
     prefetch: [PfStream<'_, T>; 2],
 ) {
     let (dv, dv_pad, rph, v_head) = (sh.dv, sh.dv_pad, sh.rph, sh.v_head);
+    let PvBufs { pa, gather, c_buf } = bufs;
     let nk = v_offs.len();
-    let steps = nk.div_ceil(AMX_PV_KEYS);
-    let blocks = dv_pad / TILE_ROWS;
-    let (pa, vb) = pairs.split_at_mut(AMX_P_DWORDS);
-    let zero = [T::from_f32(0.0); 32];
-    let c_stride = dv_pad * 4;
+    let groups = nk.div_ceil(AMX_KEYS);
+    let chunks = dv.div_ceil(AMX_CHUNK);
+    let esize = std::mem::size_of::<T>();
     for h in 0..sh.heads {
-        // A tiles: TILE_KEYS / 2 dwords per row.
-        for m in 0..rph {
-            let row = &mut s[(h * rph + m) * TILE_KEYS..][..TILE_KEYS];
-            row[nk..steps * AMX_PV_KEYS].fill(0.0);
-            for kc in 0..steps {
-                let src = row[kc * AMX_PV_KEYS..][..AMX_PV_KEYS].as_ptr();
-                let dst = pa[m * TILE_KEYS / 2 + kc * TILE_ROWS..][..TILE_ROWS].as_mut_ptr();
-                // SAFETY: 32 floats at src, 16 dwords at dst; 16 lanes, S available (caller).
-                unsafe {
-                    let (lo, hi) = (S::load(src), S::load(src.add(TILE_ROWS)));
+        // The P A tiles, from the probabilities of keys 16g..16g + 16 of each of the head's
+        // rows (zero past nk).
+        // SAFETY: 16 floats at each load (a sliced group of the row) and 16 dwords at each
+        // store (a sliced row of the group's tile; rph + m < 16: rph ≤ 8); S available with
+        // 16 lanes (caller).
+        unsafe {
+            let zero = S::splat(0.0);
+            for m in 0..rph {
+                let row = &mut s[(h * rph + m) * TILE_KEYS..][..TILE_KEYS];
+                row[nk..groups * AMX_KEYS].fill(0.0);
+                for g in 0..groups {
+                    let p = S::load(row[g * AMX_KEYS..][..AMX_KEYS].as_ptr());
+                    let tile = &mut pa[g * TILE_DWORDS..][..TILE_DWORDS];
+                    let even = tile[m * TILE_ROWS..][..TILE_ROWS].as_mut_ptr();
+                    let odd = tile[(rph + m) * TILE_ROWS..][..TILE_ROWS].as_mut_ptr();
                     if Tl::HARDWARE {
-                        S::bf16_pairs_v::<true>(lo, hi, dst)
+                        S::bf16_pairs_v::<true>(p, zero, even);
+                        S::bf16_pairs_v::<true>(zero, p, odd);
                     } else {
-                        S::bf16_pairs_v::<false>(lo, hi, dst)
+                        S::bf16_pairs_v::<false>(p, zero, even);
+                        S::bf16_pairs_v::<false>(zero, p, odd);
                     }
                 }
             }
         }
-        // B tiles: (step kc, block b) at (kc·blocks + b)·TILE_DWORDS, row k = keys
-        // 32kc + k and 32kc + 16 + k.
-        for kc in 0..steps {
-            for k in 0..TILE_ROWS {
-                let keys = [kc * AMX_PV_KEYS + k, kc * AMX_PV_KEYS + TILE_ROWS + k];
-                for &(pf_src, pf_offs, pf_head, pf_len) in &prefetch {
-                    for key in keys {
-                        if let Some(&off) = pf_offs.get(key) {
+        // Per group: its first row and, when its 16 rows lie one positive stride apart,
+        // that stride (elements).
+        let row = |key: usize| {
+            let at = v_offs[key] + h * v_head;
+            &v[at..at + dv]
+        };
+        let in_place = |g: usize| -> Option<(*const T, usize)> {
+            let j = g * AMX_KEYS;
+            if j + AMX_KEYS > nk || v_offs[j + 1] <= v_offs[j] {
+                return None;
+            }
+            let st = v_offs[j + 1] - v_offs[j];
+            if !(2..AMX_KEYS).all(|u| v_offs[j + u] == v_offs[j] + u * st) {
+                return None;
+            }
+            // The last row is checked too: every row between lies in the buffer.
+            let _ = row(j + AMX_KEYS - 1);
+            Some((row(j).as_ptr(), st))
+        };
+        for pass in (0..chunks).step_by(AMX_PV_PASS) {
+            let n_c = AMX_PV_PASS.min(chunks - pass);
+            for ci in 0..n_c {
+                pv_c_zero(tiles, ci);
+            }
+            for g in 0..groups {
+                if pass == 0 {
+                    for &(pf_src, pf_offs, pf_head, pf_len) in &prefetch {
+                        for &off in pf_offs.iter().skip(g * AMX_KEYS).take(AMX_KEYS) {
                             prefetch_row::<S, T>(pf_src, off + h * pf_head, pf_len);
                         }
                     }
                 }
-                // Bounds-checked once per row: the pair loads read inside these rows.
-                let row = |key: usize| -> &[T] {
-                    if key < nk {
-                        let at = v_offs[key] + h * v_head;
-                        &v[at..at + dv]
-                    } else {
-                        &[]
+                let a_src = pa[g * TILE_DWORDS..][..TILE_DWORDS].as_ptr() as *const u8;
+                let placed = in_place(g);
+                for ci in 0..n_c {
+                    let lo = (pass + ci) * AMX_CHUNK;
+                    let (b_src, b_stride) = match placed {
+                        Some((first, st)) if lo + AMX_CHUNK <= dv => {
+                            (first.wrapping_add(lo) as *const u8, st * esize)
+                        }
+                        _ => {
+                            let n = AMX_KEYS.min(nk - g * AMX_KEYS);
+                            gather_chunk(gather, n, |u| row(g * AMX_KEYS + u), lo)
+                        }
+                    };
+                    // SAFETY: the A tile is TILE_DWORDS dwords of pa; the B source is 16 rows
+                    // of 64 readable bytes b_stride apart (a whole chunk of 16 rows checked
+                    // by `in_place`, or the gathered tile).
+                    unsafe { pv_amx_step(tiles, ci, g % 2 == 1, ci == 0, a_src, b_src, b_stride) };
+                }
+            }
+            for ci in 0..n_c {
+                let lo = (pass + ci) * AMX_CHUNK;
+                // SAFETY: c_buf is one tile (16 rows of 64 bytes); C rows m and rph + m
+                // (< 16) are O row h·rph + m's chunk lo..lo + 32 (≤ dv_pad, a multiple of
+                // 32 at 16 lanes) in register order; S available with 16 lanes (caller).
+                unsafe {
+                    pv_c_store(tiles, ci, c_buf.as_mut_ptr() as *mut u8);
+                    let cb = c_buf.as_ptr();
+                    for m in 0..rph {
+                        let dst = o[(h * rph + m) * dv_pad + lo..][..AMX_CHUNK].as_mut_ptr();
+                        let (even, odd) = (cb.add(m * TILE_ROWS), cb.add((rph + m) * TILE_ROWS));
+                        S::store(dst, S::add(S::load(dst), S::load(even)));
+                        let dst = dst.add(TILE_ROWS);
+                        S::store(dst, S::add(S::load(dst), S::load(odd)));
                     }
-                };
-                let (ra, rb) = (row(keys[0]), row(keys[1]));
-                for cc in 0..blocks / 2 {
-                    let lo = cc * AMX_PV_KEYS;
-                    let (ta, tb);
-                    let (pa_, pb_) = if lo + AMX_PV_KEYS <= ra.len().min(rb.len()) {
-                        (ra[lo..].as_ptr(), rb[lo..].as_ptr())
-                    } else {
-                        // Zero-padded copies (a partial chunk, or a key past `nk`).
-                        let part = |r: &[T]| {
-                            let mut t = zero;
-                            let rest = &r[lo.min(r.len())..(lo + AMX_PV_KEYS).min(r.len())];
-                            t[..rest.len()].copy_from_slice(rest);
-                            t
-                        };
-                        (ta, tb) = (part(ra), part(rb));
-                        (ta.as_ptr(), tb.as_ptr())
-                    };
-                    let at = |b: usize| ((kc * blocks + b) * TILE_ROWS + k) * TILE_ROWS;
-                    let (even, odd) = (at(2 * cc), at(2 * cc + 1));
-                    // SAFETY: 32 bf16 (transparent u16s) at pa_ and pb_ (whole chunks of the
-                    // rows, or the zero-padded copies); 16 dwords at even and odd inside vb
-                    // (kc < 2, b < blocks); S available (caller).
-                    unsafe {
-                        S::bf16_pair_rows(
-                            pa_ as *const u16,
-                            pb_ as *const u16,
-                            vb[even..][..TILE_ROWS].as_mut_ptr(),
-                            vb[odd..][..TILE_ROWS].as_mut_ptr(),
-                        )
-                    };
                 }
             }
         }
-        let o_head = o[h * TILE_ROWS * dv_pad..][..TILE_ROWS * dv_pad].as_mut_ptr();
-        // SAFETY: the A tiles are 16 rows of 64 bytes, TILE_KEYS·2 bytes apart, inside pa;
-        // each B tile is TILE_DWORDS dwords of vb; each C block is 16 rows of 64 bytes,
-        // c_stride apart, inside the head's 16 O rows (b·16 + 16 ≤ dv_pad).
-        unsafe {
-            let a0 = pa.as_ptr() as *const u8;
-            tiles.load::<2>(a0, TILE_KEYS * 2);
-            if steps > 1 {
-                tiles.load::<3>(a0.add(TILE_ROW_BYTES), TILE_KEYS * 2);
+    }
+}
+
+/// The buffers of [`pv_tile_amx`].
+struct PvBufs<'b> {
+    /// The key groups' P A tiles ([`AMX_P_DWORDS`]).
+    pa: &'b mut [u32],
+    /// One B tile of V rows gathered with zero padding (when they cannot be loaded in place).
+    gather: &'b mut [u32],
+    /// One C tile on its way into O.
+    c_buf: &'b mut [f32],
+}
+
+/// Zeroes [`pv_tile_amx`]'s C tile `ci` (tile `ci`, `ci < 4`).
+#[inline(always)]
+fn pv_c_zero<Tl: Tiles>(tiles: &mut Tl, ci: usize) {
+    match ci {
+        0 => tiles.zero::<0>(),
+        1 => tiles.zero::<1>(),
+        2 => tiles.zero::<2>(),
+        _ => tiles.zero::<3>(),
+    }
+}
+
+/// Stores [`pv_tile_amx`]'s C tile `ci` (16 rows of 64 bytes) at `dst`.
+///
+/// # Safety
+/// As [`Tiles::store`] for 16 rows of 64 bytes at `dst`.
+#[inline(always)]
+unsafe fn pv_c_store<Tl: Tiles>(tiles: &mut Tl, ci: usize, dst: *mut u8) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match ci {
+            0 => tiles.store::<0>(dst, TILE_ROW_BYTES),
+            1 => tiles.store::<1>(dst, TILE_ROW_BYTES),
+            2 => tiles.store::<2>(dst, TILE_ROW_BYTES),
+            _ => tiles.store::<3>(dst, TILE_ROW_BYTES),
+        }
+    }
+}
+
+/// One product of [`pv_tile_amx`]: A ← the group's P tile at `a_src` when `load_a` (tile 5
+/// for odd groups, else 4), B ← 16 V rows at `b_src` (`b_stride` bytes apart; tile 7 for odd
+/// `ci`, else 6), then C tile `ci` += A·B.
+///
+/// # Safety
+/// As [`Tiles::load`] for `a_src` (64-byte rows, packed) and `b_src`; `ci < 4`.
+#[inline(always)]
+unsafe fn pv_amx_step<Tl: Tiles>(
+    tiles: &mut Tl,
+    ci: usize,
+    odd_group: bool,
+    load_a: bool,
+    a_src: *const u8,
+    b_src: *const u8,
+    b_stride: usize,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if load_a {
+            if odd_group {
+                tiles.load::<5>(a_src, TILE_ROW_BYTES);
+            } else {
+                tiles.load::<4>(a_src, TILE_ROW_BYTES);
             }
-            for b in 0..blocks {
-                let c_at = o_head.add(b * TILE_ROWS) as *mut u8;
-                let b_at = |kc: usize| vb[(kc * blocks + b) * TILE_DWORDS..].as_ptr() as *const u8;
-                if b % 2 == 0 {
-                    tiles.load::<0>(c_at, c_stride);
-                    tiles.load::<4>(b_at(0), TILE_ROW_BYTES);
-                    tiles.dot::<0, 2, 4>();
-                    if steps > 1 {
-                        tiles.load::<5>(b_at(1), TILE_ROW_BYTES);
-                        tiles.dot::<0, 3, 5>();
-                    }
-                    tiles.store::<0>(c_at, c_stride);
-                } else {
-                    tiles.load::<1>(c_at, c_stride);
-                    tiles.load::<6>(b_at(0), TILE_ROW_BYTES);
-                    tiles.dot::<1, 2, 6>();
-                    if steps > 1 {
-                        tiles.load::<7>(b_at(1), TILE_ROW_BYTES);
-                        tiles.dot::<1, 3, 7>();
-                    }
-                    tiles.store::<1>(c_at, c_stride);
+        }
+        if ci % 2 == 1 {
+            tiles.load::<7>(b_src, b_stride);
+        } else {
+            tiles.load::<6>(b_src, b_stride);
+        }
+        macro_rules! dot {
+            ($a:literal, $b:literal) => {
+                match ci {
+                    0 => tiles.dot::<0, $a, $b>(),
+                    1 => tiles.dot::<1, $a, $b>(),
+                    2 => tiles.dot::<2, $a, $b>(),
+                    _ => tiles.dot::<3, $a, $b>(),
                 }
-            }
+            };
+        }
+        match (odd_group, ci % 2 == 1) {
+            (false, false) => dot!(4, 6),
+            (false, true) => dot!(4, 7),
+            (true, false) => dot!(5, 6),
+            (true, true) => dot!(5, 7),
         }
     }
 }
@@ -1415,15 +1495,14 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
         0,
     );
     // The AMX `P·V` (`pv_tile_amx`): each head's O rows padded to a C tile's 16 rows.
-    let amx_pv = tiles.is_some() && amx_pv_applies::<O>(w, Tl::HARDWARE);
-    let o_rph = if amx_pv { TILE_ROWS } else { sh.rph };
-    let o_at = |r: usize| (r / sh.rph * o_rph + r % sh.rph) * sh.dv_pad;
-    let pair_dwords = amx_pair_dwords(tiles.is_some(), amx_pv, sh.dv_pad);
-    let (a_rows, pv_pairs) =
+    let amx_pv =
+        tiles.is_some() && sh.rph <= AMX_PV_MAX_ROWS && amx_pv_applies::<O>(w, Tl::HARDWARE);
+    let pair_dwords = amx_pair_dwords(tiles.is_some(), amx_pv);
+    let (a_rows, pa) =
         ensure(amx_pairs, pair_dwords, 0).split_at_mut(pair_dwords.min(StreamLens::AMX_A_DWORDS));
     let c_buf = ensure_aligned(kt, amx_len(tiles.is_some(), StreamLens::AMX_C_FLOATS));
     let q = ensure_aligned(qt, rows * sh.d_pad);
-    let o = ensure_aligned(ot, sh.heads * o_rph * sh.dv_pad);
+    let o = ensure_aligned(ot, rows * sh.dv_pad);
     let s = ensure_aligned(st, rows * TILE_KEYS);
     let nat = ensure_aligned(row, d.max(dv));
     let states = ensure(states, rows, RowState::new());
@@ -1431,9 +1510,8 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     let offsets = ensure(kv_offsets, 4 * TILE_KEYS, 0);
     let (k_offs, v_offs) = offsets.split_at_mut(2 * TILE_KEYS);
     o.fill(0.0);
-    // P's A-tile rows past the head's rows stay zero (their C rows are padding).
-    let p_tiles = AMX_P_DWORDS.min(pv_pairs.len());
-    pv_pairs[..p_tiles].fill(0);
+    // The P A tiles' rows past the head's 2·rph stay zero (their C rows are not read).
+    pa.fill(0);
     states.fill(RowState::new());
 
     let kv = KvRows::new(p, b, h0);
@@ -1607,17 +1685,23 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
                 )
             };
             if c != 1.0 {
-                o[o_at(r)..o_at(r) + sh.dv_pad]
+                o[r * sh.dv_pad..(r + 1) * sh.dv_pad]
                     .iter_mut()
                     .for_each(|x| *x *= c);
             }
         }
         // Meanwhile the next tile's K rows are prefetched.
         match tiles.as_mut() {
-            // SAFETY: as for qk_tile; o holds 16 rows per head (`amx_pv`), pv_pairs the
-            // P and V tiles of one head; 16 lanes; T is bf16 (`tiles` is None otherwise).
+            // SAFETY: as for qk_tile; o sized for `rows`; 16 lanes, T is bf16 and
+            // rph ≤ AMX_PV_MAX_ROWS (`amx_pv`); pa the P tiles (zero past each group's
+            // 2·rph rows: pv_tile_amx writes no others), a_rows and c_buf a tile each.
             Some(t) if amx_pv => unsafe {
-                pv_tile_amx::<S, T, Tl>(t, ctx.v, &v_offs[..nk], &sh, s, o, pv_pairs, pv_pf)
+                let bufs = PvBufs {
+                    pa,
+                    gather: a_rows,
+                    c_buf: &mut c_buf[..TILE_DWORDS],
+                };
+                pv_tile_amx::<S, T, Tl>(t, ctx.v, &v_offs[..nk], &sh, s, o, bufs, pv_pf)
             },
             // SAFETY: as for qk_tile; o sized for `rows`.
             _ => unsafe { pv_tile::<S, T>(ctx.v, &v_offs[..nk], &sh, s, o, pv_pf) },
@@ -1629,7 +1713,7 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     // Out: rows back to natural order (through `nat`, one row at a time).
     for (r, state) in states.iter().enumerate().take(rows) {
         let (head, i) = at_row(r);
-        natural_row::<T>(&o[o_at(r)..o_at(r) + sh.dv_pad], w, &mut nat[..dv]);
+        natural_row::<T>(&o[r * sh.dv_pad..(r + 1) * sh.dv_pad], w, &mut nat[..dv]);
         match item.first_row {
             None => {
                 let result = state.finish();

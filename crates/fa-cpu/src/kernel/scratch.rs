@@ -237,7 +237,7 @@ impl Scratch {
         }
         let rows = lens.rows;
         grow(&mut self.qt, rows * lens.d_pad + ALIGN_SLACK)?;
-        grow(&mut self.ot, lens.o_rows() * lens.dv_pad + ALIGN_SLACK)?;
+        grow(&mut self.ot, rows * lens.dv_pad + ALIGN_SLACK)?;
         grow(&mut self.st, rows * TILE_KEYS + ALIGN_SLACK)?;
         grow(&mut self.row, lens.d_pad.max(lens.dv_pad) + ALIGN_SLACK)?;
         grow(&mut self.states, rows)?;
