@@ -427,14 +427,16 @@ impl StreamLens {
 /// then odd), and for bf16/f16 outputs only: it rounds P to bf16 (relative 2⁻⁹, the size of
 /// the output's own rounding), which an f32 output's 1e-5 bound does not allow.
 ///
-/// On hardware tiles unless `FA_CPU_DECODE_AMX_PV=0` (read once per process; the A/B knob of
-/// the benchmarks). The emulated tiles (tests) always take it, so its code stays checked
-/// against the oracle.
+/// On hardware tiles only with `FA_CPU_DECODE_AMX_PV=1` (read once per process): on the GPU
+/// machine's Xeon (2 pinned cores, bf16 caches from DRAM) it measured as fast as the SIMD
+/// `P·V`, not faster: paired medians 1.00–1.17 in one call, 0.95–1.02 in the next
+/// (docs/gpu-notes.md runs 110 and 111), so the default stays the SIMD kernel. The emulated
+/// tiles (tests) always take it, so its code stays checked against the oracle.
 pub(crate) fn amx_pv_applies<O: Element>(lanes: usize, hardware: bool) -> bool {
     static ON_HARDWARE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on_hardware = || {
         *ON_HARDWARE
-            .get_or_init(|| std::env::var("FA_CPU_DECODE_AMX_PV").map_or(true, |v| v.trim() != "0"))
+            .get_or_init(|| std::env::var("FA_CPU_DECODE_AMX_PV").is_ok_and(|v| v.trim() == "1"))
     };
     lanes == TILE_ROWS && O::KIND != sealed::Kind::F32 && (!hardware || on_hardware())
 }
@@ -1153,8 +1155,8 @@ unsafe fn pv_tile<S: Simd, T: Element>(
 /// gathers O row m's even elements of the 32-element chunk, row `rph + m` its odd ones,
 /// which is the chunk in register order ([`reg_pos`]). Half of each product's K depth
 /// multiplies zeros, which the tiles can afford: they replace the SIMD kernel's 40 vector
-/// operations per key and head (32/8 heads). On the GPU machine's Xeon (2 cores, bf16 caches
-/// from DRAM) 1.00–1.17× the SIMD `P·V`'s speed, paired medians (docs/gpu-notes.md run 110).
+/// operations per key and head (32/8 heads), though from DRAM that saves no time on the Xeon
+/// (see [`amx_pv_applies`]).
 ///
 /// Per head: the 16-key groups' A tiles built in `pa`, then in passes of up to
 /// [`AMX_PV_PASS`] chunks of the V row: C tiles zeroed, per group its A tile and per chunk
