@@ -911,14 +911,7 @@ unsafe fn qk_tile_amx<S: Simd, T: Element, Tl: Tiles>(
                 &k[at..at + d]
             };
             // In place when 16 rows lie one positive stride apart.
-            let stride = if u_n == AMX_KEYS && k_offs[j + 1] > k_offs[j] {
-                let st = k_offs[j + 1] - k_offs[j];
-                (2..AMX_KEYS)
-                    .all(|u| k_offs[j + u] == k_offs[j] + u * st)
-                    .then_some(st)
-            } else {
-                None
-            };
+            let stride = group_stride(&k_offs[j..j + u_n]);
             let first = row(0).as_ptr();
             if stride.is_some() {
                 // The last row is checked too: every row between lies in the buffer.
@@ -992,6 +985,19 @@ unsafe fn qk_tile_amx<S: Simd, T: Element, Tl: Tiles>(
             j += u_n;
         }
     }
+}
+
+/// The stride of a group of row offsets when it is [`AMX_KEYS`] rows one positive stride apart
+/// (so that one tile load reads them in place), else `None`.
+#[inline(always)]
+fn group_stride(offs: &[usize]) -> Option<usize> {
+    if offs.len() != AMX_KEYS || offs[1] <= offs[0] {
+        return None;
+    }
+    let st = offs[1] - offs[0];
+    (2..AMX_KEYS)
+        .all(|u| offs[u] == offs[0] + u * st)
+        .then_some(st)
 }
 
 /// Gathers elements `lo..lo + 32` (those that exist) of rows `row(0..n)`, `n ≤ 16`, into the
@@ -1222,13 +1228,7 @@ unsafe fn pv_tile_amx<S: Simd, T: Element, Tl: Tiles>(
         };
         let in_place = |g: usize| -> Option<(*const T, usize)> {
             let j = g * AMX_KEYS;
-            if j + AMX_KEYS > nk || v_offs[j + 1] <= v_offs[j] {
-                return None;
-            }
-            let st = v_offs[j + 1] - v_offs[j];
-            if !(2..AMX_KEYS).all(|u| v_offs[j + u] == v_offs[j] + u * st) {
-                return None;
-            }
+            let st = group_stride(&v_offs[j..nk.min(j + AMX_KEYS)])?;
             // The last row is checked too: every row between lies in the buffer.
             let _ = row(j + AMX_KEYS - 1);
             Some((row(j).as_ptr(), st))
