@@ -30,7 +30,7 @@
 
 enum { SEQ, SEQ_PF, HEAD, HEAD_PHASE };
 
-static size_t nkeys;
+static size_t nkeys, per_thread;  /* keys in all; per thread, whole tiles */
 static uint8_t *kbuf, *vbuf;
 static int reps = 1, pattern, work, dist;
 
@@ -101,11 +101,10 @@ static void *worker(void *p) {
     CPU_SET(j->id, &s);
     sched_setaffinity(0, sizeof s, &s);
     _mm_setcsr(_mm_getcsr() | 0x8040);  /* DAZ | FTZ */
-    size_t per = nkeys / j->nth / TILE * TILE;
     memset(&j->acc, 0, sizeof j->acc);
     pthread_barrier_wait(j->bar);
     double t0 = now();
-    for (int r = 0; r < reps; r++) stream(per * j->id, per * (j->id + 1), &j->acc);
+    for (int r = 0; r < reps; r++) stream(per_thread * j->id, per_thread * (j->id + 1), &j->acc);
     j->dt = now() - t0;
     return 0;
 }
@@ -115,6 +114,8 @@ int main(int argc, char **argv) {
     int nth = argc > 2 ? atoi(argv[2]) : 1, rounds = argc > 3 ? atoi(argv[3]) : 1;
     if (nth < 1 || nth > 64) return 1;
     nkeys = (size_t)(mib * (1 << 20)) / KEY_BYTES / TILE * TILE;
+    per_thread = nkeys / nth / TILE * TILE;
+    if (per_thread == 0) return 1;
     reps = mib < 64 ? (int)(2048 / mib) : 1;
     size_t bytes = nkeys * KEY_BYTES + (1 << 20);
     kbuf = aligned_alloc(4096, bytes);
@@ -151,7 +152,8 @@ int main(int argc, char **argv) {
                 sink += _mm512_reduce_add_epi32(jobs[t].acc.sum) +
                         (long)_mm512_reduce_add_ps(jobs[t].acc.f[0]);
             }
-            double read = 2.0 * reps * (nkeys / nth / TILE * TILE) * nth * KEY_BYTES;
+            pthread_barrier_destroy(&bar);
+            double read = 2.0 * reps * per_thread * nth * KEY_BYTES;
             printf("round %d %-16s %7.2f GB/s (%ld)\n", r, cfg[i].name, read / dt / 1e9, sink & 1);
             fflush(stdout);
         }
