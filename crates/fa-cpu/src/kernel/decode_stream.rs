@@ -427,16 +427,16 @@ impl StreamLens {
 /// then odd), and for bf16/f16 outputs only: it rounds P to bf16 (relative 2⁻⁹, the size of
 /// the output's own rounding), which an f32 output's 1e-5 bound does not allow.
 ///
-/// On hardware tiles only with `FA_CPU_DECODE_AMX_PV=1` (read once per process): on the GPU
-/// machine's Xeon (2 pinned cores, bf16 caches from DRAM) it measured as fast as the SIMD
-/// `P·V`, not faster: paired medians 1.00–1.17 in one call, 0.95–1.02 in the next
-/// (docs/gpu-notes.md runs 110 and 111), so the default stays the SIMD kernel. The emulated
-/// tiles (tests) always take it, so its code stays checked against the oracle.
+/// On by default; `FA_CPU_DECODE_AMX_PV=0` (read once per process) keeps the SIMD `P·V` on
+/// hardware tiles. On the GPU machine's Xeon, one core with the cache in L2, it is 1.05× (h8/2)
+/// and 1.16× (h64/8) the SIMD `P·V` (docs/gpu-notes.md run 115); from DRAM on 2 pinned cores
+/// the paired medians of three calls (runs 110, 111, 115; 22 shape pairs) have a geometric
+/// mean of 1.04, 16 of them ≥ 1.0 (the worst 0.93). The emulated tiles (tests) always take it.
 pub(crate) fn amx_pv_applies<O: Element>(lanes: usize, hardware: bool) -> bool {
     static ON_HARDWARE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on_hardware = || {
         *ON_HARDWARE
-            .get_or_init(|| std::env::var("FA_CPU_DECODE_AMX_PV").is_ok_and(|v| v.trim() == "1"))
+            .get_or_init(|| std::env::var("FA_CPU_DECODE_AMX_PV").map_or(true, |v| v.trim() != "0"))
     };
     lanes == TILE_ROWS && O::KIND != sealed::Kind::F32 && (!hardware || on_hardware())
 }
@@ -1161,8 +1161,10 @@ unsafe fn pv_tile<S: Simd, T: Element>(
 /// gathers O row m's even elements of the 32-element chunk, row `rph + m` its odd ones,
 /// which is the chunk in register order ([`reg_pos`]). Half of each product's K depth
 /// multiplies zeros, which the tiles can afford: they replace the SIMD kernel's 40 vector
-/// operations per key and head (32/8 heads), though from DRAM that saves no time on the Xeon
-/// (see [`amx_pv_applies`]).
+/// operations per key and head (32/8 heads): 5–16 % less time in cache on the Xeon, a few
+/// per cent from DRAM (see [`amx_pv_applies`]). (A `vdpbf16ps` `P·V` with two keys' V rows
+/// interleaved halves the FMA count but runs slower: the instruction issues once per two
+/// cycles where an FMA issues twice per cycle; docs/gpu-notes.md run 115.)
 ///
 /// Per head: the 16-key groups' A tiles built in `pa`, then in passes of up to
 /// [`AMX_PV_PASS`] chunks of the V row: C tiles zeroed, per group its A tile and per chunk

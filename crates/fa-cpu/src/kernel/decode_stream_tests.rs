@@ -532,8 +532,8 @@ fn amx_decode_cases(rng: &mut Rng) -> Vec<(String, fa_reference::DecodeCase)> {
 /// normwise on O, 1e-4 on the LSE, against the f64 oracle on the same inputs.
 const AMX_DECODE_BOUND: f64 = 1e-5;
 /// bf16 output: `P·V` on tiles too at 16 lanes and ≤ 8 rows per KV head
-/// (`decode_stream::amx_pv_applies`: always on the emulation, on hardware with
-/// `FA_CPU_DECODE_AMX_PV=1`), P
+/// (`decode_stream::amx_pv_applies`: always on the emulation, on hardware unless
+/// `FA_CPU_DECODE_AMX_PV=0`), P
 /// rounded to bf16 (relative 2⁻⁹ per probability, the row sums f32) and O rounded to bf16:
 /// the bf16 contract's normwise bound, 1e-2 (DESIGN.md; expect ~3e-3); the LSE keeps 1e-4.
 const AMX_PV_DECODE_BOUND: f64 = 1e-2;
@@ -645,7 +645,7 @@ pub fn hardware_amx_decode_matches_the_oracle() {
                 AmxTiles::Hardware,
                 &simd_out,
             ));
-            // bf16 output (the AMX P·V too under FA_CPU_DECODE_AMX_PV=1).
+            // bf16 output (the AMX P·V too, unless FA_CPU_DECODE_AMX_PV=0).
             let (simd_out, _) = run_decode_bf16::<half::bf16>(case, &simd, AmxTiles::Hardware);
             differs += usize::from(check_amx_decode::<half::bf16>(
                 what,
