@@ -40,8 +40,11 @@
 //!   the environment, or `simd: SimdLevel::Avx512f`, keeps AMX off. bf16 and f16 backward
 //!   calls run all five products on AMX tiles too (P and dS rounded to bf16 before the
 //!   gradient products: ~2e-3 normwise against the f64 reference, inside the contract of
-//!   2e-2; f16's Q, K, V and dO split into two bf16 each as in the forward). Split-KV decode
-//!   and probability hooks still run through f32 FMAs.
+//!   2e-2; f16's Q, K, V and dO split into two bf16 each as in the forward). The decode loop
+//!   runs `Q·Kᵀ` of bf16 caches on the tiles at ≤ 16 query rows per KV head (exact products,
+//!   f32 sums: the f32 bound), and its `P·V` too for bf16/f16 outputs at ≤ 8 rows per KV
+//!   head, P rounded to bf16 (`FA_CPU_DECODE_AMX_PV=0` keeps that product in f32); the
+//!   general split-KV path, f16 caches and probability hooks run through f32 FMAs.
 //!
 //! # Example
 //! ```
