@@ -91,7 +91,7 @@ pub enum DecodePrefetch {
     /// `P·V`, and an item's first K rows before its Q rows are loaded.
     Phase,
     /// A fixed distance ahead in each stream: K rows `n` keys (all the item's heads) ahead of
-    /// `Q·Kᵀ`, V rows `n` keys ahead of `P·V` (`n` at most [`TILE_KEYS`]).
+    /// `Q·Kᵀ`, V rows `n` keys ahead of `P·V` (`n` at most 64, the keys of one tile).
     Ahead(usize),
     /// Both [`DecodePrefetch::Phase`] and [`DecodePrefetch::Ahead`].
     PhaseAhead(usize),
