@@ -92,7 +92,7 @@ static void stream(size_t k0, size_t k1, Acc *out) {
     *out = acc;
 }
 
-typedef struct { int id, nth; double dt; Acc acc; pthread_barrier_t *bar; } Job;
+typedef struct { int id; double dt; Acc acc; pthread_barrier_t *bar; } Job;
 
 static void *worker(void *p) {
     Job *j = p;
@@ -141,7 +141,7 @@ int main(int argc, char **argv) {
             pthread_barrier_t bar;
             pthread_barrier_init(&bar, 0, nth);
             for (int t = 0; t < nth; t++) {
-                jobs[t] = (Job){.id = t, .nth = nth, .bar = &bar};
+                jobs[t] = (Job){.id = t, .bar = &bar};
                 pthread_create(&th[t], 0, worker, &jobs[t]);
             }
             double dt = 0;
