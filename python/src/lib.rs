@@ -1,5 +1,5 @@
 //! The native half of the Python package `flash_attention_rs` (module
-//! `flash_attention_rs._native`): one call, [`forward`] (and [`append_kv`], new tokens into a
+//! `flash_attention_rs._native`): one call, `forward` (and `append_kv`, new tokens into a
 //! KV cache in place), that takes what the Python shim
 //! gathered from NumPy arrays or PyTorch tensors (address, shape, element strides, dtype name)
 //! and runs the library through its C ABI (`fa-capi`): `fa_forward_cpu` on host memory with the

@@ -218,8 +218,8 @@ struct RunArgs {
     /// Gradient dtype: the input dtype (default) or f32.
     #[arg(long, value_parser = parse_dtype, requires = "dout")]
     grad_dtype: Option<DType>,
-    /// Decode over a KV cache: keys used per sequence (int32 .npy, [batch]). K/V are then a
-    /// padded cache [batch, capacity, heads_kv, head_dim], or a paged one with --block-table;
+    /// Decode over a KV cache: keys used per sequence (int32 .npy, one per sequence). K/V are then a
+    /// padded cache (batch, capacity, heads_kv, head_dim), or a paged one with --block-table;
     /// causal and window masks align bottom-right against each sequence's length.
     #[arg(long)]
     seqused_k: Option<PathBuf>,
@@ -310,7 +310,8 @@ struct BenchArgs {
     #[arg(long)]
     peers: Option<PathBuf>,
     /// CUDA tile overrides to compare (tuning), comma-separated: default or
-    /// BLOCK_MxBLOCK_NxWARPSxMIN_BLOCKS[xSTAGES], e.g. default,128x64x4x2.
+    /// BLOCK_MxBLOCK_NxWARPSxMIN_BLOCKS, optionally followed by xSTAGES, e.g.
+    /// default,128x64x4x2.
     #[arg(long, value_delimiter = ',', value_parser = parse_tiles)]
     tiles: Vec<TileChoice>,
     /// Print one JSON object per shape instead of the table.

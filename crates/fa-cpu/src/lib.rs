@@ -117,6 +117,13 @@ pub use kernel::phase_timing::{take_backward_phases, PHASE_NAMES as BACKWARD_PHA
 
 use softmax_core::{Out, Problem, ProblemError, Qkv, RescalePolicy, RescaleStats};
 
+/// Whether the environment variable `name` turns a default-on path off: set to `0`,
+/// surrounding whitespace ignored. The crate's off switches (`FA_CPU_AMX`,
+/// `FA_CPU_DECODE_AMX_PV`) read their values through this one rule.
+pub(crate) fn env_switched_off(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v.trim() == "0")
+}
+
 /// The output bundle of a host call: O and, optionally, the f32 LSE.
 pub type HostOut<'a, O> = Out<&'a mut [O], &'a mut [f32]>;
 

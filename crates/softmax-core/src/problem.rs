@@ -42,7 +42,7 @@ pub struct Strides {
 impl Strides {
     /// Strides of a densely packed BSHD tensor.
     /// Absurd sizes saturate instead of overflowing; validation then reports
-    /// [`ProblemError::Overflow`](crate::ProblemError::Overflow) for the tensor's extent.
+    /// [`ProblemError::Overflow`] for the tensor's extent.
     pub const fn contiguous(seqlen: usize, heads: usize, head_dim: usize) -> Strides {
         let seq = heads.saturating_mul(head_dim);
         Strides {

@@ -32,10 +32,10 @@ pub(crate) fn available() -> bool {
 }
 
 /// Whether [`crate::SimdLevel::Auto`] picks AMX: [`available`], unless the environment
-/// variable [`ENV_OFF`] is `0` (read once).
+/// variable [`ENV_OFF`] is `0` (read once; see [`crate::env_switched_off`]).
 pub(crate) fn auto_enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
-    *ENABLED.get_or_init(|| available() && std::env::var(ENV_OFF).map_or(true, |v| v != "0"))
+    *ENABLED.get_or_init(|| available() && !crate::env_switched_off(ENV_OFF))
 }
 
 #[cfg(target_arch = "x86_64")]

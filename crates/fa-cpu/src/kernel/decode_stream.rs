@@ -434,10 +434,8 @@ impl StreamLens {
 /// mean of 1.04, 16 of them ≥ 1.0 (the worst 0.93). The emulated tiles (tests) always take it.
 pub(crate) fn amx_pv_applies<O: Element>(lanes: usize, hardware: bool) -> bool {
     static ON_HARDWARE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on_hardware = || {
-        *ON_HARDWARE
-            .get_or_init(|| std::env::var("FA_CPU_DECODE_AMX_PV").map_or(true, |v| v.trim() != "0"))
-    };
+    let on_hardware =
+        || *ON_HARDWARE.get_or_init(|| !crate::env_switched_off("FA_CPU_DECODE_AMX_PV"));
     lanes == TILE_ROWS && O::KIND != sealed::Kind::F32 && (!hardware || on_hardware())
 }
 
