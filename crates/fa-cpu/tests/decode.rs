@@ -1,7 +1,7 @@
 //! Decode over KV caches (split-KV): padded and paged caches against the f64 oracle (block
 //! sizes 1 to 256, odd and empty lengths, GQA and MQA, 1–4 queries, masks, softcap, every
-//! dtype), forced split counts against the unsplit call, bitwise identity for any thread
-//! count, and typed errors with untouched outputs.
+//! dtype, KV heads cut into runs), forced split counts against the unsplit call, bitwise
+//! identity for any thread count, and typed errors with untouched outputs.
 
 mod common;
 
@@ -205,6 +205,39 @@ fn forced_splits_agree_with_the_unsplit_call() {
                 assert!(
                     a == b || (a - b).abs() < 1e-5,
                     "{level:?} splits {splits}: lse {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+/// Items over runs of KV heads: where a sequence's Q and O rows pass what one item holds
+/// (fa-cpu's `ITEM_QO_BYTES`, 128 KiB), the plan cuts its KV heads into runs, each with its
+/// own splits and combine. 32 rows per KV head (group 16, 2 queries) at head dim 160 are
+/// 40 KiB of rows per head: runs of 3, 3 and 2 of the 8 heads.
+#[test]
+fn runs_of_kv_heads_match_the_oracle() {
+    let mut rng = Rng::new(1510);
+    let used = lengths(&mut rng, 3, 300);
+    for level in levels() {
+        let layouts = [
+            CacheLayout::Padded { capacity: 301 },
+            DecodeCase::paged_layout(&used, 16),
+        ];
+        for layout in layouts {
+            let case =
+                DecodeCase::new(&mut rng, &used, 2, 128, 8, 160, layout, Rounding::Bf16).causal();
+            for splits in [None, Some(1), Some(3)] {
+                let o = opts(level, splits);
+                let rep = check::<half::bf16, half::bf16>(&case, &o);
+                assert!(
+                    rep.within(HALF_BOUND, 1e-2),
+                    "{level:?} {layout:?} splits {splits:?} used {used:?}: {rep:?}"
+                );
+                let rep = check::<half::bf16, f32>(&case, &o);
+                assert!(
+                    rep.within(F32_BOUND, LSE_BOUND),
+                    "{level:?} {layout:?} splits {splits:?} used {used:?} (f32 out): {rep:?}"
                 );
             }
         }

@@ -48,9 +48,16 @@ pub(crate) const TILE_KEYS: usize = 64;
 /// Most query rows per KV head (group × new tokens) this kernel takes; above it the tiled
 /// forward's register-blocked GEMMs reuse each K/V tile better.
 pub(crate) const MAX_ROWS_PER_HEAD: usize = 32;
-/// Bytes of Q and O rows (f32) an item keeps at most (several heads' worth where they fit):
-/// with the tile's scores they stay in a 32–48 KiB L1.
-pub(crate) const ITEM_QO_BYTES: usize = 32 << 10;
+/// Bytes of Q and O rows (f32 sizes) an item holds at most: all KV heads of a sequence in one
+/// run wherever they fit, so that an item reads whole key rows of the cache. With runs of
+/// fewer heads, neighbouring items read alternate parts of each key's K/V row, and (the likely
+/// cause, not measured) each core's L2 streamer fetches the part the other item needs. At
+/// 64/8 and 128/8 heads (64 and 128 KiB of rows: two and four runs under the former 32 KiB)
+/// one run was 1.09× faster from DRAM on the GPU machine's Xeon (geometric mean of 22 paired
+/// medians, bf16 and f32, 0.90–1.23, 18 of them ≥ 1.0; the B1 16k shapes 0.90–1.07) and
+/// neutral in cache (docs/gpu-notes.md runs 118–119): the rows' spill from L1 into L2 costs
+/// less.
+pub(crate) const ITEM_QO_BYTES: usize = 128 << 10;
 /// Work items the automatic split count aims for in all: enough for a many-core host when
 /// batch × runs of heads is small. A rule of the problem alone (never the thread count).
 pub(crate) const TARGET_ITEMS: usize = 32;
