@@ -55,8 +55,9 @@ pub(crate) const MAX_ROWS_PER_HEAD: usize = 32;
 /// 64/8 and 128/8 heads (64 and 128 KiB of rows: two and four runs under the former 32 KiB)
 /// one run was 1.09× faster from DRAM on the GPU machine's Xeon (geometric mean of 22 paired
 /// medians, bf16 and f32, 0.90–1.23, 18 of them ≥ 1.0; the B1 16k shapes 0.90–1.07) and
-/// neutral in cache (docs/gpu-notes.md runs 118–119): the rows' spill from L1 into L2 costs
-/// less.
+/// neutral in cache (docs/gpu-notes.md runs 118–119). At 16 rows per KV head (32/8 heads, 4
+/// query tokens: four runs before) one run is 1.11–1.17× from DRAM, but the f32 SIMD path,
+/// whose Q rows then leave the L1, is ~0.8× in cache (run 121): a decode streams from DRAM.
 pub(crate) const ITEM_QO_BYTES: usize = 128 << 10;
 /// Work items the automatic split count aims for in all: enough for a many-core host when
 /// batch × runs of heads is small. A rule of the problem alone (never the thread count).
