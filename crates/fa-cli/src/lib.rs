@@ -6,8 +6,8 @@
 //! - [`run`]: attention over Q, K, V read from `.npy` / `.safetensors` files (BSHD, f32, bf16,
 //!   f16; GQA inferred from the head counts), output written in the input's format and dtype.
 //! - [`verify`]: a backend against the f64 reference (`fa-reference`) on random problems.
-//! - [`bench`](mod@bench): time, GFLOP/s and peak memory over the paper shapes or given ones, with
-//!   [`peers`]: ratios over PyTorch SDPA's numbers.
+//! - [`bench`](mod@bench): time, GFLOP/s and peak memory over the paper shapes or given
+//!   ones, with [`peers`]: ratios over PyTorch SDPA's numbers.
 //! - [`plan`]: KV-cache and score-matrix arithmetic against the tiled kernel's O(N) memory,
 //!   and decode's bandwidth bound per token beside a measured step.
 //! - [`demo`]: one long sequence on the best backend, checked on sampled rows.

@@ -218,8 +218,9 @@ struct RunArgs {
     /// Gradient dtype: the input dtype (default) or f32.
     #[arg(long, value_parser = parse_dtype, requires = "dout")]
     grad_dtype: Option<DType>,
-    /// Decode over a KV cache: keys used per sequence (int32 .npy, one per sequence). K/V are then a
-    /// padded cache (batch, capacity, heads_kv, head_dim), or a paged one with --block-table;
+    /// Decode over a KV cache: the keys each sequence uses (int32 .npy, one entry per
+    /// sequence). K/V are then a padded cache (batch, capacity, heads_kv, head_dim), or a paged
+    /// one with --block-table;
     /// causal and window masks align bottom-right against each sequence's length.
     #[arg(long)]
     seqused_k: Option<PathBuf>,
