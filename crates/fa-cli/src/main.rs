@@ -220,8 +220,8 @@ struct RunArgs {
     grad_dtype: Option<DType>,
     /// Decode over a KV cache: the keys each sequence uses (int32 .npy, one entry per
     /// sequence). K/V are then a padded cache (batch, capacity, heads_kv, head_dim), or a paged
-    /// one with --block-table;
-    /// causal and window masks align bottom-right against each sequence's length.
+    /// one with --block-table; causal and window masks align bottom-right against each
+    /// sequence's length.
     #[arg(long)]
     seqused_k: Option<PathBuf>,
     /// Paged KV cache: the block table (int32 .npy, [batch, max_blocks_per_seq]); K/V then
