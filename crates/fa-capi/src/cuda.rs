@@ -367,6 +367,8 @@ impl CacheCall {
                 seqused_k: raw::<i32>(self.cache.seqused_k as usize as u64, batch),
                 block_table: (!self.cache.block_table.is_null())
                     .then(|| raw::<i32>(self.cache.block_table as usize as u64, table_len)),
+                // The C ABI has no block walk yet: paged calls read their table's order.
+                block_walk: None,
             }
         }
     }

@@ -11,7 +11,7 @@
 //!     [--caches 4096,16384,65536,131072] [--heads-q 64] [--heads-kv 8] [--hdim 128]
 //!     [--queries 1] [--layouts padded,paged16,paged256,paged16seq] [--splits plan,8,15,30]
 //!     [--stages plan,3,2] [--block-n plan,128] [--warps plan,2] [--flush read|copy|none]
-//!     [--iters 50]
+//!     [--walk on|off|both] [--iters 50]
 //! ```
 //! Each timed call follows a flush on the same stream: the L2 cache holds none of the cache,
 //! and the GPU is still busy with the flush while the host queues the call, so the host's
@@ -37,12 +37,16 @@
 //! takes the random permutation and sorts it within runs of C table entries (each run of a
 //! sequence walks its scattered blocks in address order, as a split that sorted its own blocks
 //! would).
+//! `--walk on` (the default) passes a paged cache's block walk (`fa_cuda::block_walk`, built
+//! on the host once per shape, as a runtime would once per decode step: its build time is
+//! printed) and the plan reads the blocks in address order where it can; `off` passes none
+//! (table order); `both` times each.
 //! The caches are filled with random bf16 values (a 32 MiB random chunk copied over them on
 //! the device).
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use fa_cuda::{CacheTables, DType, Device, ForwardOptions, RawTensor};
+use fa_cuda::{block_walk, CacheTables, DType, Device, ForwardOptions, RawTensor};
 use half::bf16;
 use softmax_core::{Out, ProblemDesc, Qkv, Strides, Tensor, MAX_HEAD_DIM};
 use std::sync::Arc;
@@ -166,6 +170,7 @@ fn main() {
     let mut block_n_list: Vec<Option<u32>> = vec![None];
     let mut warps: Option<u32> = None;
     let mut flush = String::from("read");
+    let mut walk_list = vec![true];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         if a == "--no-flush" {
@@ -195,6 +200,14 @@ fn main() {
                     .collect()
             }
             "--flush" => flush = v,
+            "--walk" => {
+                walk_list = match v.as_str() {
+                    "on" => vec![true],
+                    "off" => vec![false],
+                    "both" => vec![false, true],
+                    other => panic!("--walk on|off|both, not {other}"),
+                }
+            }
             "--warps" => warps = (v != "plan").then(|| v.parse().expect("--warps plan|N")),
             "--block-n" => {
                 block_n_list = v
@@ -272,6 +285,7 @@ fn main() {
             let tables = CacheTables {
                 seqused_k: raw(&flush_used, stream),
                 block_table: None,
+                block_walk: None,
             };
             let qkv = Qkv::new(
                 raw::<bf16, u16>(&flush_q, stream),
@@ -335,12 +349,27 @@ fn main() {
                 let problem = desc.validate(MAX_HEAD_DIM).expect("valid shape");
                 let table_dev =
                     (!table.is_empty()).then(|| stream.clone_htod(&table).expect("upload"));
-                for (&splits, &decode_stages, &decode_block_n) in split_list.iter().flat_map(|s| {
-                    stage_list.iter().flat_map({
-                        let block_n_list = &block_n_list;
-                        move |g| block_n_list.iter().map(move |n| (s, g, n))
+                // The block walk, built on the host as a runtime would once per step.
+                let walk_dev = (!table.is_empty()).then(|| {
+                    let start = std::time::Instant::now();
+                    let walk = block_walk(&problem).expect("a paged cache");
+                    let host_us = start.elapsed().as_secs_f64() * 1e6;
+                    eprintln!("batch {batch:>2} cache {cache:>6} {layout:<9} block walk built on the host in {host_us:.0} us");
+                    stream.clone_htod(&walk).expect("upload")
+                });
+                for (&splits, &decode_stages, &decode_block_n, &walk) in
+                    split_list.iter().flat_map(|s| {
+                        stage_list.iter().flat_map({
+                            let block_n_list = &block_n_list;
+                            let walk_list = &walk_list;
+                            move |g| {
+                                block_n_list
+                                    .iter()
+                                    .flat_map(move |n| walk_list.iter().map(move |w| (s, g, n, w)))
+                            }
+                        })
                     })
-                }) {
+                {
                     let opts = ForwardOptions {
                         splits,
                         decode_stages,
@@ -364,6 +393,7 @@ fn main() {
                     let tables = CacheTables {
                         seqused_k: raw(&used_dev, &stream),
                         block_table: table_dev.as_ref().map(|t| raw(t, &stream)),
+                        block_walk: walk_dev.as_ref().filter(|_| walk).map(|w| raw(w, &stream)),
                     };
                     let lens = problem.min_buffer_lens();
                     // SAFETY: prefixes of live allocations (K/V hold max_kv >= lens.k elements).
@@ -406,19 +436,21 @@ fn main() {
                     let gbs = kv_bytes / (t_ms * 1e-3) / 1e9;
                     let plan = plan.expect("a launch");
                     eprintln!(
-                    "batch {batch:>2} cache {cache:>6} {layout:<9} {:>8.1} us {gbs:>6.0} GB/s ({:.2} of copy) splits {} {}",
+                    "batch {batch:>2} cache {cache:>6} {layout:<9} {:>8.1} us {gbs:>6.0} GB/s ({:.2} of copy) splits {} {}{}",
                     t_ms * 1e3,
                     gbs / copy_gbs,
                     plan.num_splits,
-                    plan.variant.name()
+                    plan.variant.name(),
+                    if plan.block_walk { " walk" } else { "" }
                 );
                     rows.push(format!(
-                    "{{\"batch\":{batch},\"cache\":{cache},\"queries\":{sq},\"heads_q\":{hq},\"heads_kv\":{hk},\"hdim\":{d},\"layout\":\"{layout}\",\"us\":{:.1},\"kv_gbs\":{gbs:.0},\"frac_of_copy\":{:.3},\"splits\":{},\"forced\":{},\"variant\":\"{}\"}}",
+                    "{{\"batch\":{batch},\"cache\":{cache},\"queries\":{sq},\"heads_q\":{hq},\"heads_kv\":{hk},\"hdim\":{d},\"layout\":\"{layout}\",\"us\":{:.1},\"kv_gbs\":{gbs:.0},\"frac_of_copy\":{:.3},\"splits\":{},\"forced\":{},\"variant\":\"{}\",\"walk\":{}}}",
                     t_ms * 1e3,
                     gbs / copy_gbs,
                     plan.num_splits,
                     splits.is_some(),
-                    plan.variant.name()
+                    plan.variant.name(),
+                    plan.block_walk
                 ));
                 }
             }

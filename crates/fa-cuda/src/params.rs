@@ -34,6 +34,10 @@ pub struct ForwardOptions {
     /// KV-cache (decode) problems: override the decode kernel's warps per CTA (tests and
     /// tuning; 1 to 8; `None`: the plan's choice).
     pub decode_warps: Option<u32>,
+    /// KV-cache (decode) problems over a paged cache: read the blocks in the block table's
+    /// order even where the plan would walk them in address order (A/B tests and tuning; see
+    /// [`crate::DecodePlan::block_walk`]).
+    pub decode_table_order: bool,
 }
 
 /// The kernel's parameter block; the `.cu` source's `struct Params` has the same layout.

@@ -104,14 +104,21 @@ pub struct CacheTables {
     /// Row-major `[batch, blocks_per_seq]` block indices: required for a paged cache, absent
     /// for a padded one.
     pub block_table: Option<RawTensor<i32>>,
+    /// A paged cache's block walk, `[batch, 2, blocks_per_seq]` as
+    /// [`crate::kernels::decode::block_walk`] builds it from the same host tables (once per
+    /// decode step, for every layer's call): the decode kernel then reads each sequence's
+    /// blocks in address order where its plan allows ([`crate::DecodePlan::block_walk`]), and
+    /// in table order without it. Optional; only with a paged cache; the append ignores it.
+    pub block_walk: Option<RawTensor<i32>>,
 }
 
 /// Checks device cache tables against the problem's cache (lengths, null, 4-byte alignment,
-/// a table exactly when the cache is paged); returns their addresses (0: no table).
+/// a table and optionally a walk exactly when the cache is paged); returns their addresses
+/// (seqused_k, table, walk; 0: none).
 pub(crate) fn check_cache_tables(
     problem: &Problem,
     tables: &CacheTables,
-) -> Result<(u64, u64), CudaError> {
+) -> Result<(u64, u64, u64), CudaError> {
     let needed_used = problem.batch();
     let needed_table = match problem.kv_cache() {
         KvCache::None => {
@@ -129,6 +136,20 @@ pub(crate) fn check_cache_tables(
         ),
     };
     let mut checked = vec![(Tensor::SequsedK, &tables.seqused_k, needed_used)];
+    match (needed_table, &tables.block_walk) {
+        (Some(needed), Some(w)) => checked.push((
+            Tensor::BlockWalk,
+            w,
+            needed.checked_mul(2).ok_or(ProblemError::Overflow)?,
+        )),
+        (_, None) => {}
+        (None, Some(_)) => {
+            return Err(ProblemError::Unsupported {
+                what: "a padded cache takes no block walk",
+            }
+            .into())
+        }
+    }
     match (needed_table, &tables.block_table) {
         (Some(needed), Some(t)) => checked.push((Tensor::BlockTable, t, needed)),
         (None, None) => {}
@@ -160,6 +181,7 @@ pub(crate) fn check_cache_tables(
     Ok((
         tables.seqused_k.ptr,
         tables.block_table.map_or(0, |t| t.ptr),
+        tables.block_walk.map_or(0, |t| t.ptr),
     ))
 }
 
@@ -466,17 +488,43 @@ mod tests {
         let tables = |used: RawTensor<i32>, table: Option<RawTensor<i32>>| CacheTables {
             seqused_k: used,
             block_table: table,
+            block_walk: None,
         };
         let good_used = at(0x70_0000, 2);
         let good_table = at(0x71_0000, 6);
         assert_eq!(
             check_cache_tables(&padded, &tables(good_used, None)),
-            Ok((0x70_0000, 0))
+            Ok((0x70_0000, 0, 0))
         );
         assert_eq!(
             check_cache_tables(&paged, &tables(good_used, Some(good_table))),
-            Ok((0x70_0000, 0x71_0000))
+            Ok((0x70_0000, 0x71_0000, 0))
         );
+        // A block walk: [batch, 2, blocks_per_seq] with a paged cache only.
+        let walked = |walk: RawTensor<i32>| CacheTables {
+            block_walk: Some(walk),
+            ..tables(good_used, Some(good_table))
+        };
+        assert_eq!(
+            check_cache_tables(&paged, &walked(at(0x72_0000, 12))),
+            Ok((0x70_0000, 0x71_0000, 0x72_0000))
+        );
+        assert_eq!(
+            check_cache_tables(&paged, &walked(at(0x72_0000, 11))),
+            Err(CudaError::Problem(ProblemError::BufferTooSmall {
+                tensor: Tensor::BlockWalk,
+                needed: 12,
+                len: 11
+            }))
+        );
+        assert!(check_cache_tables(
+            &padded,
+            &CacheTables {
+                block_walk: Some(at(0x72_0000, 12)),
+                ..tables(good_used, None)
+            }
+        )
+        .is_err());
         // A padded cache takes no table, a paged one needs it.
         assert!(check_cache_tables(&padded, &tables(good_used, Some(good_table))).is_err());
         assert!(check_cache_tables(&paged, &tables(good_used, None)).is_err());

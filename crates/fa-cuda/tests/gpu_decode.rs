@@ -10,7 +10,7 @@ mod common;
 use common::{device, raw, read_back, LSE_BOUND, REL_L2_BOUND};
 use cudarc::driver::CudaStream;
 use fa_cuda::{
-    CacheTables, CudaElement, CudaError, DType, ForwardOptions, ForwardStats, RawTensor,
+    block_walk, CacheTables, CudaElement, CudaError, DType, ForwardOptions, ForwardStats, RawTensor,
 };
 use fa_reference::{attention_f64, compare, poison, Element, Rng, Rounding};
 use half::{bf16, f16};
@@ -354,6 +354,72 @@ fn paged_cache_block_sizes_and_splits() {
     }
 }
 
+/// Paged blocks that a tile's threads read whole (8-32 keys) are walked in address order
+/// (the plan's default, built from the host tables per call here) and give the oracle's result
+/// as the walk in table order does, to rounding: head dims 64, 128 and 256, GQA and MQA,
+/// several queries with the causal mask and a right window, softcap, split counts 1 to 16.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn paged_blocks_walked_in_address_order() {
+    let mut rng = Rng::fresh();
+    let cases = [
+        (8, 128, 8, 2, 1),
+        (16, 128, 8, 1, 1),
+        (32, 128, 16, 2, 3),
+        (16, 64, 8, 8, 2),
+        (32, 64, 8, 2, 4),
+        (16, 256, 8, 2, 1),
+        (8, 256, 8, 2, 2),
+    ];
+    for (block_size, head_dim, heads_q, heads_kv, seqlen_q) in cases {
+        for variant in 0..3 {
+            let used = [0u32, 1, 9, 64, 65, 700 + rng.below(400) as u32];
+            let mut case = CacheCase::new(
+                &mut rng,
+                &used,
+                seqlen_q,
+                heads_q,
+                heads_kv,
+                head_dim,
+                Some(block_size),
+                Rounding::Bf16,
+            );
+            match variant {
+                1 => case.mask = Mask::CAUSAL,
+                2 => {
+                    case.mask = Mask {
+                        left: None,
+                        right: Some(1),
+                    };
+                    case.softcap = Some(20.0);
+                }
+                _ => {}
+            }
+            let problem = case.problem();
+            // Head dim 256 copies 16 rows per thread and tile: blocks of 8 go per row there.
+            let walks = !(head_dim == 256 && block_size == 8);
+            for splits in [Some(1), None, Some(16)] {
+                let opts = |table_order: bool| ForwardOptions {
+                    splits,
+                    decode_table_order: table_order,
+                    ..ForwardOptions::default()
+                };
+                let (walked, stats) = run_with::<bf16>(&case, opts(false));
+                let (ordered, ordered_stats) = run_with::<bf16>(&case, opts(true));
+                let plan = stats.decode.expect("a launch");
+                assert_eq!(plan.block_walk, walks, "{}", case.label());
+                assert!(!ordered_stats.decode.expect("a launch").block_walk);
+                let d = rel_diff(&problem, &walked, &ordered);
+                assert!(
+                    d <= REL_L2_BOUND,
+                    "{} splits {splits:?}: walked {d:.2e} from table order",
+                    case.label()
+                );
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn head_dims_fp16_masks_and_softcap() {
@@ -550,12 +616,20 @@ fn caller_stream_with_device_tables_and_workspace() {
         let used: Vec<i32> = case.seqused.iter().map(|&x| x as i32).collect();
         let used = stream.clone_htod(&used).expect("copy");
         let table = table_of(&case).map(|t| stream.clone_htod(&t).expect("copy"));
+        // Blocks of 16 are walked in address order (the walk built once, as a runtime would
+        // per step); blocks of 1 are read per row in table order.
+        let walks = block_size == Some(16);
+        let walk = walks.then(|| {
+            let w = block_walk(&problem).expect("a paged cache");
+            stream.clone_htod(&w).expect("copy")
+        });
         let ws = stream
             .alloc_zeros::<f32>(bytes.div_ceil(4))
             .expect("workspace");
         let tables = CacheTables {
             seqused_k: raw(&used, &stream),
             block_table: table.as_ref().map(|t| raw(t, &stream)),
+            block_walk: walk.as_ref().map(|w| raw(w, &stream)),
         };
         let qkv = Qkv::<RawTensor<bf16>>::new(raw(&q, &stream), raw(&k, &stream), raw(&v, &stream));
         let out = || Out::with_lse(raw(&o, &stream), raw(&lse, &stream));
@@ -585,7 +659,8 @@ fn caller_stream_with_device_tables_and_workspace() {
                 &opts,
             )
             .expect("queued");
-        assert_eq!(stats.decode.expect("decode").num_splits, 7);
+        let plan = stats.decode.expect("decode");
+        assert_eq!((plan.num_splits, plan.block_walk), (7, walks));
         let (o_back, lse_back) = read_back(&stream, &o, &lse);
         let oracle = attention_f64(&problem, &case.q, &case.k, &case.v);
         let report = compare(&problem, &o_back, Some(&lse_back), &oracle);
@@ -596,7 +671,8 @@ fn caller_stream_with_device_tables_and_workspace() {
             report.lse_max_abs
         );
         assert!(report.within(REL_L2_BOUND, LSE_BOUND), "{report:?}");
-        // The same through forward_on_stream: host tables copied, workspace allocated there.
+        // The same through forward_on_stream: host tables copied (the walk built from them),
+        // workspace allocated there.
         let mut o2_host = vec![bf16::ZERO; problem.min_buffer_lens().o];
         poison(&mut o2_host);
         let o2 = up(&o2_host.iter().map(|x| x.to_bits()).collect::<Vec<_>>());

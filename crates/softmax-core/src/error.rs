@@ -21,6 +21,8 @@ pub enum Tensor {
     SequsedK,
     /// The block table of a paged KV cache.
     BlockTable,
+    /// A paged KV cache's block walk (the order a backend reads its blocks in).
+    BlockWalk,
     /// The query prefix sums of a packed batch (`cu_seqlens_q`).
     CuSeqlensQ,
     /// The key prefix sums of a packed batch (`cu_seqlens_k`).
@@ -41,6 +43,7 @@ impl fmt::Display for Tensor {
             Tensor::Lse => "lse",
             Tensor::SequsedK => "seqused_k",
             Tensor::BlockTable => "block_table",
+            Tensor::BlockWalk => "block_walk",
             Tensor::CuSeqlensQ => "cu_seqlens_q",
             Tensor::CuSeqlensK => "cu_seqlens_k",
             Tensor::KNew => "k_new",

@@ -7,8 +7,8 @@ use super::{raw_view, CudaElement, Device, DeviceBuffer, ForwardStats};
 use crate::compile::{compile_cached, KernelOrigin};
 use crate::error::CudaError;
 use crate::kernels::decode::{
-    cache_params, cache_shape, decode_params, plan_decode, AppendVariant, CombineVariant,
-    DecodeParams, DecodePlan,
+    block_walk, cache_params, cache_shape, decode_params, plan_decode, AppendVariant,
+    CombineVariant, DecodeParams, DecodePlan,
 };
 use crate::kernels::{DeviceProps, KernelVariant};
 use crate::params::{supports, ForwardOptions};
@@ -79,6 +79,7 @@ fn host_tables(problem: &Problem) -> (Vec<i32>, Vec<i32>) {
 struct UploadedTables {
     seqused_k: CudaSlice<i32>,
     block_table: Option<CudaSlice<i32>>,
+    block_walk: Option<CudaSlice<i32>>,
 }
 
 impl Device {
@@ -169,15 +170,22 @@ impl Device {
         }
         let caller_ptrs = match &caller {
             Some((tables, ws)) => {
-                let (used, table) = check_cache_tables(problem, tables)?;
+                let (used, table, walk) = check_cache_tables(problem, tables)?;
                 let ws = check_workspace(*ws, plan.map_or(0, |p| p.workspace_bytes))?;
-                Some((used, table, ws))
+                Some((used, table, walk, ws))
             }
             None => None,
         };
-        let Some(plan) = plan else {
+        let Some(mut plan) = plan else {
             return Ok(vec![ForwardStats::default(); repeat]);
         };
+        // The block walk: the caller's, or built from the host tables here; the stats say
+        // whether the launch walked.
+        let host_walk = match (caller_ptrs, plan.block_walk) {
+            (None, true) => Some(block_walk(problem)?),
+            _ => None,
+        };
+        plan.block_walk &= host_walk.is_some() || caller_ptrs.is_some_and(|c| c.2 != 0);
 
         // Host tables and workspace: allocated on the launch stream, so that dropping them at
         // the end of this function frees them in stream order, after the kernels.
@@ -197,6 +205,7 @@ impl Device {
                     } else {
                         Some(up(&table)?)
                     },
+                    block_walk: host_walk.as_deref().map(up).transpose()?,
                 })
             }
         };
@@ -213,12 +222,17 @@ impl Device {
             .as_ref()
             .and_then(|u| u.block_table.as_ref())
             .map(|t| t.device_ptr(stream));
+        let walk_guard = uploaded
+            .as_ref()
+            .and_then(|u| u.block_walk.as_ref())
+            .map(|t| t.device_ptr(stream));
         let scratch_guard = scratch.as_ref().map(|s| s.device_ptr(stream));
-        let (used_ptr, table_ptr, ws_ptr) = match caller_ptrs {
+        let (used_ptr, table_ptr, walk_ptr, ws_ptr) = match caller_ptrs {
             Some(ptrs) => ptrs,
             None => (
                 used_guard.as_ref().map_or(0, |g| g.0),
                 table_guard.as_ref().map_or(0, |g| g.0),
+                walk_guard.as_ref().map_or(0, |g| g.0),
                 scratch_guard.as_ref().map_or(0, |g| g.0),
             ),
         };
@@ -231,6 +245,7 @@ impl Device {
         params.lse = call.out.lse.map_or(0, |l| l.ptr());
         params.seqused_k = used_ptr;
         params.block_table = table_ptr;
+        params.block_walk = if plan.block_walk { walk_ptr } else { 0 };
         params.o_part = ws_ptr;
         params.ml_part = if ws_ptr == 0 {
             0
@@ -238,7 +253,7 @@ impl Device {
             ws_ptr + (ml_offset * 4) as u64
         };
         let stats = self.enqueue_decode(&plan, &params, T::DTYPE, stream, opts.time_kernel, repeat);
-        drop((used_guard, table_guard, scratch_guard));
+        drop((used_guard, table_guard, walk_guard, scratch_guard));
         drop((uploaded, scratch));
         let stats = stats?;
         self.ctx
@@ -438,7 +453,10 @@ impl Device {
             check_ptr(tensor, t, ROW_ALIGN)?;
         }
         let device_tables = match &tables {
-            Some(t) => Some(check_cache_tables(problem, t)?),
+            // The append writes by the table; a walk is only checked.
+            Some(t) => {
+                check_cache_tables(problem, t).map(|(used, table, _)| Some((used, table)))?
+            }
             None => None,
         };
         if seqlen_new == 0 {

@@ -114,12 +114,12 @@ impl DecodeVariant {
                 || (rows.is_power_of_two() && block_n % block_size == 0 && block_size >= rows))
     }
     /// Dynamic shared memory: the Q tile, `stages` K and V tiles (16-bit) and the paged
-    /// cache's block-table ring (`2·stages` tiles of int32), or, if larger,
-    /// the warps' partial rows (f32) that the final merge reads.
+    /// cache's two rings of `2·stages` tiles of int32 (block-table entries, and a block walk's
+    /// logical blocks), or, if larger, the warps' partial rows (f32) that the final merge reads.
     pub fn smem_bytes(&self) -> u32 {
-        // Q, the K and V stages, and the block-table ring (TAB_RING = 2·STAGES tiles of int32).
+        // Q, the K and V stages, and the two rings (TAB_RING = 2·STAGES tiles of int32 each).
         let tiles = (self.block_m() + 2 * self.stages * self.block_n()) * self.hdp * 2
-            + 2 * self.stages * self.block_n() * 4;
+            + 2 * 2 * self.stages * self.block_n() * 4;
         let merge = self.warps * self.block_m() * (self.hdp + 2) * 4;
         tiles.max(merge)
     }
@@ -351,18 +351,20 @@ pub(crate) struct DecodeParams {
     pub v_new: u64,
     pub kn_strides: [i64; 3],
     pub vn_strides: [i64; 3],
+    pub block_walk: u64,
 }
 
 // SAFETY: plain old data with a C layout matching the kernels' `DecodeParams` (checked by the
 // size assertion below and by the GPU tests).
 unsafe impl cudarc::driver::DeviceRepr for DecodeParams {}
-const _: () = assert!(core::mem::size_of::<DecodeParams>() == 328);
+const _: () = assert!(core::mem::size_of::<DecodeParams>() == 336);
 // Field offsets as `decode/params.cuh` lays them out (9 pointers, 14 strides, 15 ints, ...).
 const _: () = assert!(core::mem::offset_of!(DecodeParams, q_strides) == 72);
 const _: () = assert!(core::mem::offset_of!(DecodeParams, seqlen_q) == 184);
 const _: () = assert!(core::mem::offset_of!(DecodeParams, pre) == 244);
 const _: () = assert!(core::mem::offset_of!(DecodeParams, k_new) == 264);
 const _: () = assert!(core::mem::offset_of!(DecodeParams, kn_strides) == 280);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, block_walk) == 328);
 
 /// The launch choice of a decode call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -381,6 +383,13 @@ pub struct DecodePlan {
     pub combine_blocks: u32,
     /// Bytes of f32 workspace the splits need (0 without splits).
     pub workspace_bytes: usize,
+    /// Whether the kernel reads the paged blocks in the order of a block walk
+    /// ([`block_walk`]: each sequence's blocks in ascending address order) where the call has
+    /// one. The plan allows it for blocks of 8 keys or more that a tile's threads read whole
+    /// (smaller than a tile), without a left window, unless
+    /// [`DecodeOverrides::table_order`] asks for the table's order; a call's stats report
+    /// whether its launch did walk.
+    pub block_walk: bool,
 }
 
 /// The tuning overrides of a decode plan ([`crate::ForwardOptions`]' `splits` and
@@ -395,6 +404,9 @@ pub struct DecodeOverrides {
     pub block_n: Option<u32>,
     /// Warps per CTA (1 to 8; the tile keeps its keys unless `block_n` says otherwise).
     pub warps: Option<u32>,
+    /// Read a paged cache's blocks in the block table's order even where a block walk could
+    /// be used (A/B tests and tuning).
+    pub table_order: bool,
 }
 
 impl From<&crate::ForwardOptions> for DecodeOverrides {
@@ -404,6 +416,7 @@ impl From<&crate::ForwardOptions> for DecodeOverrides {
             stages: opts.decode_stages,
             block_n: opts.decode_block_n,
             warps: opts.decode_warps,
+            table_order: opts.decode_table_order,
         }
     }
 }
@@ -455,7 +468,9 @@ pub const STREAMING_STAGES: u32 = 2;
 /// dim ≤ 128. H200, bf16, Llama-3 70B layer at batch 16 (docs/gpu-notes.md runs 57, 68):
 /// paged 16 at 16k keys 253.8 (3 stages, 2 splits) → 252.9 µs, 64k 981.9 → 973.4; at 4k keys
 /// and at batch 1 three stages stay ahead. A padded cache keeps three stages and one CTA
-/// per SM (the plan's slots).
+/// per SM (the plan's slots), and so do blocks read in a block walk's address order: H100,
+/// batch 16, paged 16 walked, 16k / 64k / 128k keys 361.6 / 1409.3 / 2806.5 µs under this
+/// rule against 350.6 / 1394.4 / 2790.3 with one CTA per SM (docs/gpu-notes.md run 125).
 fn use_streaming_stages(
     variant: &DecodeVariant,
     ctas: usize,
@@ -492,6 +507,7 @@ pub fn plan_decode(
         stages,
         block_n,
         warps,
+        table_order,
     } = overrides;
     let unsupported = |what: &'static str| Err(ProblemError::Unsupported { what });
     if !problem.has_kv_cache() {
@@ -539,8 +555,22 @@ pub fn plan_decode(
         ),
         _ => (false, false),
     };
-    let streaming =
-        stages.is_none() && small_blocks && use_streaming_stages(&variant, ctas, longest, props);
+    // The block walk (see `DecodePlan::block_walk`): blocks read whole within a tile and at
+    // least one 8-key n-tile each; every used block is read, so no left window.
+    let block_walk = match problem.kv_cache() {
+        KvCache::Paged { block_size, .. } => {
+            !table_order
+                && small_blocks
+                && block_size >= 8
+                && !per_row_blocks
+                && problem.mask().left.is_none()
+        }
+        _ => false,
+    };
+    let streaming = stages.is_none()
+        && small_blocks
+        && !block_walk
+        && use_streaming_stages(&variant, ctas, longest, props);
     match stages {
         Some(stages) => variant = variant.with_stages(stages),
         None if streaming => variant = variant.with_stages(STREAMING_STAGES),
@@ -554,7 +584,8 @@ pub fn plan_decode(
     // (its K/V addresses step by a constant per row): H200 run 68, batch 16 unsplit 0.95–1.07
     // of copy, 1–7 % ahead of 2–3 splits at two or three CTAs per SM, and batch 1 16 splits
     // over its 8 CTAs ahead of 32–33 at 16k and 64k keys. Paged blocks of a tile or more,
-    // and small blocks read whole outside the streaming rule, do the same (run 73: blocks
+    // and small blocks read whole outside the streaming rule (walked or not), do the same
+    // (run 73: blocks
     // of 16 at batch 1 and at batch 16 with 4k keys, 4–10 % ahead of the older per-row reads
     // over two CTAs per SM). A paged cache of blocks looked up per row, or streamed, reads
     // faster over all the CTAs the device holds at once.
@@ -603,7 +634,66 @@ pub fn plan_decode(
         num_splits,
         combine_blocks,
         workspace_bytes,
+        block_walk,
     }))
+}
+
+/// The block walk of a paged KV cache, the order in which the decode kernel reads the blocks
+/// when its plan allows it ([`DecodePlan::block_walk`]): per sequence, its used blocks (those
+/// holding its first `seqused_k` keys) sorted by physical block index, so that each split
+/// streams one ascending run of addresses instead of blocks scattered over the pool (on an
+/// H200, scattered 16-key blocks read 3–5 % slower than blocks in order; docs/gpu-notes.md
+/// run 79). Layout: int32 `[batch, 2, blocks_per_seq]`; for sequence `b` and walk step `j`
+/// (below the sequence's used block count), `[b][0][j]` is the physical block and `[b][1][j]`
+/// its logical index (its place in the block table); entries past the used blocks are 0 and
+/// never read.
+///
+/// The walk depends only on the problem's host tables (`seqused_k` and the block table), so a
+/// runtime builds it once per decode step and passes it, on the device, to every layer's call
+/// ([`crate::CacheTables::block_walk`]). A walk that does not match the call's tables gives
+/// wrong results (every index is still clamped to the cache). Errors: a problem without a
+/// paged cache, a size that overflows.
+pub fn block_walk(problem: &Problem) -> Result<Vec<i32>, ProblemError> {
+    let KvCache::Paged {
+        seqused_k,
+        block_table,
+        blocks_per_seq,
+        block_size,
+        ..
+    } = problem.kv_cache()
+    else {
+        return Err(ProblemError::Unsupported {
+            what: "a block walk orders the blocks of a paged cache",
+        });
+    };
+    let row = blocks_per_seq
+        .checked_mul(2)
+        .ok_or(ProblemError::Overflow)?;
+    let len = row
+        .checked_mul(problem.batch())
+        .ok_or(ProblemError::Overflow)?;
+    let mut walk = vec![0i32; len];
+    let mut order: Vec<(i32, i32)> = Vec::with_capacity(blocks_per_seq);
+    for (b, (&used, out)) in seqused_k.iter().zip(walk.chunks_exact_mut(row)).enumerate() {
+        // Validated: the used keys fit the sequence's table row, and every entry of it that
+        // they reach is a block of the pool.
+        let blocks = (used as usize).div_ceil(block_size).min(blocks_per_seq);
+        let entries = &block_table[b * blocks_per_seq..b * blocks_per_seq + blocks];
+        order.clear();
+        order.extend(
+            entries
+                .iter()
+                .zip(0..)
+                .map(|(&phys, logical)| (phys, logical)),
+        );
+        order.sort_unstable();
+        let (phys, logical) = out.split_at_mut(blocks_per_seq);
+        for (j, &(p, l)) in order.iter().enumerate() {
+            phys[j] = p;
+            logical[j] = l;
+        }
+    }
+    Ok(walk)
 }
 
 /// The kernel parameters of a decode call (device pointers still zero) and the element offset
@@ -691,15 +781,17 @@ pub(crate) fn cache_shape(problem: &Problem) -> (usize, usize, usize, usize) {
 
 /// The key tiles `[begin, end)` that split `split` of m-block `m_block` reads for a sequence
 /// of `seqused` keys: the host's mirror of `flash_decode`'s split arithmetic (tests check
-/// that the splits cover every visible tile exactly once).
+/// that the splits cover every visible tile exactly once). `split` is (split, split count).
+/// With a block walk (`walks`) the tiles are walk positions and cover every used key.
 pub fn split_tiles(
     variant: &DecodeVariant,
     problem: &Problem,
     seqused: usize,
-    num_splits: u32,
+    walks: bool,
+    split: (u32, u32),
     m_block: usize,
-    split: u32,
 ) -> (usize, usize) {
+    let (split, num_splits) = split;
     let sq = problem.max_seqlen_q();
     let rows = problem.group_size() * sq;
     let m0 = m_block * variant.block_m() as usize;
@@ -716,8 +808,9 @@ pub fn split_tiles(
     let diag = seqused as i64 - sq as i64;
     let lo = mask
         .left
+        .filter(|_| !walks)
         .map_or(0, |l| (i_min as i64 + diag - l as i64).max(0));
-    let hi = mask.right.map_or(seqused as i64, |r| {
+    let hi = mask.right.filter(|_| !walks).map_or(seqused as i64, |r| {
         (i_max as i64 + diag + r as i64 + 1).min(seqused as i64)
     });
     if hi <= lo {
@@ -918,17 +1011,22 @@ mod tests {
     fn long_caches_over_many_sequences_take_the_streaming_stages() {
         let h200 = DeviceProps::h200();
         // Paged caches (blocks of `block` keys, each sequence's blocks in order).
-        let paged = |batch: usize, keys: usize, hdim: usize, block: usize| {
+        let paged_with = |batch: usize, keys: usize, hdim: usize, block: usize, table_order| {
             let used = vec![keys as u32; batch];
             let table: Vec<i32> = (0..(batch * keys / block) as i32).collect();
             let problem = ProblemDesc::new(batch, 1, 0, 64, 8, hdim)
                 .paged_cache(&used, &table, keys / block, block, table.len())
                 .validate(256)
                 .expect("valid");
-            plan_decode(&problem, DType::Bf16, DecodeOverrides::default(), &h200)
+            let overrides = DecodeOverrides {
+                table_order,
+                ..DecodeOverrides::default()
+            };
+            plan_decode(&problem, DType::Bf16, overrides, &h200)
                 .expect("plan")
                 .expect("work")
         };
+        let paged = |batch, keys, hdim, block| paged_with(batch, keys, hdim, block, false);
         // Blocks of 4 keys (a table entry per row), batch 16: 128 unsplit CTAs; from 16k
         // keys three CTAs per SM, three splits.
         let plan = |batch: usize, keys: usize, hdim: usize| paged(batch, keys, hdim, 4);
@@ -955,10 +1053,15 @@ mod tests {
         assert_eq!(odd.load_iters(), 24);
         assert!(!odd.reads_whole_blocks(32));
         for block in [16, 32] {
-            // Batch 16: from 16k keys the streaming rule (small blocks, long caches over
-            // many CTAs) as for per-row blocks; below it one CTA per SM, unsplit.
-            let p = paged(16, 16384, 128, block);
+            // Batch 16, read in table order: from 16k keys the streaming rule (small blocks,
+            // long caches over many CTAs) as for per-row blocks; below it one CTA per SM,
+            // unsplit. Walked in address order: one CTA per SM at every length, as padded.
+            let p = paged_with(16, 16384, 128, block, true);
             assert_eq!((p.variant.stages, p.num_splits), (STREAMING_STAGES, 3));
+            assert!(!p.block_walk);
+            let p = paged(16, 16384, 128, block);
+            assert_eq!((p.variant.stages, p.num_splits), (3, 1), "block {block}");
+            assert!(p.block_walk);
             let p = paged(16, 4096, 128, block);
             assert_eq!((p.variant.stages, p.num_splits), (3, 1), "block {block}");
             // Batch 1: one CTA per SM, 16 splits as for a padded cache.
@@ -1037,15 +1140,20 @@ mod tests {
                 right: Some(1),
             },
         ];
-        for (paged, sq, hq, hk, d, splits) in [
-            (false, 1, 8, 2, 64, 1),
-            (true, 3, 8, 2, 64, 3),
-            (true, 2, 16, 1, 72, 16),
-            (false, 4, 4, 4, 128, 2),
+        // Blocks of 5 keys are looked up per row; 8, 16 and 32 are read whole and walked in
+        // address order (except under the left window), and also run in table order.
+        for (block, sq, hq, hk, d, splits) in [
+            (None, 1, 8, 2, 64, 1),
+            (Some(5), 3, 8, 2, 64, 3),
+            (Some(5), 2, 16, 1, 72, 16),
+            (None, 4, 4, 4, 128, 2),
+            (Some(16), 1, 8, 2, 128, 3),
+            (Some(8), 3, 16, 2, 128, 1),
+            (Some(32), 2, 8, 1, 64, 5),
         ] {
             for mask in masks {
                 let used = [0u32, 1, 77, 130 + rng.below(40) as u32];
-                let bs = 5;
+                let bs = block.unwrap_or(1);
                 let bps = 200usize.div_ceil(bs);
                 let num_blocks = used.len() * bps;
                 let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
@@ -1053,16 +1161,19 @@ mod tests {
                     ids.swap(i, rng.below(i + 1));
                 }
                 let desc = ProblemDesc::new(used.len(), sq, 200, hq, hk, d).with_mask(mask);
-                let desc = if paged {
-                    desc.paged_cache(&used, &ids, bps, bs, num_blocks)
-                } else {
-                    desc.padded_cache(&used)
+                let desc = match block {
+                    Some(bs) => desc.paged_cache(&used, &ids, bps, bs, num_blocks),
+                    None => desc.padded_cache(&used),
                 };
                 let problem = desc.validate(256).expect("valid");
                 let lens = problem.min_buffer_lens();
                 let mut draw = |n: usize| (0..n).map(|_| rng.normal()).collect::<Vec<f64>>();
                 let (q, k, v) = (draw(lens.q), draw(lens.k), draw(lens.v));
-                let table: Vec<i32> = if paged { ids.clone() } else { Vec::new() };
+                let table: Vec<i32> = if block.is_some() {
+                    ids.clone()
+                } else {
+                    Vec::new()
+                };
                 let plan = plan_decode(
                     &problem,
                     DType::Bf16,
@@ -1071,16 +1182,73 @@ mod tests {
                 )
                 .expect("plan")
                 .expect("work");
-                let (p, ml_offset) = decode_params(&problem, &plan, RescalePolicy::Threshold(8.0));
-                let (o, lse) = emulate(&p, ml_offset, &plan, &q, &k, &v, &used, &table);
+                let walks = block.is_some_and(|bs| bs >= 8) && mask.left.is_none();
+                assert_eq!(plan.block_walk, walks, "{block:?} {mask:?}");
+                let walk = if walks {
+                    block_walk(&problem).expect("a paged cache")
+                } else {
+                    Vec::new()
+                };
                 let oracle = attention_f64(&problem, &q, &k, &v);
-                let report = fa_reference::compare(&problem, &o, Some(&lse), &oracle);
-                assert!(
-                    report.within(1e-6, 1e-5),
-                    "{paged} {sq} {hq}/{hk} {mask:?}: {report:?}"
-                );
+                let (mut p, ml_offset) =
+                    decode_params(&problem, &plan, RescalePolicy::Threshold(8.0));
+                for walked in [false, walks] {
+                    // Any non-zero address marks the walk for the emulation.
+                    p.block_walk = u64::from(walked);
+                    let (o, lse) = emulate(&p, ml_offset, &plan, &q, &k, &v, &used, &table, &walk);
+                    let report = fa_reference::compare(&problem, &o, Some(&lse), &oracle);
+                    assert!(
+                        report.within(1e-6, 1e-5),
+                        "{block:?} walked {walked} {sq} {hq}/{hk} {mask:?}: {report:?}"
+                    );
+                }
             }
         }
+    }
+
+    /// The block walk: per sequence a permutation of its used blocks' logical indices, in
+    /// ascending physical order, each beside its table entry; zeros past the used blocks.
+    #[test]
+    fn block_walk_sorts_each_sequences_used_blocks() {
+        let mut rng = fa_reference::Rng::new(5);
+        let (bs, bps) = (16usize, 9usize);
+        let used = [0u32, 1, 16, 17, 100, 144];
+        let num_blocks = used.len() * bps + 4;
+        let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.below(i + 1));
+        }
+        let table = &ids[..used.len() * bps];
+        let problem = ProblemDesc::new(used.len(), 1, 0, 8, 2, 128)
+            .paged_cache(&used, table, bps, bs, num_blocks)
+            .validate(256)
+            .expect("valid");
+        let walk = block_walk(&problem).expect("paged");
+        assert_eq!(walk.len(), used.len() * 2 * bps);
+        for (b, &u) in used.iter().enumerate() {
+            let blocks = (u as usize).div_ceil(bs);
+            let row = &walk[b * 2 * bps..(b + 1) * 2 * bps];
+            let (phys, logical) = row.split_at(bps);
+            let mut seen: Vec<i32> = logical[..blocks].to_vec();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..blocks as i32).collect::<Vec<_>>(), "sequence {b}");
+            for j in 0..blocks {
+                assert_eq!(phys[j], table[b * bps + logical[j] as usize]);
+                if j > 0 {
+                    assert!(phys[j - 1] < phys[j], "sequence {b} not ascending");
+                }
+            }
+            assert!(phys[blocks..]
+                .iter()
+                .chain(&logical[blocks..])
+                .all(|&x| x == 0));
+        }
+        let used = [5u32];
+        let padded = ProblemDesc::new(1, 1, 8, 8, 2, 128)
+            .padded_cache(&used)
+            .validate(256)
+            .expect("valid");
+        assert!(block_walk(&padded).is_err());
     }
 
     /// `flash_decode` then `flash_decode_combine` on the host, statement by statement as far
@@ -1095,9 +1263,16 @@ mod tests {
         v: &[f64],
         seqused: &[u32],
         table: &[i32],
+        walk: &[i32],
     ) -> (Vec<f64>, Vec<f32>) {
         use softmax_core::RowState;
         let var = plan.variant;
+        // The kernel's `walking`: a walk, blocks read whole within the tile, 8 keys or more.
+        let bs = p.block_size as i64;
+        let walking = p.block_walk != 0
+            && p.block_size >= 8
+            && var.reads_whole_blocks(p.block_size as usize)
+            && (p.block_size as u32) < var.block_n();
         let (block_m, block_n, wn) = (var.block_m() as i64, var.block_n() as i64, var.wn as i64);
         let sq = p.seqlen_q as i64;
         let rows_total = p.batch as i64 * p.heads_q as i64 * sq;
@@ -1138,7 +1313,30 @@ mod tests {
                         i_min = r_first % sq;
                         i_max = r_last % sq;
                     }
-                    let (ulo, uhi) = (key_lo(i_min, diag), key_hi(i_max, diag, sk));
+                    let (ulo, uhi) = if walking {
+                        (0, sk)
+                    } else {
+                        (key_lo(i_min, diag), key_hi(i_max, diag, sk))
+                    };
+                    let walked = if walking { (sk + bs - 1) / bs * bs } else { sk };
+                    let bps = p.blocks_per_seq as i64;
+                    // A tile position's logical key and physical block (the walk's planes, or
+                    // the table's order; keys past the used ones are masked, their block 0);
+                    // `None` past the used blocks of a walk.
+                    let place = |pos: i64| -> Option<(i64, i64)> {
+                        if walking {
+                            if pos >= walked {
+                                return None;
+                            }
+                            let at = (b * 2 * bps + pos / bs) as usize;
+                            let logical = (walk[at + bps as usize] as i64).clamp(0, bps - 1);
+                            Some((logical * bs + pos % bs, walk[at] as i64))
+                        } else if bs > 0 && pos < sk {
+                            Some((pos, table[(b * bps + pos / bs) as usize] as i64))
+                        } else {
+                            Some((pos, 0))
+                        }
+                    };
                     let (mut t_begin, mut t_end) = (0, 0);
                     if uhi > ulo {
                         let (tl, th) = (ulo / block_n, (uhi + block_n - 1) / block_n);
@@ -1146,13 +1344,12 @@ mod tests {
                         t_begin = (tl + split * per).min(th);
                         t_end = (t_begin + per).min(th);
                     }
-                    // Key offset as load_kv computes it.
-                    let kv_off = |key: i64, strides: [i64; 3]| -> i64 {
+                    // Key offset as load_kv computes it (a paged key's physical block from
+                    // `place`).
+                    let kv_off = |key: i64, phys: i64, strides: [i64; 3]| -> i64 {
                         if p.block_size > 0 {
-                            let slot = key / p.block_size as i64;
-                            let in_block = key - slot * p.block_size as i64;
-                            let blk = (table[(b * p.blocks_per_seq as i64 + slot) as usize] as i64)
-                                .clamp(0, p.num_blocks as i64 - 1);
+                            let in_block = key % bs;
+                            let blk = phys.clamp(0, p.num_blocks as i64 - 1);
                             blk * strides[0] + in_block * strides[1]
                         } else {
                             b * strides[0] + key * strides[1]
@@ -1172,17 +1369,21 @@ mod tests {
                             let mut ws_acc = vec![0.0f64; p.head_dim_v as usize];
                             for t in t_begin..t_end {
                                 let n0 = t * block_n + w * wn;
-                                let cols: Vec<(i64, f64)> = (n0..n0 + wn)
-                                    .map(|col| {
+                                let cols: Vec<((i64, i64), f64)> = (n0..n0 + wn)
+                                    .map(|pos| {
+                                        let Some((col, phys)) = place(pos) else {
+                                            return ((0, 0), f64::NEG_INFINITY);
+                                        };
                                         if col < lo || col >= hi {
-                                            return (col, f64::NEG_INFINITY);
+                                            return ((col, phys), f64::NEG_INFINITY);
                                         }
-                                        let ko = (kv_off(col, p.k_strides) + hk * p.k_strides[2])
+                                        let ko = (kv_off(col, phys, p.k_strides)
+                                            + hk * p.k_strides[2])
                                             as usize;
                                         let dot: f64 = (0..p.head_dim as usize)
                                             .map(|c| q[qo + c] * k[ko + c])
                                             .sum();
-                                        (col, dot * p.pre as f64)
+                                        ((col, phys), dot * p.pre as f64)
                                     })
                                     .collect();
                                 let bm = cols.iter().fold(f64::NEG_INFINITY, |m, c| m.max(c.1));
@@ -1198,11 +1399,12 @@ mod tests {
                                 } else {
                                     ws_state.max
                                 };
-                                for (col, x) in cols {
+                                for ((col, phys), x) in cols {
                                     let pr = (x - off).exp2();
                                     ws_state.sum += pr;
                                     if pr > 0.0 {
-                                        let vo = (kv_off(col, p.v_strides) + hk * p.v_strides[2])
+                                        let vo = (kv_off(col, phys, p.v_strides)
+                                            + hk * p.v_strides[2])
                                             as usize;
                                         for c in 0..p.head_dim_v as usize {
                                             ws_acc[c] += pr * v[vo + c];
@@ -1293,12 +1495,19 @@ mod tests {
                     let bn = v.block_n() as usize;
                     let m_blocks = (4 * sq).div_ceil(v.block_m() as usize);
                     for m_block in 0..m_blocks {
-                        let whole = split_tiles(&v, &problem, used as usize, 1, m_block, 0);
+                        let whole =
+                            split_tiles(&v, &problem, used as usize, false, (0, 1), m_block);
                         for splits in [1u32, 2, 3, 16] {
                             let mut covered = Vec::new();
                             for s in 0..splits {
-                                let (b, e) =
-                                    split_tiles(&v, &problem, used as usize, splits, m_block, s);
+                                let (b, e) = split_tiles(
+                                    &v,
+                                    &problem,
+                                    used as usize,
+                                    false,
+                                    (s, splits),
+                                    m_block,
+                                );
                                 covered.extend(b..e);
                             }
                             let expected: Vec<usize> = (whole.0..whole.1).collect();

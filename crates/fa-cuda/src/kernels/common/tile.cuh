@@ -49,14 +49,15 @@ static __device__ __forceinline__ void tile_qk(float (&s)[kM][kN][4], const u32 
         }
 }
 
-// The scores of keys n0 .. n0 + 8 kN - 1. kGeneral: x = t(s * pre) (softcap, or a non-positive
-// scale) before the max; otherwise pre > 0 and the scale folds into the exponent later.
-// kMasked: keys outside each row's [lo, hi) become -inf (the key tail, causal and window
-// bounds); a tile known to lie inside every valid row's bounds skips the selects.
+// The scores of a warp's kN n-tiles of 8 keys, n-tile j holding keys col0[j] .. col0[j] + 7.
+// kGeneral: x = t(s * pre) (softcap, or a non-positive scale) before the max; otherwise
+// pre > 0 and the scale folds into the exponent later. kMasked: keys outside each row's
+// [lo, hi) become -inf (the key tail, causal and window bounds); a tile known to lie inside
+// every valid row's bounds skips the selects.
 template <int kM, int kN, bool kGeneral, bool kMasked>
-static __device__ __forceinline__ void tile_scores(float (&s)[kM][kN][4], const int n0, const int tig,
-                                                   const int (&row_lo)[kM][2], const int (&row_hi)[kM][2],
-                                                   const float pre, const float softcap_post) {
+static __device__ __forceinline__ void tile_scores_at(float (&s)[kM][kN][4], const int (&col0)[kN], const int tig,
+                                                      const int (&row_lo)[kM][2], const int (&row_hi)[kM][2],
+                                                      const float pre, const float softcap_post) {
 #pragma unroll
     for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
@@ -68,12 +69,23 @@ static __device__ __forceinline__ void tile_scores(float (&s)[kM][kN][4], const 
                     x = softcap_post != 0.0f ? tanh_f(x * pre) * softcap_post : x * pre;
                 }
                 if constexpr (kMasked) {
-                    const int col = n0 + j * 8 + 2 * tig + (e & 1);
+                    const int col = col0[j] + 2 * tig + (e & 1);
                     const int hh = e >> 1;
                     x = MASK_SCORE(x, col, row_lo[mt][hh], row_hi[mt][hh]);
                 }
                 s[mt][j][e] = x;
             }
+}
+
+// The scores of keys n0 .. n0 + 8 kN - 1 (consecutive keys: see tile_scores_at).
+template <int kM, int kN, bool kGeneral, bool kMasked>
+static __device__ __forceinline__ void tile_scores(float (&s)[kM][kN][4], const int n0, const int tig,
+                                                   const int (&row_lo)[kM][2], const int (&row_hi)[kM][2],
+                                                   const float pre, const float softcap_post) {
+    int col0[kN];
+#pragma unroll
+    for (int j = 0; j < kN; ++j) col0[j] = n0 + 8 * j;
+    tile_scores_at<kM, kN, kGeneral, kMasked>(s, col0, tig, row_lo, row_hi, pre, softcap_post);
 }
 
 // The online softmax's block step (RowState::begin_block with the threshold policy; tau = 0

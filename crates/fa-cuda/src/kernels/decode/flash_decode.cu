@@ -20,6 +20,15 @@
 // more it writes its unnormalised accumulator and (m, l) per row to the f32 workspace, and
 // flash_decode_combine (decode/combine.cu) merges the splits.
 //
+// A paged cache of blocks that a tile's threads read whole (8-32 keys at head dim 128) may come
+// with a block walk (`p.block_walk`, built on the host by `block_walk` in kernels/decode.rs):
+// per sequence, its used blocks in ascending physical order, each with its logical index. The
+// kernel then streams the blocks in that order (walk position w = the key's place in the walk)
+// and masks each key by its logical position: a split reads one ascending run of addresses
+// instead of blocks scattered over the pool, which runs at in-order speed (docs/gpu-notes.md
+// run 79). Attention does not depend on the order of its keys; only the rounding of the sums
+// changes.
+//
 // Every device-side length and table entry is clamped to the tensors the host checked, so
 // unchecked device values (caller-memory path) cannot make the kernel read or write outside
 // them.
@@ -52,6 +61,9 @@
 // TAB_RING tiles: they are copied (cp.async) STAGES-1 tiles before the K/V copies that use
 // them, so the table's latency overlaps the pipeline instead of stalling each tile's copies.
 #define TAB_RING (2 * STAGES)
+// A walk position past a sequence's used blocks: a logical key no row sees (capacities stay
+// below 2^30).
+#define WALK_PAST (1 << 30)
 
 #if (HDP % 64) != 0 || (WN % 16) != 0 || (THREADS % BLOCK_M) != 0 || (CPT % 8) != 0 || STAGES < 2
 #error "bad decode tile configuration"
@@ -82,6 +94,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     u16* sK = sQ + BLOCK_M * HDP;
     u16* sV = sK + STAGES * BLOCK_N * HDP;
     int* sTab = reinterpret_cast<int*>(sV + STAGES * BLOCK_N * HDP); // [TAB_RING][BLOCK_N]
+    int* sLog = sTab + TAB_RING * BLOCK_N; // walk: the logical block of each key, same ring
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // The combine (a programmatic dependent launch on sm_90+) may be scheduled now: it waits
@@ -102,6 +115,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     const int seqused = reinterpret_cast<const int*>(p.seqused_k)[b];
     const int sk = min(max(seqused, 0), p.capacity);
     const int diag = sk - sq;
+    const bool paged = p.block_size > 0;
+    // A power-of-two block size (the usual 16-256) finds a key's row in its block with a mask
+    // instead of an integer division per row and chunk.
+    const bool block_pow2 = paged && (p.block_size & (p.block_size - 1)) == 0;
+    const int block_mask = p.block_size - 1, block_shift = __ffs(p.block_size) - 1;
+    // Paged blocks that divide the tile and hold LOAD_ITERS keys or more (see load_kv).
+    // (LOAD_ITERS is a power of two in every tuned variant; a tuning override where it is not,
+    // e.g. 2 warps of 48 keys, reads such blocks per row.)
+    const bool tile_blocks = (LOAD_ITERS & (LOAD_ITERS - 1)) == 0 && block_pow2 && BLOCK_N % p.block_size == 0 &&
+                             p.block_size >= LOAD_ITERS;
+    // The block walk, for blocks read whole of at least one 8-key n-tile (the host passes it
+    // only then and without a left window; anything else reads the table in order).
+    const bool walking = p.block_walk != 0 && tile_blocks && p.block_size >= 8;
+    // Walk positions at and past `walked` lie beyond the sequence's used blocks.
+    const int walked = walking ? ((sk + block_mask) >> block_shift) << block_shift : sk;
 #define LO_OF(i) KEY_LO((i), diag, p.win_left)
 #define HI_OF(i) KEY_HI((i), diag, p.win_right, sk)
 
@@ -113,7 +141,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         i_min = r_first % sq;
         i_max = r_last % sq;
     }
-    const int union_lo = LO_OF(i_min), union_hi = HI_OF(i_max);
+    // A walk streams every used block: the keys a row does not see are masked one by one.
+    const int union_lo = walking ? 0 : LO_OF(i_min), union_hi = walking ? sk : HI_OF(i_max);
     int t_begin = 0, t_end = 0;
     if (union_hi > union_lo) {
         const int tiles_lo = union_lo / BLOCK_N, tiles_hi = (union_hi + BLOCK_N - 1) / BLOCK_N;
@@ -153,19 +182,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     // chunk column each.
     const u16* gk = reinterpret_cast<const u16*>(p.k) + (i64)hk * p.k_hs;
     const u16* gv = reinterpret_cast<const u16*>(p.v) + (i64)hk * p.v_hs;
-    const int* table = reinterpret_cast<const int*>(p.block_table) + (i64)b * p.blocks_per_seq;
-    const bool paged = p.block_size > 0;
-    // A power-of-two block size (the usual 16-256) finds a key's row in its block with a mask
-    // instead of an integer division per row and chunk.
-    const bool block_pow2 = paged && (p.block_size & (p.block_size - 1)) == 0;
-    const int block_mask = p.block_size - 1, block_shift = __ffs(p.block_size) - 1;
+    // The physical block of walk step j is the walk's plane 0, its logical index plane 1.
+    const int* table = walking ? reinterpret_cast<const int*>(p.block_walk) + (i64)b * 2 * p.blocks_per_seq
+                               : reinterpret_cast<const int*>(p.block_table) + (i64)b * p.blocks_per_seq;
     // A paged cache's block-table entries of tile t into its ring slot: the entry of key
-    // n0 + j at j (read only for used keys: entries past them are unchecked, zero-filled here).
+    // n0 + j at j (read only for used keys: entries past them are unchecked, zero-filled here),
+    // and with a walk the logical block of walk position n0 + j.
     auto load_table = [&](const int t) {
         if (tid < BLOCK_N) {
             const int key = t * BLOCK_N + tid;
-            const bool ok = key < sk;
-            cp_async4(smem_u32(sTab + (t % TAB_RING) * BLOCK_N + tid), table + (ok ? (block_pow2 ? key >> block_shift : key / p.block_size) : 0), ok);
+            const bool ok = key < walked;
+            const int entry = ok ? (block_pow2 ? key >> block_shift : key / p.block_size) : 0;
+            const int slot = (t % TAB_RING) * BLOCK_N + tid;
+            cp_async4(smem_u32(sTab + slot), table + entry, ok);
+            if (walking) cp_async4(smem_u32(sLog + slot), table + p.blocks_per_seq + entry, ok);
         }
     };
     // One K/V tile into stage `stage`: row t of the tile is key n0 + t, zero-filled at and past
@@ -180,18 +210,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     const u16* gk_seq = gk + (paged ? 0 : (i64)b * p.k_bs) + c_ld * 8;
     const u16* gv_seq = gv + (paged ? 0 : (i64)b * p.v_bs) + c_ld * 8;
     const i64 k_step = (i64)ROW_STEP * p.k_ss, v_step = (i64)ROW_STEP * p.v_ss;
-    // Paged blocks that divide the tile and hold LOAD_ITERS keys or more (see load_kv).
-    // (LOAD_ITERS is a power of two in every tuned variant; a tuning override where it is not,
-    // e.g. 2 warps of 48 keys, reads such blocks per row.)
-    const bool tile_blocks = (LOAD_ITERS & (LOAD_ITERS - 1)) == 0 && block_pow2 && BLOCK_N % p.block_size == 0 &&
-                             p.block_size >= LOAD_ITERS;
     auto load_kv = [&](const int t, const int stage) {
         const int n0 = t * BLOCK_N;
         const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
         const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
-        // Row `row` of the tile from the K and V rows at kp and vp.
-        auto copy_row = [&](const int row, const u16* kp, const u16* vp) {
-            const bool ok = n0 + row < sk;
+        // Row `row` of the tile, logical key `key`, from the K and V rows at kp and vp.
+        auto copy_row = [&](const int row, const int key, const u16* kp, const u16* vp) {
+            const bool ok = key < sk;
             const u32 dst = (u32)swz(row, c_ld) * 2u;
             cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
             cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
@@ -200,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         auto stepped_rows = [&](const u16* kp, const u16* vp) {
 #pragma unroll
             for (int it = 0; it < LOAD_ITERS; ++it) {
-                copy_row(row0 + it * ROW_STEP, kp, vp);
+                copy_row(row0 + it * ROW_STEP, n0 + row0 + it * ROW_STEP, kp, vp);
                 kp += k_step;
                 vp += v_step;
             }
@@ -232,9 +257,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             const u16* kp = gk_seq + (i64)bb * (int)p.k_bs + in_first * (int)p.k_ss;
             const u16* vp = gv_seq + (i64)bb * (int)p.v_bs + in_first * (int)p.v_ss;
             const int k_run = (int)p.k_ss << gpb_shift, v_run = (int)p.v_ss << gpb_shift;
+            // The logical key of this thread's first row: in a walk, its block's logical start.
+            int key0 = n0 + j_first + in_first;
+            if (walking) {
+                const int lb = min(max(sLog[(t % TAB_RING) * BLOCK_N + j_first], 0), p.blocks_per_seq - 1);
+                key0 = n0 + j_first < walked ? (lb << block_shift) + in_first : WALK_PAST;
+            }
 #pragma unroll
             for (int it = 0; it < LOAD_ITERS; ++it) {
-                copy_row(j_first + in_first + (it << gpb_shift), kp, vp);
+                copy_row(j_first + in_first + (it << gpb_shift), key0 + (it << gpb_shift), kp, vp);
                 kp += k_run;
                 vp += v_run;
             }
@@ -245,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         // its block a 32-bit one (the plan refuses blocks spanning 2^31 elements).
         auto paged_row = [&](const int it, const int in_block) {
             const int bb = min(max(tab[row0 + it * ROW_STEP], 0), p.num_blocks - 1);
-            copy_row(row0 + it * ROW_STEP, gk_seq + (i64)bb * (int)p.k_bs + in_block * (int)p.k_ss,
+            copy_row(row0 + it * ROW_STEP, n0 + row0 + it * ROW_STEP, gk_seq + (i64)bb * (int)p.k_bs + in_block * (int)p.k_ss,
                      gv_seq + (i64)bb * (int)p.v_bs + in_block * (int)p.v_ss);
         };
         if (block_pow2) {
@@ -294,8 +325,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         const int n0 = t * BLOCK_N + warp * WN;
         float s[MT][NT][4];
         tile_qk<MT, NT, KQ, KQ / 4, ELEM_BF16, ROW_BYTES>(s, q_addr, k_addr, buf_bytes);
-        // Scores and mask (the key tail, causal and window bounds are all in [lo, hi)).
-        tile_scores<MT, NT, GENERAL_SCORES != 0, true>(s, n0, tig, row_lo, row_hi, p.pre, p.softcap_post);
+        // Scores and mask (the key tail, causal and window bounds are all in [lo, hi)), each
+        // 8-key n-tile at its logical keys (in a walk: its block's logical start).
+        int col0[NT];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) col0[j] = n0 + 8 * j;
+        if (walking) {
+            const int* lg = sLog + (t % TAB_RING) * BLOCK_N + warp * WN;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const int lb = min(max(lg[8 * j], 0), p.blocks_per_seq - 1);
+                col0[j] = col0[j] < walked ? (lb << block_shift) + (col0[j] & block_mask) : WALK_PAST;
+            }
+        }
+        tile_scores_at<MT, NT, GENERAL_SCORES != 0, true>(s, col0, tig, row_lo, row_hi, p.pre, p.softcap_post);
         // Online softmax of the warp's rows (RowState::begin_block, threshold policy).
         tile_rescale<MT, NT, DT, GENERAL_SCORES != 0>(s, row_m, row_l, acc, p.pre, p.tau);
         u32 pa[MT][KP][4];

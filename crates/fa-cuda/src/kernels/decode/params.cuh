@@ -33,9 +33,10 @@ struct DecodeParams {
     u64 k_new, v_new;             // append_kv: the new tokens
     i64 kn_bs, kn_ss, kn_hs;      // append_kv: strides of the new K
     i64 vn_bs, vn_ss, vn_hs;      // append_kv: strides of the new V
+    u64 block_walk;               // int32 [batch, 2, blocks_per_seq] (paged, address-order walk), or 0
 };
 
 // The size the Rust side asserts too (kernels/decode.rs, with its field offsets).
-static_assert(sizeof(DecodeParams) == 328, "DecodeParams layout");
+static_assert(sizeof(DecodeParams) == 336, "DecodeParams layout");
 
 #endif // FA_DECODE_PARAMS_CUH
