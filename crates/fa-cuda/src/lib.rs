@@ -61,8 +61,8 @@
 //! tables are copied and the split workspace allocated on the stream (freed in stream order);
 //! [`Device::forward_cache_on_stream`] takes the tables on the device ([`CacheTables`]) and a
 //! caller workspace of [`Device::decode_workspace_bytes`] bytes, with no copy or allocation.
-//! A paged cache of small blocks (8–32 keys at head dim 128) is read in address order through
-//! a block walk ([`block_walk`]: each sequence's blocks sorted by physical index, with their
+//! A paged cache of blocks of 8 keys or more (those the kernel reads whole) is read in address
+//! order through a block walk ([`block_walk`]: each sequence's blocks sorted by physical index, with their
 //! logical places for the masks): the owned path builds it per call, a runtime builds it once
 //! per decode step and passes it in [`CacheTables::block_walk`] to every layer's call.
 //! [`Device::append_kv`] / [`Device::append_kv_on_stream`] write new K/V tokens into the cache

@@ -354,7 +354,7 @@ fn paged_cache_block_sizes_and_splits() {
     }
 }
 
-/// Paged blocks that a tile's threads read whole (8-32 keys) are walked in address order
+/// Paged blocks that a tile's threads read whole (8 keys or more) are walked in address order
 /// (the plan's default, built from the host tables per call here) and give the oracle's result
 /// as the walk in table order does, to rounding: head dims 64, 128 and 256, GQA and MQA,
 /// several queries with the causal mask and a right window, softcap, split counts 1 to 16.
@@ -370,6 +370,9 @@ fn paged_blocks_walked_in_address_order() {
         (32, 64, 8, 2, 4),
         (16, 256, 8, 2, 1),
         (8, 256, 8, 2, 2),
+        (64, 128, 8, 2, 2),
+        (256, 128, 8, 1, 1),
+        (256, 256, 16, 2, 1),
     ];
     for (block_size, head_dim, heads_q, heads_kv, seqlen_q) in cases {
         for variant in 0..3 {

@@ -386,7 +386,7 @@ pub struct DecodePlan {
     /// Whether the kernel reads the paged blocks in the order of a block walk
     /// ([`block_walk`]: each sequence's blocks in ascending address order) where the call has
     /// one. The plan allows it for blocks of 8 keys or more that a tile's threads read whole
-    /// (smaller than a tile), without a left window, unless
+    /// ([`DecodeVariant::reads_whole_blocks`]), without a left window, unless
     /// [`DecodeOverrides::table_order`] asks for the table's order; a call's stats report
     /// whether its launch did walk.
     pub block_walk: bool,
@@ -555,15 +555,11 @@ pub fn plan_decode(
         ),
         _ => (false, false),
     };
-    // The block walk (see `DecodePlan::block_walk`): blocks read whole within a tile and at
-    // least one 8-key n-tile each; every used block is read, so no left window.
+    // The block walk (see `DecodePlan::block_walk`): blocks read whole and at least one
+    // 8-key n-tile each; every used block is read, so no left window.
     let block_walk = match problem.kv_cache() {
         KvCache::Paged { block_size, .. } => {
-            !table_order
-                && small_blocks
-                && block_size >= 8
-                && !per_row_blocks
-                && problem.mask().left.is_none()
+            !table_order && block_size >= 8 && !per_row_blocks && problem.mask().left.is_none()
         }
         _ => false,
     };
@@ -782,7 +778,7 @@ pub(crate) fn cache_shape(problem: &Problem) -> (usize, usize, usize, usize) {
 /// The key tiles `[begin, end)` that split `split` of m-block `m_block` reads for a sequence
 /// of `seqused` keys: the host's mirror of `flash_decode`'s split arithmetic (tests check
 /// that the splits cover every visible tile exactly once). `split` is (split, split count).
-/// With a block walk (`walks`) the tiles are walk positions and cover every used key.
+/// With a block walk (`walks`) the tiles are walk positions and cover every used block whole.
 pub fn split_tiles(
     variant: &DecodeVariant,
     problem: &Problem,
@@ -810,7 +806,11 @@ pub fn split_tiles(
         .left
         .filter(|_| !walks)
         .map_or(0, |l| (i_min as i64 + diag - l as i64).max(0));
-    let hi = mask.right.filter(|_| !walks).map_or(seqused as i64, |r| {
+    let walked = match problem.kv_cache() {
+        KvCache::Paged { block_size, .. } if walks => seqused.div_ceil(block_size) * block_size,
+        _ => seqused,
+    };
+    let hi = mask.right.filter(|_| !walks).map_or(walked as i64, |r| {
         (i_max as i64 + diag + r as i64 + 1).min(seqused as i64)
     });
     if hi <= lo {
@@ -1140,8 +1140,10 @@ mod tests {
                 right: Some(1),
             },
         ];
-        // Blocks of 5 keys are looked up per row; 8, 16 and 32 are read whole and walked in
-        // address order (except under the left window), and also run in table order.
+        // Blocks of 5 keys are looked up per row; 8, 16, 32 (within a tile) and 64, 128 (whole
+        // tiles; 128 at head dim 128 holds two 64-key tiles, so the partial block may come
+        // first in the walk) are read whole and walked in address order (except under the left window),
+        // and also run in table order.
         for (block, sq, hq, hk, d, splits) in [
             (None, 1, 8, 2, 64, 1),
             (Some(5), 3, 8, 2, 64, 3),
@@ -1150,9 +1152,22 @@ mod tests {
             (Some(16), 1, 8, 2, 128, 3),
             (Some(8), 3, 16, 2, 128, 1),
             (Some(32), 2, 8, 1, 64, 5),
+            (Some(64), 1, 8, 2, 128, 3),
+            (Some(128), 2, 8, 2, 128, 2),
+            (Some(128), 1, 8, 1, 64, 1),
         ] {
             for mask in masks {
-                let used = [0u32, 1, 77, 130 + rng.below(40) as u32];
+                // Several sequences of two or more blocks: with blocks larger than a tile,
+                // the partial block comes first in the walk for about half of them.
+                let used = [
+                    0u32,
+                    1,
+                    77,
+                    130 + rng.below(40) as u32,
+                    140 + rng.below(50) as u32,
+                    199,
+                    160 + rng.below(30) as u32,
+                ];
                 let bs = block.unwrap_or(1);
                 let bps = 200usize.div_ceil(bs);
                 let num_blocks = used.len() * bps;
@@ -1267,12 +1282,10 @@ mod tests {
     ) -> (Vec<f64>, Vec<f32>) {
         use softmax_core::RowState;
         let var = plan.variant;
-        // The kernel's `walking`: a walk, blocks read whole within the tile, 8 keys or more.
+        // The kernel's `walking`: a walk, blocks read whole, 8 keys or more.
         let bs = p.block_size as i64;
-        let walking = p.block_walk != 0
-            && p.block_size >= 8
-            && var.reads_whole_blocks(p.block_size as usize)
-            && (p.block_size as u32) < var.block_n();
+        let walking =
+            p.block_walk != 0 && p.block_size >= 8 && var.reads_whole_blocks(p.block_size as usize);
         let (block_m, block_n, wn) = (var.block_m() as i64, var.block_n() as i64, var.wn as i64);
         let sq = p.seqlen_q as i64;
         let rows_total = p.batch as i64 * p.heads_q as i64 * sq;
@@ -1313,12 +1326,12 @@ mod tests {
                         i_min = r_first % sq;
                         i_max = r_last % sq;
                     }
+                    let walked = if walking { (sk + bs - 1) / bs * bs } else { sk };
                     let (ulo, uhi) = if walking {
-                        (0, sk)
+                        (0, walked)
                     } else {
                         (key_lo(i_min, diag), key_hi(i_max, diag, sk))
                     };
-                    let walked = if walking { (sk + bs - 1) / bs * bs } else { sk };
                     let bps = p.blocks_per_seq as i64;
                     // A tile position's logical key and physical block (the walk's planes, or
                     // the table's order; keys past the used ones are masked, their block 0);

@@ -20,8 +20,8 @@
 // more it writes its unnormalised accumulator and (m, l) per row to the f32 workspace, and
 // flash_decode_combine (decode/combine.cu) merges the splits.
 //
-// A paged cache of blocks that a tile's threads read whole (8-32 keys at head dim 128) may come
-// with a block walk (`p.block_walk`, built on the host by `block_walk` in kernels/decode.rs):
+// A paged cache of blocks that a tile's threads read whole (8 keys or more at head dim 128:
+// dealt out within a tile, or holding whole tiles) may come with a block walk (`p.block_walk`, built on the host by `block_walk` in kernels/decode.rs):
 // per sequence, its used blocks in ascending physical order, each with its logical index. The
 // kernel then streams the blocks in that order (walk position w = the key's place in the walk)
 // and masks each key by its logical position: a split reads one ascending run of addresses
@@ -125,9 +125,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     // e.g. 2 warps of 48 keys, reads such blocks per row.)
     const bool tile_blocks = (LOAD_ITERS & (LOAD_ITERS - 1)) == 0 && block_pow2 && BLOCK_N % p.block_size == 0 &&
                              p.block_size >= LOAD_ITERS;
-    // The block walk, for blocks read whole of at least one 8-key n-tile (the host passes it
-    // only then and without a left window; anything else reads the table in order).
-    const bool walking = p.block_walk != 0 && tile_blocks && p.block_size >= 8;
+    // The block walk, for blocks read whole (dealt out within a tile, or holding whole
+    // tiles) of at least one 8-key n-tile (the host passes it only then and without a left
+    // window; anything else reads the table in order).
+    const bool walking = p.block_walk != 0 && (tile_blocks || (block_pow2 && p.block_size % BLOCK_N == 0)) &&
+                         p.block_size >= 8;
     // Walk positions at and past `walked` lie beyond the sequence's used blocks.
     const int walked = walking ? ((sk + block_mask) >> block_shift) << block_shift : sk;
 #define LO_OF(i) KEY_LO((i), diag, p.win_left)
@@ -141,8 +143,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         i_min = r_first % sq;
         i_max = r_last % sq;
     }
-    // A walk streams every used block: the keys a row does not see are masked one by one.
-    const int union_lo = walking ? 0 : LO_OF(i_min), union_hi = walking ? sk : HI_OF(i_max);
+    // A walk streams every used block, whole (blocks larger than a tile may put the partial
+    // one anywhere in the walk): the keys a row does not see are masked one by one.
+    const int union_lo = walking ? 0 : LO_OF(i_min), union_hi = walking ? walked : HI_OF(i_max);
     int t_begin = 0, t_end = 0;
     if (union_hi > union_lo) {
         const int tiles_lo = union_lo / BLOCK_N, tiles_hi = (union_hi + BLOCK_N - 1) / BLOCK_N;
@@ -221,17 +224,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
             cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
         };
-        // Rows at a constant step from this thread's first row of the tile.
-        auto stepped_rows = [&](const u16* kp, const u16* vp) {
+        // Rows at a constant step from this thread's first row of the tile (logical key key0).
+        auto stepped_rows = [&](const int key0, const u16* kp, const u16* vp) {
 #pragma unroll
             for (int it = 0; it < LOAD_ITERS; ++it) {
-                copy_row(row0 + it * ROW_STEP, n0 + row0 + it * ROW_STEP, kp, vp);
+                copy_row(row0 + it * ROW_STEP, key0 + it * ROW_STEP, kp, vp);
                 kp += k_step;
                 vp += v_step;
             }
         };
         if (!paged) {
-            stepped_rows(gk_seq + (i64)(n0 + row0) * p.k_ss, gv_seq + (i64)(n0 + row0) * p.v_ss);
+            stepped_rows(n0 + row0, gk_seq + (i64)(n0 + row0) * p.k_ss, gv_seq + (i64)(n0 + row0) * p.v_ss);
             return;
         }
         const int* tab = sTab + (t % TAB_RING) * BLOCK_N;
@@ -240,7 +243,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             // entry, then the padded cache's row step.
             const int bb = min(max(tab[0], 0), p.num_blocks - 1);
             const i64 in0 = (n0 & block_mask) + row0;
-            stepped_rows(gk_seq + (i64)bb * p.k_bs + in0 * p.k_ss, gv_seq + (i64)bb * p.v_bs + in0 * p.v_ss);
+            // In a walk, the block's logical start.
+            int key0 = n0 + row0;
+            if (walking) {
+                const int lb = min(max(sLog[(t % TAB_RING) * BLOCK_N], 0), p.blocks_per_seq - 1);
+                key0 = n0 < walked ? (lb << block_shift) + (int)in0 : WALK_PAST;
+            }
+            stepped_rows(key0, gk_seq + (i64)bb * p.k_bs + in0 * p.k_ss, gv_seq + (i64)bb * p.v_bs + in0 * p.v_ss);
             return;
         }
         if (tile_blocks) {
