@@ -3,7 +3,9 @@
  * uint16_t bits), checked against a naive attention written here; then a bad call, checked
  * for its error code and message; then the same K/V read as a padded KV cache
  * (fa_forward_cache_cpu, FA_KV_CACHE_INIT) with every key used, and a used length past the
- * cache refused. Exits non-zero on any failure.
+ * cache refused; then a paged cache's block walk built by fa_block_walk (API version 4)
+ * against the walk written out by hand, a bad table refused with the walk untouched, and a
+ * walk refused where it does not belong. Exits non-zero on any failure.
  *
  * Build (from the repository root, after `cargo build -p fa-capi`):
  *   cc examples/c/forward_cpu.c -Iinclude target/debug/libflash_attention_rs.a \
@@ -213,6 +215,43 @@ int main(void) {
     untouched = 1;
     for (size_t i = 0; i < nq; i++) untouched &= o[i] == 7.0f;
     check(untouched, "the output is untouched");
+
+    /* A paged cache's block walk (for fa_forward_cache_cuda's FaKvCache.block_walk, after a
+       copy to the device), built on the host: 2 sequences of up to 3 blocks of 4 keys in a
+       pool of 6 blocks. Sequence 0 uses 9 keys (blocks 4, 0, 5: all three), sequence 1 uses
+       4 (block 2); per sequence the used blocks by physical index, then their logical
+       indices, zeros after; the entry past the walk stays as it was. */
+    {
+        int32_t used[2] = {9, 4};
+        const int32_t table[6] = {4, 0, 5, 2, -1, -1};
+        const int32_t want[12] = {0, 4, 5, 1, 0, 2, /* sequence 1 */ 2, 0, 0, 0, 0, 0};
+        int32_t walk[13];
+        for (int i = 0; i < 13; i++) walk[i] = -7;
+        rc = fa_block_walk(used, table, 2, 3, 4, 6, walk, 13);
+        if (rc != FA_OK) printf("error %d: %s\n", rc, fa_last_error_message());
+        check(rc == FA_OK, "fa_block_walk returns FA_OK");
+        int same = walk[12] == -7;
+        for (int i = 0; i < 12; i++) same &= walk[i] == want[i];
+        check(same, "the walk sorts each sequence's used blocks by physical index");
+        for (int i = 0; i < 13; i++) walk[i] = -7;
+        used[1] = 13; /* past the 3 blocks of 4 keys */
+        rc = fa_block_walk(used, table, 2, 3, 4, 6, walk, 13);
+        printf("      bad walk: code %d, message \"%s\"\n", rc, fa_last_error_message());
+        check(rc == FA_ERR_INVALID_ARGUMENT, "a length past the cache is FA_ERR_INVALID_ARGUMENT");
+        untouched = 1;
+        for (int i = 0; i < 13; i++) untouched &= walk[i] == -7;
+        check(untouched, "the walk is untouched");
+        /* The padded cache above has no blocks to walk; the CPU never takes a walk. */
+        seqused_k[1] = SK;
+        cache.block_walk = walk;
+        for (size_t i = 0; i < nq; i++) o[i] = 7.0f;
+        rc = fa_forward_cache_cpu(&problem, &cache, &tq, &tk, &tv, &to, lse, NULL);
+        printf("      walk on the CPU: code %d, message \"%s\"\n", rc, fa_last_error_message());
+        check(rc == FA_ERR_INVALID_ARGUMENT, "a walk on fa_forward_cache_cpu is FA_ERR_INVALID_ARGUMENT");
+        untouched = 1;
+        for (size_t i = 0; i < nq; i++) untouched &= o[i] == 7.0f;
+        check(untouched, "the output is untouched");
+    }
 
     free(q), free(k), free(v), free(o), free(lse), free(ref), free(ref_lse);
     free(qb), free(kb), free(vb), free(ob), free(tmp);

@@ -1,6 +1,7 @@
 //! The native half of the Python package `flash_attention_rs` (module
 //! `flash_attention_rs._native`): one call, `forward` (and `append_kv`, new tokens into a
-//! KV cache in place), that takes what the Python shim
+//! KV cache in place; `block_walk`, a paged cache's block walk built on the host), that takes
+//! what the Python shim
 //! gathered from NumPy arrays or PyTorch tensors (address, shape, element strides, dtype name)
 //! and runs the library through its C ABI (`fa-capi`): `fa_forward_cpu` on host memory with the
 //! GIL released, `fa_forward_cuda` on the tensors' device memory, queued on the caller's stream.
@@ -13,11 +14,11 @@
 //! `ValueError` (invalid or unsupported input) or `RuntimeError` (no device, a CUDA fault).
 
 use fa_capi::{
-    fa_append_kv_cpu, fa_append_kv_cuda, fa_cuda_device_create, fa_cuda_device_destroy,
-    fa_forward_cache_cpu, fa_forward_cache_cuda, fa_forward_cpu, fa_forward_cuda,
-    fa_last_error_message, FaCudaDevice, FaKvCache, FaOptions, FaProblem, FaTensor, FA_DTYPE_BF16,
-    FA_DTYPE_F16, FA_DTYPE_F32, FA_ERR_INVALID_ARGUMENT, FA_ERR_UNSUPPORTED, FA_ERR_VERSION, FA_OK,
-    FA_SEQLENS_VARLEN_DEVICE, FA_SEQLENS_VARLEN_HOST,
+    fa_append_kv_cpu, fa_append_kv_cuda, fa_block_walk, fa_cuda_device_create,
+    fa_cuda_device_destroy, fa_forward_cache_cpu, fa_forward_cache_cuda, fa_forward_cpu,
+    fa_forward_cuda, fa_last_error_message, FaCudaDevice, FaKvCache, FaOptions, FaProblem,
+    FaTensor, FA_DTYPE_BF16, FA_DTYPE_F16, FA_DTYPE_F32, FA_ERR_INVALID_ARGUMENT,
+    FA_ERR_UNSUPPORTED, FA_ERR_VERSION, FA_OK, FA_SEQLENS_VARLEN_DEVICE, FA_SEQLENS_VARLEN_HOST,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -27,8 +28,9 @@ use std::ffi::{c_void, CStr};
 type TensorArg = (u64, Vec<i64>, Vec<i64>, String);
 
 /// A KV cache: `seqused_k` (int32 `(batch,)`), the block table (int32 `(batch, max_blocks)`;
-/// `None`: a padded cache) and a forced split count (0: the library's choice).
-type CacheArg = (TensorArg, Option<TensorArg>, u32);
+/// `None`: a padded cache), a forced split count (0: the library's choice) and the paged
+/// cache's block walk (int32 `(batch, 2, max_blocks)` on the device; `None`: none).
+type CacheArg = (TensorArg, Option<TensorArg>, u32, Option<TensorArg>);
 
 /// Device prefix sums: addresses of `cu_seqlens_q` and `cu_seqlens_k` (int32, `batch + 1`
 /// entries each), `batch`, `max_seqlen_q`, `max_seqlen_k`.
@@ -217,6 +219,11 @@ fn check_table(arg: &TensorArg, name: &str, expected: &[i64], layout: &str) -> P
             shape_text(expected)
         )));
     }
+    // An empty table holds nothing to read: its strides mean nothing (NumPy gives empty
+    // arrays zero strides).
+    if shape.contains(&0) {
+        return Ok(*addr);
+    }
     let mut dense = 1;
     for (&n, &s) in shape.iter().zip(strides).rev() {
         if n > 1 && s != dense {
@@ -232,10 +239,12 @@ fn check_table(arg: &TensorArg, name: &str, expected: &[i64], layout: &str) -> P
 
 /// The C descriptor of a KV cache of `batch` sequences whose K tensor has dims `k_dims`:
 /// `seqused_k` `(batch,)` and, for a paged cache, the block table `(batch, max_blocks)` (then
-/// K's leading dims are `(num_blocks, block_size)`); tables int32, dense.
+/// K's leading dims are `(num_blocks, block_size)`) and optionally its block walk
+/// `(batch, 2, max_blocks)`; tables int32, dense.
 fn cache_desc(
     seqused_k: &TensorArg,
     block_table: Option<&TensorArg>,
+    block_walk: Option<&TensorArg>,
     batch: i64,
     k_dims: &[i64; 4],
 ) -> PyResult<FaKvCache> {
@@ -262,6 +271,19 @@ fn cache_desc(
         desc.blocks_per_seq = max_blocks;
         desc.block_size = k_dims[1];
         desc.num_blocks = k_dims[0];
+        if let Some(walk) = block_walk {
+            let addr = check_table(
+                walk,
+                "block_walk",
+                &[batch, 2, max_blocks],
+                "(batch, 2, max_blocks)",
+            )?;
+            desc.block_walk = addr as usize as *const i32;
+        }
+    } else if block_walk.is_some() {
+        return Err(value_error(
+            "block_walk needs block_table: a padded cache has no blocks to walk",
+        ));
     }
     Ok(desc)
 }
@@ -407,10 +429,12 @@ impl Call {
 /// Without `device` it runs on the CPU with the GIL released; with one, it is queued on
 /// `stream` (a `cudaStream_t` of that device, 0: the legacy default stream) and returns
 /// without waiting. Host prefix sums go in `cu_seqlens`, device ones in `device_cu_seqlens`.
-/// `cache = (seqused_k, block_table or None, num_splits)` reads K/V from a KV cache: `k`/`v`
-/// are the padded cache `(batch, capacity, heads_kv, head_dim)` or, with a block table
-/// `(batch, max_blocks)`, the paged cache `(num_blocks, block_size, heads_kv, head_dim)`;
-/// the tables are int32, host arrays on the CPU and device tensors on CUDA.
+/// `cache = (seqused_k, block_table or None, num_splits, block_walk or None)` reads K/V from a
+/// KV cache: `k`/`v` are the padded cache `(batch, capacity, heads_kv, head_dim)` or, with a
+/// block table `(batch, max_blocks)`, the paged cache `(num_blocks, block_size, heads_kv,
+/// head_dim)`; the tables are int32, host arrays on the CPU and device tensors on CUDA; a
+/// paged cache's block walk `(batch, 2, max_blocks)` is a device tensor (CUDA only: the CPU
+/// refuses one).
 #[pyfunction]
 #[pyo3(signature = (q, k, v, o, lse=None, *, causal=false, window=(-1, -1), softcap=None,
     scale=None, cu_seqlens=None, device_cu_seqlens=None, cache=None, device=None, stream=0))]
@@ -446,7 +470,7 @@ fn forward(
     let [cq, ck, cv, co] = [(&q, "q"), (&k, "k"), (&v, "v"), (&o, "out")]
         .map(|(t, name)| check_tensor(t, name, varlen));
     let (cq, ck, cv, co) = (cq?, ck?, cv?, co?);
-    let paged = matches!(cache, Some((_, Some(_), _)));
+    let paged = matches!(cache, Some((_, Some(_), _, _)));
     check_shapes(&cq.dims, &ck.dims, &cv.dims, &co.dims, paged)?;
     let [batch, seqlen_q, heads_q, head_dim] = cq.dims;
     let (seqlen_k, heads_kv, head_dim_v) = (ck.dims[1], ck.dims[2], cv.dims[3]);
@@ -500,8 +524,14 @@ fn forward(
     }
     let cache = match &cache {
         None => None,
-        Some((seqused_k, block_table, num_splits)) => {
-            let desc = cache_desc(seqused_k, block_table.as_ref(), cq.dims[0], &ck.dims)?;
+        Some((seqused_k, block_table, num_splits, block_walk)) => {
+            let desc = cache_desc(
+                seqused_k,
+                block_table.as_ref(),
+                block_walk.as_ref(),
+                cq.dims[0],
+                &ck.dims,
+            )?;
             if !desc.block_table.is_null() {
                 // The paged cache has no capacity per sequence of its own.
                 problem.seqlen_k = 0;
@@ -639,7 +669,7 @@ fn append_kv(
         )));
     }
     let [batch, seqlen_new, heads_kv, head_dim] = kn.dims;
-    let cache = cache_desc(&seqused_k, block_table.as_ref(), batch, &kc.dims)?;
+    let cache = cache_desc(&seqused_k, block_table.as_ref(), None, batch, &kc.dims)?;
     if block_table.is_none() && kc.dims[0] != batch {
         return Err(value_error(format!(
             "k_new has batch {batch} but the padded cache k_cache has batch {}",
@@ -666,6 +696,64 @@ fn append_kv(
     result.map_err(|(code, message)| library_error(code, message))
 }
 
+/// Builds the block walk of a paged KV cache into `walk` (host int32 `(batch, 2, max_blocks)`)
+/// with `fa_block_walk`: per sequence its used blocks sorted by physical index (plane 0) and
+/// their logical indices (plane 1), zeros after. `seqused_k` `(batch,)` and `block_table`
+/// `(batch, max_blocks)` are host int32 arrays, dense; the library checks them as the CPU
+/// cache call does (`ValueError`, `walk` untouched).
+#[pyfunction]
+fn block_walk(
+    py: Python<'_>,
+    seqused_k: TensorArg,
+    block_table: TensorArg,
+    block_size: i64,
+    num_blocks: i64,
+    walk: TensorArg,
+) -> PyResult<()> {
+    if block_table.1.len() != 2 {
+        return Err(value_error(format!(
+            "block_table has shape {}: expected 2 dimensions (batch, max_blocks)",
+            shape_text(&block_table.1)
+        )));
+    }
+    let (batch, max_blocks) = (block_table.1[0], block_table.1[1]);
+    let used = check_table(&seqused_k, "seqused_k", &[batch], "(batch,)")?;
+    let table = check_table(
+        &block_table,
+        "block_table",
+        &[batch, max_blocks],
+        "(batch, max_blocks)",
+    )?;
+    let out = check_table(
+        &walk,
+        "walk",
+        &[batch, 2, max_blocks],
+        "(batch, 2, max_blocks)",
+    )?;
+    let len = usize::try_from(batch)
+        .ok()
+        .zip(usize::try_from(max_blocks).ok())
+        .and_then(|(b, m)| b.checked_mul(m)?.checked_mul(2))
+        .ok_or_else(|| value_error("the walk's size overflows"))?;
+    py.detach(move || {
+        // SAFETY: int32 host arrays of the checked shapes, dense, kept alive by the caller
+        // for the call (the library checks null, alignment, overlap and every used entry).
+        call_c(|| unsafe {
+            fa_block_walk(
+                used as usize as *const i32,
+                table as usize as *const i32,
+                batch,
+                max_blocks,
+                block_size,
+                num_blocks,
+                out as usize as *mut i32,
+                len,
+            )
+        })
+    })
+    .map_err(|(code, message)| library_error(code, message))
+}
+
 /// The library's version (`MAJOR.MINOR.PATCH`).
 #[pyfunction]
 fn version() -> String {
@@ -680,6 +768,7 @@ fn version() -> String {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward, m)?)?;
     m.add_function(wrap_pyfunction!(append_kv, m)?)?;
+    m.add_function(wrap_pyfunction!(block_walk, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_class::<CudaDevice>()?;
     Ok(())

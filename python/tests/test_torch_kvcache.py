@@ -3,7 +3,9 @@ torch is installed) with host tables, and on CUDA (where a GPU is) with int32 de
 that the library never reads back, against a float64 computation over each sequence's used
 keys: padded and paged caches (shuffled tables, block sizes 1 to 256), lengths 0, 1 and odd,
 several queries with causal, GQA 8:1 and MQA, forced splits; device lengths past the capacity
-clamped; bad tables and devices refused. Skips say loudly when torch or a GPU is missing."""
+clamped; bad tables and devices refused; a paged cache's block walk (``block_walk()`` from
+torch host tables, passed to CUDA calls, refused on the CPU). Skips say loudly when torch or a
+GPU is missing."""
 
 import zlib
 
@@ -237,3 +239,98 @@ def test_append_refusals_leave_the_cache_untouched():
     with pytest.raises(ValueError, match="need seqused_k"):
         fa.attention(k_new, k, v, k_new=k_new, v_new=v_new)
     assert torch.equal(k, k_before) and torch.equal(v, v_before)
+
+
+def expected_walk(used, table, block_size):
+    """A paged cache's block walk by its definition: per sequence its used blocks' (physical,
+    logical) pairs sorted, physical indices in plane 0, logical in plane 1, zeros after."""
+    table = np.asarray(table)
+    walk = np.zeros((table.shape[0], 2, table.shape[1]), dtype=np.int32)
+    for b, u in enumerate(used):
+        pairs = sorted((int(table[b, j]), j) for j in range(-(-int(u) // block_size)))
+        for j, (phys, logical) in enumerate(pairs):
+            walk[b, :, j] = (phys, logical)
+    return walk
+
+
+def test_block_walk_from_torch_host_tables():
+    # block_walk takes CPU tensors; CUDA tables are refused (the walk is built on the host),
+    # and the CPU path of attention takes no walk.
+    gen = torch.Generator().manual_seed(14)
+    used = [33, 0, 1, 64]
+    k, v, table = make_cache(gen, used, 1, 32, torch.float32, "cpu", 8)
+    walk = fa.block_walk(torch.tensor(used), table, k.shape[1], k.shape[0])
+    np.testing.assert_array_equal(walk, expected_walk(used, table.numpy(), 8))
+    q = randn((4, 1, 2, 32), torch.float32, "cpu", gen)
+    out = torch.full(q.shape, 7.0)
+    with pytest.raises(ValueError, match="block_walk is for CUDA tensors"):
+        fa.attention(q, k, v, seqused_k=used, block_table=table, block_walk=torch.from_numpy(walk), out=out)
+    assert torch.all(out == 7.0)
+    if HAS_CUDA:
+        with pytest.raises(ValueError, match="builds the walk on the host"):
+            fa.block_walk(torch.tensor(used, dtype=torch.int32, device="cuda"), table, 8, k.shape[0])
+
+
+@needs_cuda
+@pytest.mark.parametrize("block_size", [5, 8, 16, 64, 256])
+def test_cuda_block_walk_matches_table_order_and_f64(block_size):
+    # A walk from block_walk(), uploaded once, gives the table-order call's result to
+    # rounding (both against float64, bf16 bound); a wrong walk (every used block moved to
+    # its neighbour in the pool) gives wrong rows where the plan walks (blocks of 8 keys or
+    # more), so the walk does reach the kernel. Then a decode step: append with k_new/v_new
+    # and the walk of the lengths after it.
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("walk", block_size)).encode()))
+    after = [1, 2, 302, 78, 601, 1024]  # the lengths after a one-token append
+    before = [u - 1 for u in after]
+    k0, v0, table = make_cache(gen, after, 2, 128, torch.bfloat16, "cuda", block_size)
+    num_blocks = k0.shape[0]
+    q = randn((len(after), 1, 16, 128), torch.bfloat16, "cuda", gen)
+    bound = BOUND[("cuda", torch.bfloat16)]
+    used = torch.tensor(after, dtype=torch.int32, device="cuda")
+    walk = torch.from_numpy(fa.block_walk(after, table.cpu(), block_size, num_blocks)).cuda()
+    np.testing.assert_array_equal(walk.cpu().numpy(), expected_walk(after, table.cpu().numpy(), block_size))
+    ref, _ = reference(q, k0, v0, after, table, causal=True)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = fa.attention(q, k0, v0, seqused_k=used, block_table=table, block_walk=walk, causal=True, out=out)
+    ordered = fa.attention(q, k0, v0, seqused_k=used, block_table=table, causal=True)
+    torch.cuda.synchronize()
+    assert got is out
+    assert normwise_error(host64(got), ref) <= bound, "walked"
+    assert normwise_error(host64(ordered), ref) <= bound, "table order"
+    wrong_table = torch.where(table >= 0, (table + 1) % num_blocks, table)
+    wrong = torch.from_numpy(fa.block_walk(after, wrong_table.cpu(), block_size, num_blocks)).cuda()
+    bad = fa.attention(q, k0, v0, seqused_k=used, block_table=table, block_walk=wrong, causal=True)
+    err = normwise_error(host64(bad), ref)
+    if block_size >= 8:
+        assert err > 0.1, f"a wrong walk gave the right answer ({err:.2e}): the walk was not read"
+    else:
+        assert err <= bound, "blocks of 5 are read per row: the plan reads no walk"
+
+    # A decode step: the new token appended, then attention over the lengths after it with
+    # the walk of those lengths.
+    k_new = randn((len(after), 1, 2, 128), torch.bfloat16, "cuda", gen)
+    v_new = randn((len(after), 1, 2, 128), torch.bfloat16, "cuda", gen)
+    t = table.cpu()
+    k_want = put_tokens(k0.cpu(), k_new.cpu(), before, t)
+    v_want = put_tokens(v0.cpu(), v_new.cpu(), before, t)
+    k, v = k0.clone(), v0.clone()
+    seqused = torch.tensor(before, dtype=torch.int32, device="cuda")
+    got = fa.attention(q, k, v, seqused_k=seqused, block_table=table, block_walk=walk, k_new=k_new, v_new=v_new, causal=True)
+    torch.cuda.synchronize()
+    assert torch.equal(k.cpu(), k_want) and torch.equal(v.cpu(), v_want), "the append"
+    ref, _ = reference(q, k_want, v_want, after, t, causal=True)
+    assert normwise_error(host64(got), ref) <= bound, "append then walked"
+
+    # Bad walks: shape, dtype, device, a padded cache; nothing is written.
+    k, v = k0.clone(), v0.clone()
+    for bad_walk, words in [
+        (walk[:, :, :-1], "block_walk has shape"),
+        (walk.long(), "must be torch.int32"),
+        (walk.cpu(), "same device"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            fa.attention(q, k, v, seqused_k=seqused, block_table=table, block_walk=bad_walk, k_new=k_new, v_new=v_new)
+    with pytest.raises(ValueError, match="a padded cache has no blocks to walk"):
+        fa.attention(q, k[: len(after)], v[: len(after)], seqused_k=used, block_walk=walk)
+    torch.cuda.synchronize()
+    assert torch.equal(k, k0) and torch.equal(v, v0), "cache written on error"

@@ -181,7 +181,7 @@ pub(crate) enum Seqlens {
 ///
 /// # Safety
 /// A non-null, aligned `ptr` must point to `entries` readable `i32`s.
-unsafe fn read_prefix_sums(
+pub(crate) unsafe fn read_prefix_sums(
     ptr: *const i32,
     entries: usize,
     name: &str,
@@ -202,7 +202,11 @@ unsafe fn read_prefix_sums(
 ///
 /// # Safety
 /// A non-null, aligned `ptr` must point to `entries` readable `i32`s.
-unsafe fn read_host_i32s(ptr: *const i32, entries: usize, name: &str) -> Result<Vec<i32>, Failure> {
+pub(crate) unsafe fn read_host_i32s(
+    ptr: *const i32,
+    entries: usize,
+    name: &str,
+) -> Result<Vec<i32>, Failure> {
     host_span(name, ptr as usize, entries, 4)?;
     let mut out = Vec::new();
     out.try_reserve_exact(entries)
@@ -214,7 +218,8 @@ unsafe fn read_host_i32s(ptr: *const i32, entries: usize, name: &str) -> Result<
 
 /// The geometry of a KV cache as the caller stated it: `Some((blocks_per_seq, block_size,
 /// num_blocks))` for a paged cache (block table set), `None` for a padded one, whose paged
-/// fields must be 0. Refuses a cache on anything but a fixed-length batch.
+/// fields must be 0 and whose block walk null. Refuses a cache on anything but a
+/// fixed-length batch.
 pub(crate) fn cache_geometry(
     p: &FaProblem,
     cache: &FaKvCache,
@@ -238,6 +243,12 @@ pub(crate) fn cache_geometry(
                      set the block table for a paged cache, or 0 here"
                 )));
             }
+        }
+        if !cache.block_walk.is_null() {
+            return Err(Failure::invalid(
+                "cache.block_walk is set but cache.block_table is null (a padded cache has no \
+                 blocks to walk): pass a null walk",
+            ));
         }
         return Ok(None);
     }
@@ -593,6 +604,35 @@ mod tests {
             ..FaOptions::default()
         };
         assert_eq!(read(&newer).unwrap_err().code, FA_ERR_VERSION);
+    }
+
+    #[test]
+    fn caches_of_versions_2_and_3_read_without_a_walk() {
+        // The layouts of versions 2 and 3 end where `block_walk` begins (num_splits and the
+        // padding after it): a walk past `size` is never read.
+        let walk = core::mem::offset_of!(FaKvCache, block_walk);
+        assert_eq!(walk, core::mem::size_of::<FaKvCache>() - 8);
+        for version in [2, 3] {
+            let old = FaKvCache {
+                size: walk as u32,
+                version,
+                num_splits: 5,
+                block_walk: core::ptr::dangling(),
+                ..FaKvCache::default()
+            };
+            // SAFETY: a live, aligned FaKvCache of at least `old.size` bytes.
+            let got = unsafe { read_versioned(&old) }.expect("an older size is accepted");
+            assert_eq!(got.num_splits, 5);
+            assert!(got.block_walk.is_null(), "a field past size was read");
+            assert_eq!(got.size as usize, core::mem::size_of::<FaKvCache>());
+        }
+        let current = FaKvCache {
+            block_walk: core::ptr::dangling(),
+            ..FaKvCache::default()
+        };
+        // SAFETY: as above.
+        let got = unsafe { read_versioned(&current) }.expect("the current layout");
+        assert_eq!(got.block_walk, core::ptr::dangling());
     }
 
     #[test]

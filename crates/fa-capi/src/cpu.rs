@@ -208,7 +208,8 @@ unsafe fn run_host(
 /// masks align bottom-right against each sequence's used length. Q, K and V share one dtype
 /// (f32, bf16, f16); O is that dtype or f32. Every argument and table entry is checked before
 /// anything is written: a length past the capacity (`blocks_per_seq · block_size` when
-/// paged), a used block index outside `0..num_blocks`, null or misaligned tables are
+/// paged), a used block index outside `0..num_blocks`, null or misaligned tables, and a
+/// non-null `cache->block_walk` (the CPU walks no blocks; see [`FaKvCache::block_walk`]) are
 /// `FA_ERR_INVALID_ARGUMENT` with the outputs untouched.
 ///
 /// # Safety
@@ -239,6 +240,14 @@ pub unsafe extern "C" fn fa_forward_cache_cpu(
         opts.kv_splits = (cache.num_splits != 0).then_some(cache.num_splits as usize);
         // SAFETY: the tables follow this function's contract.
         let tables = unsafe { HostCache::read(&call.problem, &cache) }?;
+        if !cache.block_walk.is_null() {
+            // Refused, not ignored: see FaKvCache::block_walk.
+            return Err(Failure::invalid(
+                "cache.block_walk is set but fa_forward_cache_cpu reads no block walk (the CPU \
+                 reads the block table in order; a walk is device memory for \
+                 fa_forward_cache_cuda): pass a null walk",
+            ));
+        }
         if tables.paged.is_some() {
             // A paged cache has no capacity per sequence of its own: seqlen_k is ignored.
             call.problem.seqlen_k = 0;
@@ -264,7 +273,8 @@ pub unsafe extern "C" fn fa_forward_cache_cpu(
 /// `head_dim_v` and, for a padded cache, `seqlen_k` (the capacity) describe the cache, and
 /// `seqlen_q` is the number of new tokens per sequence: `k_new`/`v_new` are
 /// `[batch, seqlen_q, heads_kv, head_dim(_v)]`, any strides with a contiguous head dim.
-/// `heads_q`, the masks, the scale and the softcap are not read; `cache->num_splits` neither.
+/// `heads_q`, the masks, the scale and the softcap are not read; `cache->num_splits` and a
+/// paged cache's `cache->block_walk` neither (a padded cache's must be null).
 /// The four tensors share one dtype (f32, bf16, f16). Everything is checked before anything
 /// is written: a sequence without room for its new tokens, a block index of a new position
 /// outside `0..num_blocks`, a table too short, cache strides that map two elements to one

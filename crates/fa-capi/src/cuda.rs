@@ -350,12 +350,13 @@ impl CacheCall {
     }
 
     /// The cache's tables on the device (`seqused_k`: `batch` entries; the block table:
-    /// `batch · blocks_per_seq`).
+    /// `batch · blocks_per_seq`; the block walk, when `walk` and the caller set one:
+    /// `batch · 2 · blocks_per_seq`, checked by fa-cuda like the others).
     ///
     /// # Safety
     /// The tables must be device memory of the device's context holding that many int32s,
     /// valid until the stream passes the call's kernels.
-    unsafe fn device_tables(&self, problem: &Problem) -> CacheTables {
+    unsafe fn device_tables(&self, problem: &Problem, walk: bool) -> CacheTables {
         let batch = problem.batch();
         let table_len = match problem.kv_cache() {
             softmax_core::KvCache::Paged { blocks_per_seq, .. } => batch * blocks_per_seq,
@@ -367,8 +368,15 @@ impl CacheCall {
                 seqused_k: raw::<i32>(self.cache.seqused_k as usize as u64, batch),
                 block_table: (!self.cache.block_table.is_null())
                     .then(|| raw::<i32>(self.cache.block_table as usize as u64, table_len)),
-                // The C ABI has no block walk yet: paged calls read their table's order.
-                block_walk: None,
+                // A padded cache's walk was refused by `cache_geometry`; the validated
+                // problem's `batch · blocks_per_seq` does not overflow, and twice it is
+                // checked by fa-cuda.
+                block_walk: (walk && !self.cache.block_walk.is_null()).then(|| {
+                    raw::<i32>(
+                        self.cache.block_walk as usize as u64,
+                        table_len.saturating_mul(2),
+                    )
+                }),
             }
         }
     }
@@ -441,7 +449,7 @@ unsafe fn launch_cache<T: CudaElement>(
     let addr = |t: &FaTensor| t.data as usize as u64;
     // SAFETY: the caller's contract (fa_forward_cache_cuda's): device memory of this context
     // that stays valid until `stream` passes the kernels.
-    let tables = unsafe { call.device_tables(problem) };
+    let tables = unsafe { call.device_tables(problem, true) };
     // SAFETY: as above.
     let (qkv, out, caller_ws) = unsafe {
         (
@@ -507,16 +515,23 @@ unsafe fn launch_cache<T: CudaElement>(
 /// is queued (null, alignment: 16 bytes for tensors, 4 for LSE and tables; overflow;
 /// overlaps).
 ///
+/// A paged cache's `block_walk` (API version 4; device memory, `batch · 2 · blocks_per_seq`
+/// int32s from `fa_block_walk` over the same lengths and table, copied to the device) lets
+/// the kernel read each sequence's blocks in address order where its plan allows; null reads
+/// them in the table's order (see [`FaKvCache::block_walk`]). Like the tables it is never
+/// read by the host: checked for alignment (4 bytes) only.
+///
 /// The split workspace: `workspace` (device memory, 16-byte aligned, at least
 /// `fa_forward_cache_cuda_workspace_bytes` bytes, given in `workspace_bytes`; not used by
 /// other work until `stream` has passed the call) or, when `workspace` is null, allocated by
 /// the library on `stream` and freed in stream order after the kernels.
 ///
 /// # Safety
-/// As [`fa_forward_cuda`], with `cache` pointing to an initialised `FaKvCache` whose tables
-/// are device memory of the device's context holding what is stated above, valid (lengths at
-/// most the capacity, used block indices in range, for meaningful results) and not written
-/// until `stream` has passed the call; a non-null `workspace` as stated above.
+/// As [`fa_forward_cuda`], with `cache` pointing to an initialised `FaKvCache` of at least
+/// `cache->size` bytes whose tables (and non-null block walk) are device memory of the
+/// device's context holding what is stated above, valid (lengths at most the capacity, used
+/// block indices in range, a walk built from these tables, for meaningful results) and not
+/// written until `stream` has passed the call; a non-null `workspace` as stated above.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn fa_forward_cache_cuda(
@@ -582,8 +597,9 @@ pub unsafe extern "C" fn fa_forward_cache_cuda(
 /// queued on the caller's `stream` without waiting (as [`fa_forward_cuda`]): token `i` of
 /// sequence `b` in `k_new`/`v_new` goes to position `seqused_k[b] + i` of the padded or paged
 /// cache (see [`FaKvCache`] and `fa_append_kv_cpu`, whose arguments these are: `problem.seqlen_q`
-/// new tokens per sequence, `heads_q`, masks, scale, softcap and `num_splits` not read). The
-/// lengths are not changed: the attention call that follows adds `seqlen_q` to `seqused_k`.
+/// new tokens per sequence, `heads_q`, masks, scale, softcap, `num_splits` and a paged cache's
+/// `block_walk` not read). The lengths are not changed: the attention call that follows adds
+/// `seqlen_q` to `seqused_k`.
 ///
 /// The cache and the new tokens share one dtype, bf16 or f16; `k_new`/`v_new` are dense
 /// `[batch, seqlen_q, heads_kv, head_dim(_v)]`. The cache's tables are **device** memory and
@@ -724,8 +740,13 @@ unsafe fn append_on<T: CudaElement>(
         // SAFETY: the caller's contract.
         unsafe { raw::<T>(datas[i] as usize as u64, lens[i]) }
     };
-    // SAFETY: the caller's contract.
-    let (tables, stream) = unsafe { (call.device_tables(problem), device.borrow_stream(stream)) };
+    // SAFETY: the caller's contract. The append never reads a walk (FaKvCache::block_walk).
+    let (tables, stream) = unsafe {
+        (
+            call.device_tables(problem, false),
+            device.borrow_stream(stream),
+        )
+    };
     device.append_kv_on_stream(
         problem,
         seqlen_new,

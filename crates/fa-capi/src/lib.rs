@@ -6,7 +6,9 @@
 //! (device tables never read by the host: planned by capacity, clamped by the kernels; the
 //! split workspace from the caller, sized by `fa_forward_cache_cuda_workspace_bytes`, or
 //! allocated on the stream); new tokens go into a cache in place with `fa_append_kv_cpu` /
-//! `fa_append_kv_cuda` (API version 3).
+//! `fa_append_kv_cuda` (API version 3); a paged cache's block walk (`FaKvCache::block_walk`,
+//! the order `fa_forward_cache_cuda` reads the blocks in) is built on the host by
+//! `fa_block_walk` (API version 4).
 //!
 //! The header is `include/flash_attention_rs.h`, generated from this crate by cbindgen (the
 //! test `header_is_current` fails when it is stale; `FA_CAPI_BLESS=1 cargo test -p fa-capi`
@@ -23,7 +25,8 @@
 //! - `FaOptions` and `FaKvCache` start with their size and the API version: older layouts
 //!   are read as far as they go, newer ones refused (`FA_ERR_VERSION`); a new capability is
 //!   a new field at the end or a new descriptor and function (API version 2 added the KV
-//!   cache, 3 the append entries), never a changed layout.
+//!   cache, 3 the append entries, 4 the cache's block walk and its builder), never a changed
+//!   layout.
 //!
 //! `unsafe` lives in small named functions (`convert::read_struct`, `slice_ref`, …), each
 //! with the contract it relies on; the entry points' own contracts are in their docs.
@@ -33,6 +36,7 @@ mod cpu;
 mod cuda;
 mod error;
 mod types;
+mod walk;
 
 pub use cpu::{fa_append_kv_cpu, fa_forward_cache_cpu, fa_forward_cpu};
 pub use cuda::{
@@ -41,6 +45,7 @@ pub use cuda::{
     fa_forward_cuda,
 };
 pub use types::*;
+pub use walk::fa_block_walk;
 
 use core::ffi::c_char;
 
