@@ -134,30 +134,46 @@ pub(crate) fn dispatch<T: SimdTask>(isa: Isa, task: T) -> T::Output {
     with_arch(isa.level(), Enter(task))
 }
 
+/// The AVX-512 trampoline with AVX512-BF16 and AVX512-BW, so that the kernels' native bf16
+/// instructions (`Simd::bf16_pairs_v::<true>`, `Simd::dot_bf16_pairs::<true>`) compile inline.
+///
+/// # Safety
+/// This CPU has AVX-512F, AVX2, FMA, F16C, AVX512-BF16 and AVX512-BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn enter_bf16<T: SimdTask>(task: T) -> T::Output {
+    // SAFETY: the features are present (caller); the const generics are AVX-512's.
+    unsafe {
+        task.run::<Avx512, { Avx512::QK_KEYS }, { Avx512::ROW_VECTORS }, { Avx512::PV_CHANNELS }>()
+    }
+}
+
 /// [`dispatch`] for the AMX kernel on hardware tiles: at [`SimdLevel::Amx`], when AMX is
 /// [`crate::arch::amx::available`] (which includes AVX512-BF16 and AVX512-BW), the AVX-512
 /// task runs in a trampoline that also enables those two, so the kernel's bf16 conversion
 /// (`Simd::bf16_pairs_v::<true>`) compiles inline; otherwise as [`dispatch`].
 pub(crate) fn dispatch_amx<T: SimdTask>(isa: Isa, task: T) -> T::Output {
     #[cfg(target_arch = "x86_64")]
+    if isa.level() == SimdLevel::Amx && crate::arch::amx::available() {
+        // SAFETY: the level is Amx, which `Isa::new` checked this CPU runs (AVX-512F with
+        // AVX2, FMA, F16C), and `available` checked AVX512-BF16 and AVX512-BW.
+        return unsafe { enter_bf16(task) };
+    }
+    dispatch(isa, task)
+}
+
+/// [`dispatch`] for a task that uses the CPU's own bf16 instructions (the decode's
+/// `vdpbf16ps` `Q·Kᵀ`): at the AVX-512 levels on a CPU with AVX512-BF16 and AVX512-BW
+/// ([`crate::arch::has_avx512_bf16`]), the AVX-512 trampoline that enables them; otherwise
+/// as [`dispatch`] (the task must then not ask for them).
+pub(crate) fn dispatch_bf16<T: SimdTask>(isa: Isa, task: T) -> T::Output {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa.level(), SimdLevel::Avx512f | SimdLevel::Amx) && crate::arch::has_avx512_bf16()
     {
-        /// The AVX-512 trampoline with AVX512-BF16 and AVX512-BW.
-        ///
-        /// # Safety
-        /// This CPU has AVX-512F, AVX2, FMA, F16C, AVX512-BF16 and AVX512-BW.
-        #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-        unsafe fn enter_amx<T: SimdTask>(task: T) -> T::Output {
-            // SAFETY: the features are present (caller); the const generics are AVX-512's.
-            unsafe {
-                task.run::<Avx512, { Avx512::QK_KEYS }, { Avx512::ROW_VECTORS }, { Avx512::PV_CHANNELS }>(
-                )
-            }
-        }
-        if isa.level() == SimdLevel::Amx && crate::arch::amx::available() {
-            // SAFETY: the level is Amx, which `Isa::new` checked this CPU runs (AVX-512F with
-            // AVX2, FMA, F16C), and `available` checked AVX512-BF16 and AVX512-BW.
-            return unsafe { enter_amx(task) };
-        }
+        // SAFETY: the level is an AVX-512 one, which `Isa::new` checked this CPU runs
+        // (AVX-512F with AVX2, FMA, F16C), and `has_avx512_bf16` checked AVX512-BF16 and
+        // AVX512-BW.
+        return unsafe { enter_bf16(task) };
     }
     dispatch(isa, task)
 }

@@ -4,7 +4,7 @@ use crate::arch::amx::Tiles;
 use crate::arch::SimdLevel;
 use crate::dispatch::{dispatch, Isa, SimdTask};
 use crate::kernel::amx_task::{AmxInputs, AMX_TASK_ROWS};
-use crate::kernel::decode_stream::{self, StreamLens, StreamTask};
+use crate::kernel::decode_stream::{self, QkDots, StreamLens, StreamTask};
 use crate::kernel::decode_task::{self, DecodeTask, Partials};
 use crate::kernel::scratch::ensure;
 use crate::kernel::{self, Ctx, ForwardTask, Scratch, ScratchLens, SharedOut, TaskStats, Tiling};
@@ -190,6 +190,21 @@ pub(crate) fn forward_on<T: Element, O: Element>(
     ws: &mut Workspace,
     amx_tiles: AmxTiles,
 ) -> Result<ForwardStats, ProblemError> {
+    forward_on_with(problem, qkv, out, opts, ws, amx_tiles, None)
+}
+
+/// [`forward_on`] with the decode's SIMD `Q·Kᵀ` chosen (`qk_dots`; `None`: the CPU's default,
+/// see `forward_stream`). Tests force `QkDots::Bf16Pairs` (emulated on any CPU).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward_on_with<T: Element, O: Element>(
+    problem: &Problem,
+    qkv: Qkv<&[T]>,
+    out: HostOut<'_, O>,
+    opts: &ForwardOptions,
+    ws: &mut Workspace,
+    amx_tiles: AmxTiles,
+    qk_dots: Option<QkDots>,
+) -> Result<ForwardStats, ProblemError> {
     supports(problem)?;
     problem.check_buffers(BufferLens::of(&qkv, &out))?;
     // P stays f32 here (a probability hook may narrow it, and checks its own range).
@@ -259,7 +274,7 @@ pub(crate) fn forward_on<T: Element, O: Element>(
     let workers = threads.unwrap_or_else(|| rayon::current_num_threads().max(1));
 
     if decode && decode_stream::applies(problem, opts.probability_hook.is_some()) {
-        return forward_stream(&ctx, opts, ws, threads, workers, isa, amx_tiles);
+        return forward_stream(&ctx, opts, ws, threads, workers, isa, amx_tiles, qk_dots);
     }
     ws.ensure_slots(
         workers,
@@ -455,12 +470,14 @@ impl<'t, 'a, T: Element, O: Element> WithTiles for StreamOnTiles<'t, 'a, T, O> {
             partials,
             scratch,
             tiles: Some(tiles),
+            qk: QkDots::F32,
         }
     }
 }
 
 /// Split-KV decode through the streaming kernel (`kernel::decode_stream`): every split of
 /// every run of KV heads, then the combines.
+#[allow(clippy::too_many_arguments)]
 fn forward_stream<T: Element, O: Element>(
     ctx: &Ctx<'_, T, O>,
     opts: &ForwardOptions,
@@ -469,6 +486,7 @@ fn forward_stream<T: Element, O: Element>(
     workers: usize,
     isa: Isa,
     amx_tiles: AmxTiles,
+    qk_dots: Option<QkDots>,
 ) -> Result<ForwardStats, ProblemError> {
     let problem = ctx.problem;
     let lanes = ctx.tiling.lanes;
@@ -480,6 +498,28 @@ fn forward_stream<T: Element, O: Element>(
             #[cfg(feature = "internal-tests")]
             AmxTiles::Emulated => true,
         };
+    // The SIMD `Q·Kᵀ` of bf16 inputs off the tiles: `vdpbf16ps` where asked for
+    // (`bf16_dots_preferred`) at the AVX-512 levels, else widened to f32.
+    let qk = qk_dots.unwrap_or(
+        if T::KIND == crate::element::sealed::Kind::Bf16
+            && matches!(isa.level(), SimdLevel::Avx512f | SimdLevel::Amx)
+            && crate::arch::bf16_dots_preferred()
+        {
+            QkDots::Bf16Pairs { native: true }
+        } else {
+            QkDots::F32
+        },
+    );
+    // A native product needs the CPU's instruction and its trampoline.
+    let qk = match qk {
+        QkDots::Bf16Pairs { native: true }
+            if !(matches!(isa.level(), SimdLevel::Avx512f | SimdLevel::Amx)
+                && crate::arch::has_avx512_bf16()) =>
+        {
+            QkDots::F32
+        }
+        other => other,
+    };
     let plan = decode_stream::plan(problem, lanes, std::mem::size_of::<T>(), opts.kv_splits)?;
     let hardware_tiles = matches!(amx_tiles, AmxTiles::Hardware);
     let lens = StreamLens::of::<O>(problem, &plan, lanes, amx, hardware_tiles);
@@ -505,16 +545,19 @@ fn forward_stream<T: Element, O: Element>(
                     return stats;
                 }
             }
-            dispatch(
-                isa,
-                StreamTask {
-                    ctx,
-                    item,
-                    partials,
-                    scratch,
-                    tiles: None::<decode_stream::NoTiles>,
-                },
-            )
+            let task = StreamTask {
+                ctx,
+                item,
+                partials,
+                scratch,
+                tiles: None::<decode_stream::NoTiles>,
+                qk,
+            };
+            if qk == (QkDots::Bf16Pairs { native: true }) {
+                crate::dispatch::dispatch_bf16(isa, task)
+            } else {
+                dispatch(isa, task)
+            }
         },
         plan.combines.len(),
         |i, acc, states, acc_row| {

@@ -72,6 +72,8 @@ internal!(decode_stream_tests:
     emulated_amx_decode_matches_the_oracle_on_every_level,
     #[ignore = "needs AMX (Intel Sapphire Rapids or later)"]
     hardware_amx_decode_matches_the_oracle,
+    bf16_pair_dots_match_the_oracle,
+    bf16_pair_dots_are_two_roundings_from_exact,
     natural_row_undoes_register_order,
 );
 

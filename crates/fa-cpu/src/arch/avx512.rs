@@ -303,6 +303,36 @@ unsafe impl Simd for Avx512 {
         }
     }
     #[inline(always)]
+    unsafe fn dot_bf16_pairs<const NATIVE: bool>(acc: __m512, a: __m512, b: __m512) -> __m512 {
+        if NATIVE {
+            // SAFETY: AVX512-BF16 present (caller); the vectors' bits are 32 bf16 each
+            // (transmutes between 512-bit vector types of the same size).
+            return unsafe {
+                _mm512_dpbf16_ps(
+                    acc,
+                    std::mem::transmute::<__m512, __m512bh>(a),
+                    std::mem::transmute::<__m512, __m512bh>(b),
+                )
+            };
+        }
+        // SAFETY: AVX-512F present (trait contract). Even elements to the high half of each
+        // lane by a shift, odd ones kept in place by a mask: exact bf16 → f32 widening.
+        unsafe {
+            let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+            let (ai, bi) = (_mm512_castps_si512(a), _mm512_castps_si512(b));
+            let odd = _mm512_fmadd_ps(
+                _mm512_castsi512_ps(_mm512_and_si512(ai, high)),
+                _mm512_castsi512_ps(_mm512_and_si512(bi, high)),
+                acc,
+            );
+            _mm512_fmadd_ps(
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(ai)),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bi)),
+                odd,
+            )
+        }
+    }
+    #[inline(always)]
     unsafe fn load_f16(p: *const u16) -> __m512 {
         // SAFETY: 16 readable u16 at p (trait contract); AVX-512F present.
         unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }

@@ -90,6 +90,41 @@ fn detect_avx512() -> bool {
     false
 }
 
+/// Whether this CPU has AVX-512F with AVX512-BF16 and AVX512-BW (`vdpbf16ps`,
+/// `vcvtne2ps2bf16`), detected once.
+pub(crate) fn has_avx512_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            detect_avx512()
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The environment variable that sets whether the decode's SIMD `Q·Kᵀ` multiplies bf16 pairs
+/// with `vdpbf16ps` ([`bf16_dots_preferred`]): `1` on (where the CPU has it), else off.
+pub(crate) const ENV_DECODE_DPBF16: &str = "FA_CPU_DECODE_DPBF16";
+
+/// Whether the decode's SIMD `Q·Kᵀ` multiplies bf16 pairs with `vdpbf16ps` (read once): only
+/// where [`ENV_DECODE_DPBF16`] is `1` and the CPU has [`has_avx512_bf16`]. Off by default: AMD's
+/// Zen 4 issues `vdpbf16ps` at the FMA's rate (twice an FMA's multiply-adds per instruction;
+/// docs/gpu-notes.md, development VM), which should make it the faster `Q·Kᵀ` of a
+/// compute-bound bf16 decode there, but no end-to-end A/B on an AMD host has been taken yet;
+/// Intel's AVX512-BF16 CPUs issue it at a quarter of the FMA's rate (run 115) and run the
+/// bf16 decode on AMX where they have it.
+pub(crate) fn bf16_dots_preferred() -> bool {
+    static PREFERRED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PREFERRED.get_or_init(|| {
+        let env = std::env::var(ENV_DECODE_DPBF16).ok();
+        env.as_deref().map(str::trim) == Some("1") && has_avx512_bf16()
+    })
+}
+
 /// 0: not detected yet; otherwise 1 + the level's index.
 static DETECTED: AtomicU8 = AtomicU8::new(0);
 
@@ -283,6 +318,40 @@ pub(crate) unsafe trait Simd: Copy + 'static {
         }
         // SAFETY: both arrays hold 16 ≥ W floats; S available (caller).
         unsafe { (Self::load(even.as_ptr()), Self::load(odd.as_ptr())) }
+    }
+    /// bf16 pair dot products: `a` and `b` each hold `2·W` bf16 values (bit patterns, loaded
+    /// as they lie in memory: lane `i` has elements `2i` and `2i + 1`), and lane `i` of the
+    /// result is `acc[i] + a[2i + 1]·b[2i + 1] + a[2i]·b[2i]` (the odd product added first,
+    /// as Intel's pseudo-code for `vdpbf16ps` orders it; bf16 products are exact in f32).
+    /// With `NATIVE` the architecture may use the CPU's `vdpbf16ps`, which also reads bf16
+    /// denormals as zero and flushes denormal results (the rounding of the two additions may
+    /// differ by CPU); without it, two f32 multiply-adds per lane. The default stores the
+    /// lanes and widens them.
+    ///
+    /// # Safety
+    /// S available; with `NATIVE`, the CPU has AVX512-BF16 (only AVX-512 overrides it).
+    #[inline(always)]
+    unsafe fn dot_bf16_pairs<const NATIVE: bool>(acc: Self::V, a: Self::V, b: Self::V) -> Self::V {
+        let (mut la, mut lb) = ([0.0f32; 16], [0.0f32; 16]);
+        // SAFETY: both arrays hold 16 ≥ W floats; S available (caller).
+        unsafe {
+            Self::store(la.as_mut_ptr(), a);
+            Self::store(lb.as_mut_ptr(), b);
+        }
+        let split = |x: &[f32; 16]| {
+            let (mut even, mut odd) = ([0.0f32; 16], [0.0f32; 16]);
+            for i in 0..Self::W {
+                even[i] = f32::from_bits(x[i].to_bits() << 16);
+                odd[i] = f32::from_bits(x[i].to_bits() & 0xffff_0000);
+            }
+            (even, odd)
+        };
+        let ((ae, ao), (be, bo)) = (split(&la), split(&lb));
+        // SAFETY: the arrays hold 16 ≥ W floats; S available (caller).
+        unsafe {
+            let odd = Self::fma(Self::load(ao.as_ptr()), Self::load(bo.as_ptr()), acc);
+            Self::fma(Self::load(ae.as_ptr()), Self::load(be.as_ptr()), odd)
+        }
     }
     /// Loads `W` f16 values (bit patterns) at `p`, widened to f32 in order.
     #[inline(always)]

@@ -484,6 +484,8 @@ pub(crate) struct StreamTask<'t, 'a, T, O, Tl = NoTiles> {
     pub scratch: &'t mut Scratch,
     /// AMX tiles for `S = Q·Kᵀ` ([`amx_applies`]); `None`: the SIMD dot products.
     pub tiles: Option<Tl>,
+    /// How the SIMD dot products multiply (without tiles, bf16 inputs; ignored otherwise).
+    pub qk: QkDots,
 }
 
 impl<T: Element, O: Element, Tl: Tiles> SimdTask for StreamTask<'_, '_, T, O, Tl> {
@@ -495,7 +497,14 @@ impl<T: Element, O: Element, Tl: Tiles> SimdTask for StreamTask<'_, '_, T, O, Tl
         // (problem validated, buffers checked); the plan made the item's keys lie within its
         // sequence and sized the partial buffers for every split's rows.
         unsafe {
-            run_item::<A, T, O, Tl>(self.ctx, self.item, self.partials, self.scratch, self.tiles)
+            run_item::<A, T, O, Tl>(
+                self.ctx,
+                self.item,
+                self.partials,
+                self.scratch,
+                self.tiles,
+                self.qk,
+            )
         }
     }
 }
@@ -666,6 +675,171 @@ unsafe fn dots_step<S: Simd, T: Element, const R: usize, const U: usize>(
     }
 }
 
+/// How the SIMD decode kernel forms `S = Q·Kᵀ` for bf16 inputs (the AMX tiles aside).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum QkDots {
+    /// Q pre-scaled in f32, K widened to f32, multiply-adds ([`dots`]).
+    F32,
+    /// Q and K as bf16 pairs ([`dots_bf16`], bf16 inputs only): `vdpbf16ps` when `native`
+    /// (the task then runs in [`crate::dispatch::dispatch_bf16`]'s trampoline), else its
+    /// emulation by two f32 multiply-adds per pair (tests, on any CPU).
+    Bf16Pairs {
+        /// `vdpbf16ps` itself.
+        native: bool,
+    },
+}
+
+/// The item's Q rows as [`qk_tile`] reads them.
+#[derive(Clone, Copy)]
+enum QRows<'q> {
+    /// Pre-multiplied f32 rows in register order (`d_pad` floats each).
+    F32(&'q [f32]),
+    /// Unscaled bf16 rows (bit patterns) in natural order, zero past `d` (`d_pad` each); the
+    /// sums are multiplied by `pre` ([`QkDots::Bf16Pairs`]).
+    Bf16 {
+        /// The rows.
+        bits: &'q [u16],
+        /// `vdpbf16ps` itself.
+        native: bool,
+        /// The score factor.
+        pre: f32,
+    },
+}
+
+/// `out[g·out_stride + u] = pre · (q_g · k_u)` for `R` bf16 rows of Q (natural order, bit
+/// patterns, `q_stride` apart, zero-padded to whole chunks) and `U` bf16 key rows of `d`
+/// elements, by [`Simd::dot_bf16_pairs`]: one instruction per chunk of `2·W` elements where
+/// [`dots`] widens K and multiplies twice.
+///
+/// # Safety
+/// S available, `2·W ≤ 32`, `T` is bf16; with `NATIVE` the CPU has AVX512-BF16; `q` readable
+/// for `R` rows of `padded(d)` u16 `q_stride` apart; `out` writable at `g·out_stride + u` for
+/// `g < R`, `u < U`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dots_bf16<S: Simd, T: Element, const R: usize, const U: usize, const NATIVE: bool>(
+    q: *const u16,
+    q_stride: usize,
+    k: [&[T]; U],
+    d: usize,
+    out: *mut f32,
+    out_stride: usize,
+    pre: f32,
+) {
+    debug_assert!(T::KIND == sealed::Kind::Bf16);
+    let chunk = 2 * S::W;
+    let full = d / chunk;
+    // SAFETY: S available (caller).
+    let zero = unsafe { S::splat(0.0) };
+    let mut acc = [[zero; U]; R];
+    let mut k_at = [std::ptr::null::<T>(); U];
+    for c in 0..full {
+        for u in 0..U {
+            // In bounds: (c + 1)·2W ≤ d = each key row's length.
+            k_at[u] = k[u][c * chunk..].as_ptr();
+        }
+        // SAFETY: 2·W readable elements at each k_at; the Q chunk is inside a padded row.
+        unsafe { dots_bf16_step::<S, T, R, U, NATIVE>(&mut acc, q, q_stride, c * chunk, &k_at) };
+    }
+    if full * chunk < d {
+        let mut tails = [[T::from_f32(0.0); 32]; U];
+        for u in 0..U {
+            tails[u] = tail_chunk(k[u], full * chunk);
+            k_at[u] = tails[u].as_ptr();
+        }
+        // SAFETY: each tail holds 32 ≥ 2·W elements; the Q chunk is inside a padded row.
+        unsafe { dots_bf16_step::<S, T, R, U, NATIVE>(&mut acc, q, q_stride, full * chunk, &k_at) };
+    }
+    if R * U == 8 {
+        let mut v = [zero; 8];
+        for (i, x) in v.iter_mut().enumerate() {
+            *x = acc[i / U][i % U];
+        }
+        // SAFETY: S available (caller).
+        let sums = unsafe { S::hsum8(v) };
+        for (i, &x) in sums.iter().enumerate() {
+            // SAFETY: inside `out` (caller).
+            unsafe { *out.add(i / U * out_stride + i % U) = x * pre };
+        }
+        return;
+    }
+    for (g, acc_g) in acc.iter().enumerate() {
+        for (u, &a) in acc_g.iter().enumerate() {
+            // SAFETY: inside `out` (caller); S available.
+            unsafe { *out.add(g * out_stride + u) = S::hsum(a) * pre };
+        }
+    }
+}
+
+/// One chunk of [`dots_bf16`]: each key's `2·W` bf16 at `k_at[u]` as `W` dwords, against
+/// each row's chunk at `q + g·q_stride + at`. A function, not a closure: a closure is not
+/// compiled with the trampoline's features unless inlined, and out of line every intrinsic
+/// in it became a call (the in-cache decode ran 8× slower).
+///
+/// # Safety
+/// As [`dots_bf16`]; `2·W` readable bf16 at each `k_at[u]` and at `at` in each row of `q`.
+#[inline(always)]
+unsafe fn dots_bf16_step<
+    S: Simd,
+    T: Element,
+    const R: usize,
+    const U: usize,
+    const NATIVE: bool,
+>(
+    acc: &mut [[S::V; U]; R],
+    q: *const u16,
+    q_stride: usize,
+    at: usize,
+    k_at: &[*const T; U],
+) {
+    // SAFETY: as the caller's contract (2·W bf16 = W f32-sized dwords per load).
+    unsafe {
+        let mut kv = [S::splat(0.0); U];
+        for u in 0..U {
+            kv[u] = S::load(k_at[u] as *const f32);
+        }
+        for (g, acc_g) in acc.iter_mut().enumerate() {
+            let qv = S::load(q.add(g * q_stride + at) as *const f32);
+            for (a, &kv_u) in acc_g.iter_mut().zip(&kv) {
+                *a = S::dot_bf16_pairs::<NATIVE>(*a, qv, kv_u);
+            }
+        }
+    }
+}
+
+/// [`dots`] or [`dots_bf16`] for rows `first..first + R` of the item's Q.
+///
+/// # Safety
+/// As [`dots`] (or [`dots_bf16`] for bf16 rows) with `q` at row `first`.
+#[inline(always)]
+unsafe fn dots_of<S: Simd, T: Element, const R: usize, const U: usize>(
+    q: QRows<'_>,
+    first: usize,
+    d_pad: usize,
+    k: [&[T]; U],
+    d: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    // SAFETY: as the caller's contract; bf16 rows exist only for bf16 inputs (`run_item`).
+    unsafe {
+        match q {
+            QRows::F32(q) => {
+                dots::<S, T, R, U>(q.as_ptr().add(first * d_pad), d_pad, k, d, out, out_stride)
+            }
+            QRows::Bf16 { bits, native, pre } if T::KIND == sealed::Kind::Bf16 => {
+                let q = bits.as_ptr().add(first * d_pad);
+                if native {
+                    dots_bf16::<S, T, R, U, true>(q, d_pad, k, d, out, out_stride, pre)
+                } else {
+                    dots_bf16::<S, T, R, U, false>(q, d_pad, k, d, out, out_stride, pre)
+                }
+            }
+            QRows::Bf16 { .. } => unreachable!("bf16 Q rows for non-bf16 inputs"),
+        }
+    }
+}
+
 /// `o_g += Σ_u p[g·p_stride + u] · v_u` for `R` accumulator rows (register order, `o_stride`
 /// apart, padded to whole chunks) and `U` value rows of `dv` elements.
 ///
@@ -781,7 +955,7 @@ unsafe fn qk_tile<S: Simd, T: Element>(
     k: &[T],
     k_offs: &[usize],
     sh: &Shape,
-    q: &[f32],
+    q: QRows<'_>,
     s: &mut [f32],
     prefetch: [PfStream<'_, T>; 2],
 ) {
@@ -794,7 +968,7 @@ unsafe fn qk_tile<S: Simd, T: Element>(
         ..
     } = *sh;
     let nk = k_offs.len();
-    let (qp, sp) = (q.as_ptr(), s.as_mut_ptr());
+    let sp = s.as_mut_ptr();
     let mut j = 0;
     while j < nk {
         let u = (nk - j).min(QK_KEYS);
@@ -816,17 +990,25 @@ unsafe fn qk_tile<S: Simd, T: Element>(
                 // SAFETY: rows first..first + r of q (d_pad each) and of s (TILE_KEYS each,
                 // keys j..j + u < TILE_KEYS); S available (caller).
                 unsafe {
-                    let (q0, s0) = (qp.add(first * d_pad), sp.add(first * TILE_KEYS + j));
-                    let st = TILE_KEYS;
+                    let s0 = sp.add(first * TILE_KEYS + j);
+                    let (st, f) = (TILE_KEYS, first);
                     match (r, u) {
-                        (4, 2) => dots::<S, T, 4, 2>(q0, d_pad, [row(j), row(j + 1)], d, s0, st),
-                        (3, 2) => dots::<S, T, 3, 2>(q0, d_pad, [row(j), row(j + 1)], d, s0, st),
-                        (2, 2) => dots::<S, T, 2, 2>(q0, d_pad, [row(j), row(j + 1)], d, s0, st),
-                        (1, 2) => dots::<S, T, 1, 2>(q0, d_pad, [row(j), row(j + 1)], d, s0, st),
-                        (4, _) => dots::<S, T, 4, 1>(q0, d_pad, [row(j)], d, s0, st),
-                        (3, _) => dots::<S, T, 3, 1>(q0, d_pad, [row(j)], d, s0, st),
-                        (2, _) => dots::<S, T, 2, 1>(q0, d_pad, [row(j)], d, s0, st),
-                        _ => dots::<S, T, 1, 1>(q0, d_pad, [row(j)], d, s0, st),
+                        (4, 2) => {
+                            dots_of::<S, T, 4, 2>(q, f, d_pad, [row(j), row(j + 1)], d, s0, st)
+                        }
+                        (3, 2) => {
+                            dots_of::<S, T, 3, 2>(q, f, d_pad, [row(j), row(j + 1)], d, s0, st)
+                        }
+                        (2, 2) => {
+                            dots_of::<S, T, 2, 2>(q, f, d_pad, [row(j), row(j + 1)], d, s0, st)
+                        }
+                        (1, 2) => {
+                            dots_of::<S, T, 1, 2>(q, f, d_pad, [row(j), row(j + 1)], d, s0, st)
+                        }
+                        (4, _) => dots_of::<S, T, 4, 1>(q, f, d_pad, [row(j)], d, s0, st),
+                        (3, _) => dots_of::<S, T, 3, 1>(q, f, d_pad, [row(j)], d, s0, st),
+                        (2, _) => dots_of::<S, T, 2, 1>(q, f, d_pad, [row(j)], d, s0, st),
+                        _ => dots_of::<S, T, 1, 1>(q, f, d_pad, [row(j)], d, s0, st),
                     }
                 }
                 rb += r;
@@ -1459,6 +1641,7 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     partials: Partials,
     scratch: &mut Scratch,
     tiles: Option<Tl>,
+    qk: QkDots,
 ) -> TaskStats {
     let p = ctx.problem;
     let (w, b) = (S::W, item.batch);
@@ -1604,8 +1787,30 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
             }
         }
     }
+    // The bf16 pair products (`QkDots::Bf16Pairs`): Q rows as they are, bit patterns in
+    // natural order, unscaled (the sums are scaled), zero past d.
+    let pair_dots = match qk {
+        QkDots::Bf16Pairs { native } if tiles.is_none() && T::KIND == sealed::Kind::Bf16 => {
+            Some(native)
+        }
+        _ => None,
+    };
+    if pair_dots.is_some() {
+        // SAFETY: `q` holds rows·d_pad floats, room for as many u16 (half its bytes); u16
+        // needs less alignment than f32.
+        let bits =
+            unsafe { std::slice::from_raw_parts_mut(q.as_mut_ptr() as *mut u16, rows * sh.d_pad) };
+        bits.fill(0);
+        for r in 0..rows {
+            let (head, i) = at_row(r);
+            let src = &ctx.q[p.q_offset(b, i, head)..][..d];
+            // SAFETY: T is bf16 (`pair_dots` is None otherwise), a transparent u16.
+            let src = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const u16, d) };
+            bits[r * sh.d_pad..][..d].copy_from_slice(src);
+        }
+    }
     for r in 0..rows {
-        if tiles.is_some() {
+        if tiles.is_some() || pair_dots.is_some() {
             break;
         }
         let (head, i) = at_row(r);
@@ -1673,7 +1878,18 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
                 qk_tile_amx::<S, T, Tl>(t, ctx.k, &k_offs[..nk], &sh, bufs, s, qk_pf)
             },
             // SAFETY: as above.
-            None => unsafe { qk_tile::<S, T>(ctx.k, &k_offs[..nk], &sh, q, s, qk_pf) },
+            None => unsafe {
+                let q_rows = match pair_dots {
+                    // SAFETY: the rows·d_pad u16 written above, inside `q`.
+                    Some(native) => QRows::Bf16 {
+                        bits: std::slice::from_raw_parts(q.as_ptr() as *const u16, rows * sh.d_pad),
+                        native,
+                        pre,
+                    },
+                    None => QRows::F32(q),
+                };
+                qk_tile::<S, T>(ctx.k, &k_offs[..nk], &sh, q_rows, s, qk_pf)
+            },
         }
         for r in 0..rows {
             let (_, i) = at_row(r);

@@ -445,6 +445,16 @@ fn run_decode_bf16<O: Element>(
     opts: &crate::ForwardOptions,
     tiles: crate::forward::AmxTiles,
 ) -> (Vec<f32>, Vec<f32>) {
+    run_decode_bf16_qk::<O>(case, opts, tiles, None)
+}
+
+/// [`run_decode_bf16`] with the SIMD `Q·Kᵀ` chosen (`None`: the CPU's default).
+fn run_decode_bf16_qk<O: Element>(
+    case: &fa_reference::DecodeCase,
+    opts: &crate::ForwardOptions,
+    tiles: crate::forward::AmxTiles,
+    qk: Option<super::decode_stream::QkDots>,
+) -> (Vec<f32>, Vec<f32>) {
     let problem = case.desc().validate(256).expect("valid case");
     let lens = problem.min_buffer_lens();
     let mut out = vec![O::from_f32(f32::NAN); lens.o];
@@ -455,13 +465,14 @@ fn run_decode_bf16<O: Element>(
             .collect::<Vec<_>>()
     };
     let (q, k, v) = (conv(&case.q), conv(&case.k), conv(&case.v));
-    crate::forward::forward_on(
+    crate::forward::forward_on_with(
         &problem,
         softmax_core::Qkv::new(&q[..], &k[..], &v[..]),
         softmax_core::Out::with_lse(&mut out[..], &mut lse[..]),
         opts,
         &mut crate::Workspace::new(),
         tiles,
+        qk,
     )
     .expect("forward");
     (out.iter().map(|x| x.to_f32()).collect(), lse)
@@ -660,6 +671,149 @@ pub fn hardware_amx_decode_matches_the_oracle() {
         differs > cases.len(),
         "the AMX Q·Kᵀ changed no output: did it run?"
     );
+}
+
+/// The decode's bf16 pair products (`QkDots::Bf16Pairs`, [`crate::arch::Simd::dot_bf16_pairs`]):
+/// emulated on every level, and with `vdpbf16ps` at AVX-512 where the CPU has AVX512-BF16,
+/// against the oracle on the AMX cases (odd head dims, padded and paged caches, masks,
+/// softcap, lengths 0 and 1, forced splits); each must also change some output against the
+/// widened `Q·Kᵀ` on the same level, so the test cannot pass without the path running.
+pub fn bf16_pair_dots_match_the_oracle() {
+    use super::decode_stream::QkDots;
+    use crate::forward::AmxTiles;
+    let native_here = crate::arch::has_avx512_bf16();
+    if !native_here {
+        eprintln!(
+            "NOTE: this CPU has no AVX512-BF16: the vdpbf16ps Q·Kᵀ is NOT run here, only its \
+             emulation"
+        );
+    }
+    let mut rng = Rng::fresh();
+    let cases = amx_decode_cases(&mut rng);
+    for (isa, name) in levels() {
+        // The AMX level would take the tiles instead of the SIMD products.
+        if isa.level() == SimdLevel::Amx {
+            continue;
+        }
+        let mut natives = vec![false];
+        if native_here && isa.level() == SimdLevel::Avx512f {
+            natives.push(true);
+        }
+        for native in natives {
+            let mut differs = 0;
+            for (what, case) in &cases {
+                for splits in [None, Some(3)] {
+                    let opts = crate::ForwardOptions {
+                        simd: isa.level(),
+                        kv_splits: splits,
+                        ..crate::ForwardOptions::default()
+                    };
+                    let hw = AmxTiles::Hardware;
+                    let (widened, _) =
+                        run_decode_bf16_qk::<f32>(case, &opts, hw, Some(QkDots::F32));
+                    let pairs = Some(QkDots::Bf16Pairs { native });
+                    let (out, lse) = run_decode_bf16_qk::<f32>(case, &opts, hw, pairs);
+                    let problem = case.desc().validate(256).expect("valid case");
+                    let oracle = fa_reference::attention_f64(&problem, &case.q, &case.k, &case.v);
+                    let rep = fa_reference::compare(&problem, &out, Some(&lse), &oracle);
+                    assert!(
+                        rep.within(AMX_DECODE_BOUND, AMX_DECODE_LSE_BOUND),
+                        "{what} {name} native {native} splits {splits:?}: {rep:?}"
+                    );
+                    differs += usize::from(
+                        out.iter()
+                            .zip(&widened)
+                            .any(|(a, b)| a.to_bits() != b.to_bits()),
+                    );
+                }
+            }
+            assert!(
+                differs > cases.len(),
+                "{name} native {native}: the pair products changed no output in {differs} \
+                 runs: did they run?"
+            );
+        }
+    }
+}
+
+/// [`crate::arch::Simd::dot_bf16_pairs`] on random bf16 pairs (normal values) against f64:
+/// the emulation within two f32 roundings of the exact sum, on every level; `vdpbf16ps`
+/// (where the CPU has AVX512-BF16) within the same bound.
+struct PairDots<'a> {
+    a: &'a [u16],
+    b: &'a [u16],
+    acc: &'a [f32],
+    out: &'a mut [f32],
+    native: bool,
+}
+
+impl SimdTask for PairDots<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        assert!(self.a.len() >= 2 * A::W && self.b.len() >= 2 * A::W && self.out.len() >= A::W);
+        // SAFETY: 2·W u16 (= W floats) readable at a and b, W floats at acc, W writable at out
+        // (asserted); A available; native only in the AVX512-BF16 trampoline (the caller).
+        unsafe {
+            let (a, b) = (
+                A::load(self.a.as_ptr() as *const f32),
+                A::load(self.b.as_ptr() as *const f32),
+            );
+            let acc = A::load(self.acc.as_ptr());
+            let r = if self.native {
+                A::dot_bf16_pairs::<true>(acc, a, b)
+            } else {
+                A::dot_bf16_pairs::<false>(acc, a, b)
+            };
+            A::store(self.out.as_mut_ptr(), r);
+        }
+    }
+}
+
+pub fn bf16_pair_dots_are_two_roundings_from_exact() {
+    let mut rng = Rng::new(1531);
+    let native_here = crate::arch::has_avx512_bf16();
+    let bf = |x: f32| half::bf16::from_f32(x).to_bits();
+    for (isa, name) in levels() {
+        let w = lanes(isa);
+        let mut natives = vec![false];
+        if native_here && matches!(isa.level(), SimdLevel::Avx512f | SimdLevel::Amx) {
+            natives.push(true);
+        }
+        for native in natives {
+            for _ in 0..300 {
+                let a: Vec<u16> = (0..2 * w).map(|_| bf(draw(&mut rng, 1)[0] * 4.0)).collect();
+                let b: Vec<u16> = (0..2 * w).map(|_| bf(draw(&mut rng, 1)[0] * 4.0)).collect();
+                let acc = draw(&mut rng, w);
+                let mut out = vec![f32::NAN; w];
+                let task = PairDots {
+                    a: &a,
+                    b: &b,
+                    acc: &acc,
+                    out: &mut out,
+                    native,
+                };
+                if native {
+                    crate::dispatch::dispatch_bf16(isa, task);
+                } else {
+                    dispatch(isa, task);
+                }
+                let f = |x: u16| f64::from(half::bf16::from_bits(x).to_f32());
+                for i in 0..w {
+                    let (p0, p1) = (f(a[2 * i]) * f(b[2 * i]), f(a[2 * i + 1]) * f(b[2 * i + 1]));
+                    let exact = f64::from(acc[i]) + p0 + p1;
+                    // Two roundings, each within half an ulp of its partial sum.
+                    let scale = f64::from(acc[i]).abs() + p0.abs() + p1.abs();
+                    let bound = 2.0 * scale * f64::from(f32::EPSILON);
+                    assert!(
+                        (f64::from(out[i]) - exact).abs() <= bound,
+                        "{name} native {native} lane {i}: {} against {exact}",
+                        out[i]
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// `natural_row` (the write-out's register order → natural order) against the layout, for

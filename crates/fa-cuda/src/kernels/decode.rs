@@ -669,6 +669,10 @@ pub fn block_walk(problem: &Problem) -> Result<Vec<i32>, ProblemError> {
         .checked_mul(problem.batch())
         .ok_or(ProblemError::Overflow)?;
     let mut walk = vec![0i32; len];
+    if row == 0 {
+        // No table columns: no used block to order (and no row to chunk by).
+        return Ok(walk);
+    }
     let mut order: Vec<(i32, i32)> = Vec::with_capacity(blocks_per_seq);
     for (b, (&used, out)) in seqused_k.iter().zip(walk.chunks_exact_mut(row)).enumerate() {
         // Validated: the used keys fit the sequence's table row, and every entry of it that
