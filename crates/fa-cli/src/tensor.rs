@@ -69,3 +69,60 @@ pub fn random_normal(
     };
     Ok(HostTensor { shape, data })
 }
+
+/// A host tensor's elements copied to start on a 64-byte cache line, as PyTorch's CPU
+/// allocator and inference runtimes place a KV cache. A `Vec` promises no such thing (glibc
+/// returns large blocks 16 bytes past a page), and fa-cpu's AMX decode reads K and V rows in
+/// place, where a 64-byte tile row that straddles two lines costs twice the lines: `fa bench
+/// --decode` measures the cache a runtime would hand it (docs/gpu-notes.md, 2026-12-05).
+pub struct OnLine {
+    data: Data,
+    at: usize,
+    len: usize,
+}
+
+impl OnLine {
+    /// A copy of `tensor`'s elements on a cache line (fallible allocation).
+    pub fn new(tensor: &HostTensor) -> Result<OnLine, CliError> {
+        fn place<T: Copy>(src: &[T]) -> Result<(Vec<T>, usize), CliError> {
+            let size = std::mem::size_of::<T>();
+            let mut v: Vec<T> = try_with_capacity(src.len() + 64 / size, "a tensor")?;
+            let at = v.as_ptr().align_offset(64).min(64 / size);
+            // Within the capacity reserved: the buffer never moves, so the placement holds.
+            v.extend(src.iter().take(1).cycle().take(at).copied());
+            v.extend_from_slice(src);
+            Ok((v, at))
+        }
+        let len = match &tensor.data {
+            Data::F32(v) => v.len(),
+            Data::Bf16(v) => v.len(),
+            Data::F16(v) => v.len(),
+        };
+        let (data, at) = match &tensor.data {
+            Data::F32(v) => place(v.as_slice()).map(|(v, at)| (Data::F32(v), at))?,
+            Data::Bf16(v) => place(v.as_slice()).map(|(v, at)| (Data::Bf16(v), at))?,
+            Data::F16(v) => place(v.as_slice()).map(|(v, at)| (Data::F16(v), at))?,
+        };
+        Ok(OnLine { data, at, len })
+    }
+}
+
+impl TensorViews for OnLine {
+    fn view(&self) -> TensorRef<'_> {
+        let r = self.at..self.at + self.len;
+        match &self.data {
+            Data::F32(v) => TensorRef::from(&v[r]),
+            Data::Bf16(v) => TensorRef::from(&v[r]),
+            Data::F16(v) => TensorRef::from(&v[r]),
+        }
+    }
+
+    fn view_mut(&mut self) -> TensorMut<'_> {
+        let r = self.at..self.at + self.len;
+        match &mut self.data {
+            Data::F32(v) => TensorMut::from(&mut v[r]),
+            Data::Bf16(v) => TensorMut::from(&mut v[r]),
+            Data::F16(v) => TensorMut::from(&mut v[r]),
+        }
+    }
+}

@@ -13,11 +13,13 @@
 //! 0: padded cache), `--threads` (default: all cores), `--splits` (default: the library's
 //! rule), `--rounds` (default 9), `--copy-mib` (copy buffer size; default the K/V bytes
 //! within 256 MiB..1 GiB; 0: a token copy, to profile the decode alone), `--pf` (prefetch
-//! schedules to alternate, e.g. `phase,next,ahead:4,off`; see `fa_cpu::DecodePrefetch::parse`).
+//! schedules to alternate, e.g. `phase,next,ahead:4,off`; see `fa_cpu::DecodePrefetch::parse`),
+//! `--misalign` (bytes past a 64-byte boundary where K and V start; default 0, on a line as a
+//! runtime allocates a cache: the AMX path reads them in place, and misaligned rows cost it).
 
 mod common;
 
-use common::{median, Inputs};
+use common::{median, Inputs, Placed};
 use fa_cpu::{
     decode_prefetch, forward_with_workspace, set_decode_prefetch, DecodePrefetch, Element,
     ForwardOptions, Workspace,
@@ -70,8 +72,12 @@ fn run<T: Element>(args: &[String]) {
     let problem = desc.validate(256).expect("valid shape");
     let mut inputs = Inputs::new();
     let q = inputs.draw::<T>(b * sq * h * d);
-    let k = inputs.draw::<T>(outer * rows * hkv * d);
-    let v = inputs.draw::<T>(outer * rows * hkv * d);
+    // K and V on cache lines unless `--misalign BYTES` asks otherwise (a NumPy array, say,
+    // is 16 bytes past one).
+    let misalign = arg(args, "--misalign", 0);
+    let k = Placed::new(&inputs.draw::<T>(outer * rows * hkv * d), misalign);
+    let v = Placed::new(&inputs.draw::<T>(outer * rows * hkv * d), misalign);
+    let (k, v) = (k.as_slice(), v.as_slice());
     let mut o = vec![T::from_f32(0.0); b * sq * h * d];
     let opts = ForwardOptions {
         threads: Some(threads),
@@ -101,7 +107,7 @@ fn run<T: Element>(args: &[String]) {
         let t = Instant::now();
         let stats = forward_with_workspace(
             &problem,
-            Qkv::new(&q[..], &k[..], &v[..]),
+            Qkv::new(&q[..], k, v),
             Out::new(&mut o[..]),
             &opts,
             &mut ws,
@@ -142,7 +148,8 @@ fn run<T: Element>(args: &[String]) {
     for m in 0..modes.len() {
         let t = median(&mut times[m]);
         println!(
-            "{} b{b} cache {n} h{h}/{hkv} d{d} q{sq} page {} threads {threads} splits {split_count} \
+            "{} b{b} cache {n} h{h}/{hkv} d{d} q{sq} page {} misalign {misalign} threads {threads} \
+             splits {split_count} \
              prefetch {:?}: {:.3} ms, K/V {:.2} GB/s, copy {:.2} GB/s, ratio {:.3} (median of {} \
              rounds)",
             T::NAME,

@@ -44,7 +44,11 @@
 //!   runs `Q·Kᵀ` of bf16 caches on the tiles at ≤ 16 query rows per KV head (exact products,
 //!   f32 sums: the f32 bound), and its `P·V` too for bf16/f16 outputs at ≤ 8 rows per KV
 //!   head, P rounded to bf16 (`FA_CPU_DECODE_AMX_PV=0` keeps that product in f32); the
-//!   general split-KV path, f16 caches and probability hooks run through f32 FMAs. Without
+//!   general split-KV path, f16 caches and probability hooks run through f32 FMAs. The tiles
+//!   read K and V rows in place: a cache that starts on a 64-byte line, with rows a multiple
+//!   of 64 bytes apart (PyTorch's CPU allocator places tensors so), loads one line per tile
+//!   row; one 16 bytes past a line (a large NumPy array or `Vec`) loads two and ran ~1.27×
+//!   slower from L2 on an AMX host (the same from DRAM). Without
 //!   AMX, `FA_CPU_DECODE_DPBF16=1` makes the decode's bf16 `Q·Kᵀ` multiply bf16 pairs with
 //!   AVX512-BF16's `vdpbf16ps` (exact products, f32 sums; denormal inputs read as zero)
 //!   instead of widening K: meant for AMD's Zen 4 and later, which issue it at the FMA's

@@ -35,6 +35,40 @@ impl Inputs {
     }
 }
 
+/// Values placed `misalign` bytes past a 64-byte boundary (a multiple of the element size
+/// below 64): 0 puts them on a cache line, as PyTorch's CPU allocator and inference runtimes
+/// place a KV cache. A `Vec<T>` alone promises no such thing (glibc returns large blocks 16
+/// bytes past a page), and the AMX decode reads K and V rows in place, where a 64-byte tile
+/// row that straddles two lines costs twice the lines (docs/gpu-notes.md, 2026-12-05).
+pub struct Placed<T> {
+    buf: Vec<T>,
+    at: usize,
+}
+
+impl<T: Copy> Placed<T> {
+    /// A copy of `values` (not empty) at the placement.
+    pub fn new(values: &[T], misalign: usize) -> Placed<T> {
+        let size = std::mem::size_of::<T>();
+        assert!(
+            misalign < 64 && misalign.is_multiple_of(size),
+            "misalign {misalign}"
+        );
+        let slack = (64 + misalign) / size;
+        let mut buf = Vec::with_capacity(values.len() + slack);
+        let start = buf.as_ptr() as usize;
+        let at = (((64 - start % 64) % 64) + misalign) / size;
+        // The capacity never changes below, so the placement holds.
+        buf.extend(std::iter::repeat_n(values[0], at));
+        buf.extend_from_slice(values);
+        Placed { buf, at }
+    }
+
+    /// The values.
+    pub fn as_slice(&self) -> &[T] {
+        &self.buf[self.at..]
+    }
+}
+
 /// The median of `xs` (the upper one of an even count), sorting them.
 pub fn median(xs: &mut [f64]) -> f64 {
     xs.sort_by(f64::total_cmp);

@@ -31,7 +31,7 @@
 use super::decode_task::{merge_rows, split_units, Partials, SplitPlan};
 use super::forward_task::{Ctx, KvRows, TaskStats};
 use super::pack::{prefetch_row, widen};
-use super::scratch::{ensure, ensure_aligned, Scratch};
+use super::scratch::{ensure, ensure_aligned, ensure_on_line, Scratch};
 use super::softmax::softcap_slice;
 use crate::arch::amx::{Tiles, TILE_ROWS, TILE_ROW_BYTES};
 use crate::arch::{exp2_cubic, exp2_exact, Arch, Simd};
@@ -1682,17 +1682,15 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     let chunks = d.div_ceil(AMX_CHUNK);
     let amx_len = |on: bool, n: usize| if on { n } else { 0 };
     // Reserved by `Scratch::try_reserve_stream` (`StreamLens`): no allocation here.
-    let qb = ensure(
-        amx_q,
-        amx_len(tiles.is_some(), amx_q_dwords(sh.heads, d)),
-        0,
-    );
+    // The tile operands start on cache lines: a 64-byte tile row that straddles two lines
+    // costs every `tileloadd` twice the lines.
+    let qb = ensure_on_line(amx_q, amx_len(tiles.is_some(), amx_q_dwords(sh.heads, d)));
     // The AMX `P·V` (`pv_tile_amx`): each head's O rows padded to a C tile's 16 rows.
     let amx_pv =
         tiles.is_some() && sh.rph <= AMX_PV_MAX_ROWS && amx_pv_applies::<O>(w, Tl::HARDWARE);
     let pair_dwords = amx_pair_dwords(tiles.is_some(), amx_pv);
-    let (a_rows, pa) =
-        ensure(amx_pairs, pair_dwords, 0).split_at_mut(pair_dwords.min(StreamLens::AMX_A_DWORDS));
+    let (a_rows, pa) = ensure_on_line(amx_pairs, pair_dwords)
+        .split_at_mut(pair_dwords.min(StreamLens::AMX_A_DWORDS));
     let c_buf = ensure_aligned(kt, amx_len(tiles.is_some(), StreamLens::AMX_C_FLOATS));
     let q = ensure_aligned(qt, rows * sh.d_pad);
     let o = ensure_aligned(ot, rows * sh.dv_pad);

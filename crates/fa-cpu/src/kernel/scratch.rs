@@ -243,8 +243,12 @@ impl Scratch {
         grow(&mut self.states, rows)?;
         grow(&mut self.kv_offsets, 4 * TILE_KEYS)?;
         if lens.amx_q > 0 {
-            grow(&mut self.amx_q, lens.amx_q)?;
-            grow(&mut self.amx_pairs, lens.amx_pair_dwords())?;
+            // On cache lines (`ensure_on_line`).
+            grow(&mut self.amx_q, lens.amx_q + line_slack::<u32>())?;
+            grow(
+                &mut self.amx_pairs,
+                lens.amx_pair_dwords() + line_slack::<u32>(),
+            )?;
             grow(&mut self.kt, StreamLens::AMX_C_FLOATS + ALIGN_SLACK)?;
         }
         Ok(())
