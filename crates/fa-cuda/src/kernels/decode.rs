@@ -1268,6 +1268,14 @@ mod tests {
             .validate(256)
             .expect("valid");
         assert!(block_walk(&padded).is_err());
+        // A table with no columns (every sequence empty) has nothing to walk and must not
+        // panic.
+        let empty = [0u32, 0];
+        let problem = ProblemDesc::new(2, 1, 0, 8, 2, 128)
+            .paged_cache(&empty, &[], 0, 16, 4)
+            .validate(256)
+            .expect("an empty table validates");
+        assert_eq!(block_walk(&problem).expect("paged"), Vec::<i32>::new());
     }
 
     /// `flash_decode` then `flash_decode_combine` on the host, statement by statement as far
