@@ -78,51 +78,46 @@ pub fn random_normal(
 pub struct OnLine {
     data: Data,
     at: usize,
-    len: usize,
 }
 
 impl OnLine {
     /// A copy of `tensor`'s elements on a cache line (fallible allocation).
     pub fn new(tensor: &HostTensor) -> Result<OnLine, CliError> {
-        fn place<T: Copy>(src: &[T]) -> Result<(Vec<T>, usize), CliError> {
+        fn place<T: Copy + Default>(src: &[T]) -> Result<(Vec<T>, usize), CliError> {
             let size = std::mem::size_of::<T>();
             let mut v: Vec<T> = try_with_capacity(src.len() + 64 / size, "a tensor")?;
             let at = v.as_ptr().align_offset(64).min(64 / size);
             // Within the capacity reserved: the buffer never moves, so the placement holds.
-            v.extend(src.iter().take(1).cycle().take(at).copied());
+            // Zeros ahead of the tensor (an empty tensor has no element to repeat).
+            v.resize(at, T::default());
             v.extend_from_slice(src);
             Ok((v, at))
         }
-        let len = match &tensor.data {
-            Data::F32(v) => v.len(),
-            Data::Bf16(v) => v.len(),
-            Data::F16(v) => v.len(),
-        };
         let (data, at) = match &tensor.data {
             Data::F32(v) => place(v.as_slice()).map(|(v, at)| (Data::F32(v), at))?,
             Data::Bf16(v) => place(v.as_slice()).map(|(v, at)| (Data::Bf16(v), at))?,
             Data::F16(v) => place(v.as_slice()).map(|(v, at)| (Data::F16(v), at))?,
         };
-        Ok(OnLine { data, at, len })
+        Ok(OnLine { data, at })
     }
 }
 
 impl TensorViews for OnLine {
     fn view(&self) -> TensorRef<'_> {
-        let r = self.at..self.at + self.len;
+        let at = self.at;
         match &self.data {
-            Data::F32(v) => TensorRef::from(&v[r]),
-            Data::Bf16(v) => TensorRef::from(&v[r]),
-            Data::F16(v) => TensorRef::from(&v[r]),
+            Data::F32(v) => TensorRef::from(&v[at..]),
+            Data::Bf16(v) => TensorRef::from(&v[at..]),
+            Data::F16(v) => TensorRef::from(&v[at..]),
         }
     }
 
     fn view_mut(&mut self) -> TensorMut<'_> {
-        let r = self.at..self.at + self.len;
+        let at = self.at;
         match &mut self.data {
-            Data::F32(v) => TensorMut::from(&mut v[r]),
-            Data::Bf16(v) => TensorMut::from(&mut v[r]),
-            Data::F16(v) => TensorMut::from(&mut v[r]),
+            Data::F32(v) => TensorMut::from(&mut v[at..]),
+            Data::Bf16(v) => TensorMut::from(&mut v[at..]),
+            Data::F16(v) => TensorMut::from(&mut v[at..]),
         }
     }
 }

@@ -499,26 +499,18 @@ fn forward_stream<T: Element, O: Element>(
             AmxTiles::Emulated => true,
         };
     // The SIMD `Q·Kᵀ` of bf16 inputs off the tiles: `vdpbf16ps` where asked for
-    // (`bf16_dots_preferred`) at the AVX-512 levels, else widened to f32.
-    let qk = qk_dots.unwrap_or(
-        if T::KIND == crate::element::sealed::Kind::Bf16
-            && matches!(isa.level(), SimdLevel::Avx512f | SimdLevel::Amx)
-            && crate::arch::bf16_dots_preferred()
-        {
+    // (`bf16_dots_preferred`) at the AVX-512 levels, else widened to f32. A native product
+    // needs the CPU's instruction and its trampoline, forced or not.
+    let native_bf16 = matches!(isa.level(), SimdLevel::Avx512f | SimdLevel::Amx)
+        && crate::arch::has_avx512_bf16();
+    let bf16 = T::KIND == crate::element::sealed::Kind::Bf16;
+    let qk = match qk_dots {
+        Some(QkDots::Bf16Pairs { native: true }) if !native_bf16 => QkDots::F32,
+        Some(forced) => forced,
+        None if bf16 && native_bf16 && crate::arch::bf16_dots_preferred() => {
             QkDots::Bf16Pairs { native: true }
-        } else {
-            QkDots::F32
-        },
-    );
-    // A native product needs the CPU's instruction and its trampoline.
-    let qk = match qk {
-        QkDots::Bf16Pairs { native: true }
-            if !(matches!(isa.level(), SimdLevel::Avx512f | SimdLevel::Amx)
-                && crate::arch::has_avx512_bf16()) =>
-        {
-            QkDots::F32
         }
-        other => other,
+        None => QkDots::F32,
     };
     let plan = decode_stream::plan(problem, lanes, std::mem::size_of::<T>(), opts.kv_splits)?;
     let hardware_tiles = matches!(amx_tiles, AmxTiles::Hardware);

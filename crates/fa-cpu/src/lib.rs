@@ -132,6 +132,12 @@ pub(crate) fn env_switched_off(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v.trim() == "0")
 }
 
+/// Whether the environment variable `name` turns a default-off path on: set to `1`,
+/// surrounding whitespace ignored (`FA_CPU_DECODE_DPBF16`); the twin of [`env_switched_off`].
+pub(crate) fn env_switched_on(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v.trim() == "1")
+}
+
 /// The output bundle of a host call: O and, optionally, the f32 LSE.
 pub type HostOut<'a, O> = Out<&'a mut [O], &'a mut [f32]>;
 

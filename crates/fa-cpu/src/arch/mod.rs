@@ -119,10 +119,7 @@ pub(crate) const ENV_DECODE_DPBF16: &str = "FA_CPU_DECODE_DPBF16";
 /// bf16 decode on AMX where they have it.
 pub(crate) fn bf16_dots_preferred() -> bool {
     static PREFERRED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PREFERRED.get_or_init(|| {
-        let env = std::env::var(ENV_DECODE_DPBF16).ok();
-        env.as_deref().map(str::trim) == Some("1") && has_avx512_bf16()
-    })
+    *PREFERRED.get_or_init(|| crate::env_switched_on(ENV_DECODE_DPBF16) && has_avx512_bf16())
 }
 
 /// 0: not detected yet; otherwise 1 + the level's index.

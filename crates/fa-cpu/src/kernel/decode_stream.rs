@@ -618,26 +618,49 @@ pub(crate) unsafe fn dots<S: Simd, T: Element, const R: usize, const U: usize>(
         // SAFETY: each tail holds 32 ≥ 2·W elements; the Q chunk is inside a padded row.
         unsafe { dots_step::<S, T, R, U>(&mut acc, q, q_stride, full * chunk, &k_at) };
     }
-    if R * U == 8 {
-        // Eight sums at once through the architecture's shuffle tree.
-        let mut v = [zero; 8];
-        for (i, x) in v.iter_mut().enumerate() {
-            let a = acc[i / U][i % U];
+    // The pairs folded by a loop, not a closure: see dots_bf16_step on closures.
+    let mut sums = [[zero; U]; R];
+    for (sum_g, acc_g) in sums.iter_mut().zip(&acc) {
+        for (sum, a) in sum_g.iter_mut().zip(acc_g) {
             // SAFETY: S available (caller).
-            *x = unsafe { S::add(a.0, a.1) };
+            *sum = unsafe { S::add(a.0, a.1) };
+        }
+    }
+    // SAFETY: S available; `out` as the caller's contract.
+    unsafe { write_sums::<S, R, U>(&sums, out, out_stride, 1.0) };
+}
+
+/// `out[g·out_stride + u] = scale · Σ lanes of acc[g][u]`: the write-out [`dots`] and
+/// [`dots_bf16`] share, eight sums at once through the architecture's shuffle tree where
+/// `R·U` is eight.
+///
+/// # Safety
+/// S available; `out` writable at `g·out_stride + u` for `g < R`, `u < U`.
+#[inline(always)]
+unsafe fn write_sums<S: Simd, const R: usize, const U: usize>(
+    acc: &[[S::V; U]; R],
+    out: *mut f32,
+    out_stride: usize,
+    scale: f32,
+) {
+    if R * U == 8 {
+        // SAFETY: S available (caller).
+        let mut v = [unsafe { S::splat(0.0) }; 8];
+        for (i, x) in v.iter_mut().enumerate() {
+            *x = acc[i / U][i % U];
         }
         // SAFETY: S available (caller).
         let sums = unsafe { S::hsum8(v) };
         for (i, &x) in sums.iter().enumerate() {
             // SAFETY: inside `out` (caller).
-            unsafe { *out.add(i / U * out_stride + i % U) = x };
+            unsafe { *out.add(i / U * out_stride + i % U) = x * scale };
         }
         return;
     }
     for (g, acc_g) in acc.iter().enumerate() {
-        for (u, a) in acc_g.iter().enumerate() {
+        for (u, &a) in acc_g.iter().enumerate() {
             // SAFETY: inside `out` (caller); S available.
-            unsafe { *out.add(g * out_stride + u) = S::hsum(S::add(a.0, a.1)) };
+            unsafe { *out.add(g * out_stride + u) = S::hsum(a) * scale };
         }
     }
 }
@@ -750,25 +773,8 @@ unsafe fn dots_bf16<S: Simd, T: Element, const R: usize, const U: usize, const N
         // SAFETY: each tail holds 32 ≥ 2·W elements; the Q chunk is inside a padded row.
         unsafe { dots_bf16_step::<S, T, R, U, NATIVE>(&mut acc, q, q_stride, full * chunk, &k_at) };
     }
-    if R * U == 8 {
-        let mut v = [zero; 8];
-        for (i, x) in v.iter_mut().enumerate() {
-            *x = acc[i / U][i % U];
-        }
-        // SAFETY: S available (caller).
-        let sums = unsafe { S::hsum8(v) };
-        for (i, &x) in sums.iter().enumerate() {
-            // SAFETY: inside `out` (caller).
-            unsafe { *out.add(i / U * out_stride + i % U) = x * pre };
-        }
-        return;
-    }
-    for (g, acc_g) in acc.iter().enumerate() {
-        for (u, &a) in acc_g.iter().enumerate() {
-            // SAFETY: inside `out` (caller); S available.
-            unsafe { *out.add(g * out_stride + u) = S::hsum(a) * pre };
-        }
-    }
+    // SAFETY: S available; `out` as the caller's contract.
+    unsafe { write_sums::<S, R, U>(&acc, out, out_stride, pre) };
 }
 
 /// One chunk of [`dots_bf16`]: each key's `2·W` bf16 at `k_at[u]` as `W` dwords, against
@@ -1807,17 +1813,17 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
             bits[r * sh.d_pad..][..d].copy_from_slice(src);
         }
     }
-    for r in 0..rows {
-        if tiles.is_some() || pair_dots.is_some() {
-            break;
-        }
-        let (head, i) = at_row(r);
-        // SAFETY: S available (caller); the offset is a row of the checked Q buffer.
-        unsafe { widen::<S, T>(ctx.q, p.q_offset(b, i, head), d, nat) };
-        let dst = &mut q[r * sh.d_pad..(r + 1) * sh.d_pad];
-        dst.fill(0.0);
-        for (e, &x) in nat[..d].iter().enumerate() {
-            dst[e / chunk * chunk + reg_pos::<T>(w, e % chunk)] = x * pre;
+    if tiles.is_none() && pair_dots.is_none() {
+        // The f32 Q rows, pre-scaled, in register order.
+        for r in 0..rows {
+            let (head, i) = at_row(r);
+            // SAFETY: S available (caller); the offset is a row of the checked Q buffer.
+            unsafe { widen::<S, T>(ctx.q, p.q_offset(b, i, head), d, nat) };
+            let dst = &mut q[r * sh.d_pad..(r + 1) * sh.d_pad];
+            dst.fill(0.0);
+            for (e, &x) in nat[..d].iter().enumerate() {
+                dst[e / chunk * chunk + reg_pos::<T>(w, e % chunk)] = x * pre;
+            }
         }
     }
 
