@@ -330,6 +330,45 @@ fn padded_cache_lengths_gqa_and_splits() {
     }
 }
 
+/// A cache's slots past each sequence's used length may hold anything (a runtime reuses its
+/// memory): NaN and infinities there must not reach the output. Short lengths take the decode
+/// kernel's early-issue fix-up (padded split 0 loads its first tiles before it knows the
+/// length, then zeroes the rows past it).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn garbage_past_the_used_length_is_never_read_into_o() {
+    let mut rng = Rng::fresh();
+    for block_size in [None, Some(16), Some(64)] {
+        let used = [0u32, 1, 5, 63, 64, 100, 127, 129, 300 + rng.below(200) as u32];
+        let mut case = CacheCase::new(&mut rng, &used, 1, 8, 2, 128, block_size, Rounding::Bf16);
+        let problem = case.problem();
+        let capacity = match &case.layout {
+            Layout::Padded { capacity } => *capacity,
+            Layout::Paged {
+                block_size,
+                blocks_per_seq,
+                ..
+            } => block_size * blocks_per_seq,
+        };
+        let bad = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY];
+        let mut slots = Vec::new();
+        for b in 0..case.batch {
+            for t in case.seqused[b] as usize..capacity {
+                for h in 0..case.heads_kv {
+                    let k_at = offset_of(&problem, b, t, h, false);
+                    let v_at = offset_of(&problem, b, t, h, true);
+                    slots.push((k_at, v_at));
+                }
+            }
+        }
+        for (i, (k_at, v_at)) in slots.into_iter().enumerate() {
+            case.k[k_at..k_at + case.head_dim].fill(bad[i % 3]);
+            case.v[v_at..v_at + case.head_dim].fill(bad[(i + 1) % 3]);
+        }
+        check_splits::<bf16>(&case);
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn paged_cache_block_sizes_and_splits() {

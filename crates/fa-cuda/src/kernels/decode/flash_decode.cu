@@ -111,11 +111,72 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     if (m0 >= p.rows) return;
     const int rows_here = min(BLOCK_M, p.rows - m0);
 
+    const bool paged = p.block_size > 0;
+    // Q rows: row r is query i of query head hk*group + r / seqlen_q (zero-filled past the rows).
+    {
+        const u16* gq = reinterpret_cast<const u16*>(p.q) + b * p.q_bs;
+        const u32 base = smem_u32(sQ);
+        for (int id = tid; id < BLOCK_M * CHUNKS; id += THREADS) {
+            const int row = id / CHUNKS, c = id % CHUNKS;
+            const int r = m0 + row;
+            const bool ok = row < rows_here && c * 8 < p.head_dim;
+            const int h = hk * p.group + r / sq;
+            const u16* src = ok ? gq + (i64)(r % sq) * p.q_ss + (i64)h * p.q_hs + c * 8 : gq;
+            cp_async16(base + (u32)swz(row, c) * 2u, src, ok);
+        }
+    }
+
+    // The K/V rows of a tile this thread loads: rows row0 + it*(THREADS/CHUNKS), one 16-byte
+    // chunk column each.
+    const u16* gk = reinterpret_cast<const u16*>(p.k) + (i64)hk * p.k_hs;
+    const u16* gv = reinterpret_cast<const u16*>(p.v) + (i64)hk * p.v_hs;
+    constexpr int ROW_STEP = THREADS / CHUNKS;
+    const int c_ld = tid % CHUNKS, row0 = tid / CHUNKS;
+    const bool k_col = c_ld * 8 < p.head_dim, v_col = c_ld * 8 < p.head_dim_v;
+    const u16* gk_seq = gk + (paged ? 0 : (i64)b * p.k_bs) + c_ld * 8;
+    const u16* gv_seq = gv + (paged ? 0 : (i64)b * p.v_bs) + c_ld * 8;
+    const i64 k_step = (i64)ROW_STEP * p.k_ss, v_step = (i64)ROW_STEP * p.v_ss;
+    // Row `row` of a tile in the stage at k_base / v_base from the K/V rows at kp / vp, or zeros
+    // (`ok` false: a key past the used length or the capacity; columns past the head dims).
+    auto copy_kv_row = [&](const u32 k_base, const u32 v_base, const int row, const bool ok, const u16* kp,
+                           const u16* vp) {
+        const u32 dst = (u32)swz(row, c_ld) * 2u;
+        cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
+        cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
+    };
+    // Tile t of a padded cache into stage `stage`, keys from `bound` on zero-filled: one 64-bit
+    // address per tile, a constant row step.
+    auto padded_tile = [&](const int t, const int stage, const int bound) {
+        const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
+        const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
+        const int key0 = t * BLOCK_N + row0;
+        const u16* kp = gk_seq + (i64)key0 * p.k_ss;
+        const u16* vp = gv_seq + (i64)key0 * p.v_ss;
+#pragma unroll
+        for (int it = 0; it < LOAD_ITERS; ++it) {
+            copy_kv_row(k_base, v_base, row0 + it * ROW_STEP, key0 + it * ROW_STEP < bound, kp, vp);
+            kp += k_step;
+            vp += v_step;
+        }
+    };
+    // Early issue: split 0 of a padded cache without a left window starts at tile 0 whatever the
+    // sequence's length, so its first STAGES-1 tiles go out before the `seqused_k` read, bounded
+    // by the capacity (that read is one DRAM round trip before any K/V address otherwise:
+    // docs/gpu-notes.md runs 64 and 130). Rows at and past the used length are zeroed in shared
+    // memory once it is known (a short sequence only). Same groups as the prologue below.
+    const bool early = !paged && p.win_left < 0 && split == 0;
+    if (early) {
+#pragma unroll
+        for (int st = 0; st < STAGES - 1; ++st) {
+            padded_tile(st, st, p.capacity);
+            cp_async_commit();
+        }
+    }
+
     // Keys this sequence uses, clamped to the cache's capacity.
     const int seqused = reinterpret_cast<const int*>(p.seqused_k)[b];
     const int sk = min(max(seqused, 0), p.capacity);
     const int diag = sk - sq;
-    const bool paged = p.block_size > 0;
     // A power-of-two block size (the usual 16-256) finds a key's row in its block with a mask
     // instead of an integer division per row and chunk.
     const bool block_pow2 = paged && (p.block_size & (p.block_size - 1)) == 0;
@@ -167,24 +228,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             row_hi[mt][hh] = r < p.rows ? HI_OF(i) : sk;
         }
 
-    // Q rows: row r is query i of query head hk*group + r / seqlen_q (zero-filled past the rows).
-    {
-        const u16* gq = reinterpret_cast<const u16*>(p.q) + b * p.q_bs;
-        const u32 base = smem_u32(sQ);
-        for (int id = tid; id < BLOCK_M * CHUNKS; id += THREADS) {
-            const int row = id / CHUNKS, c = id % CHUNKS;
-            const int r = m0 + row;
-            const bool ok = row < rows_here && c * 8 < p.head_dim;
-            const int h = hk * p.group + r / sq;
-            const u16* src = ok ? gq + (i64)(r % sq) * p.q_ss + (i64)h * p.q_hs + c * 8 : gq;
-            cp_async16(base + (u32)swz(row, c) * 2u, src, ok);
-        }
-    }
 
-    // The K/V rows of a tile this thread loads: rows row0 + it*(THREADS/CHUNKS), one 16-byte
-    // chunk column each.
-    const u16* gk = reinterpret_cast<const u16*>(p.k) + (i64)hk * p.k_hs;
-    const u16* gv = reinterpret_cast<const u16*>(p.v) + (i64)hk * p.v_hs;
     // The physical block of walk step j is the walk's plane 0, its logical index plane 1.
     const int* table = walking ? reinterpret_cast<const int*>(p.block_walk) + (i64)b * 2 * p.blocks_per_seq
                                : reinterpret_cast<const int*>(p.block_table) + (i64)b * p.blocks_per_seq;
@@ -207,22 +251,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     // per tile and steps it by a constant per row (the per-row 64-bit index products were
     // half of the kernel's instructions: ncu, run 66); a paged cache addresses each key through
     // its block (the ring's entry, clamped to the cache).
-    constexpr int ROW_STEP = THREADS / CHUNKS;
-    const int c_ld = tid % CHUNKS, row0 = tid / CHUNKS;
-    const bool k_col = c_ld * 8 < p.head_dim, v_col = c_ld * 8 < p.head_dim_v;
-    const u16* gk_seq = gk + (paged ? 0 : (i64)b * p.k_bs) + c_ld * 8;
-    const u16* gv_seq = gv + (paged ? 0 : (i64)b * p.v_bs) + c_ld * 8;
-    const i64 k_step = (i64)ROW_STEP * p.k_ss, v_step = (i64)ROW_STEP * p.v_ss;
     auto load_kv = [&](const int t, const int stage) {
         const int n0 = t * BLOCK_N;
         const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
         const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
         // Row `row` of the tile, logical key `key`, from the K and V rows at kp and vp.
         auto copy_row = [&](const int row, const int key, const u16* kp, const u16* vp) {
-            const bool ok = key < sk;
-            const u32 dst = (u32)swz(row, c_ld) * 2u;
-            cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
-            cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
+            copy_kv_row(k_base, v_base, row, key < sk, kp, vp);
         };
         // Rows at a constant step from this thread's first row of the tile (logical key key0).
         auto stepped_rows = [&](const int key0, const u16* kp, const u16* vp) {
@@ -234,7 +269,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
             }
         };
         if (!paged) {
-            stepped_rows(n0 + row0, gk_seq + (i64)(n0 + row0) * p.k_ss, gv_seq + (i64)(n0 + row0) * p.v_ss);
+            padded_tile(t, stage, sk);
             return;
         }
         const int* tab = sTab + (t % TAB_RING) * BLOCK_N;
@@ -368,10 +403,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         cp_async_wait_all();
         __syncthreads();
     }
+    if (early) {
+        // The early tiles hold the capacity's keys: zero the rows at and past the used length.
+        if (sk < (STAGES - 1) * BLOCK_N) {
+            cp_async_wait_all();
 #pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_tiles) load_kv(t_begin + st, st);
-        cp_async_commit();
+            for (int st = 0; st < STAGES - 1; ++st)
+#pragma unroll
+                for (int it = 0; it < LOAD_ITERS; ++it) {
+                    const int row = row0 + it * ROW_STEP;
+                    if (st * BLOCK_N + row >= sk) {
+                        const int at = st * BLOCK_N * HDP + swz(row, c_ld);
+                        *reinterpret_cast<u32x4*>(sK + at) = u32x4{0u, 0u, 0u, 0u};
+                        *reinterpret_cast<u32x4*>(sV + at) = u32x4{0u, 0u, 0u, 0u};
+                    }
+                }
+        }
+    } else {
+#pragma unroll
+        for (int st = 0; st < STAGES - 1; ++st) {
+            if (st < n_tiles) load_kv(t_begin + st, st);
+            cp_async_commit();
+        }
     }
     for (int it = 0; it < n_tiles; ++it) {
         cp_async_wait_pending<STAGES - 2>();
