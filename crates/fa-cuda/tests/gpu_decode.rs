@@ -339,7 +339,17 @@ fn padded_cache_lengths_gqa_and_splits() {
 fn garbage_past_the_used_length_is_never_read_into_o() {
     let mut rng = Rng::fresh();
     for block_size in [None, Some(16), Some(64)] {
-        let used = [0u32, 1, 5, 63, 64, 100, 127, 129, 300 + rng.below(200) as u32];
+        let used = [
+            0u32,
+            1,
+            5,
+            63,
+            64,
+            100,
+            127,
+            129,
+            300 + rng.below(200) as u32,
+        ];
         let mut case = CacheCase::new(&mut rng, &used, 1, 8, 2, 128, block_size, Rounding::Bf16);
         let problem = case.problem();
         let capacity = match &case.layout {
