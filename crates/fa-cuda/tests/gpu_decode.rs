@@ -112,6 +112,18 @@ impl CacheCase {
         case
     }
 
+    /// Keys a sequence's cache can hold (used or not).
+    fn capacity(&self) -> usize {
+        match &self.layout {
+            Layout::Padded { capacity } => *capacity,
+            Layout::Paged {
+                block_size,
+                blocks_per_seq,
+                ..
+            } => block_size * blocks_per_seq,
+        }
+    }
+
     fn desc(&self) -> ProblemDesc<'_> {
         let capacity = match self.layout {
             Layout::Padded { capacity } => capacity,
@@ -352,14 +364,7 @@ fn garbage_past_the_used_length_is_never_read_into_o() {
         ];
         let mut case = CacheCase::new(&mut rng, &used, 1, 8, 2, 128, block_size, Rounding::Bf16);
         let problem = case.problem();
-        let capacity = match &case.layout {
-            Layout::Padded { capacity } => *capacity,
-            Layout::Paged {
-                block_size,
-                blocks_per_seq,
-                ..
-            } => block_size * blocks_per_seq,
-        };
+        let capacity = case.capacity();
         let bad = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY];
         let mut slots = Vec::new();
         for b in 0..case.batch {
@@ -838,14 +843,7 @@ fn append_then_decode() {
         grown.mask = Mask::CAUSAL;
         check_splits::<bf16>(&grown);
         // A cache without room is refused and left as it was.
-        let too_many = match &case.layout {
-            Layout::Padded { capacity } => *capacity,
-            Layout::Paged {
-                block_size,
-                blocks_per_seq,
-                ..
-            } => block_size * blocks_per_seq,
-        };
+        let too_many = case.capacity();
         let n_big = case.batch * too_many * case.heads_kv * case.head_dim;
         let big = d.alloc_zeroed::<bf16>(n_big).unwrap();
         let r = d.append_kv(&problem, too_many, &big, &big, &mut kc, &mut vc);
