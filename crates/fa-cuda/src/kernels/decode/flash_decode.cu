@@ -144,20 +144,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         cp_async16(k_base + dst, ok && k_col ? kp : gk, ok && k_col);
         cp_async16(v_base + dst, ok && v_col ? vp : gv, ok && v_col);
     };
-    // Tile t of a padded cache into stage `stage`, keys from `bound` on zero-filled: one 64-bit
-    // address per tile, a constant row step.
-    auto padded_tile = [&](const int t, const int stage, const int bound) {
-        const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);
-        const u32 v_base = smem_u32(sV + stage * BLOCK_N * HDP);
-        const int key0 = t * BLOCK_N + row0;
-        const u16* kp = gk_seq + (i64)key0 * p.k_ss;
-        const u16* vp = gv_seq + (i64)key0 * p.v_ss;
+    // This thread's rows of a tile at a constant step (row0 + it * ROW_STEP, logical keys key0 +
+    // it * ROW_STEP, zero-filled from `bound` on) into the stage at k_base / v_base, from the K/V
+    // rows at kp / vp stepped by k_step / v_step: a padded cache's tiles and a paged tile inside
+    // one block.
+    auto stepped_rows = [&](const u32 k_base, const u32 v_base, const int key0, const int bound, const u16* kp,
+                            const u16* vp) {
 #pragma unroll
         for (int it = 0; it < LOAD_ITERS; ++it) {
             copy_kv_row(k_base, v_base, row0 + it * ROW_STEP, key0 + it * ROW_STEP < bound, kp, vp);
             kp += k_step;
             vp += v_step;
         }
+    };
+    // Tile t of a padded cache into stage `stage`, keys from `bound` on zero-filled: one 64-bit
+    // address per tile, a constant row step.
+    auto padded_tile = [&](const int t, const int stage, const int bound) {
+        const int key0 = t * BLOCK_N + row0;
+        stepped_rows(smem_u32(sK + stage * BLOCK_N * HDP), smem_u32(sV + stage * BLOCK_N * HDP), key0, bound,
+                     gk_seq + (i64)key0 * p.k_ss, gv_seq + (i64)key0 * p.v_ss);
     };
     // Early issue: split 0 of a padded cache without a left window starts at tile 0 whatever the
     // sequence's length, so its first STAGES-1 tiles go out before the `seqused_k` read, bounded
@@ -259,15 +264,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
         auto copy_row = [&](const int row, const int key, const u16* kp, const u16* vp) {
             copy_kv_row(k_base, v_base, row, key < sk, kp, vp);
         };
-        // Rows at a constant step from this thread's first row of the tile (logical key key0).
-        auto stepped_rows = [&](const int key0, const u16* kp, const u16* vp) {
-#pragma unroll
-            for (int it = 0; it < LOAD_ITERS; ++it) {
-                copy_row(row0 + it * ROW_STEP, key0 + it * ROW_STEP, kp, vp);
-                kp += k_step;
-                vp += v_step;
-            }
-        };
         if (!paged) {
             padded_tile(t, stage, sk);
             return;
@@ -284,7 +280,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
                 const int lb = min(max(sLog[(t % TAB_RING) * BLOCK_N], 0), p.blocks_per_seq - 1);
                 key0 = n0 < walked ? (lb << block_shift) + (int)in0 : WALK_PAST;
             }
-            stepped_rows(key0, gk_seq + (i64)bb * p.k_bs + in0 * p.k_ss, gv_seq + (i64)bb * p.v_bs + in0 * p.v_ss);
+            stepped_rows(k_base, v_base, key0, sk, gk_seq + (i64)bb * p.k_bs + in0 * p.k_ss,
+                         gv_seq + (i64)bb * p.v_bs + in0 * p.v_ss);
             return;
         }
         if (tile_blocks) {
