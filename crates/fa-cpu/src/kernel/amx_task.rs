@@ -29,7 +29,7 @@ use super::scratch::{ensure, ensure_aligned, ensure_on_line, Scratch};
 use super::softmax::{add_panel_sums, panel_maxima, panel_offsets, softcap_slice};
 use super::tiling::Task;
 use crate::arch::amx::Tiles;
-use crate::arch::{exp2_cubic, Arch, Simd};
+use crate::arch::{Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::{sealed, Element};
 use crate::Exp2Impl;
@@ -810,7 +810,7 @@ struct PanelSoftmax<'p> {
 impl PanelSoftmax<'_> {
     /// Runs it on `(st, nk, nk32, pb)`: `st` holds `nk` rows of `NR·W` (= [`AMX_PANEL`])
     /// scores, `pb` gets `nk32/2` rows of pair dwords; `states` and `corr` are the task's.
-    /// `CUBIC`: [`exp2_cubic`], else [`Simd::exp2_softmax`] ([`crate::arch::exp2_exact`]'s
+    /// `CUBIC`: [`Simd::exp2_cubic_softmax`], else [`Simd::exp2_softmax`] ([`crate::arch::exp2_exact`]'s
     /// values); `NATIVE`: the CPU's bf16 conversion.
     ///
     /// `work` runs on `tiles` meanwhile, and it sets the pace: after each of its parts
@@ -874,11 +874,11 @@ impl PanelSoftmax<'_> {
 unsafe fn exp_scores<S: Simd, const CUBIC: bool>(p: *const f32, f: S::V, neg: S::V) -> S::V {
     // SAFETY: the caller's.
     unsafe {
+        // x = factor·s − offset ≤ the rescale threshold (≤ 64): both take softmax arguments.
         let x = S::fma(S::load(p), f, neg);
         if CUBIC {
-            exp2_cubic::<S>(x)
+            S::exp2_cubic_softmax(x)
         } else {
-            // x = factor·s − offset ≤ the rescale threshold (≤ 64).
             S::exp2_softmax(x)
         }
     }

@@ -272,6 +272,28 @@ impl SimdTask for Exp2Softmax<'_> {
     }
 }
 
+/// [`Simd::exp2_cubic_softmax`] over a slice (length a multiple of W).
+struct Exp2CubicSoftmax<'a> {
+    x: &'a mut [f32],
+}
+
+impl SimdTask for Exp2CubicSoftmax<'_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
+        assert!(self.x.len().is_multiple_of(A::W));
+        for chunk in self.x.chunks_exact_mut(A::W) {
+            // SAFETY: chunk holds W floats; A available (caller).
+            unsafe {
+                A::store(
+                    chunk.as_mut_ptr(),
+                    A::exp2_cubic_softmax(A::load(chunk.as_ptr())),
+                )
+            };
+        }
+    }
+}
+
 /// See [`ArchUnderTest::softcap`].
 struct Softcap<'a> {
     x: &'a mut [f32],
@@ -621,6 +643,55 @@ pub fn exp2_softmax_is_exp2_exact_bit_for_bit_up_to_127_every_arch() {
                 "{}: exp2_softmax({xi:e}) = {g:e}, exp2_exact {w:e}",
                 a.name
             );
+        }
+    }
+}
+
+pub fn exp2_cubic_softmax_is_exp2_cubic_bit_for_bit_from_minus_126_to_127_every_arch() {
+    let mut rng = Rng::new(0xc0b1c);
+    for a in all_archs() {
+        // The exact test's sweep, ties and specials up to 127, every quarter from −160 to 64
+        // (floor's steps and both sides of the clamp at −151), and random softmax arguments.
+        let mut x: Vec<f32> = exp2_inputs(50_001, a.lanes)
+            .into_iter()
+            .filter(|&v| v <= 127.0 || v.is_nan())
+            .collect();
+        x.extend((-640..=256).map(|k| k as f32 / 4.0));
+        x.extend([
+            -126.0,
+            -126.0 - 1e-5,
+            -125.0,
+            -151.0,
+            -151.0 + 1e-4,
+            -151.5,
+            127.0,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ]);
+        x.extend((0..20_000).map(|_| -170.0 * rng.uniform() as f32 + 8.0));
+        x.resize(round_up(x.len(), a.lanes), -3.25);
+        let mut want = x.clone();
+        a.exp2(&mut want, Exp2Impl::Cubic);
+        let mut got = x.clone();
+        dispatch(a.isa, Exp2CubicSoftmax { x: &mut got });
+        for ((&xi, &w), &g) in x.iter().zip(&want).zip(&got) {
+            let name = a.name;
+            if xi.is_nan() {
+                assert!(g.is_nan(), "{name}: exp2_cubic_softmax(NaN) = {g:e}");
+            } else if xi >= -126.0 {
+                assert_eq!(
+                    w.to_bits(),
+                    g.to_bits(),
+                    "{name}: exp2_cubic_softmax({xi:e}) = {g:e}, exp2_cubic {w:e}"
+                );
+            } else if xi <= crate::arch::EXP2_CUBIC_SOFTMAX_LO {
+                assert_eq!(g.to_bits(), 0, "{name}: exp2_cubic_softmax({xi:e}) = {g:e}");
+            } else {
+                assert!(
+                    (0.0..f32::powi(2.0, -125)).contains(&g),
+                    "{name}: exp2_cubic_softmax({xi:e}) = {g:e}, not below 2^-125"
+                );
+            }
         }
     }
 }
