@@ -123,23 +123,27 @@ unsafe impl Simd for Avx512 {
         }
     }
     /// [`super::exp2_cubic`]'s steps with AVX-512's rounding and scaling instructions:
-    /// `floor` by `vrndscaleps`, `p·2^n` by `vscalefps` (correctly rounded, as the product with
-    /// the exact `2^n` is, so the same bits from −126 up), and the clamp at
-    /// [`super::EXP2_CUBIC_SOFTMAX_LO`] in place of the default's two clamps and its zero scale
-    /// at −127: 7 operations against the default's 11 and [`Simd::exp2_softmax`]'s 10. No upper
-    /// clamp: inputs stay at or below 127 (the caller's contract); NaN stays NaN.
+    /// `floor` by `vrndscaleps`, `p·2^n` by `vscalefps` (correctly rounded, as the product
+    /// with the exact `2^n` is), and `n = −127` (inputs below −126, and `−∞`) zeroed by the
+    /// mask, where the default builds the scale 0: 8 operations against the default's 11 and
+    /// [`Simd::exp2_softmax`]'s 10. The mask, not a lower clamp that scales to 0, gives the
+    /// masked keys' zeros: a `vscalefps` that underflows takes a microcode assist (a clamp at
+    /// −151 ran causal shapes at 0.5–0.8× on the GPU machine's Xeon, docs/gpu-notes.md run
+    /// 135). No upper clamp: inputs stay at or below 127 (the caller's contract); NaN stays
+    /// NaN (its lanes are unordered, so the mask keeps them).
     #[inline(always)]
     unsafe fn exp2_cubic_softmax(x: __m512) -> __m512 {
         // SAFETY: AVX-512F present (trait contract).
         unsafe {
-            let xc = _mm512_max_ps(_mm512_set1_ps(super::EXP2_CUBIC_SOFTMAX_LO), x);
+            let xc = _mm512_max_ps(_mm512_set1_ps(super::EXP2_LO), x);
             let whole = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(xc);
             let frac = _mm512_sub_ps(xc, whole);
             let [c0, c1, c2, c3] = softmax_core::EXP2_CUBIC;
             let p = _mm512_fmadd_ps(_mm512_set1_ps(c3), frac, _mm512_set1_ps(c2));
             let p = _mm512_fmadd_ps(p, frac, _mm512_set1_ps(c1));
             let p = _mm512_fmadd_ps(p, frac, _mm512_set1_ps(c0));
-            _mm512_scalef_ps(p, whole)
+            let keep = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(whole, _mm512_set1_ps(super::EXP2_LO));
+            _mm512_maskz_scalef_ps(keep, p, whole)
         }
     }
     #[inline(always)]

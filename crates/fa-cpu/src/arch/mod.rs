@@ -224,13 +224,10 @@ pub(crate) unsafe trait Simd: Copy + 'static {
         // SAFETY: S available (caller).
         unsafe { exp2_exact::<Self>(x) }
     }
-    /// [`exp2_cubic`]'s result, bit for bit, for lanes `−126 ≤ x ≤ 127` and NaN: the
-    /// softmax's arguments under [`crate::Exp2Impl::Cubic`] (see [`Simd::exp2_softmax`]).
-    /// Lanes at or below [`EXP2_CUBIC_SOFTMAX_LO`] (and `−∞`) give exactly 0; between it and
-    /// −126, where [`exp2_cubic`] gives 0 or a subnormal, the result may be another value
-    /// below 2^−125 (a probability that far under the row's largest one, which is at least 1,
-    /// changes no sum). Architectures with a scale-by-power-of-two instruction take fewer
-    /// operations; the default is [`exp2_cubic`] itself.
+    /// [`exp2_cubic`]'s result, bit for bit, for lanes `x ≤ 127` (NaN and `−∞` included):
+    /// the softmax's arguments under [`crate::Exp2Impl::Cubic`] (see [`Simd::exp2_softmax`]).
+    /// Architectures with a scale-by-power-of-two instruction take fewer operations; the
+    /// default is [`exp2_cubic`] itself.
     #[inline(always)]
     unsafe fn exp2_cubic_softmax(x: Self::V) -> Self::V {
         // SAFETY: S available (caller).
@@ -440,11 +437,6 @@ pub(crate) const POW2I_BIAS: i32 = 127 - ROUND_MAGIC.to_bits() as i32;
 pub(crate) const EXP2_LO: f32 = -127.0;
 /// See [`EXP2_LO`].
 const EXP2_HI: f32 = 128.0;
-/// The lower clamp of [`Simd::exp2_cubic_softmax`]'s scaling versions: `p·2^−151` with the
-/// cubic's `p(0) < 1` rounds to 0 (below half the smallest subnormal, 2^−149), so `−∞` and
-/// everything at or below it give exactly 0 with no mask.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) const EXP2_CUBIC_SOFTMAX_LO: f32 = -151.0;
 
 /// Accurate `2^x` per lane: `2^x = p(x − n)·2^n` with `n = round(x)` and the degree-5
 /// polynomial [`EXP2_EXACT`] on `[−½, ½]`; relative error below 3e-7 (about 2.5 ulp; measured
