@@ -34,7 +34,7 @@
 // version 4 adds [`FaKvCache::block_walk`] (a trailing field: a version-2/3 `FaKvCache`,
 // of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`.
 // A library accepts descriptors of every version up to its own.
-#define FA_API_VERSION 4
+#define FA_API_VERSION 5
 
 // Success.
 #define FA_OK 0

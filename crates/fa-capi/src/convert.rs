@@ -594,7 +594,7 @@ mod tests {
             ..FaOptions::default()
         };
         let got = read(&old).expect("older size accepted");
-        assert_eq!((got.threads, got.exp2), (3, FA_EXP2_EXACT));
+        assert_eq!((got.threads, got.exp2), (3, FA_EXP2_AUTO));
         old.size = 64;
         assert_eq!(read(&old).unwrap_err().code, FA_ERR_VERSION);
         old.size = 4;

@@ -97,6 +97,7 @@ fn cpu_options(opts: &FaOptions) -> Result<Options, Failure> {
     Ok(Options {
         threads: (opts.threads != 0).then_some(opts.threads as usize),
         exp2: match opts.exp2 {
+            FA_EXP2_AUTO => Exp2::Auto,
             FA_EXP2_EXACT => Exp2::Exact,
             FA_EXP2_CUBIC => Exp2::Cubic,
             other => {

@@ -11,9 +11,10 @@ use core::ffi::c_void;
 /// `fa_forward_cache_cuda`, `fa_forward_cache_cuda_workspace_bytes`); version 3 adds the
 /// in-place appends `fa_append_kv_cpu` and `fa_append_kv_cuda` (no descriptor changed);
 /// version 4 adds [`FaKvCache::block_walk`] (a trailing field: a version-2/3 `FaKvCache`,
-/// of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`.
+/// of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`;
+/// version 5 adds [`FA_EXP2_AUTO`], the options' new default.
 /// A library accepts descriptors of every version up to its own.
-pub const FA_API_VERSION: u32 = 4;
+pub const FA_API_VERSION: u32 = 5;
 
 /// Success.
 pub const FA_OK: i32 = 0;
@@ -47,10 +48,14 @@ pub const FA_SEQLENS_VARLEN_HOST: u32 = 1;
 /// `total_q`, `total_k`, `max_seqlen_q`, `max_seqlen_k`.
 pub const FA_SEQLENS_VARLEN_DEVICE: u32 = 2;
 
-/// Exact software exp2 on the CPU (the default).
+/// Exact software exp2 on the CPU (what zeroed options ask for).
 pub const FA_EXP2_EXACT: u32 = 0;
 /// FlashAttention-4's cubic exp2 on the CPU.
 pub const FA_EXP2_CUBIC: u32 = 1;
+/// The library's choice, the default (`FA_OPTIONS_INIT`, `fa_options_default`): the cubic in
+/// the AMX forward (bf16/f16 inputs on Intel AMX tiles), whose `P·V` takes the probabilities
+/// rounded to bf16, the exact exp2 everywhere else. Since API version 5.
+pub const FA_EXP2_AUTO: u32 = 2;
 
 /// One tensor: where its elements are, their type, and its strides in elements.
 ///
@@ -184,7 +189,7 @@ impl Default for FaOptions {
             size: core::mem::size_of::<FaOptions>() as u32,
             version: FA_API_VERSION,
             threads: 0,
-            exp2: FA_EXP2_EXACT,
+            exp2: FA_EXP2_AUTO,
         }
     }
 }

@@ -351,6 +351,6 @@ fn version_strings_and_defaults() {
     assert_eq!(o.size as usize, core::mem::size_of::<FaOptions>());
     assert_eq!(
         (o.version, o.threads, o.exp2),
-        (FA_API_VERSION, 0, FA_EXP2_EXACT)
+        (FA_API_VERSION, 0, FA_EXP2_AUTO)
     );
 }

@@ -28,8 +28,11 @@ impl From<BackendArg> for BackendChoice {
 /// `--exp2 exact|cubic`: the software exp2 of the CPU kernel.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Exp2Arg {
-    /// The accurate polynomial.
+    /// The library's choice: the cubic in the AMX forward (P rounded to bf16 there), the
+    /// accurate polynomial elsewhere.
     #[default]
+    Auto,
+    /// The accurate polynomial.
     Exact,
     /// FlashAttention-4's cubic polynomial (softmax-core's `exp2_cubic`).
     Cubic,
@@ -38,6 +41,7 @@ pub enum Exp2Arg {
 impl From<Exp2Arg> for Exp2 {
     fn from(a: Exp2Arg) -> Self {
         match a {
+            Exp2Arg::Auto => Exp2::Auto,
             Exp2Arg::Exact => Exp2::Exact,
             Exp2Arg::Cubic => Exp2::Cubic,
         }

@@ -62,8 +62,9 @@ struct ComputeArgs {
     /// Worker threads, 1 to the machine's available parallelism (default: all of them).
     #[arg(long, value_parser = parse_threads)]
     threads: Option<usize>,
-    /// exp2 of the CPU kernel: exact (library) or cubic (FlashAttention-4 polynomial).
-    #[arg(long, value_enum, default_value_t = Exp2Arg::Exact)]
+    /// exp2 of the CPU kernel: auto (the cubic in the AMX forward, whose P is rounded to bf16;
+    /// exact elsewhere), exact (library polynomial) or cubic (FlashAttention-4 polynomial).
+    #[arg(long, value_enum, default_value_t = Exp2Arg::Auto)]
     exp2: Exp2Arg,
     /// Split-KV: key splits per task, merged by LSE (default: the backend's choice; KV-cache
     /// problems split, others do not). Results agree with the unsplit call to rounding.
@@ -490,7 +491,7 @@ fn main() -> ExitCode {
             compute: ComputeArgs {
                 backend: BackendArg::Auto,
                 threads: None,
-                exp2: Exp2Arg::Exact,
+                exp2: Exp2Arg::Auto,
                 family: FamilyArg::Auto,
                 sm90_pipeline: None,
                 splits: None,

@@ -70,9 +70,10 @@ pub fn bounds(dtype: DType, exp2: Exp2) -> (f64, f64) {
         // 16-bit inputs (and any narrower type to come).
         _ => (1e-2, 1e-3),
     };
-    match exp2 {
-        Exp2::Exact => (rel, lse),
-        Exp2::Cubic => {
+    // `Auto` is the exact exp2 on f32 inputs (the AMX forward takes 16-bit ones only).
+    match (exp2, dtype) {
+        (Exp2::Exact, _) | (Exp2::Auto, DType::F32) => (rel, lse),
+        (Exp2::Cubic, _) | (Exp2::Auto, _) => {
             let e = 2.0 * EXP2_CUBIC_MAX_REL_ERROR;
             (rel + e, lse + e)
         }

@@ -9,7 +9,7 @@
 //! Flags: `--dtype f32|bf16|f16`, `--batch`, `--heads`, `--heads-kv` (default: heads),
 //! `--seqlen` (or `--seqlen-q`/`--seqlen-k`), `--head-dim`, `--causal`, `--threads`
 //! (default: all cores), `--reps` (timed runs, default 5), `--warmup` (default 1),
-//! `--exp2 exact|cubic`, `--simd auto|amx|avx512f|avx2|scalar`. FLOPs: `4·B·H·Nq·Nk·D`, halved
+//! `--exp2 auto|exact|cubic` (default auto), `--simd auto|amx|avx512f|avx2|scalar`. FLOPs: `4·B·H·Nq·Nk·D`, halved
 //! when causal with `Nq = Nk` (DESIGN.md §7). `peak_rss_bytes` is the process's high-water
 //! mark (VmHWM) after the runs.
 
@@ -49,7 +49,7 @@ fn parse() -> Result<Args, String> {
         threads: None,
         reps: 5,
         warmup: 1,
-        exp2: Exp2Impl::Exact,
+        exp2: Exp2Impl::Auto,
         simd: SimdLevel::Auto,
     };
     let mut it = std::env::args().skip(1);
@@ -74,6 +74,7 @@ fn parse() -> Result<Args, String> {
             "--warmup" => a.warmup = num(value()?)?,
             "--exp2" => {
                 a.exp2 = match value()?.as_str() {
+                    "auto" => Exp2Impl::Auto,
                     "exact" => Exp2Impl::Exact,
                     "cubic" => Exp2Impl::Cubic,
                     other => return Err(format!("unknown exp2 {other}")),

@@ -144,14 +144,32 @@ pub type HostOut<'a, O> = Out<&'a mut [O], &'a mut [f32]>;
 /// Which `exp2` the softmax uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Exp2Impl {
-    /// Accurate vectorised `exp2` (a degree-5 polynomial fitted for relative error after
-    /// round-to-nearest range reduction; relative error below 3e-7, measured in the tests).
-    /// The default: it keeps f32 within the 1e-5 normwise bound.
+    /// The default: [`Exp2Impl::Cubic`] in the AMX forward (bf16 and f16 inputs on AMX
+    /// tiles), whose `P·V` product takes the probabilities rounded to bf16 (relative error up
+    /// to 2⁻⁹, 26 times the cubic's 7.5e-5, so the cubic changes the result's accuracy by
+    /// little), and [`Exp2Impl::Exact`] everywhere else: f32 inputs, the SIMD paths (whose P
+    /// stays f32), the decode and the backward.
     #[default]
+    Auto,
+    /// Accurate vectorised `exp2` (a degree-5 polynomial fitted for relative error after
+    /// round-to-nearest range reduction; relative error below 3e-7, measured in the tests):
+    /// keeps f32 within the 1e-5 normwise bound.
     Exact,
     /// FlashAttention-4's cubic ([`softmax_core::EXP2_CUBIC`], relative error 7.5e-5),
     /// vectorised: fewer operations, accurate enough for bf16/f16 but not for the f32 bound.
     Cubic,
+}
+
+impl Exp2Impl {
+    /// Whether a kernel uses the cubic: asked for, or [`Exp2Impl::Auto`] in a kernel whose
+    /// `P·V` rounds P to bf16 (`p_to_bf16`: the AMX forward).
+    pub(crate) fn cubic(self, p_to_bf16: bool) -> bool {
+        match self {
+            Exp2Impl::Auto => p_to_bf16,
+            Exp2Impl::Exact => false,
+            Exp2Impl::Cubic => true,
+        }
+    }
 }
 
 /// A function applied to tiles of unnormalised probabilities (see
@@ -169,7 +187,8 @@ pub struct ForwardOptions<'a> {
     pub threads: Option<usize>,
     /// When to rescale the accumulators (default: `Threshold(8.0)`, FlashAttention-4's).
     pub rescale: RescalePolicy<f32>,
-    /// The exponential (default [`Exp2Impl::Exact`]).
+    /// The exponential (default [`Exp2Impl::Auto`]: the cubic in the AMX forward, else the
+    /// exact one).
     pub exp2: Exp2Impl,
     /// Called on every block of unnormalised probabilities `exp2(x − m)` just before the P·V
     /// product (after the row sums are taken), as a row-major `rows × keys` slice: one panel

@@ -155,8 +155,11 @@ impl Capabilities {
 /// The software exp2 choice of the CPU kernel (CUDA uses the hardware `ex2`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Exp2 {
-    /// The accurate polynomial (keeps f32 within its 1e-5 bound).
+    /// The library's choice ([`fa_cpu::Exp2Impl::Auto`]): the cubic in the AMX forward, whose
+    /// `P·V` takes the probabilities rounded to bf16, the accurate polynomial everywhere else.
     #[default]
+    Auto,
+    /// The accurate polynomial (keeps f32 within its 1e-5 bound).
     Exact,
     /// FlashAttention-4's cubic ([`softmax_core::EXP2_CUBIC`]).
     Cubic,
@@ -592,6 +595,7 @@ fn cpu_forward(
         threads: opts.threads,
         simd: opts.cpu_simd,
         exp2: match opts.exp2 {
+            Exp2::Auto => fa_cpu::Exp2Impl::Auto,
             Exp2::Exact => fa_cpu::Exp2Impl::Exact,
             Exp2::Cubic => fa_cpu::Exp2Impl::Cubic,
         },

@@ -32,7 +32,6 @@ use crate::arch::amx::Tiles;
 use crate::arch::{Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::{sealed, Element};
-use crate::Exp2Impl;
 use softmax_core::{RescalePolicy, RescaleStats, RowState, TileKind};
 
 /// Most keys per key tile of the AMX kernel ([`amx_keys_for`]), what the scratch is sized for.
@@ -447,19 +446,12 @@ unsafe fn amx_task<S: Simd, T: Element, O: Element, M: Tiles, const NR: usize>(
                 let args = (st_cur.as_ptr(), nk, nk32, pb_buf[b]);
                 let (s, c, r) = (&mut *states, &mut *corr, &mut stats.rescale);
                 let w = (&work, &mut *tiles);
-                match (ctx.exp2, M::HARDWARE) {
-                    (Exp2Impl::Exact, true) => {
-                        softmax.run::<S, M, NR, false, true>(args, s, c, r, w)
-                    }
-                    (Exp2Impl::Exact, false) => {
-                        softmax.run::<S, M, NR, false, false>(args, s, c, r, w)
-                    }
-                    (Exp2Impl::Cubic, true) => {
-                        softmax.run::<S, M, NR, true, true>(args, s, c, r, w)
-                    }
-                    (Exp2Impl::Cubic, false) => {
-                        softmax.run::<S, M, NR, true, false>(args, s, c, r, w)
-                    }
+                // P is rounded to bf16 for the products: `Auto` takes the cubic here.
+                match (ctx.exp2.cubic(true), M::HARDWARE) {
+                    (false, true) => softmax.run::<S, M, NR, false, true>(args, s, c, r, w),
+                    (false, false) => softmax.run::<S, M, NR, false, false>(args, s, c, r, w),
+                    (true, true) => softmax.run::<S, M, NR, true, true>(args, s, c, r, w),
+                    (true, false) => softmax.run::<S, M, NR, true, false>(args, s, c, r, w),
                 }
             }
             lap.lap(AmxPhase::Softmax);

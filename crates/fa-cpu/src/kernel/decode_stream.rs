@@ -1625,9 +1625,11 @@ unsafe fn softmax_row<S: Simd>(
             m = S::max(S::load(x.as_ptr()), m);
         }
         let step = state.begin_block(S::hmax(m), policy, stats);
-        let sum = match imp {
-            Exp2Impl::Exact => exp2_row::<S, false>(row, step.offset),
-            Exp2Impl::Cubic => exp2_row::<S, true>(row, step.offset),
+        // The decode keeps `Auto` exact (it is bound by memory, not by the exponentials).
+        let sum = if imp.cubic(false) {
+            exp2_row::<S, true>(row, step.offset)
+        } else {
+            exp2_row::<S, false>(row, step.offset)
         };
         state.add_sum(sum);
         step.correction

@@ -17,9 +17,10 @@ pub(crate) unsafe fn exp2_slice<S: Simd>(x: *mut f32, n: usize, imp: Exp2Impl) {
         // SAFETY: i + W ≤ n (n is a multiple of W).
         unsafe {
             let v = S::load(x.add(i));
-            let e = match imp {
-                Exp2Impl::Exact => exp2_exact::<S>(v),
-                Exp2Impl::Cubic => exp2_cubic::<S>(v),
+            let e = if imp.cubic(false) {
+                exp2_cubic::<S>(v)
+            } else {
+                exp2_exact::<S>(v)
             };
             S::store(x.add(i), e);
         }
@@ -72,9 +73,11 @@ pub(crate) unsafe fn softmax_panel<S: Simd, const NR: usize>(
     unsafe {
         let mx = panel_maxima::<S, NR>(st, st_stride, nk);
         let offset = panel_offsets::<S, NR>(&mx, rv0, valid_rows, states, corr, policy, stats);
-        let sum = match imp {
-            Exp2Impl::Exact => exp2_pass::<S, NR, false>(st, st_stride, nk, &offset),
-            Exp2Impl::Cubic => exp2_pass::<S, NR, true>(st, st_stride, nk, &offset),
+        // P stays f32 on this path: `Auto` is the exact exp2.
+        let sum = if imp.cubic(false) {
+            exp2_pass::<S, NR, true>(st, st_stride, nk, &offset)
+        } else {
+            exp2_pass::<S, NR, false>(st, st_stride, nk, &offset)
         };
         add_panel_sums::<S, NR>(&sum, rv0, valid_rows, states);
     }
