@@ -20,7 +20,7 @@
 #include <stdlib.h>
 
 /* Options with every default, for `FaOptions opts = FA_OPTIONS_INIT;`. */
-#define FA_OPTIONS_INIT { (uint32_t)sizeof(FaOptions), FA_API_VERSION, 0, FA_EXP2_EXACT }
+#define FA_OPTIONS_INIT { (uint32_t)sizeof(FaOptions), FA_API_VERSION, 0, FA_EXP2_AUTO }
 
 /* A KV-cache descriptor with every field empty, for `FaKvCache cache = FA_KV_CACHE_INIT;`. */
 #define FA_KV_CACHE_INIT { (uint32_t)sizeof(FaKvCache), FA_API_VERSION, 0, 0, 0, 0, 0, 0, 0 }
@@ -32,7 +32,8 @@
 // `fa_forward_cache_cuda`, `fa_forward_cache_cuda_workspace_bytes`); version 3 adds the
 // in-place appends `fa_append_kv_cpu` and `fa_append_kv_cuda` (no descriptor changed);
 // version 4 adds [`FaKvCache::block_walk`] (a trailing field: a version-2/3 `FaKvCache`,
-// of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`.
+// of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`;
+// version 5 adds [`FA_EXP2_AUTO`], the options' new default.
 // A library accepts descriptors of every version up to its own.
 #define FA_API_VERSION 5
 
@@ -78,11 +79,16 @@
 // `total_q`, `total_k`, `max_seqlen_q`, `max_seqlen_k`.
 #define FA_SEQLENS_VARLEN_DEVICE 2
 
-// Exact software exp2 on the CPU (the default).
+// Exact software exp2 on the CPU (what zeroed options ask for).
 #define FA_EXP2_EXACT 0
 
 // FlashAttention-4's cubic exp2 on the CPU.
 #define FA_EXP2_CUBIC 1
+
+// The library's choice, the default (`FA_OPTIONS_INIT`, `fa_options_default`): the cubic in
+// the AMX forward (bf16/f16 inputs on Intel AMX tiles), whose `P·V` takes the probabilities
+// rounded to bf16, the exact exp2 everywhere else. Since API version 5.
+#define FA_EXP2_AUTO 2
 
 // An opened CUDA device (opaque to C): created by `fa_cuda_device_create` or
 // `fa_cuda_device_create_from_context`, freed by `fa_cuda_device_destroy`.
