@@ -255,29 +255,14 @@ impl SimdTask for Exp2<'_> {
     }
 }
 
-/// [`Simd::exp2_softmax`] over a slice (length a multiple of W).
-struct Exp2Softmax<'a> {
+/// [`Simd::exp2_softmax`], or with `cubic` [`Simd::exp2_cubic_softmax`], over a slice (length
+/// a multiple of W).
+struct Exp2SoftmaxArg<'a> {
     x: &'a mut [f32],
+    cubic: bool,
 }
 
-impl SimdTask for Exp2Softmax<'_> {
-    type Output = ();
-    #[inline(always)]
-    unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
-        assert!(self.x.len().is_multiple_of(A::W));
-        for chunk in self.x.chunks_exact_mut(A::W) {
-            // SAFETY: chunk holds W floats; A available (caller).
-            unsafe { A::store(chunk.as_mut_ptr(), A::exp2_softmax(A::load(chunk.as_ptr()))) };
-        }
-    }
-}
-
-/// [`Simd::exp2_cubic_softmax`] over a slice (length a multiple of W).
-struct Exp2CubicSoftmax<'a> {
-    x: &'a mut [f32],
-}
-
-impl SimdTask for Exp2CubicSoftmax<'_> {
+impl SimdTask for Exp2SoftmaxArg<'_> {
     type Output = ();
     #[inline(always)]
     unsafe fn run<A: Arch, const QK: usize, const NR: usize, const PV: usize>(self) {
@@ -285,10 +270,13 @@ impl SimdTask for Exp2CubicSoftmax<'_> {
         for chunk in self.x.chunks_exact_mut(A::W) {
             // SAFETY: chunk holds W floats; A available (caller).
             unsafe {
-                A::store(
-                    chunk.as_mut_ptr(),
-                    A::exp2_cubic_softmax(A::load(chunk.as_ptr())),
-                )
+                let x = A::load(chunk.as_ptr());
+                let y = if self.cubic {
+                    A::exp2_cubic_softmax(x)
+                } else {
+                    A::exp2_softmax(x)
+                };
+                A::store(chunk.as_mut_ptr(), y)
             };
         }
     }
@@ -612,75 +600,76 @@ pub fn exp2_exact_accuracy_and_specials_every_arch() {
     }
 }
 
-pub fn exp2_softmax_is_exp2_exact_bit_for_bit_up_to_127_every_arch() {
-    let mut rng = Rng::new(0x5ca1ef);
+/// Checks the softmax exp2 (`cubic`: [`Simd::exp2_cubic_softmax`], else
+/// [`Simd::exp2_softmax`]) bit for bit against the slice exp2 of the same polynomial on every
+/// arch, over the exact test's sweep, ties and specials up to 127 (those above are outside the
+/// contract), the values of `grid`, the `specials`, and 20 000 random softmax arguments in
+/// `(8 − span, 8]`.
+fn assert_softmax_exp2_bits(
+    cubic: bool,
+    seed: u64,
+    grid: impl Iterator<Item = f32> + Clone,
+    specials: &[f32],
+    span: f64,
+) {
+    let (imp, name) = if cubic {
+        (Exp2Impl::Cubic, "exp2_cubic_softmax")
+    } else {
+        (Exp2Impl::Exact, "exp2_softmax")
+    };
+    let mut rng = Rng::new(seed);
     for a in all_archs() {
-        // The sweep, ties and specials of the exact test (those above 127 dropped: outside
-        // the contract), every half-integer from −140 to 64, and random softmax arguments.
         let mut x: Vec<f32> = exp2_inputs(50_001, a.lanes)
             .into_iter()
             .filter(|&v| v <= 127.0 || v.is_nan())
             .collect();
-        x.extend((-280..=128).map(|k| k as f32 / 2.0));
-        x.extend([
-            -126.5,
-            -127.5,
-            -126.5 - 1e-5,
-            -126.5 + 1e-5,
-            127.0,
-            64.0,
-            -149.5,
-        ]);
-        x.extend((0..20_000).map(|_| -130.0 * rng.uniform() as f32 + 8.0));
+        x.extend(grid.clone());
+        x.extend_from_slice(specials);
+        x.extend((0..20_000).map(|_| (-span * rng.uniform()) as f32 + 8.0));
         x.resize(round_up(x.len(), a.lanes), -3.25);
         let mut want = x.clone();
-        a.exp2(&mut want, Exp2Impl::Exact);
+        a.exp2(&mut want, imp);
         let mut got = x.clone();
-        dispatch(a.isa, Exp2Softmax { x: &mut got });
+        dispatch(a.isa, Exp2SoftmaxArg { x: &mut got, cubic });
         for ((&xi, &w), &g) in x.iter().zip(&want).zip(&got) {
             assert!(
                 w.to_bits() == g.to_bits() || (w.is_nan() && g.is_nan()),
-                "{}: exp2_softmax({xi:e}) = {g:e}, exp2_exact {w:e}",
+                "{}: {name}({xi:e}) = {g:e}, {imp:?} exp2 {w:e}",
                 a.name
             );
         }
     }
 }
 
+pub fn exp2_softmax_is_exp2_exact_bit_for_bit_up_to_127_every_arch() {
+    // Every half-integer from −140 to 64 (rounding ties of the exact polynomial's split).
+    let specials = [
+        -126.5,
+        -127.5,
+        -126.5 - 1e-5,
+        -126.5 + 1e-5,
+        127.0,
+        64.0,
+        -149.5,
+    ];
+    let grid = (-280..=128).map(|k| k as f32 / 2.0);
+    assert_softmax_exp2_bits(false, 0x5ca1ef, grid, &specials, 130.0);
+}
+
 pub fn exp2_cubic_softmax_is_exp2_cubic_bit_for_bit_up_to_127_every_arch() {
-    let mut rng = Rng::new(0xc0b1c);
-    for a in all_archs() {
-        // The exact test's sweep, ties and specials up to 127, every quarter from −160 to 64
-        // (floor's steps, and the zero scale at −127), and random softmax arguments.
-        let mut x: Vec<f32> = exp2_inputs(50_001, a.lanes)
-            .into_iter()
-            .filter(|&v| v <= 127.0 || v.is_nan())
-            .collect();
-        x.extend((-640..=256).map(|k| k as f32 / 4.0));
-        x.extend([
-            -126.0,
-            -126.0 - 1e-5,
-            -127.0,
-            -125.0,
-            -151.0,
-            127.0,
-            f32::NEG_INFINITY,
-            f32::NAN,
-        ]);
-        x.extend((0..20_000).map(|_| -170.0 * rng.uniform() as f32 + 8.0));
-        x.resize(round_up(x.len(), a.lanes), -3.25);
-        let mut want = x.clone();
-        a.exp2(&mut want, Exp2Impl::Cubic);
-        let mut got = x.clone();
-        dispatch(a.isa, Exp2CubicSoftmax { x: &mut got });
-        for ((&xi, &w), &g) in x.iter().zip(&want).zip(&got) {
-            assert!(
-                w.to_bits() == g.to_bits() || (w.is_nan() && g.is_nan()),
-                "{}: exp2_cubic_softmax({xi:e}) = {g:e}, exp2_cubic {w:e}",
-                a.name
-            );
-        }
-    }
+    // Every quarter from −160 to 64: floor's steps, and the zero scale at −127.
+    let specials = [
+        -126.0,
+        -126.0 - 1e-5,
+        -127.0,
+        -125.0,
+        -151.0,
+        127.0,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ];
+    let grid = (-640..=256).map(|k| k as f32 / 4.0);
+    assert_softmax_exp2_bits(true, 0xc0b1c, grid, &specials, 170.0);
 }
 
 pub fn exp2_cubic_matches_softmax_core() {
