@@ -10,6 +10,9 @@ the first variant.
 
     python3 scripts/cpu_ab.py --variants /tmp/base,/tmp/try --rounds 4 --threads 2
 
+--fa: the variants are `fa` binaries (`fa bench`, timed as cpu_peer.py --ours fa times it), so
+a wrapper script that adds options (e.g. `exec fa "$@" --exp2 cubic`) is a variant too.
+
 --backward: the backward pass instead; the variants are then `fa` binaries (`fa bench
 --backward`), PyTorch is SDPA's autograd backward, both timed as cpu_peer.py --backward times
 them (the backward's median), GFLOP/s with the backward's FLOP count.
@@ -32,6 +35,8 @@ def main():
     p.add_argument("--json-out")
     p.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32",
                    help="input dtype of the forward (both sides); the backward is f32 only")
+    p.add_argument("--fa", action="store_true",
+                   help="the variants are `fa` binaries (`fa bench`), not bench_forward")
     p.add_argument("--backward", action="store_true",
                    help="the backward pass: variants are `fa` binaries (`fa bench --backward`)")
     a = p.parse_args()
@@ -52,8 +57,12 @@ def main():
             side = argparse.Namespace(ours="fa", fa=path, threads=a.threads, iters=reps(n),
                                       warmup=1, backward=True)
             return run_ours(side, "f32", 1, a.heads, n, d, causal)["backward_ms_median"]
-        side = argparse.Namespace(ours="example", example=path, threads=a.threads,
-                                  iters=reps(n), warmup=1, backward=False)
+        if a.fa:
+            side = argparse.Namespace(ours="fa", fa=path, threads=a.threads, iters=reps(n),
+                                      warmup=1, backward=False)
+        else:
+            side = argparse.Namespace(ours="example", example=path, threads=a.threads,
+                                      iters=reps(n), warmup=1, backward=False)
         return run_ours(side, a.dtype, 1, a.heads, n, d, causal)["time_ms_median"]
 
     def peer(n, d, causal):
