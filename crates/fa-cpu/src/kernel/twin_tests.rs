@@ -642,7 +642,6 @@ fn assert_softmax_exp2_bits(
 }
 
 pub fn exp2_softmax_is_exp2_exact_bit_for_bit_up_to_127_every_arch() {
-    // Every half-integer from −140 to 64 (rounding ties of the exact polynomial's split).
     let specials = [
         -126.5,
         -127.5,
@@ -652,12 +651,12 @@ pub fn exp2_softmax_is_exp2_exact_bit_for_bit_up_to_127_every_arch() {
         64.0,
         -149.5,
     ];
+    // Every half-integer from −140 to 64 (the ties of the exact polynomial's rounding split).
     let grid = (-280..=128).map(|k| k as f32 / 2.0);
     assert_softmax_exp2_bits(false, 0x5ca1ef, grid, &specials, 130.0);
 }
 
 pub fn exp2_cubic_softmax_is_exp2_cubic_bit_for_bit_up_to_127_every_arch() {
-    // Every quarter from −160 to 64: floor's steps, and the zero scale at −127.
     let specials = [
         -126.0,
         -126.0 - 1e-5,
@@ -668,6 +667,7 @@ pub fn exp2_cubic_softmax_is_exp2_cubic_bit_for_bit_up_to_127_every_arch() {
         f32::NEG_INFINITY,
         f32::NAN,
     ];
+    // Every quarter from −160 to 64: floor's steps, and the zero scale at −127.
     let grid = (-640..=256).map(|k| k as f32 / 4.0);
     assert_softmax_exp2_bits(true, 0xc0b1c, grid, &specials, 170.0);
 }
