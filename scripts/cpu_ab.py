@@ -53,16 +53,14 @@ def main():
 
     # The two sides are timed exactly as cpu_peer.py times them (its `bench_forward` mode).
     def ours(path, n, d, causal):
-        if a.backward:
+        if a.backward or a.fa:
             side = argparse.Namespace(ours="fa", fa=path, threads=a.threads, iters=reps(n),
-                                      warmup=1, backward=True)
-            return run_ours(side, "f32", 1, a.heads, n, d, causal)["backward_ms_median"]
-        if a.fa:
-            side = argparse.Namespace(ours="fa", fa=path, threads=a.threads, iters=reps(n),
-                                      warmup=1, backward=False)
+                                      warmup=1, backward=a.backward)
         else:
             side = argparse.Namespace(ours="example", example=path, threads=a.threads,
                                       iters=reps(n), warmup=1, backward=False)
+        if a.backward:
+            return run_ours(side, "f32", 1, a.heads, n, d, causal)["backward_ms_median"]
         return run_ours(side, a.dtype, 1, a.heads, n, d, causal)["time_ms_median"]
 
     def peer(n, d, causal):

@@ -25,7 +25,7 @@ impl From<BackendArg> for BackendChoice {
     }
 }
 
-/// `--exp2 exact|cubic`: the software exp2 of the CPU kernel.
+/// `--exp2 auto|exact|cubic`: the software exp2 of the CPU kernel.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Exp2Arg {
     /// The library's choice: the cubic in the AMX forward (P rounded to bf16 there), the
