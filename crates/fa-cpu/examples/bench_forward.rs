@@ -10,8 +10,8 @@
 //! `--seqlen` (or `--seqlen-q`/`--seqlen-k`), `--head-dim`, `--causal`, `--threads`
 //! (default: all cores), `--reps` (timed runs, default 5), `--warmup` (default 1),
 //! `--exp2 auto|exact|cubic` (default auto), `--simd auto|amx|avx512f|avx2|scalar`. FLOPs:
-//! `4·B·H·Nq·Nk·D`, halved when causal with `Nq = Nk` (DESIGN.md §7). `peak_rss_bytes` is the process's high-water
-//! mark (VmHWM) after the runs.
+//! `4·B·H·Nq·Nk·D`, halved when causal with `Nq = Nk` (DESIGN.md §7). `peak_rss_bytes` is the
+//! process's high-water mark (VmHWM) after the runs.
 
 mod common;
 
