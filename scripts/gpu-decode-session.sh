@@ -20,7 +20,7 @@ for t in ${TESTS:-gpu_decode-test gpu-test cuda-test fa_cuda-lib disk_cache-test
     echo "== $t rc=$? ($((SECONDS - start)) s)"
     grep -E "^test |test result|panicked" "$out/$t.log" | grep -v " ok$" | tail -15
 done
-timeout 60 .gpu/bin/decode_bench ${DECODE_ARGS:---batches 1,16 --caches 4096,16384,131072 --splits plan --iters 30} \
+timeout "${DECODE_LIMIT:-60}" .gpu/bin/decode_bench ${DECODE_ARGS:---batches 1,16 --caches 4096,16384,131072 --splits plan --iters 30} \
     > "$out/decode_bench.json" 2> "$out/decode_bench.err"
 echo "== decode_bench rc=$? ($((SECONDS - start)) s)"; tail -c 3000 "$out/decode_bench.json"; tail -3 "$out/decode_bench.err"
 PYTHONUNBUFFERED=1 timeout "${PEER_LIMIT:-90}" python3 .gpu/peers/torch_sdpa_decode.py ${PEER_ARGS:---batches 1,16 --caches 4096,16384,131072 --iters 30} --json "$out/sdpa_decode.json" > "$out/sdpa_decode.log" 2>&1
