@@ -343,9 +343,10 @@ fn padded_cache_lengths_gqa_and_splits() {
 }
 
 /// A cache's slots past each sequence's used length may hold anything (a runtime reuses its
-/// memory): NaN and infinities there must not reach the output. Short lengths take the decode
-/// kernel's early-issue fix-up (padded split 0 loads its first tiles before it knows the
-/// length, then zeroes the rows past it).
+/// memory): NaN and infinities there must not reach the output, nor block-table entries
+/// outside the pool past the used blocks. Short lengths take the decode kernel's early-issue
+/// fix-up (padded split 0 loads its first tiles before it knows the length, then zeroes the
+/// rows past it).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn garbage_past_the_used_length_is_never_read_into_o() {
@@ -379,6 +380,23 @@ fn garbage_past_the_used_length_is_never_read_into_o() {
         for (i, (k_at, v_at)) in slots.into_iter().enumerate() {
             case.k[k_at..k_at + case.head_dim].fill(bad[i % 3]);
             case.v[v_at..v_at + case.head_dim].fill(bad[(i + 1) % 3]);
+        }
+        // Table entries past a sequence's used blocks are unchecked as well (validation reads
+        // only the used ones): indices outside the pool there must change nothing either.
+        if let Layout::Paged {
+            block_size,
+            blocks_per_seq,
+            num_blocks,
+            table,
+        } = &mut case.layout
+        {
+            let junk = [-1, i32::MAX, *num_blocks as i32, i32::MIN];
+            for (b, row) in table.chunks_exact_mut(*blocks_per_seq).enumerate() {
+                let used_blocks = (case.seqused[b] as usize).div_ceil(*block_size);
+                for (j, entry) in row.iter_mut().enumerate().skip(used_blocks) {
+                    *entry = junk[j % junk.len()];
+                }
+            }
         }
         check_splits::<bf16>(&case);
     }
