@@ -82,9 +82,8 @@ mod arch;
 mod backward;
 mod dispatch;
 mod element;
+mod erased;
 mod forward;
-#[cfg(all(debug_assertions, not(fuzzing)))]
-mod instances;
 mod kernel;
 
 pub use append::append_kv;
@@ -94,12 +93,13 @@ pub use backward::{
     BackwardInputs, BackwardOptions, BackwardStats, BackwardWorkspace, HostGrads,
 };
 pub use element::Element;
+pub use erased::{
+    append_kv_dyn, backward_dyn, forward_dyn, DynBackwardInputs, TensorMut, TensorRef,
+    APPEND_DTYPES, BACKWARD_DTYPES, FORWARD_DTYPES,
+};
 pub use forward::{
     forward_with_workspace, scratch_bytes_per_thread, supports, Workspace, MAX_THREADS,
 };
-#[cfg(all(debug_assertions, not(fuzzing)))]
-#[doc(hidden)]
-pub use instances::shared_instances;
 #[cfg(feature = "phase-timing")]
 pub use kernel::amx_phases::{take_amx_forward_phases, AMX_FORWARD_PHASE_NAMES};
 pub use kernel::decode_stream::{decode_prefetch, set_decode_prefetch, DecodePrefetch};

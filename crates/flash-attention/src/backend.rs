@@ -297,9 +297,7 @@ pub fn warmup(arch: Option<&str>) -> Result<fa_cuda::PrecompileReport, Error> {
 const MIXED_INPUTS: ProblemError = ProblemError::Unsupported {
     what: "q, k and v must share one dtype",
 };
-const CPU_DTYPES: ProblemError = ProblemError::Unsupported {
-    what: "fa-cpu takes f32, bf16 or f16 inputs with an output of the same dtype or f32",
-};
+const CPU_DTYPES: ProblemError = fa_cpu::FORWARD_DTYPES;
 const CUDA_DTYPES: ProblemError = ProblemError::Unsupported {
     what: "fa-cuda takes bf16 or f16 inputs with an output of the same dtype",
 };
@@ -603,22 +601,7 @@ fn cpu_forward(
         kv_splits: opts.kv_splits,
         ..Default::default()
     };
-    let Out { o, lse } = out;
-    macro_rules! call {
-        ($q:expr, $k:expr, $v:expr, $o:expr) => {
-            fa_cpu::forward(problem, Qkv::new($q, $k, $v), Out { o: $o, lse }, &fopts)?
-        };
-    }
-    use TensorMut as M;
-    use TensorRef as R;
-    let stats = match (qkv.q, qkv.k, qkv.v, o) {
-        (R::F32(q), R::F32(k), R::F32(v), M::F32(o)) => call!(q, k, v, o),
-        (R::Bf16(q), R::Bf16(k), R::Bf16(v), M::Bf16(o)) => call!(q, k, v, o),
-        (R::Bf16(q), R::Bf16(k), R::Bf16(v), M::F32(o)) => call!(q, k, v, o),
-        (R::F16(q), R::F16(k), R::F16(v), M::F16(o)) => call!(q, k, v, o),
-        (R::F16(q), R::F16(k), R::F16(v), M::F32(o)) => call!(q, k, v, o),
-        _ => return Err(CPU_DTYPES.into()),
-    };
+    let stats = fa_cpu::forward_dyn(problem, qkv, out, &fopts, None)?;
     Ok(ForwardStats {
         tiles_computed: Some(stats.tiles_computed),
         tiles_skipped: Some(stats.tiles_skipped),
@@ -640,21 +623,7 @@ pub fn append_kv(
     k_cache: TensorMut<'_>,
     v_cache: TensorMut<'_>,
 ) -> Result<(), Error> {
-    use TensorMut as M;
-    use TensorRef as R;
-    match (k_new, v_new, k_cache, v_cache) {
-        (R::F32(k), R::F32(v), M::F32(kc), M::F32(vc)) => fa_cpu::append_kv(append, k, v, kc, vc)?,
-        (R::Bf16(k), R::Bf16(v), M::Bf16(kc), M::Bf16(vc)) => {
-            fa_cpu::append_kv(append, k, v, kc, vc)?
-        }
-        (R::F16(k), R::F16(v), M::F16(kc), M::F16(vc)) => fa_cpu::append_kv(append, k, v, kc, vc)?,
-        _ => {
-            return Err(ProblemError::Unsupported {
-                what: "the cache and the new keys and values must share one dtype",
-            }
-            .into())
-        }
-    }
+    fa_cpu::append_kv_dyn(append, k_new, v_new, k_cache, v_cache)?;
     Ok(())
 }
 

@@ -5,16 +5,9 @@ use crate::backend::{Backend, BackendKind, DTypes, Error, Options};
 use crate::tensor::{TensorMut, TensorRef};
 use softmax_core::{DType, Grads, Problem, ProblemError, Qkv};
 
-/// What the backward reads besides Q, K and V: the forward's O and LSE and `∂L/∂O`.
-#[derive(Clone, Copy, Debug)]
-pub struct BackwardInputs<'a> {
-    /// The forward's output (the problem's O layout).
-    pub o: TensorRef<'a>,
-    /// `∂L/∂O`, in O's layout and dtype.
-    pub d_o: TensorRef<'a>,
-    /// The forward's natural-log LSE, as the forward writes it.
-    pub lse: &'a [f32],
-}
+/// What the backward reads besides Q, K and V: the forward's O and LSE and `∂L/∂O`, as
+/// dtype-erased views.
+pub use fa_cpu::DynBackwardInputs as BackwardInputs;
 
 /// What a backward call reported.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -27,10 +20,7 @@ pub struct BackwardStats {
 }
 
 /// The CPU rejects this combination of dtypes for the backward.
-const CPU_BACKWARD_DTYPES: ProblemError = ProblemError::Unsupported {
-    what: "the CPU backward takes Q/K/V in f32, bf16 or f16, O and dO in that dtype or f32, \
-           and gradients in that dtype or f32",
-};
+const CPU_BACKWARD_DTYPES: ProblemError = fa_cpu::BACKWARD_DTYPES;
 
 /// CUDA has no backward kernel.
 const CUDA_BACKWARD: ProblemError = ProblemError::Unsupported {
@@ -132,57 +122,7 @@ fn cpu_backward(
         threads: opts.threads,
         ..Default::default()
     };
-    let lse = inputs.lse;
-    let Grads { dq, dk, dv } = grads;
-    use TensorMut as M;
-    use TensorRef as R;
-    /// Calls fa-cpu once the inputs are typed, for each gradient dtype.
-    macro_rules! with_grads {
-        ($q:expr, $k:expr, $v:expr, $o:expr, $d_o:expr, $g:ident) => {{
-            let bin = fa_cpu::BackwardInputs {
-                o: $o,
-                d_o: $d_o,
-                lse,
-            };
-            match (dq, dk, dv) {
-                (M::F32(dq), M::F32(dk), M::F32(dv)) => fa_cpu::backward(
-                    problem,
-                    Qkv::new($q, $k, $v),
-                    bin,
-                    Grads::new(dq, dk, dv),
-                    &bopts,
-                )?,
-                // For f32 inputs this is the arm above.
-                #[allow(unreachable_patterns)]
-                (M::$g(dq), M::$g(dk), M::$g(dv)) => fa_cpu::backward(
-                    problem,
-                    Qkv::new($q, $k, $v),
-                    bin,
-                    Grads::new(dq, dk, dv),
-                    &bopts,
-                )?,
-                _ => return Err(CPU_BACKWARD_DTYPES.into()),
-            }
-        }};
-    }
-    let stats = match (qkv.q, qkv.k, qkv.v, inputs.o, inputs.d_o) {
-        (R::F32(q), R::F32(k), R::F32(v), R::F32(o), R::F32(d_o)) => {
-            with_grads!(q, k, v, o, d_o, F32)
-        }
-        (R::Bf16(q), R::Bf16(k), R::Bf16(v), R::Bf16(o), R::Bf16(d_o)) => {
-            with_grads!(q, k, v, o, d_o, Bf16)
-        }
-        (R::Bf16(q), R::Bf16(k), R::Bf16(v), R::F32(o), R::F32(d_o)) => {
-            with_grads!(q, k, v, o, d_o, Bf16)
-        }
-        (R::F16(q), R::F16(k), R::F16(v), R::F16(o), R::F16(d_o)) => {
-            with_grads!(q, k, v, o, d_o, F16)
-        }
-        (R::F16(q), R::F16(k), R::F16(v), R::F32(o), R::F32(d_o)) => {
-            with_grads!(q, k, v, o, d_o, F16)
-        }
-        _ => return Err(CPU_BACKWARD_DTYPES.into()),
-    };
+    let stats = fa_cpu::backward_dyn(problem, qkv, inputs, grads, &bopts, None)?;
     Ok(BackwardStats {
         tiles_computed: stats.tiles_computed,
         tiles_skipped: stats.tiles_skipped,
