@@ -152,7 +152,7 @@ impl DecodeVariant {
     /// 16-row m-tile, or two where the rows need them and the registers allow (head dim ≤ 128);
     /// tiles of 64 keys (128 at head dim 64); 3 stages at head dim 64 and 128 (two CTAs of
     /// ~100 KiB per SM: 1.1-1.6x faster than one CTA with 4 stages from 16k keys up, batch 1
-    /// and 16, padded and paged; 0.94x at batch 1 with 4k keys; docs/gpu-notes.md run 48), 2
+    /// and 16, padded and paged; 0.94x at batch 1 with 4k keys; docs/history/gpu-notes.md run 48), 2
     /// at 256 (one CTA of 139 KiB). See
     /// [`DecodeVariant::with_stages`] for the other counts.
     pub fn for_shape(hdp: u32, rows: usize, dtype: DType, general_scores: bool) -> DecodeVariant {
@@ -465,12 +465,12 @@ pub const STREAMING_STAGES: u32 = 2;
 /// that [`STREAMING_STAGES`] (more CTAs per SM, fewer tiles in flight each) reads faster
 /// than the default three stages:
 /// unsplit CTAs for at least half the SMs, and a longest cache of at least 16k keys, at head
-/// dim ≤ 128. H200, bf16, Llama-3 70B layer at batch 16 (docs/gpu-notes.md runs 57, 68):
+/// dim ≤ 128. H200, bf16, Llama-3 70B layer at batch 16 (docs/history/gpu-notes.md runs 57, 68):
 /// paged 16 at 16k keys 253.8 (3 stages, 2 splits) → 252.9 µs, 64k 981.9 → 973.4; at 4k keys
 /// and at batch 1 three stages stay ahead. A padded cache keeps three stages and one CTA
 /// per SM (the plan's slots), and so do blocks read in a block walk's address order: H100,
 /// batch 16, paged 16 walked, 16k / 64k / 128k keys 361.6 / 1409.3 / 2806.5 µs under this
-/// rule against 350.6 / 1394.4 / 2790.3 with one CTA per SM (docs/gpu-notes.md run 125).
+/// rule against 350.6 / 1394.4 / 2790.3 with one CTA per SM (docs/history/gpu-notes.md run 125).
 fn use_streaming_stages(
     variant: &DecodeVariant,
     ctas: usize,
@@ -638,7 +638,7 @@ pub fn plan_decode(
 /// when its plan allows it ([`DecodePlan::block_walk`]): per sequence, its used blocks (those
 /// holding its first `seqused_k` keys) sorted by physical block index, so that each split
 /// streams one ascending run of addresses instead of blocks scattered over the pool (on an
-/// H200, scattered 16-key blocks read 3–5 % slower than blocks in order; docs/gpu-notes.md
+/// H200, scattered 16-key blocks read 3–5 % slower than blocks in order; docs/history/gpu-notes.md
 /// run 79). Layout: int32 `[batch, 2, blocks_per_seq]`; for sequence `b` and walk step `j`
 /// (below the sequence's used block count), `[b][0][j]` is the physical block and `[b][1][j]`
 /// its logical index (its place in the block table); entries past the used blocks are 0 and

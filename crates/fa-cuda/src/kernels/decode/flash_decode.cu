@@ -25,7 +25,7 @@
 // per sequence, its used blocks in ascending physical order, each with its logical index. The
 // kernel then streams the blocks in that order (walk position w = the key's place in the walk)
 // and masks each key by its logical position: a split reads one ascending run of addresses
-// instead of blocks scattered over the pool, which runs at in-order speed (docs/gpu-notes.md
+// instead of blocks scattered over the pool, which runs at in-order speed (docs/history/gpu-notes.md
 // run 79). Attention does not depend on the order of its keys; only the rounding of the sums
 // changes.
 //
@@ -167,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     // Early issue: split 0 of a padded cache without a left window starts at tile 0 whatever the
     // sequence's length, so its first STAGES-1 tiles go out before the `seqused_k` read, bounded
     // by the capacity (that read is one DRAM round trip before any K/V address otherwise:
-    // docs/gpu-notes.md runs 64 and 130). Rows at and past the used length are zeroed in shared
+    // docs/history/gpu-notes.md runs 64 and 130). Rows at and past the used length are zeroed in shared
     // memory once it is known (a short sequence only). Same groups as the prologue below.
     const bool early = !paged && p.win_left < 0 && split == 0;
     if (early) {
