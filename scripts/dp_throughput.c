@@ -2,7 +2,8 @@
  * 12 independent accumulator chains of each (enough to hide either latency), ns per
  * instruction, three rounds. One `vdpbf16ps` does 32 multiply-adds, one FMA 16; so a kernel
  * gains from `vdpbf16ps` only if it issues at more than half the FMA's rate. On the GPU
- * machine's Xeon and on the development VM it issues at a quarter (docs/gpu-notes.md run 115).
+ * machine's Xeon and on the development VM it issues at a quarter (docs/history/gpu-notes.md,
+ * 2026-12-04).
  *
  *   gcc -O2 -march=sapphirerapids -static -o dp_throughput scripts/dp_throughput.c
  *   taskset -c 0 ./dp_throughput

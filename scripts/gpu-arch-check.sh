@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call after ../shared/bin/gpu-pack fa-cuda fa-cpu flash-attention: the staged tests
+# One device call after scripts/gpu-pack fa-cuda fa-cpu flash-attention: the staged tests
 # (GPU tests included, fa-cpu on the host's AVX-512), then the disk cubin cache seen from three
 # processes: a cold `fa demo --backend cuda` (compiles), a second one (must load from disk), and
 # a third after every cache file had one byte flipped (must rebuild, not trust it); then

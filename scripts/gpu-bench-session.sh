@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: fa-cuda's staged tests (GPU tests included), the PyTorch SDPA peers and
 # `fa bench --backend cuda --peers` on the FlashAttention paper shapes, in the same call.
-# Stage with ../shared/bin/gpu-pack fa-cuda; logs under $OUT (tests.log, peers.json, bench.log).
+# Stage with scripts/gpu-pack fa-cuda; logs under $OUT (tests.log, peers.json, bench.log).
 set -uo pipefail
 out="${OUT:-/tmp/fa-bench-out}"; mkdir -p "$out"
 for d in /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 \

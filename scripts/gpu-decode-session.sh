@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: fa-cuda's GPU suite (forward families + the decode family), fa-capi's CUDA
 # test, then the decode bench and PyTorch SDPA's decode peers in the same call.
-# Stage with: ../shared/bin/gpu-pack fa-cuda fa-capi, plus the decode_bench example in .gpu/bin
-# and scripts/torch_sdpa_decode.py in .gpu/peers. Logs under $OUT.
+# Stage with: scripts/gpu-pack fa-cuda fa-capi (it puts scripts/torch_sdpa_decode.py in
+# .gpu/peers), plus the decode_bench example in .gpu/bin. Logs under $OUT.
 set -uo pipefail
 out="${OUT:-/tmp/fa-decode-out}"; mkdir -p "$out"
 for d in /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 \

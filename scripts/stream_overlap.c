@@ -1,6 +1,6 @@
 /* How a streaming loop's per-core read rate depends on the arithmetic done per cache line and
  * on software prefetch: the question behind the CPU decode's per-core bound (issue 15,
- * docs/gpu-notes.md run 114). K and V are laid out like a padded bf16 decode cache
+ * docs/history/gpu-notes.md, 2026-12-04). K and V are laid out like a padded bf16 decode cache
  * ([keys][8 heads][128], 2 KiB per key, 256 B per key and head) and read in 64-key tiles.
  *   seq         K tile then V tile, each in address order
  *   head        per tile, head after head (256 B every 2 KiB), as the decode's Q·Kᵀ reads

@@ -27,7 +27,8 @@ Each timed call follows a flush on the same stream (the GPU stays busy while the
 the call, so the host's launch overhead is not timed): `read` (default) sums a 512 MiB buffer,
 leaving the L2 full of clean lines, as the previous layer's reads do in a decode step; `write`
 zeroes it, leaving up to the L2's size of dirty lines whose write-back then shares DRAM with
-the timed call (the method of docs/gpu-notes.md runs 49-52); `none` times back-to-back calls.
+the timed call (the method of the first decode tables, 2026-12-01 in docs/history/gpu-notes.md);
+`none` times back-to-back calls.
 decode_bench's `--flush read|copy|none` does the same on our side.
 """
 import argparse

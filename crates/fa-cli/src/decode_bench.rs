@@ -14,8 +14,8 @@
 //! The probe size is fixed, not the shape's: with buffers sized by the K/V bytes (256 MiB to
 //! 1 GiB, before 2026-12-01) the copy figure on the GPU machine's Xeon moved from ~20 GB/s
 //! (256 MiB) to ~34 (512 MiB) and ~42 (1 GiB) with the buffer alone — the C library's copy
-//! changes strategy with the size (docs/benchmarks.md, "the bandwidth bound") — so the
-//! fraction of copy moved with the shape's probe rather than with the decode.
+//! changes strategy with the size (docs/history/benchmarks-lab.md, "The bandwidth bound") —
+//! so the fraction of copy moved with the shape's probe rather than with the decode.
 //!
 //! K and V start on a cache line ([`OnLine`]), as a runtime's allocator places a cache:
 //! before 2026-12-05 they lay wherever the C library put a `Vec` (16 bytes past a line for
@@ -178,7 +178,7 @@ fn read_sum(bytes: &[u8]) -> u64 {
 /// [`read_sum`] with 32-byte loads into four independent sums. Known gap: the probe (with
 /// the baseline loop on the Xeon, 17–20 GB/s; with this one on the development VM) reads
 /// about half to two thirds of what `scripts/readbw.c` reads on the same cores; the cause
-/// is not found yet (docs/benchmarks.md), so `fraction_of_read` overstates.
+/// is not found yet (docs/history/benchmarks-lab.md), so `fraction_of_read` overstates.
 ///
 /// # Safety
 /// The CPU must have AVX2.

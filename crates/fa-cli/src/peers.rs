@@ -1,5 +1,5 @@
 //! Peer numbers for `fa bench --peers`: PyTorch SDPA's forward TFLOP/s per shape, as
-//! `../shared/peers/torch_sdpa.py --json` writes them (measured in the same device session),
+//! `scripts/torch_sdpa.py --json` writes them (measured in the same device session),
 //! and our throughput over theirs.
 
 use crate::error::CliError;

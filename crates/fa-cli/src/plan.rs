@@ -324,8 +324,8 @@ pub fn score_report(m: &ModelShape, threads: u64) -> String {
 /// The H200's HBM3e bandwidth by its specification, GB/s.
 pub const H200_SPEC_GBPS: f64 = 4800.0;
 
-/// The H200's device copy (read + write) as measured on it (docs/benchmarks.md, decode
-/// section: 4.0 to 4.3 TB/s over the runs), GB/s.
+/// The H200's device copy (read + write) as measured on it (docs/history/benchmarks-lab.md,
+/// the H200 decode tables: 4.0 to 4.3 TB/s over the runs), GB/s.
 pub const H200_COPY_GBPS: f64 = 4200.0;
 
 /// KV-cache bytes of one sequence (the shape with `batch = 1`).

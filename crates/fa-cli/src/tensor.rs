@@ -74,7 +74,7 @@ pub fn random_normal(
 /// allocator and inference runtimes place a KV cache. A `Vec` promises no such thing (glibc
 /// returns large blocks 16 bytes past a page), and fa-cpu's AMX decode reads K and V rows in
 /// place, where a 64-byte tile row that straddles two lines costs twice the lines: `fa bench
-/// --decode` measures the cache a runtime would hand it (docs/gpu-notes.md, 2026-12-05).
+/// --decode` measures the cache a runtime would hand it (docs/history/gpu-notes.md, 2026-12-05).
 pub struct OnLine {
     data: Data,
     at: usize,

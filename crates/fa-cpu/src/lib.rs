@@ -148,10 +148,10 @@ pub enum Exp2Impl {
     /// tiles), whose `P·V` product takes the probabilities rounded to bf16 (relative error up
     /// to 2⁻⁹, 26 times the cubic's 7.5e-5, so the cubic changes the result's accuracy by
     /// little), and [`Exp2Impl::Exact`] everywhere else: f32 inputs, the SIMD paths (whose P
-    /// stays f32), the decode and the backward. On the GPU machine's Xeon (docs/gpu-notes.md
-    /// run 139, issue 18's 18 shapes, 10 alternating rounds beside an A/A control) the cubic
-    /// made the AMX forward 4.5 % faster at head dim 64, 1.5 % at 128 and no faster at 256,
-    /// where the tiles, not the exponentials, bound it.
+    /// stays f32), the decode and the backward. On the GPU machine's Xeon (issue 18's 18
+    /// shapes, 10 alternating rounds beside an A/A control; docs/history/gpu-notes.md,
+    /// 2026-12-06) the cubic made the AMX forward 4.5 % faster at head dim 64, 1.5 % at 128
+    /// and no faster at 256, where the tiles, not the exponentials, bound it.
     #[default]
     Auto,
     /// Accurate vectorised `exp2` (a degree-5 polynomial fitted for relative error after

@@ -19,8 +19,9 @@
 //! (the default) is a decode call over another 512 MiB cache: it leaves the L2 full of clean
 //! lines, as the previous layer's attention and weight reads do in a decode step; `--flush
 //! copy` a 256 MiB device-to-device copy, which leaves up to the L2's size of dirty lines whose
-//! write-back then shares DRAM with the timed call (the method of runs 49-52); `--flush none`
-//! (or `--no-flush`) times back-to-back calls.
+//! write-back then shares DRAM with the timed call (the method of the first decode tables,
+//! 2026-12-01 in docs/history/gpu-notes.md); `--flush none` (or `--no-flush`) times
+//! back-to-back calls.
 //!
 //! `--splits` lists split counts to time per shape (`plan`: the plan's own choice, the
 //! default), for tuning the split rule; `--stages` the K/V stage counts (fewer stages, more

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, PyTorch SDPA peers and `fa bench --backend cuda --peers`, all in
-# the same session. Run on the GPU machine from the repository root after staging .gpu/ (see
-# docs/gpu-notes.md):   bash .gpu/gpu-session.sh [fa bench args, e.g. --head-dim 128 --seqlen 8192 --tiles default,128x64x4x2]
+# the same session. Run on the GPU machine from the repository root after staging .gpu/ (with
+# crates/fa-cuda/scripts/stage-gpu.sh):   bash .gpu/gpu-session.sh [fa bench args, e.g. --head-dim 128 --seqlen 8192 --tiles default,128x64x4x2]
 # Logs go to $OUT (tests.log, peers.json, bench.log) when OUT is set.
 set -uo pipefail
 out="${OUT:-/tmp/fa-cuda-out}"; mkdir -p "$out"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stages fa-cuda's release test binaries, the `fa` command (its `fa bench --backend cuda` is the
-# benchmark), the peers and gpu-session.sh into .gpu/ (the layout ../shared/bin/gpu-pack makes,
+# benchmark), the peer scripts and gpu-session.sh into .gpu/ (the layout scripts/gpu-pack makes,
 # but building only these crates).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
@@ -16,7 +16,7 @@ for line in sys.stdin:
         shutil.copy2(m["executable"], ".gpu/tests/" + name); print("staged test", name)'
 cargo build --release -p fa-cli --bin fa
 cp "${CARGO_TARGET_DIR:-target}/release/fa" .gpu/bin/
-cp -r ../shared/peers/. .gpu/peers/
+cp scripts/torch_sdpa.py scripts/torch_sdpa_decode.py .gpu/peers/
 cp crates/fa-cuda/scripts/gpu-session.sh .gpu/
 git rev-parse --short HEAD > .gpu/REVISION
 git diff --quiet -- crates/fa-cuda crates/flash-attention crates/fa-cli || echo "+uncommitted" >> .gpu/REVISION

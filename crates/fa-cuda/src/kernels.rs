@@ -186,7 +186,8 @@ pub struct LaunchShape {
 pub enum KernelFamilyChoice {
     /// The measured-best family for the device and problem: on sm_90 the sm90 family's
     /// warp-specialized kernel for dense problems it covers (1.26–2.15× the sm80 family in the
-    /// same device call, every head dim and mask at 2k and 8k: docs/gpu-notes.md run 42);
+    /// same device call, every head dim and mask at 2k and 8k: docs/history/gpu-notes.md,
+    /// 2026-12-01);
     /// the sm80 family otherwise (varlen, softcap, scale ≤ 0, other GPUs).
     #[default]
     Auto,

@@ -70,15 +70,17 @@
 //! untouched).
 //!
 //! # Performance (H200, bf16, 16k tokens, same-call PyTorch SDPA peers; docs/benchmarks.md)
-//! The sm90 family (the default on Hopper) at seqlen 8k (docs/gpu-notes.md run 43): hdim 128
-//! 627 TFLOP/s non-causal and 591 causal (1.03× / 1.10× cuDNN, 1.82× / 1.88× PyTorch's
-//! FlashAttention-2), hdim 256 698 / 623 (1.04× / 1.06× cuDNN), hdim 64 412 / 391 (0.90× /
-//! 0.90×; 450 / 404 with the opt-in overlapped pipeline). The sm80 family, at 8k: hdim
+//! The sm90 family (the default on Hopper) at seqlen 8k (docs/history/benchmarks-lab.md,
+//! "Forward", the 60dffcd table): hdim 128 627 TFLOP/s non-causal and 591 causal (1.03× /
+//! 1.10× cuDNN, 1.82× / 1.88× PyTorch's FlashAttention-2), hdim 256 698 / 623 (1.04× /
+//! 1.06× cuDNN), hdim 64 412 / 391 (0.90× / 0.90×; 450 / 404 with the opt-in overlapped
+//! pipeline). The sm80 family, at 8k: hdim
 //! 128 1.09× FlashAttention-2 (non-causal) and 1.02× (causal), hdim 64 1.11× / 0.95×, hdim
 //! 256 1.06× / 0.99×. [`ForwardOptions::family`] forces either family. Problems without a mask whose key tiles are all
 //! full run a variant with no mask code; the 8-warp causal kernels run full tiles through a
 //! copy of the tile body without it. Tile sizes come from measurements
-//! (docs/gpu-notes.md); [`ForwardOptions::tiles`] overrides them, for tuning experiments only.
+//! (docs/history/gpu-notes.md); [`ForwardOptions::tiles`] overrides them, for tuning
+//! experiments only.
 //! `cargo run --release -p fa-cuda --example ptxas_report` prints every variant's registers
 //! and spills without a GPU (and writes the cubins for `nvdisasm` with `--cubin-dir`).
 //!

@@ -4,7 +4,7 @@
 //! inputs with f32 accumulation. Every check runs with the sm80 family forced and, on Hopper,
 //! with the sm90 family chosen in each of its load pipelines (cp.async; TMA + warp
 //! specialization). Ignored by default: they need a CUDA GPU
-//! (`cargo test -p fa-cuda -- --include-ignored`, or `../shared/bin/gpu-pack` and the device).
+//! (`cargo test -p fa-cuda -- --include-ignored`, or `scripts/gpu-pack` and the device).
 
 mod common;
 use common::{device, raw, read_back, LSE_BOUND, REL_L2_BOUND};

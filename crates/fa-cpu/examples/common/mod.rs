@@ -39,7 +39,7 @@ impl Inputs {
 /// below 64): 0 puts them on a cache line, as PyTorch's CPU allocator and inference runtimes
 /// place a KV cache. A `Vec<T>` alone promises no such thing (glibc returns large blocks 16
 /// bytes past a page), and the AMX decode reads K and V rows in place, where a 64-byte tile
-/// row that straddles two lines costs twice the lines (docs/gpu-notes.md, 2026-12-05).
+/// row that straddles two lines costs twice the lines (docs/history/gpu-notes.md, 2026-12-05).
 pub struct Placed<T> {
     buf: Vec<T>,
     at: usize,

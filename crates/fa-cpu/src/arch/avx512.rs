@@ -128,9 +128,9 @@ unsafe impl Simd for Avx512 {
     /// mask, where the default builds the scale 0: 8 operations against the default's 11 and
     /// [`Simd::exp2_softmax`]'s 10. The mask, not a lower clamp that scales to 0, gives the
     /// masked keys' zeros: a `vscalefps` that underflows takes a microcode assist (a clamp at
-    /// −151 ran causal shapes at 0.5–0.8× on the GPU machine's Xeon, docs/gpu-notes.md run
-    /// 135). No upper clamp: inputs stay at or below 127 (the caller's contract); NaN stays
-    /// NaN (its lanes are unordered, so the mask keeps them).
+    /// −151 ran causal shapes at 0.5–0.8× on the GPU machine's Xeon; docs/history/gpu-notes.md,
+    /// 2026-12-06). No upper clamp: inputs stay at or below 127 (the caller's contract); NaN
+    /// stays NaN (its lanes are unordered, so the mask keeps them).
     #[inline(always)]
     unsafe fn exp2_cubic_softmax(x: __m512) -> __m512 {
         // SAFETY: AVX-512F present (trait contract).

@@ -113,10 +113,10 @@ pub(crate) const ENV_DECODE_DPBF16: &str = "FA_CPU_DECODE_DPBF16";
 /// Whether the decode's SIMD `Q·Kᵀ` multiplies bf16 pairs with `vdpbf16ps` (read once): only
 /// where [`ENV_DECODE_DPBF16`] is `1` and the CPU has [`has_avx512_bf16`]. Off by default: AMD's
 /// Zen 4 issues `vdpbf16ps` at the FMA's rate (twice an FMA's multiply-adds per instruction;
-/// docs/gpu-notes.md, development VM), which should make it the faster `Q·Kᵀ` of a
+/// docs/history/gpu-notes.md, development VM), which should make it the faster `Q·Kᵀ` of a
 /// compute-bound bf16 decode there, but no end-to-end A/B on an AMD host has been taken yet;
-/// Intel's AVX512-BF16 CPUs issue it at a quarter of the FMA's rate (run 115) and run the
-/// bf16 decode on AMX where they have it.
+/// Intel's AVX512-BF16 CPUs issue it at a quarter of the FMA's rate (`scripts/dp_throughput.c`
+/// on the GPU machine's Xeon, 2026-12-04) and run the bf16 decode on AMX where they have it.
 pub(crate) fn bf16_dots_preferred() -> bool {
     static PREFERRED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PREFERRED.get_or_init(|| crate::env_switched_on(ENV_DECODE_DPBF16) && has_avx512_bf16())

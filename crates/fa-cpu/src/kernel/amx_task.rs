@@ -53,7 +53,7 @@ pub(crate) const fn amx_keys() -> usize {
 /// in parts (amx7): 512 against 256 unmasked was 1.06–1.07× at D=256 on the development VM
 /// (0.96× at D=64, 1.02× at D=128), but on the GPU machine's Xeon, the target, neither 512
 /// above head dim 128 (paired geometric mean over issue 18's 18 shapes 0.996) nor 512 at
-/// every head dim (1.000) moved (docs/gpu-notes.md run 90).
+/// every head dim (1.000) moved (docs/history/gpu-notes.md, 2026-12-02).
 pub(crate) const fn amx_keys_for(masked: bool) -> usize {
     if masked {
         128
@@ -1172,9 +1172,9 @@ impl Between for Alone {
 ///
 /// The parts are this small because the softmax's vector work goes between them: on the
 /// development VM a 2 × 2 step (4 products, ~54 ticks) and 128 FMAs (~55) cost their sum
-/// back to back, while 64 FMAs hide beside it; on the GPU machine's Xeon
-/// (docs/gpu-notes.md run 86, 2 pinned cores, bf16, 18 shapes × 3 rounds, alternating,
-/// geometric mean of paired ratios against main): parts of 1 product 1.147×, 2 products
+/// back to back, while 64 FMAs hide beside it; on the GPU machine's Xeon (2 pinned cores,
+/// bf16, 18 shapes × 3 rounds, alternating, geometric mean of paired ratios against main;
+/// docs/history/gpu-notes.md, 2026-12-02): parts of 1 product 1.147×, 2 products
 /// 1.064×, whole steps 1.032×. The loops here are fixed for a job, so the interleaving's
 /// scalar cost is the loop counters and `b`'s own (an earlier version chose each part in a
 /// state machine called from the softmax, ~1.5 ms of ~23 at head dim 128 on the development

@@ -55,9 +55,9 @@ pub(crate) const MAX_ROWS_PER_HEAD: usize = 32;
 /// 64/8 and 128/8 heads (64 and 128 KiB of rows: two and four runs under the former 32 KiB)
 /// one run was 1.09× faster from DRAM on the GPU machine's Xeon (geometric mean of 22 paired
 /// medians, bf16 and f32, 0.90–1.23, 18 of them ≥ 1.0; the B1 16k shapes 0.90–1.07) and
-/// neutral in cache (docs/gpu-notes.md runs 118–119). At 16 rows per KV head (32/8 heads, 4
-/// query tokens: four runs before) one run is 1.11–1.17× from DRAM, but the f32 SIMD path,
-/// whose Q rows then leave the L1, is ~0.8× in cache (run 121): a decode streams from DRAM.
+/// neutral in cache. At 16 rows per KV head (32/8 heads, 4 query tokens: four runs before)
+/// one run is 1.11–1.17× from DRAM, but the f32 SIMD path, whose Q rows then leave the L1, is
+/// ~0.8× in cache: a decode streams from DRAM (both: docs/history/gpu-notes.md, 2026-12-04).
 pub(crate) const ITEM_QO_BYTES: usize = 128 << 10;
 /// Work items the automatic split count aims for in all: enough for a many-core host when
 /// batch × runs of heads is small. A rule of the problem alone (never the thread count).
@@ -65,8 +65,9 @@ pub(crate) const TARGET_ITEMS: usize = 32;
 /// Fewest K+V bytes per split under the automatic rule: below this a split's fixed costs
 /// (loading Q, the cold start of its K/V streams, writing its partial rows, the combine)
 /// start to show. Measured on the GPU machine's Xeon (2 pinned cores, bf16, B=1, 4k keys =
-/// 16 MiB, 5 rounds each, docs/gpu-notes.md run 5x (dec2)): 32 splits of 512 KiB 1.57 ms,
-/// 16 of 1 MiB 1.27 ms, 8 of 2 MiB 1.09 ms. Larger caches keep [`TARGET_ITEMS`] splits.
+/// 16 MiB, 5 rounds each; docs/history/gpu-notes.md, 2026-12-01, the split sweep of branch
+/// dec2): 32 splits of 512 KiB 1.57 ms, 16 of 1 MiB 1.27 ms, 8 of 2 MiB 1.09 ms. Larger caches
+/// keep [`TARGET_ITEMS`] splits.
 pub(crate) const MIN_SPLIT_BYTES: usize = 2 << 20;
 /// Query rows per dot-product / `P·V` block (register blocking).
 pub(crate) const ROW_BLOCK: usize = 4;
@@ -437,9 +438,9 @@ impl StreamLens {
 ///
 /// On by default; `FA_CPU_DECODE_AMX_PV=0` (read once per process) keeps the SIMD `P·V` on
 /// hardware tiles. On the GPU machine's Xeon, one core with the cache in L2, it is 1.05× (h8/2)
-/// and 1.16× (h64/8) the SIMD `P·V` (docs/gpu-notes.md run 115); from DRAM on 2 pinned cores
-/// the paired medians of three calls (runs 110, 111, 115; 22 shape pairs) have a geometric
-/// mean of 1.04, 16 of them ≥ 1.0 (the worst 0.93). The emulated tiles (tests) always take it.
+/// and 1.16× (h64/8) the SIMD `P·V`; from DRAM on 2 pinned cores the paired medians of three
+/// device calls (22 shape pairs) have a geometric mean of 1.04, 16 of them ≥ 1.0 (the worst
+/// 0.93); docs/history/gpu-notes.md, 2026-12-04. The emulated tiles (tests) always take it.
 pub(crate) fn amx_pv_applies<O: Element>(lanes: usize, hardware: bool) -> bool {
     static ON_HARDWARE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on_hardware =
@@ -1358,7 +1359,7 @@ unsafe fn pv_tile<S: Simd, T: Element>(
 /// operations per key and head (32/8 heads): 5–16 % less time in cache on the Xeon, a few
 /// per cent from DRAM (see [`amx_pv_applies`]). (A `vdpbf16ps` `P·V` with two keys' V rows
 /// interleaved halves the FMA count but runs slower: the instruction issues once per two
-/// cycles where an FMA issues twice per cycle; docs/gpu-notes.md run 115.)
+/// cycles where an FMA issues twice per cycle; docs/history/gpu-notes.md, 2026-12-04.)
 ///
 /// Per head: the 16-key groups' A tiles built in `pa`, then in passes of up to
 /// [`AMX_PV_PASS`] chunks of the V row: C tiles zeroed, per group its A tile and per chunk

@@ -152,9 +152,9 @@ impl DecodeVariant {
     /// 16-row m-tile, or two where the rows need them and the registers allow (head dim ≤ 128);
     /// tiles of 64 keys (128 at head dim 64); 3 stages at head dim 64 and 128 (two CTAs of
     /// ~100 KiB per SM: 1.1-1.6x faster than one CTA with 4 stages from 16k keys up, batch 1
-    /// and 16, padded and paged; 0.94x at batch 1 with 4k keys; docs/gpu-notes.md run 48), 2
-    /// at 256 (one CTA of 139 KiB). See
-    /// [`DecodeVariant::with_stages`] for the other counts.
+    /// and 16, padded and paged; 0.94x at batch 1 with 4k keys; docs/history/gpu-notes.md,
+    /// 2026-12-01), 2 at 256 (one CTA of 139 KiB). See [`DecodeVariant::with_stages`] for the
+    /// other counts.
     pub fn for_shape(hdp: u32, rows: usize, dtype: DType, general_scores: bool) -> DecodeVariant {
         let mt = if hdp <= 128 && rows > 16 { 2 } else { 1 };
         let (wn, stages) = match hdp {
@@ -428,8 +428,8 @@ pub const MAX_DECODE_STAGES: u32 = 8;
 pub const DECODE_TUNING_STAGES: [u32; 3] = [2, 3, 4];
 
 /// The fewest key tiles a split gets from the split rule: a split of fewer tiles spends most
-/// of its time in its prologue and partial write (run 49: 32 splits of 2 tiles at batch 1,
-/// 4k keys, ran 1.19x slower than 16 of 4).
+/// of its time in its prologue and partial write (on the H200, 32 splits of 2 tiles at batch
+/// 1, 4k keys, ran 1.19x slower than 16 of 4).
 pub const MIN_TILES_PER_SPLIT: u32 = 4;
 
 /// The largest split count (FlashAttention-2's cap).
@@ -443,7 +443,7 @@ pub const MAX_SPLITS: u32 = 128;
 /// largest that shortens the longest split (a count whose longest split equals the next
 /// smaller count's only adds combine work). FlashAttention's rule (`hopper/heuristics.h`)
 /// takes instead the smallest count within 85 % of the best wave efficiency, which with two
-/// CTAs per SM left 40 of 132 SMs with one CTA and the others with two (run 50).
+/// CTAs per SM left 40 of 132 SMs with one CTA and the others with two (on the H200).
 pub fn num_splits_heuristic(ctas: u32, slots: u32, n_tiles: u32) -> u32 {
     let slots = slots.max(1);
     if ctas == 0 || ctas as f64 >= 0.8 * slots as f64 {
@@ -465,12 +465,13 @@ pub const STREAMING_STAGES: u32 = 2;
 /// that [`STREAMING_STAGES`] (more CTAs per SM, fewer tiles in flight each) reads faster
 /// than the default three stages:
 /// unsplit CTAs for at least half the SMs, and a longest cache of at least 16k keys, at head
-/// dim ≤ 128. H200, bf16, Llama-3 70B layer at batch 16 (docs/gpu-notes.md runs 57, 68):
+/// dim ≤ 128. H200, bf16, Llama-3 70B layer at batch 16 (docs/history/gpu-notes.md, 2026-12-01):
 /// paged 16 at 16k keys 253.8 (3 stages, 2 splits) → 252.9 µs, 64k 981.9 → 973.4; at 4k keys
 /// and at batch 1 three stages stay ahead. A padded cache keeps three stages and one CTA
 /// per SM (the plan's slots), and so do blocks read in a block walk's address order: H100,
 /// batch 16, paged 16 walked, 16k / 64k / 128k keys 361.6 / 1409.3 / 2806.5 µs under this
-/// rule against 350.6 / 1394.4 / 2790.3 with one CTA per SM (docs/gpu-notes.md run 125).
+/// rule against 350.6 / 1394.4 / 2790.3 with one CTA per SM (docs/history/gpu-notes.md,
+/// 2026-12-05).
 fn use_streaming_stages(
     variant: &DecodeVariant,
     ctas: usize,
@@ -577,14 +578,14 @@ pub fn plan_decode(
     }
     let n_tiles = longest.div_ceil(variant.block_n() as usize);
     // The wave rule's slots. A padded cache streams at the copy rate with one CTA per SM
-    // (its K/V addresses step by a constant per row): H200 run 68, batch 16 unsplit 0.95–1.07
+    // (its K/V addresses step by a constant per row): on the H200, batch 16 unsplit 0.95–1.07
     // of copy, 1–7 % ahead of 2–3 splits at two or three CTAs per SM, and batch 1 16 splits
     // over its 8 CTAs ahead of 32–33 at 16k and 64k keys. Paged blocks of a tile or more,
     // and small blocks read whole outside the streaming rule (walked or not), do the same
-    // (run 73: blocks
-    // of 16 at batch 1 and at batch 16 with 4k keys, 4–10 % ahead of the older per-row reads
-    // over two CTAs per SM). A paged cache of blocks looked up per row, or streamed, reads
-    // faster over all the CTAs the device holds at once.
+    // (blocks of 16 at batch 1 and at batch 16 with 4k keys, 4–10 % ahead of the older per-row
+    // reads over two CTAs per SM; both: docs/history/gpu-notes.md, 2026-12-01). A paged cache
+    // of blocks looked up per row, or streamed, reads faster over all the CTAs the device holds
+    // at once.
     let slots = if per_row_blocks || streaming {
         props.sm_count * variant.ctas_per_sm(props)
     } else {
@@ -638,8 +639,8 @@ pub fn plan_decode(
 /// when its plan allows it ([`DecodePlan::block_walk`]): per sequence, its used blocks (those
 /// holding its first `seqused_k` keys) sorted by physical block index, so that each split
 /// streams one ascending run of addresses instead of blocks scattered over the pool (on an
-/// H200, scattered 16-key blocks read 3–5 % slower than blocks in order; docs/gpu-notes.md
-/// run 79). Layout: int32 `[batch, 2, blocks_per_seq]`; for sequence `b` and walk step `j`
+/// H200, scattered 16-key blocks read 3–5 % slower than blocks in order; docs/history/gpu-notes.md,
+/// 2026-12-02). Layout: int32 `[batch, 2, blocks_per_seq]`; for sequence `b` and walk step `j`
 /// (below the sequence's used block count), `[b][0][j]` is the physical block and `[b][1][j]`
 /// its logical index (its place in the block table); entries past the used blocks are 0 and
 /// never read.

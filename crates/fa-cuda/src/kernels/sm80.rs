@@ -124,12 +124,12 @@ impl Variant {
     }
 }
 
-/// Tile sizes per padded head dim, measured on the H200 (docs/gpu-notes.md): 128 query rows
-/// per CTA; 4 warps of 32 rows for head dims up to 128 (two CTAs per SM), 8 warps of 16 rows
-/// for 256 (one CTA per SM). Causal at hdim 64 and 128 runs 8 warps over 128-key tiles: with
-/// 16 rows per warp the kernel has registers for two copies of the tile body (`SPLIT_TILES`),
-/// so only the diagonal tiles pay for the mask (hdim 128 causal at 8k: 1.03× FlashAttention-2
-/// against 0.92× with the 4-warp tiles, run 16).
+/// Tile sizes per padded head dim, measured on the H200 (docs/history/gpu-notes.md,
+/// 2026-11-30): 128 query rows per CTA; 4 warps of 32 rows for head dims up to 128 (two CTAs
+/// per SM), 8 warps of 16 rows for 256 (one CTA per SM). Causal at hdim 64 and 128 runs 8 warps
+/// over 128-key tiles: with 16 rows per warp the kernel has registers for two copies of the
+/// tile body (`SPLIT_TILES`), so only the diagonal tiles pay for the mask (hdim 128 causal at
+/// 8k: 1.03× FlashAttention-2 against 0.92× with the 4-warp tiles).
 fn tile_config(
     hdp: u32,
     dtype: DType,
@@ -220,7 +220,8 @@ pub fn plan_forward(
     };
     let general = problem.softcap().is_some() || problem.softmax_scale() <= 0.0;
     // hdim 64 causal: the 8-warp split kernel wins from 4k queries on (0.92–0.98× against
-    // 0.89×), the 4-warp one below 2k (1.10× against 0.94× at 512; docs/gpu-notes.md run 17).
+    // 0.89×), the 4-warp one below 2k (1.10× against 0.94× at 512; docs/history/gpu-notes.md,
+    // 2026-11-30).
     // Measured on the H200's 132 SMs only: see `sm_count_hook`.
     let causal = problem.mask().is_causal() && !(hdp == 64 && problem.max_seqlen_q() <= 2048);
     let mut variant = tile_config(hdp, dtype, general, causal, true);

@@ -175,7 +175,7 @@ fn tile_config(hdp: u32, dtype: DType, pipeline: Pipeline) -> Variant {
 }
 
 /// The pipeline a fixed-length problem gets unless the caller forces one: the overlapped one at
-/// head dim 64, where two H200 runs (docs/gpu-notes.md, runs 43 and 45) measured it 8–10 %
+/// head dim 64, where two H200 calls (docs/history/gpu-notes.md, 2026-12-01) measured it 8–10 %
 /// faster without a mask and 3.6 % faster causal at 8k; the plain warp-specialized one above
 /// (hdim 128: +3 % / −0.5 %, inside run-to-run noise; hdim 256: the overlap spills).
 fn default_pipeline(hdp: u32) -> Pipeline {

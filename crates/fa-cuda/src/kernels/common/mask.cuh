@@ -21,7 +21,7 @@ struct FullTile { static constexpr bool value = false; };
 
 // The score x of key `col` for a row that sees [lo, hi): x itself or -inf. A select, not a
 // branch: a branch splits the tile body into blocks that ptxas cannot schedule across (-7-10 %,
-// docs/gpu-notes.md run 4). A macro for the reason KEY_LO is one.
+// docs/history/gpu-notes.md, 2026-11-30). A macro for the reason KEY_LO is one.
 #define MASK_SCORE(x, col, lo, hi) (((col) < (lo) || (col) >= (hi)) ? NEG_INF : (x))
 
 #endif // FA_COMMON_MASK_CUH

@@ -25,9 +25,9 @@
 // per sequence, its used blocks in ascending physical order, each with its logical index. The
 // kernel then streams the blocks in that order (walk position w = the key's place in the walk)
 // and masks each key by its logical position: a split reads one ascending run of addresses
-// instead of blocks scattered over the pool, which runs at in-order speed (docs/gpu-notes.md
-// run 79). Attention does not depend on the order of its keys; only the rounding of the sums
-// changes.
+// instead of blocks scattered over the pool, which runs at in-order speed (scattered 16-key
+// blocks read 3-5 % slower on an H200; docs/history/gpu-notes.md, 2026-12-02). Attention does
+// not depend on the order of its keys; only the rounding of the sums changes.
 //
 // Every device-side length and table entry is clamped to the tensors the host checked, so
 // unchecked device values (caller-memory path) cannot make the kernel read or write outside
@@ -166,9 +166,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     };
     // Early issue: split 0 of a padded cache without a left window starts at tile 0 whatever the
     // sequence's length, so its first STAGES-1 tiles go out before the `seqused_k` read, bounded
-    // by the capacity (that read is one DRAM round trip before any K/V address otherwise:
-    // docs/gpu-notes.md runs 64 and 130). Rows at and past the used length are zeroed in shared
-    // memory once it is known (a short sequence only). Same groups as the prologue below.
+    // by the capacity (that read is one DRAM round trip before any K/V address otherwise, the
+    // short-cache floor of docs/history/gpu-notes.md, 2026-12-01 and 2026-12-06). Rows at and
+    // past the used length are zeroed in shared memory once it is known (a short sequence
+    // only). Same groups as the prologue below.
     const bool early = !paged && p.win_left < 0 && split == 0;
     if (early) {
 #pragma unroll
@@ -254,8 +255,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const Deco
     // the used length (and in the columns past the head dims). Each thread copies one 16-byte
     // chunk column of the rows row0 + it * ROW_STEP. A padded cache computes one 64-bit address
     // per tile and steps it by a constant per row (the per-row 64-bit index products were
-    // half of the kernel's instructions: ncu, run 66); a paged cache addresses each key through
-    // its block (the ring's entry, clamped to the cache).
+    // half of the kernel's instructions under ncu on the H200); a paged cache addresses each
+    // key through its block (the ring's entry, clamped to the cache).
     auto load_kv = [&](const int t, const int stage) {
         const int n0 = t * BLOCK_N;
         const u32 k_base = smem_u32(sK + stage * BLOCK_N * HDP);

@@ -32,7 +32,8 @@
 #error "sm80/flash_fwd.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, MIN_BLOCKS, STAGES, IS_BF16, GENERAL_SCORES, MASKED"
 #endif
 
-// Choices that follow from the variant (measured on the H200, docs/gpu-notes.md runs 4-9 and 15):
+// Choices that follow from the variant (measured on the H200; docs/history/gpu-notes.md,
+// 2026-11-30):
 // with 8 warps (1 CTA per SM) full unrolling of QK^T, FA2's barrier order and a branch-free
 // next-K load pay; with 4 warps (2 CTAs per SM) they cost (and spill in the mask-free variants).
 #define QK_UNROLL_ALL (WARPS == 8) // unroll every k-step of S = QK^T (more registers)
