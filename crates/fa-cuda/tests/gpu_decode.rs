@@ -880,3 +880,169 @@ fn append_then_decode() {
             .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }
+
+/// A decode step as a serving runtime runs it under a CUDA graph: the split count fixed, the
+/// cache tables and the split workspace in caller memory, the call captured once on the
+/// caller's stream and the graph replayed for later steps after the inputs change in place
+/// (fresh queries, one more key per sequence, the block walk rebuilt into the same buffer).
+/// Each replay must give the bits of a direct call on the same inputs, and those must pass
+/// the f64 reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_step_captured_in_a_cuda_graph_replays_exactly() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let d = device();
+    let stream: Arc<CudaStream> = d.context().new_stream().expect("a stream");
+    let mut rng = Rng::fresh();
+    for block_size in [None, Some(16), Some(1)] {
+        let first = CacheCase::new(
+            &mut rng,
+            &[1000, 1, 37, 300],
+            1,
+            16,
+            2,
+            128,
+            block_size,
+            Rounding::Bf16,
+        );
+        // The next step: fresh queries, and every sequence one key longer (the key is already
+        // in the cache's random contents, as if appended).
+        let mut next = first.clone();
+        next.seqused.iter_mut().for_each(|n| *n += 1);
+        next.q = (0..first.q.len())
+            .map(|_| Rounding::Bf16.apply(rng.normal() as f32))
+            .collect();
+        let opts = ForwardOptions {
+            splits: Some(4),
+            ..ForwardOptions::default()
+        };
+        let (p_first, p_next) = (first.problem(), next.problem());
+        let bytes = d
+            .decode_workspace_bytes(&p_first, DType::Bf16, &opts)
+            .expect("workspace size");
+        assert_eq!(
+            Some(bytes),
+            d.decode_workspace_bytes(&p_next, DType::Bf16, &opts).ok(),
+            "a fixed split count sizes every step's workspace alike"
+        );
+        let up = |x: &[u16]| stream.clone_htod(x).expect("copy");
+        let (mut q, k, v) = (
+            up(&bits(&first.q)),
+            up(&bits(&first.k)),
+            up(&bits(&first.v)),
+        );
+        let lens = p_first.min_buffer_lens();
+        let (mut o, mut lse) = (
+            stream.alloc_zeros::<u16>(lens.o).expect("O"),
+            stream.alloc_zeros::<f32>(p_first.lse_len()).expect("LSE"),
+        );
+        let used_of = |c: &CacheCase| c.seqused.iter().map(|&x| x as i32).collect::<Vec<_>>();
+        let mut used = stream.clone_htod(&used_of(&first)).expect("copy");
+        let table = table_of(&first).map(|t| stream.clone_htod(&t).expect("copy"));
+        let walks = block_size == Some(16);
+        let mut walk = walks.then(|| {
+            let w = block_walk(&p_first).expect("a paged cache");
+            stream.clone_htod(&w).expect("copy")
+        });
+        let ws = stream
+            .alloc_zeros::<f32>(bytes.div_ceil(4).max(1))
+            .expect("workspace");
+        // Every raw view is taken before the capture: the capture records kernels only.
+        let tables = CacheTables {
+            seqused_k: raw(&used, &stream),
+            block_table: table.as_ref().map(|t| raw(t, &stream)),
+            block_walk: walk.as_ref().map(|w| raw(w, &stream)),
+        };
+        let qkv = Qkv::<RawTensor<bf16>>::new(raw(&q, &stream), raw(&k, &stream), raw(&v, &stream));
+        let (o_raw, lse_raw) = (
+            raw::<bf16, u16>(&o, &stream),
+            raw::<f32, f32>(&lse, &stream),
+        );
+        let out = || Out::with_lse(o_raw, lse_raw);
+        let workspace = Some(raw(&ws, &stream));
+        let poison_outputs =
+            |o: &mut cudarc::driver::CudaSlice<u16>, lse: &mut cudarc::driver::CudaSlice<f32>| {
+                let mut o_host = vec![bf16::ZERO; lens.o];
+                poison(&mut o_host);
+                let o_bits: Vec<u16> = o_host.iter().map(|x| x.to_bits()).collect();
+                stream.memcpy_htod(&o_bits, o).expect("poison O");
+                let mut lse_host = vec![0.0f32; p_first.lse_len()];
+                poison(&mut lse_host);
+                stream.memcpy_htod(&lse_host, lse).expect("poison LSE");
+            };
+        let label = first.label();
+        // A direct call on `problem` (also the warm-up that compiles and loads the kernels
+        // before the capture); returns O and the LSE, checked against the reference.
+        let direct = |case: &CacheCase, problem: &Problem, o: &mut _, lse: &mut _| {
+            poison_outputs(o, lse);
+            d.forward_cache_on_stream(problem, tables, workspace, qkv, out(), &stream, &opts)
+                .unwrap_or_else(|e| panic!("{label}: {e}"));
+            let (o_back, lse_back) = read_back(&stream, o, lse);
+            let oracle = attention_f64(problem, &case.q, &case.k, &case.v);
+            let report = compare(problem, &o_back, Some(&lse_back), &oracle);
+            assert!(
+                report.within(REL_L2_BOUND, LSE_BOUND),
+                "{label}: {report:?}"
+            );
+            (o_back, lse_back)
+        };
+        let (o_first, lse_first) = direct(&first, &p_first, &mut o, &mut lse);
+        poison_outputs(&mut o, &mut lse);
+        stream.synchronize().expect("synchronise");
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("capture begins");
+        let queued =
+            d.forward_cache_on_stream(&p_first, tables, workspace, qkv, out(), &stream, &opts);
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .expect("capture ends")
+            .expect("a graph");
+        queued.unwrap_or_else(|e| panic!("{label}: queued under capture: {e}"));
+        // Capturing ran nothing: the outputs still hold the poison.
+        let (o_idle, _) = read_back(&stream, &o, &lse);
+        assert!(
+            o_idle.iter().all(|x| x.is_nan()),
+            "{label}: capture ran kernels"
+        );
+        graph.launch().expect("replay");
+        let (o_replay, lse_replay) = read_back(&stream, &o, &lse);
+        let same =
+            |a: &[bf16], b: &[bf16]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        let same_f32 =
+            |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same(&o_replay, &o_first), "{label}: replayed O differs");
+        assert!(
+            same_f32(&lse_replay, &lse_first),
+            "{label}: replayed LSE differs"
+        );
+        // The next step: inputs changed in place, the same graph replayed.
+        stream
+            .memcpy_htod(&bits(&next.q), &mut q)
+            .expect("new queries");
+        stream
+            .memcpy_htod(&used_of(&next), &mut used)
+            .expect("new lengths");
+        if let Some(w) = walk.as_mut() {
+            let rebuilt = block_walk(&p_next).expect("a paged cache");
+            stream.memcpy_htod(&rebuilt, w).expect("new walk");
+        }
+        poison_outputs(&mut o, &mut lse);
+        graph.launch().expect("replay");
+        let (o_step, lse_step) = read_back(&stream, &o, &lse);
+        let (o_direct, lse_direct) = direct(&next, &p_next, &mut o, &mut lse);
+        assert!(
+            same(&o_step, &o_direct),
+            "{label}: the next step's O differs"
+        );
+        assert!(
+            same_f32(&lse_step, &lse_direct),
+            "{label}: the next step's LSE differs"
+        );
+        assert!(
+            !same(&o_step, &o_first),
+            "{label}: the replay ignored the new inputs"
+        );
+        println!("cuda graph {label:<70} two replays bit-identical to direct calls");
+    }
+}
