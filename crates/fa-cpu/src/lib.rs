@@ -18,6 +18,10 @@
 //!   [`RescalePolicy::decide`], tested lane by lane against it; results are the same bits.
 //! - Memory: per-thread scratch sized by the head dims and the tiling only
 //!   ([`scratch_bytes_per_thread`]), reusable through a [`Workspace`].
+//! - Dtype-erased calls: [`forward_dyn`], [`backward_dyn`] and [`append_kv_dyn`] take
+//!   [`TensorRef`]/[`TensorMut`] views and hold the one match from dtypes to the typed
+//!   kernels; callers that learn the dtype at run time use them, and every kernel instance
+//!   they reach is compiled in this crate once.
 //! - [`backward`]: the gradients dQ, dK, dV with recomputation from the saved LSE, bitwise
 //!   identical for any thread count (f32 arithmetic on the SIMD micro-kernels; bf16 inputs at
 //!   [`SimdLevel::Amx`] run the five products on AMX tiles).
