@@ -159,6 +159,23 @@ enum Dest {
 pub fn write_files(files: &[(PathBuf, Vec<u8>)]) -> Result<(), CliError> {
     let mut dests = Vec::with_capacity(files.len());
     for (path, _) in files {
+        // `missing_dir/` would be written as `./missing_dir` and fail at the rename with
+        // "Not a directory": say what is wrong before anything is written.
+        if path
+            .as_os_str()
+            .to_string_lossy()
+            .ends_with(std::path::is_separator)
+        {
+            let why = if path.is_dir() {
+                "is a directory".to_string()
+            } else {
+                format!(
+                    "ends with '{}', so it names a directory (which does not exist), not a file",
+                    std::path::MAIN_SEPARATOR
+                )
+            };
+            return Err(bad_file(path, why));
+        }
         let dest = match std::fs::metadata(path) {
             Ok(m) if m.is_dir() => return Err(bad_file(path, "is a directory")),
             Ok(m) if !m.is_file() => Dest::Direct,

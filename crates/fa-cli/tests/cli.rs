@@ -1238,7 +1238,8 @@ fn outputs_that_are_fifos_or_devices_are_written_through() {
     let desc = softmax_core::ProblemDesc::new(1, 8, 8, 2, 2, 16);
     assert_eq!(got.data, cpu_forward(&inp, &desc).0, "O itself");
 
-    // A missing directory is named as such.
+    // A missing directory is named as such, with or without a file name after it (on
+    // 4cfb28b `-o missing_dir/` said "Not a directory (os error 20)").
     let missing = dir.path().join("missing_dir").join("out.npy");
     let o = fa_run(&qkv, &missing, &[]);
     let (_, err) = text(&o);
@@ -1247,6 +1248,27 @@ fn outputs_that_are_fifos_or_devices_are_written_through() {
         err.contains("missing_dir does not exist") && !err.contains("Not a directory"),
         "{err}"
     );
+    let missing = format!("{}/", dir.path().join("missing_dir").display());
+    let o = fa_run(&qkv, Path::new(&missing), &[]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("names a directory (which does not exist)")
+            && !err.contains("Not a directory"),
+        "{err}"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("fa-tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    // A path through a regular file: that file is not a directory.
+    let through = qkv[0].join("out.npy");
+    let o = fa_run(&qkv, &through, &[]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("q.npy is not a directory"), "{err}");
 
     // A character device (a null device of our own, never the system's /dev/null).
     if !running_as_root() {
