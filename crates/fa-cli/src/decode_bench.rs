@@ -207,6 +207,20 @@ unsafe fn read_sum_avx2(bytes: &[u8]) -> u64 {
     lanes.iter().fold(tail, |a, &b| a.wrapping_add(b))
 }
 
+/// Checks a decode shape's arguments (counts, head dims, the GQA ratio) before anything is
+/// allocated or printed: what `fa bench --decode` validates for every shape before its table.
+pub fn check_decode_shape(s: &DecodeShape) -> Result<(), CliError> {
+    if s.batch == 0 || s.queries == 0 || s.heads == 0 || s.heads_kv == 0 {
+        return Err(CliError::Usage(
+            "--batch, --queries and the head counts must be at least 1".into(),
+        ));
+    }
+    // The problem's own validation on the dense shape (the cache's tables come later).
+    ProblemDesc::new(s.batch, s.queries, 1, s.heads, s.heads_kv, s.head_dim)
+        .validate(softmax_core::MAX_HEAD_DIM)?;
+    Ok(())
+}
+
 /// Times one decode shape: `warmup` untimed calls, then `iters` rounds of (one copy on the
 /// CPU, one timed call).
 pub fn bench_decode(
@@ -219,11 +233,7 @@ pub fn bench_decode(
     seed: u64,
 ) -> Result<DecodeResult, CliError> {
     let s = *shape;
-    if s.batch == 0 || s.queries == 0 || s.heads == 0 || s.heads_kv == 0 {
-        return Err(CliError::Usage(
-            "--batch, --queries and the head counts must be at least 1".into(),
-        ));
-    }
+    check_decode_shape(&s)?;
     let kv_bytes = s.kv_bytes(dtype);
     crate::memory::ensure_fits(
         &format!(

@@ -3,7 +3,8 @@
 //! A `.safetensors` input holds the tensor under its role's name (`q`, `k`, `v`), or is a file
 //! with a single tensor; outputs are written under the names `out` and `lse`. The formats
 //! themselves (size-checked reading, encoding) are fa-io's ([`fa_io::files`]); this module
-//! gives them the command's error type and writes outputs atomically, never over an input.
+//! gives them the command's error type and writes outputs atomically (a device or FIFO such as
+//! `/dev/null` is written through, never replaced), never over an input.
 
 use crate::error::CliError;
 use crate::tensor::HostTensor;
@@ -110,11 +111,12 @@ pub fn check_outputs_are_not_inputs(
 }
 
 /// Refuses two outputs that are the same file (the gradients of `fa run` would overwrite one
-/// another, or the output).
+/// another, or the output). A device or FIFO (`/dev/null`) may take several outputs: each is
+/// written through in turn, nothing is replaced.
 pub fn check_distinct_outputs(outputs: &[(&str, &Path)]) -> Result<(), CliError> {
     for (i, (a_flag, a)) in outputs.iter().enumerate() {
         for (b_flag, b) in &outputs[i + 1..] {
-            if a == b || same_file(a, b) {
+            if (a == b || same_file(a, b)) && !is_special_file(a) {
                 return Err(CliError::Usage(format!(
                     "{a_flag} and {b_flag} name the same file {}: give each output its own path",
                     a.display()
@@ -125,41 +127,91 @@ pub fn check_distinct_outputs(outputs: &[(&str, &Path)]) -> Result<(), CliError>
     Ok(())
 }
 
-/// Writes every `(path, bytes)` atomically, all or nothing as far as the file system allows:
-/// each destination's directory must exist; each file is written to a temporary file beside it
-/// and synced, and only when all are written are they renamed over the destinations. On a
-/// failure before the renames, the temporary files are removed and no existing file changes.
-/// A destination that is a symlink to an existing file is replaced at its target.
+/// Whether `path` names an existing file that is neither a regular file nor a directory (a
+/// character or block device such as `/dev/null`, a FIFO, a socket), following symlinks.
+/// Outputs there are written through, never replaced (see [`write_files`]).
+pub fn is_special_file(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir())
+}
+
+/// How one destination of [`write_files`] is written.
+enum Dest {
+    /// A regular file (existing or new): written beside it and renamed over it.
+    Atomic {
+        /// The destination, symlinks resolved.
+        dest: PathBuf,
+        /// Its directory.
+        dir: PathBuf,
+    },
+    /// A device, FIFO or socket: opened and written through (renaming over it would replace
+    /// the node with a regular file, e.g. `/dev/null` for the whole system).
+    Direct,
+}
+
+/// Writes every `(path, bytes)`, all or nothing as far as the file system allows. A
+/// destination that exists and is not a regular file (a device such as `/dev/null`, a FIFO)
+/// is opened and written through. Every other one is written atomically: its directory must
+/// exist; it is written to a temporary file beside it and synced, and only when every file is
+/// written (the written-through ones included) are the temporary files renamed over their
+/// destinations. On a failure before the renames, the temporary files are removed and no
+/// regular file changes. A destination that is a symlink to an existing file is replaced at
+/// its target.
 pub fn write_files(files: &[(PathBuf, Vec<u8>)]) -> Result<(), CliError> {
     let mut dests = Vec::with_capacity(files.len());
     for (path, _) in files {
-        let dest = if path.is_file() {
-            std::fs::canonicalize(path).unwrap_or_else(|_| path.clone())
-        } else {
-            path.clone()
-        };
-        if dest.is_dir() {
-            return Err(bad_file(path, "is a directory"));
+        // `missing_dir/` would be written as `./missing_dir` and fail at the rename with
+        // "Not a directory": say what is wrong before anything is written.
+        if path
+            .as_os_str()
+            .to_string_lossy()
+            .ends_with(std::path::is_separator)
+        {
+            let why = if path.is_dir() {
+                "is a directory".to_string()
+            } else {
+                format!(
+                    "ends with '{}', so it names a directory (which does not exist), not a file",
+                    std::path::MAIN_SEPARATOR
+                )
+            };
+            return Err(bad_file(path, why));
         }
-        let dir = match dest.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
+        let dest = match std::fs::metadata(path) {
+            Ok(m) if m.is_dir() => return Err(bad_file(path, "is a directory")),
+            Ok(m) if !m.is_file() => Dest::Direct,
+            Ok(_) => {
+                let dest = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+                let dir = parent_dir(&dest);
+                Dest::Atomic { dest, dir }
+            }
+            Err(_) => {
+                let dir = parent_dir(path);
+                if !dir.is_dir() {
+                    let why = if dir.exists() {
+                        format!("{} is not a directory", dir.display())
+                    } else {
+                        format!("the directory {} does not exist", dir.display())
+                    };
+                    return Err(bad_file(path, why));
+                }
+                Dest::Atomic {
+                    dest: path.clone(),
+                    dir,
+                }
+            }
         };
-        if !dir.is_dir() {
-            return Err(bad_file(
-                path,
-                format!("the directory {} does not exist", dir.display()),
-            ));
-        }
-        dests.push((dest, dir));
+        dests.push(dest);
     }
-    let mut temps: Vec<PathBuf> = Vec::with_capacity(files.len());
-    let cleanup = |temps: &[PathBuf]| {
-        for t in temps {
+    let mut temps: Vec<(PathBuf, &PathBuf)> = Vec::with_capacity(files.len());
+    let cleanup = |temps: &[(PathBuf, &PathBuf)]| {
+        for (t, _) in temps {
             let _ = std::fs::remove_file(t);
         }
     };
-    for (i, ((path, bytes), (dest, dir))) in files.iter().zip(&dests).enumerate() {
+    for (i, ((path, bytes), dest)) in files.iter().zip(&dests).enumerate() {
+        let Dest::Atomic { dest, dir } = dest else {
+            continue;
+        };
         let name = dest
             .file_name()
             .map_or_else(|| "output".into(), |n| n.to_string_lossy().into_owned());
@@ -169,7 +221,7 @@ pub fn write_files(files: &[(PathBuf, Vec<u8>)]) -> Result<(), CliError> {
                 .write(true)
                 .create_new(true)
                 .open(&temp)?;
-            temps.push(temp.clone());
+            temps.push((temp.clone(), dest));
             f.write_all(bytes)?;
             f.sync_all()
         })();
@@ -181,20 +233,47 @@ pub fn write_files(files: &[(PathBuf, Vec<u8>)]) -> Result<(), CliError> {
             });
         }
     }
-    for (n, (temp, (dest, _))) in temps.iter().zip(&dests).enumerate() {
+    // Written through before any rename: a device or FIFO that fails leaves every regular
+    // destination unchanged.
+    for ((path, bytes), dest) in files.iter().zip(&dests) {
+        if let Dest::Direct = dest {
+            let written = std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .and_then(|mut f| f.write_all(bytes));
+            if let Err(source) = written {
+                cleanup(&temps);
+                return Err(CliError::Io {
+                    path: path.clone(),
+                    source,
+                });
+            }
+        }
+    }
+    for (n, (temp, dest)) in temps.iter().enumerate() {
         if let Err(source) = std::fs::rename(temp, dest) {
             cleanup(&temps[n..]);
             return Err(CliError::Io {
-                path: dest.clone(),
+                path: (*dest).clone(),
                 source,
             });
         }
     }
     // The renames themselves reach the disk with their directories.
-    for (_, dir) in &dests {
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
+    for dest in &dests {
+        if let Dest::Atomic { dir, .. } = dest {
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
         }
     }
     Ok(())
+}
+
+/// The directory a file path lives in (`.` for a bare name).
+fn parent_dir(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
 }

@@ -60,7 +60,7 @@ struct ComputeArgs {
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
     /// Worker threads, 1 to the machine's available parallelism (default: all of them).
-    #[arg(long, value_parser = parse_threads)]
+    #[arg(long, value_parser = parse_threads, allow_negative_numbers = true)]
     threads: Option<usize>,
     /// exp2 of the CPU kernel: auto (the cubic in the AMX forward, whose P is rounded to bf16;
     /// exact elsewhere), exact (library polynomial) or cubic (FlashAttention-4 polynomial).
@@ -194,11 +194,11 @@ struct RunArgs {
     /// Sliding window LEFT,RIGHT around the aligned diagonal (-1: unbounded).
     #[arg(long, value_parser = parse_window, allow_hyphen_values = true)]
     window: Option<(i64, i64)>,
-    /// Softcap: cap·tanh(s/cap) on the scaled scores.
-    #[arg(long)]
+    /// Softcap: cap·tanh(s/cap) on the scaled scores (0: none).
+    #[arg(long, allow_negative_numbers = true)]
     softcap: Option<f32>,
-    /// Softmax scale (default 1/sqrt(head_dim)).
-    #[arg(long)]
+    /// Softmax scale, finite and non-zero (default 1/sqrt(head_dim)).
+    #[arg(long, allow_negative_numbers = true)]
     scale: Option<f32>,
     /// After the run, check this many sampled rows against the f64 reference.
     #[arg(long, default_value_t = 0)]
@@ -301,8 +301,9 @@ struct BenchArgs {
     /// Element type: f32, bf16 or f16 (default: f32 on the CPU, bf16 on CUDA).
     #[arg(long, value_parser = parse_dtype)]
     dtype: Option<DType>,
-    /// Timed iterations per shape, median reported (default: 5 on the CPU, 30 on CUDA).
-    #[arg(long)]
+    /// Timed iterations per shape, at least 1, median reported (default: 5 on the CPU, 30 on
+    /// CUDA).
+    #[arg(long, value_parser = parse_iters)]
     iters: Option<usize>,
     /// Untimed iterations before timing (default: 1 on the CPU, 5 on CUDA).
     #[arg(long)]
@@ -373,9 +374,9 @@ struct PlanArgs {
     /// Bytes per element (2: fp16/bf16, 1: fp8, 4: fp32).
     #[arg(long)]
     bytes: Option<u64>,
-    /// Threads of the tiled kernel (its per-thread tile scratch); with --decode also the
-    /// threads of this host's copy and of a CPU measurement.
-    #[arg(long)]
+    /// Threads of the tiled kernel (its per-thread tile scratch), at least 1; with --decode
+    /// also the threads of this host's copy and of a CPU measurement.
+    #[arg(long, value_parser = parse_plan_threads, allow_negative_numbers = true)]
     threads: Option<u64>,
     /// The decode view instead of the memory sections: the KV cache of the model (default
     /// Llama-3 70B at 128k) and the bandwidth bound on attention's time per decoded token (H200
@@ -393,6 +394,44 @@ struct PlanArgs {
     /// Decode: backend of the measured figure: auto (CUDA when a device opens), cpu or cuda.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto, requires = "decode")]
     backend: BackendArg,
+}
+
+/// Parses `--iters`: at least 1 (a median of no timings is no measurement).
+fn parse_iters(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("'{s}': --iters must be at least 1")),
+    }
+}
+
+/// Refuses a `--simd` level this CPU lacks, on the CPU backend (CUDA ignores it).
+fn check_simd(backend: &Backend, opts: &Options) -> Result<(), CliError> {
+    if backend.kind() == BackendKind::Cpu && !opts.cpu_simd.is_available() {
+        return Err(CliError::Usage(format!(
+            "--simd: this CPU does not have {} (the best it has: {})",
+            opts.cpu_simd.name(),
+            flash_attention::CpuSimd::Auto.resolve().name()
+        )));
+    }
+    Ok(())
+}
+
+/// What `fa bench` (forward and backward) checks before it prints anything: the SIMD level
+/// and every shape (sizes, then the problem's validation), so that a bad argument is an error
+/// with no table header before it.
+fn check_bench(
+    backend: &Backend,
+    opts: &Options,
+    shapes: &[BenchShape],
+    dtype: DType,
+) -> Result<(), CliError> {
+    check_simd(backend, opts)?;
+    for shape in shapes {
+        // Sizes first: building the description multiplies the dimensions unchecked.
+        bench::ensure_shape_fits(shape, dtype)?;
+        shape.desc().validate(softmax_core::MAX_HEAD_DIM)?;
+    }
+    Ok(())
 }
 
 /// Parses a `--bandwidth` value: GB/s, positive and finite.
@@ -435,18 +474,29 @@ struct DemoArgs {
 /// Parses `--threads`: at least 1, at most the machine's available parallelism (more threads
 /// than cores only add scheduling: a pool of thousands stalls a small run for minutes).
 fn parse_threads(s: &str) -> Result<usize, String> {
-    let n: usize = s
+    let n: i64 = s
         .trim()
         .parse()
         .map_err(|_| format!("'{s}' is not a number of threads"))?;
     let max = std::thread::available_parallelism().map_or(1, |n| n.get());
-    match n {
-        0 => Err("--threads must be at least 1".into()),
-        n if n > max => Err(format!(
-            "--threads {n} exceeds this machine's available parallelism ({max})"
-        )),
-        n => Ok(n),
-    }
+    softmax_core::thread_count(n, max).map_err(|e| match e {
+        softmax_core::ProblemError::TooManyThreads { .. } => {
+            format!("--threads {n} exceeds this machine's available parallelism ({max})")
+        }
+        e => format!("--threads must be at least 1 ({e})"),
+    })
+}
+
+/// Parses `fa plan --threads`: at least 1 (the plan is arithmetic for any machine, so no upper
+/// bound here; `--decode` bounds it by this host's parallelism).
+fn parse_plan_threads(s: &str) -> Result<u64, String> {
+    let n: i64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a number of threads"))?;
+    softmax_core::thread_count(n, usize::MAX)
+        .map(|n| n as u64)
+        .map_err(|e| format!("--threads must be at least 1 ({e})"))
 }
 
 /// Writes report text to stdout; a closed pipe (`fa plan | head -1`) comes back as an
@@ -539,6 +589,14 @@ fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
         block_table: a.block_table,
     };
     let summary = run(&req)?;
+    // The forward ran first: its line comes first.
+    eprintln!(
+        "fa run: {} on {} in {:.3} s -> {}",
+        summary.shape,
+        summary.backend,
+        summary.seconds,
+        req.output.display()
+    );
     if let (Some(s), Some(b)) = (summary.backward_seconds, &req.backward) {
         eprintln!(
             "fa run: backward in {s:.3} s -> {}, {}, {}",
@@ -547,13 +605,6 @@ fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
             b.dv.display()
         );
     }
-    eprintln!(
-        "fa run: {} on {} in {:.3} s -> {}",
-        summary.shape,
-        summary.backend,
-        summary.seconds,
-        req.output.display()
-    );
     if let Some(c) = summary.check {
         let clamped = if c.requested > c.rows {
             format!(
@@ -586,6 +637,7 @@ fn cmd_run(a: RunArgs) -> Result<ExitCode, CliError> {
 
 fn cmd_verify(a: &VerifyArgs) -> Result<ExitCode, CliError> {
     let backend = Backend::open(a.compute.backend.into())?;
+    check_simd(&backend, &a.compute.options())?;
     // One seed, printed once: `--seed` with it reproduces the run.
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
@@ -710,19 +762,12 @@ fn cmd_bench_decode(a: &BenchArgs) -> Result<ExitCode, CliError> {
     };
     let dtype = a.dtype.unwrap_or_else(|| backend.default_dtype());
     let cuda = backend.kind() == BackendKind::Cuda;
-    let iters = a.iters.unwrap_or(if cuda { 30 } else { 7 }).max(1);
+    let iters = a.iters.unwrap_or(if cuda { 30 } else { 7 });
     let warmup = a.warmup.unwrap_or(if cuda { 5 } else { 1 });
     let or = |v: &Vec<usize>, d: &[usize]| if v.is_empty() { d.to_vec() } else { v.clone() };
-    if !a.json {
-        outln!(
-            "fa bench --decode: {}, {} rounds of (copy, decode) after {} warm-up (medians)",
-            backend.describe(),
-            iters,
-            warmup
-        );
-        outln!("{}", table_header());
-    }
-    let mut failed = 0usize;
+    // Every shape checked before the header is printed.
+    check_simd(&backend, &a.compute.options())?;
+    let mut shapes = Vec::new();
     for &head_dim in &or(&a.head_dim, &[128]) {
         for &heads in &or(&a.heads, &[32]) {
             for &batch in &or(&a.batch, &[4]) {
@@ -737,21 +782,34 @@ fn cmd_bench_decode(a: &BenchArgs) -> Result<ExitCode, CliError> {
                             head_dim,
                             page_size,
                         };
-                        let opts = a.compute.options();
-                        match bench_decode(&backend, &shape, dtype, &opts, warmup, iters, a.seed) {
-                            Ok(r) if a.json => outln!(
-                                "{}",
-                                serde_json::to_string(&r)
-                                    .map_err(|e| CliError::Usage(e.to_string()))?
-                            ),
-                            Ok(r) => outln!("{}", table_row(&r)),
-                            Err(e) => {
-                                eprintln!("error: {shape:?}: {e}");
-                                failed += 1;
-                            }
-                        }
+                        fa_cli::decode_bench::check_decode_shape(&shape)?;
+                        shapes.push(shape);
                     }
                 }
+            }
+        }
+    }
+    if !a.json {
+        outln!(
+            "fa bench --decode: {}, {} rounds of (copy, decode) after {} warm-up (medians)",
+            backend.describe(),
+            iters,
+            warmup
+        );
+        outln!("{}", table_header());
+    }
+    let mut failed = 0usize;
+    let opts = a.compute.options();
+    for shape in &shapes {
+        match bench_decode(&backend, shape, dtype, &opts, warmup, iters, a.seed) {
+            Ok(r) if a.json => outln!(
+                "{}",
+                serde_json::to_string(&r).map_err(|e| CliError::Usage(e.to_string()))?
+            ),
+            Ok(r) => outln!("{}", table_row(&r)),
+            Err(e) => {
+                eprintln!("error: {shape:?}: {e}");
+                failed += 1;
             }
         }
     }
@@ -775,8 +833,9 @@ fn cmd_bench(a: &BenchArgs) -> Result<ExitCode, CliError> {
         None => Backend::open(a.compute.backend.into())?,
     };
     let dtype = a.dtype.unwrap_or_else(|| backend.default_dtype());
+    check_bench(&backend, &a.compute.options(), &shapes, dtype)?;
     let cuda = backend.kind() == BackendKind::Cuda;
-    let iters = a.iters.unwrap_or(if cuda { 30 } else { 5 }).max(1);
+    let iters = a.iters.unwrap_or(if cuda { 30 } else { 5 });
     let warmup = a.warmup.unwrap_or(if cuda { 5 } else { 1 });
     let tiles = if a.tiles.is_empty() {
         vec![TileChoice(None)]
@@ -907,9 +966,10 @@ fn cmd_bench_backward(a: &BenchArgs) -> Result<ExitCode, CliError> {
         None => Backend::open(a.compute.backend.into())?,
     };
     let dtype = a.dtype.unwrap_or_else(|| backend.default_dtype());
-    let iters = a.iters.unwrap_or(5).max(1);
+    let iters = a.iters.unwrap_or(5);
     let warmup = a.warmup.unwrap_or(1);
     let opts = a.compute.options();
+    check_bench(&backend, &opts, &shapes, dtype)?;
     if !a.json {
         outln!(
             "fa bench --backward: {}, {} timed forward + backward iterations after {} warm-up (median); FLOPs: backward 2.5 x forward",

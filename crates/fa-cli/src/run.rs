@@ -8,7 +8,7 @@ use crate::files::{
 use crate::rows::{compare_rows, reference_rows, sample_rows, RowErrors};
 use crate::tensor::{HostTensor, TensorViews};
 use flash_attention::DTypes;
-use softmax_core::{Mask, Out, ProblemDesc, Qkv};
+use softmax_core::{Out, ProblemDesc, Qkv};
 use std::path::PathBuf;
 
 /// What `fa run` does.
@@ -26,11 +26,11 @@ pub struct RunRequest {
     pub lse: Option<PathBuf>,
     /// Causal (bottom-right aligned) mask.
     pub causal: bool,
-    /// Sliding window `(left, right)`; negative is unbounded.
+    /// Sliding window `(left, right)`; `-1` is unbounded, other negatives are refused.
     pub window: Option<(i64, i64)>,
-    /// Softcap.
+    /// Softcap (`0`: none; negative, NaN or infinite: refused).
     pub softcap: Option<f32>,
-    /// Softmax scale (default `1/sqrt(head_dim)`).
+    /// Softmax scale (default `1/sqrt(head_dim)`; finite and non-zero).
     pub scale: Option<f32>,
     /// Backend.
     pub backend: BackendChoice,
@@ -259,7 +259,11 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
     }
     check_outputs_are_not_inputs(&inputs, &outputs)?;
     let lse_in_output = match &req.lse {
-        Some(path) if *path == req.output || same_file(path, &req.output) => {
+        // A device such as /dev/null takes both, written through one after the other.
+        Some(path)
+            if (*path == req.output || same_file(path, &req.output))
+                && !crate::files::is_special_file(path) =>
+        {
             let same_safetensors = FileFormat::from_extension(path)
                 == Some(FileFormat::Safetensors)
                 && FileFormat::from_extension(&req.output) == Some(FileFormat::Safetensors);
@@ -291,10 +295,10 @@ pub fn run(req: &RunRequest) -> Result<RunSummary, CliError> {
         Some(t) => cache_problem_from_shapes(&q, &k, &v, t, req.block_table.is_some())?,
         None => problem_from_shapes(&q, &k, &v)?,
     };
+    // The flat arguments go through softmax-core's conversions, as the C ABI's do.
     let (left, right) = req.window.unwrap_or((-1, -1));
-    desc.mask = Mask::from_flash_args(req.causal, left, right);
-    desc.softmax_scale = req.scale;
-    desc.softcap = req.softcap;
+    desc = desc.with_flash_args(req.causal, left, right, req.softcap.unwrap_or(0.0))?;
+    desc.softmax_scale = req.scale.map(softmax_core::explicit_scale).transpose()?;
     let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
     // `auto` takes CUDA only for dtypes it runs (f32 files run on the CPU).
     let backend = Backend::open_for(req.backend, DTypes::same(q.dtype()))?;
@@ -434,11 +438,8 @@ pub fn parse_window(s: &str) -> Result<(i64, i64), String> {
             .parse::<i64>()
             .map_err(|_| format!("'{x}' is not an integer (use -1 for unbounded)"))
     };
-    let side = |x: &str| match parse(x)? {
-        v if v >= -1 => Ok(v),
-        v => Err(format!(
-            "window side {v}: use -1 for unbounded or a number of keys ≥ 0"
-        )),
-    };
-    Ok((side(l)?, side(r)?))
+    let (l, r) = (parse(l)?, parse(r)?);
+    // The problem's own check, so that the message is the C ABI's and Python's.
+    softmax_core::mask_from_flash(false, l, r).map_err(|e| e.to_string())?;
+    Ok((l, r))
 }

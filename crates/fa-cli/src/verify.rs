@@ -80,17 +80,21 @@ pub fn bounds(dtype: DType, exp2: Exp2) -> (f64, f64) {
     }
 }
 
-fn describe_mask(case: &Case) -> String {
-    let m = case.mask;
-    let mut s = match (m.left, m.right) {
+/// A mask as `fa` prints it: `none`, `causal`, or `window(L,R)` as `--window` takes it, `-1`
+/// for an unbounded side (a right side of 0 is causal: `window(100,0)`).
+pub fn mask_label(m: softmax_core::Mask) -> String {
+    match (m.left, m.right) {
         (None, None) => "none".to_string(),
         (None, Some(0)) => "causal".to_string(),
         (l, r) => {
             let side = |x: Option<usize>| x.map_or("-1".to_string(), |v| v.to_string());
-            let causal = if m.is_causal() { "causal+" } else { "" };
-            format!("{causal}window({},{})", side(l), side(r))
+            format!("window({},{})", side(l), side(r))
         }
-    };
+    }
+}
+
+fn describe_mask(case: &Case) -> String {
+    let mut s = mask_label(case.mask);
     if let Some(c) = case.softcap {
         s.push_str(&format!(" cap {c:.2}"));
     }
@@ -388,11 +392,7 @@ pub fn verify_decode_case(
         case.heads_kv,
         case.head_dim
     );
-    let mut mask = match (case.mask.left, case.mask.right) {
-        (None, Some(0)) => "causal".to_string(),
-        (None, None) => "none".to_string(),
-        (l, r) => format!("window({l:?},{r:?})"),
-    };
+    let mut mask = mask_label(case.mask);
     if let Some(c) = case.softcap {
         mask.push_str(&format!(" cap {c:.2}"));
     }
@@ -476,5 +476,26 @@ mod tests {
         }
         // A huge count costs nothing until consumed.
         assert_eq!(case_stream(1, usize::MAX).take(12).count(), 12);
+    }
+
+    /// Masks print as `--window` takes them. Fails on the old decode rows, which printed
+    /// `window(Some(100),Some(0))`.
+    #[test]
+    fn masks_print_as_the_window_flag_takes_them() {
+        use softmax_core::Mask;
+        let w = |left, right| mask_label(Mask { left, right });
+        assert_eq!(w(None, None), "none");
+        assert_eq!(w(None, Some(0)), "causal");
+        assert_eq!(w(Some(100), Some(0)), "window(100,0)");
+        assert_eq!(w(Some(16), Some(16)), "window(16,16)");
+        assert_eq!(w(None, Some(40)), "window(-1,40)");
+        assert_eq!(w(Some(5), None), "window(5,-1)");
+        for case in decode_cases(&mut Rng::new(3)) {
+            let label = mask_label(case.mask);
+            assert!(
+                !label.contains("Some") && !label.contains("None"),
+                "{label}"
+            );
+        }
     }
 }

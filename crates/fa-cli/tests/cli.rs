@@ -534,6 +534,9 @@ fn verify_and_demo_pass_on_small_problems() {
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
     assert!(out.contains("pass") && !out.contains("FAIL"), "{out}");
+    // Masks print as --window takes them (the decode rows printed window(Some(100),Some(0))).
+    assert!(out.contains("window(100,0)"), "{out}");
+    assert!(!out.contains("Some(") && !out.contains("None"), "{out}");
     let o = fa(&[
         "demo",
         "--seqlen",
@@ -1183,4 +1186,362 @@ fn bench_decode_json_lines_have_the_documented_keys() {
     // --decode does not mix with the forward sweep's flags.
     let o = fa(&["bench", "--decode", "--paper"]);
     assert!(!o.status.success());
+}
+
+/// Whether this process runs as root (`id -u` is 0): device nodes can then be made.
+fn running_as_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// Issue 50, item 1: an output that exists and is not a regular file (a FIFO, a device) is
+/// written through, never replaced by a regular file; a missing directory is named as such.
+/// Fails on 4cfb28b: the FIFO and the device node are renamed over (replaced by regular files)
+/// and the reader never sees a byte.
+#[test]
+fn outputs_that_are_fifos_or_devices_are_written_through() {
+    use std::os::unix::fs::FileTypeExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(50);
+    let inp = inputs(&mut rng, DType::F32, [1, 8, 2, 16], [1, 8, 2, 16]);
+    let qkv = save_npy(dir.path(), &inp);
+
+    // A FIFO: a reader thread drains it while fa writes O through it.
+    let fifo = dir.path().join("o.fifo");
+    let made = Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success(), "mkfifo {fifo:?}");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader_path = fifo.clone();
+    // If fa never opens the FIFO (the old code renamed a file over it), this thread stays
+    // blocked in open(); the receive below times out and the test fails without hanging.
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let r = std::fs::File::open(&reader_path)
+            .and_then(|mut f| std::io::Read::read_to_end(&mut f, &mut bytes));
+        let _ = tx.send(r.map(|_| bytes));
+    });
+    let o = fa_run(&qkv, &fifo, &["--backend", "cpu"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let kind = std::fs::metadata(&fifo).unwrap().file_type();
+    assert!(kind.is_fifo(), "the FIFO is still a FIFO: {kind:?}");
+    let bytes = rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("the reader got the output through the FIFO")
+        .unwrap();
+    let got = fa_cli::npy::read_npy(&bytes).expect("a valid .npy came through the FIFO");
+    assert_eq!(got.shape, vec![1, 8, 2, 16]);
+    let desc = softmax_core::ProblemDesc::new(1, 8, 8, 2, 2, 16);
+    assert_eq!(got.data, cpu_forward(&inp, &desc).0, "O itself");
+
+    // A missing directory is named as such, with or without a file name after it (on
+    // 4cfb28b `-o missing_dir/` said "Not a directory (os error 20)").
+    let missing = dir.path().join("missing_dir").join("out.npy");
+    let o = fa_run(&qkv, &missing, &[]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("missing_dir does not exist") && !err.contains("Not a directory"),
+        "{err}"
+    );
+    let missing = format!("{}/", dir.path().join("missing_dir").display());
+    let o = fa_run(&qkv, Path::new(&missing), &[]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("names a directory (which does not exist)")
+            && !err.contains("Not a directory"),
+        "{err}"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("fa-tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    // A path through a regular file: that file is not a directory.
+    let through = qkv[0].join("out.npy");
+    let o = fa_run(&qkv, &through, &[]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("q.npy is not a directory"), "{err}");
+
+    // A character device (a null device of our own, never the system's /dev/null).
+    if !running_as_root() {
+        println!(
+            "outputs_that_are_fifos_or_devices_are_written_through: the device-node part did \
+             not run: making a device node (mknod) needs root, and this test does not run as root"
+        );
+        return;
+    }
+    let null = dir.path().join("null");
+    let made = Command::new("mknod")
+        .arg(&null)
+        .args(["c", "1", "3"])
+        .status()
+        .expect("mknod runs");
+    assert!(made.success(), "mknod {null:?} c 1 3 as root");
+    // Every output on the device: O, the LSE and the three gradients, one after the other.
+    let d_o = save(dir.path(), "dout.npy", &inp.q);
+    let o = fa_run(
+        &qkv,
+        &null,
+        &[
+            "--backend",
+            "cpu",
+            "--lse",
+            s(&null),
+            "--dout",
+            s(&d_o),
+            "--dq",
+            s(&null),
+            "--dk",
+            s(&null),
+            "--dv",
+            s(&null),
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let kind = std::fs::metadata(&null).unwrap().file_type();
+    assert!(kind.is_char_device(), "still a device node: {kind:?}");
+    // Inputs are still refused as outputs, device or not.
+    let o = fa_run(&qkv, &qkv[0], &["--lse", s(&null)]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(
+        text(&o).1.contains("same file as the input"),
+        "{:?}",
+        text(&o)
+    );
+}
+
+/// Issue 50, items 2 and 3: negative numbers reach validation and get its message (clap took
+/// them for flags: "unexpected argument"), softcap 0 is no softcap, scale 0 and thread counts
+/// below 1 are refused, `fa plan --threads 0` included. Fails on 4cfb28b.
+#[test]
+fn negative_and_zero_arguments_get_the_validation_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(51);
+    let inp = inputs(&mut rng, DType::F32, [1, 8, 2, 16], [1, 8, 2, 16]);
+    let qkv = save_npy(dir.path(), &inp);
+    let out = dir.path().join("out.npy");
+    for (extra, words) in [
+        (
+            &["--softcap", "-3"][..],
+            "softcap = -3 must be finite and positive",
+        ),
+        (
+            &["--softcap", "inf"][..],
+            "softcap = inf must be finite and positive",
+        ),
+        (&["--scale", "0"][..], "softmax_scale = 0 is not accepted"),
+        (
+            &["--threads", "-1"][..],
+            "threads = -1: a thread count is at least 1",
+        ),
+        (&["--threads", "0"][..], "at least 1"),
+        (
+            &["--window", "-5,0"][..],
+            "window left = -5: use -1 for unbounded",
+        ),
+        (&["--window", "3,-2"][..], "window right = -2"),
+    ] {
+        let o = fa_run(&qkv, &out, extra);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.contains(words), "{extra:?}: {err}");
+        assert!(!err.contains("unexpected argument"), "{extra:?}: {err}");
+        assert!(!out.exists(), "{extra:?}: nothing written");
+    }
+    // A negative scale is a scale: it runs, and equals fa-cpu with that scale.
+    let o = fa_run(&qkv, &out, &["--scale", "-1", "--backend", "cpu"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let desc = softmax_core::ProblemDesc::new(1, 8, 8, 2, 2, 16).scale(-1.0);
+    assert_eq!(
+        read_tensor(&out, "out").unwrap().0.data,
+        cpu_forward(&inp, &desc).0
+    );
+    // Softcap 0 is no softcap.
+    let o = fa_run(&qkv, &out, &["--softcap", "0", "--backend", "cpu"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let desc = softmax_core::ProblemDesc::new(1, 8, 8, 2, 2, 16);
+    assert_eq!(
+        read_tensor(&out, "out").unwrap().0.data,
+        cpu_forward(&inp, &desc).0
+    );
+
+    for threads in ["0", "-2"] {
+        let o = fa(&["plan", "--threads", threads]);
+        let (out, err) = text(&o);
+        assert_eq!(
+            o.status.code(),
+            Some(2),
+            "plan --threads {threads}: {out}{err}"
+        );
+        assert!(err.contains("at least 1"), "{err}");
+        assert!(!err.contains("unexpected argument"), "{err}");
+    }
+    let o = fa(&["plan", "--threads", "3"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+}
+
+/// Issue 50, item 4: a problem with no queries runs as through the C ABI: an empty output and
+/// LSE are written. Fails on 4cfb28b: "batch stride = 0 makes elements overlap".
+#[test]
+fn empty_query_problems_write_empty_outputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(52);
+    let inp = inputs(&mut rng, DType::F32, [2, 0, 4, 16], [2, 7, 2, 16]);
+    let qkv = save_npy(dir.path(), &inp);
+    let out = dir.path().join("out.npy");
+    let lse = dir.path().join("lse.npy");
+    let o = fa_run(
+        &qkv,
+        &out,
+        &[
+            "--lse",
+            s(&lse),
+            "--causal",
+            "--backend",
+            "cpu",
+            "--check-rows",
+            "4",
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let (got, _) = read_tensor(&out, "out").unwrap();
+    assert_eq!(got.shape, vec![2, 0, 4, 16]);
+    assert_eq!(got.to_f32().len(), 0);
+    assert_eq!(read_tensor(&lse, "lse").unwrap().0.shape, vec![2, 4, 0]);
+}
+
+/// Issue 50, item 5: a float32 `--seqused-k` / `--block-table` file is told to become int32.
+/// Fails on 4cfb28b: the advice was `.astype(np.float32)`.
+#[test]
+fn float_index_files_are_told_to_become_int32() {
+    use fa_reference::{DecodeCase, Rounding};
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng::new(53);
+    let used = [20u32, 5];
+    let layout = DecodeCase::paged_layout(&used, 16);
+    let case = DecodeCase::new(&mut rng, &used, 1, 4, 2, 32, layout, Rounding::F32);
+    let (qkv, lens, _) = save_decode(dir.path(), &case);
+    let float_lens = save(
+        dir.path(),
+        "flens.npy",
+        &HostTensor {
+            shape: vec![2],
+            data: Data::F32(vec![20.0, 5.0]),
+        },
+    );
+    let float_table = save(
+        dir.path(),
+        "ftable.npy",
+        &HostTensor {
+            shape: vec![2, 2],
+            data: Data::F32(vec![0.0, 1.0, 2.0, 3.0]),
+        },
+    );
+    let out = dir.path().join("out.npy");
+    for args in [
+        vec!["--seqused-k", s(&float_lens)],
+        vec!["--seqused-k", s(&lens), "--block-table", s(&float_table)],
+    ] {
+        let o = fa_run(&qkv, &out, &args);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(".astype(np.int32)"), "{args:?}: {err}");
+        assert!(!err.contains("np.float32"), "{args:?}: {err}");
+    }
+}
+
+/// Whether this CPU has AMX tiles (so that `--simd amx` would run).
+fn cpu_has_amx() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.contains("amx_tile"))
+}
+
+/// Issue 50, items 6 and 7: `fa bench` validates everything before it prints anything (a bad
+/// --head-dim, --heads or --simd is an error with no table header on stdout), and `--iters 0`
+/// is an error. Fails on 4cfb28b: the header is printed before the error, and --iters 0 runs.
+#[test]
+fn bench_errors_come_before_any_table() {
+    let base = [
+        "bench",
+        "--backend",
+        "cpu",
+        "--seqlen",
+        "64",
+        "--warmup",
+        "0",
+    ];
+    let mut cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--head-dim", "300"], "head_dim = 300"),
+        (vec!["--head-dim", "64,300"], "head_dim = 300"),
+        (vec!["--heads", "0"], "heads_q must be at least 1"),
+        (vec!["--heads", "8", "--heads-kv", "3"], "not a multiple"),
+        (vec!["--backward", "--head-dim", "300"], "head_dim = 300"),
+        (
+            vec!["--iters", "0", "--heads", "1", "--head-dim", "16"],
+            "--iters must be at least 1",
+        ),
+    ];
+    if cpu_has_amx() {
+        println!(
+            "bench_errors_come_before_any_table: the --simd part did not run: this CPU has AMX, \
+             so --simd amx is not an error here (and every level below it is present)"
+        );
+    } else {
+        cases.push((
+            vec!["--simd", "amx"],
+            "--simd: this CPU does not have avx512f+amx",
+        ));
+        cases.push((
+            vec!["--simd", "amx", "--backward"],
+            "--simd: this CPU does not have",
+        ));
+    }
+    for (extra, words) in &cases {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        if !extra.contains(&"--iters") {
+            args.extend_from_slice(&["--iters", "1"]);
+        }
+        let (code, out, err) = fa_limited(&args, 60);
+        assert_eq!(code, Some(2), "{extra:?}: {out}{err}");
+        assert!(err.contains(words), "{extra:?}: {err}");
+        assert!(
+            out.is_empty(),
+            "{extra:?}: nothing on stdout before the error: {out}"
+        );
+    }
+    // The decode bench too.
+    let mut decode = vec![
+        "bench",
+        "--decode",
+        "--backend",
+        "cpu",
+        "--cache-len",
+        "64",
+        "--batch",
+        "1",
+        "--iters",
+        "1",
+    ];
+    decode.extend_from_slice(&["--head-dim", "128,300"]);
+    let (code, out, err) = fa_limited(&decode, 60);
+    assert_eq!(code, Some(2), "{out}{err}");
+    assert!(err.contains("head_dim = 300"), "{err}");
+    assert!(out.is_empty(), "{out}");
+    // And a good shape still prints its table.
+    let mut args = base.to_vec();
+    args.extend_from_slice(&["--heads", "1", "--head-dim", "16", "--iters", "1"]);
+    let (code, out, err) = fa_limited(&args, 60);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.contains("median ms") && out.lines().count() == 3,
+        "{out}"
+    );
 }

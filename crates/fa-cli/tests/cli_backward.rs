@@ -74,7 +74,13 @@ fn gradients_match_the_reference(dtype: DType, grad_dtype: Option<&str>, bound: 
         args.extend(["--grad-dtype", g]);
     }
     let o = fa(&args);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    // The forward ran first, so its line comes first (issue 50, item 9; on 4cfb28b the
+    // backward line came first).
+    let forward = err.find(" on cpu ").expect("the forward's line");
+    let backward = err.find("fa run: backward").expect("the backward's line");
+    assert!(forward < backward, "forward line first: {err}");
     let want_dtype = if grad_dtype.is_some() {
         DType::F32
     } else {

@@ -32,6 +32,9 @@ pub enum NpyError {
     BadHeader(String),
     /// An element type other than float32, float16 and bfloat16.
     UnsupportedDtype(String),
+    /// An index file (`--seqused-k`, `--block-table`) of an element type other than int32 and
+    /// int64.
+    UnsupportedIndexDtype(String),
     /// Fortran-ordered (column-major) array.
     FortranOrder,
     /// The data section has a different length than the shape and dtype need.
@@ -56,6 +59,11 @@ impl fmt::Display for NpyError {
                 f,
                 "unsupported dtype '{d}': fa reads float32 ('<f4'), float16 ('<f2') and \
                  bfloat16 (ml_dtypes, '<V2'); convert with .astype(np.float32) first"
+            ),
+            NpyError::UnsupportedIndexDtype(d) => write!(
+                f,
+                "unsupported dtype '{d}' for an index file: it holds int32 ('<i4') or int64 \
+                 ('<i8'); convert with .astype(np.int32) first"
             ),
             NpyError::FortranOrder => {
                 f.write_str("Fortran-ordered array: save a C-ordered copy (np.ascontiguousarray)")
@@ -329,11 +337,7 @@ pub fn read_npy_i32(bytes: &[u8]) -> Result<(Vec<usize>, Vec<i32>), NpyError> {
     let width = match code {
         "i4" => 4,
         "i8" => 8,
-        _ => {
-            return Err(NpyError::UnsupportedDtype(format!(
-                "{descr} (an index file holds int32, <i4, or int64, <i8)"
-            )))
-        }
+        _ => return Err(NpyError::UnsupportedIndexDtype(descr.to_string())),
     };
     let elements = shape
         .iter()
@@ -540,10 +544,15 @@ mod tests {
             shape: vec![1],
             data: Data::F32(vec![1.0]),
         });
-        assert!(matches!(
-            read_npy_i32(&f),
-            Err(NpyError::UnsupportedDtype(_))
-        ));
+        let e = read_npy_i32(&f).unwrap_err();
+        assert!(matches!(e, NpyError::UnsupportedIndexDtype(_)), "{e:?}");
+        // The advice is to convert to int32, never to float32 (the float tensors' advice).
+        let msg = e.to_string();
+        assert!(
+            msg.contains("<f4") && msg.contains(".astype(np.int32)"),
+            "{msg}"
+        );
+        assert!(!msg.contains("np.float32"), "{msg}");
     }
 
     #[test]

@@ -87,6 +87,21 @@ pub enum ProblemError {
         /// The value given.
         softcap: f32,
     },
+    /// An explicitly given softmax scale is zero (every key would weigh the same; the flat
+    /// interfaces read 0 as "not set", so it cannot mean a scale there either).
+    ZeroScale,
+    /// A side of a FlashAttention-style window is negative but not `-1` (unbounded).
+    BadWindow {
+        /// `"left"` or `"right"`.
+        side: &'static str,
+        /// The value given.
+        value: i64,
+    },
+    /// An explicitly given thread count is zero or negative.
+    BadThreads {
+        /// The value given.
+        threads: i64,
+    },
     /// `|softmax_scale|` exceeds [`crate::MAX_SOFTMAX_SCALE`]: the scaled scores would overflow
     /// f32 (NaN where the exact answer is finite).
     ScaleOutOfRange {
@@ -236,6 +251,17 @@ impl fmt::Display for ProblemError {
             }
             ProblemError::BadSoftcap { softcap } => {
                 write!(f, "softcap = {softcap} must be finite and positive")
+            }
+            ProblemError::ZeroScale => f.write_str(
+                "softmax_scale = 0 is not accepted (every key would weigh the same); leave it \
+                 unset for 1/sqrt(head_dim)",
+            ),
+            ProblemError::BadWindow { side, value } => write!(
+                f,
+                "window {side} = {value}: use -1 for unbounded or a number of keys ≥ 0"
+            ),
+            ProblemError::BadThreads { threads } => {
+                write!(f, "threads = {threads}: a thread count is at least 1")
             }
             ProblemError::ScaleOutOfRange { scale, max } => write!(
                 f,

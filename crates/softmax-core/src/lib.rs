@@ -86,7 +86,8 @@ pub use libm_float::LibmFloat;
 pub use mask::{Mask, TileKind};
 pub use online::{merge_into, BlockStep, RowResult, RowState};
 pub use problem::{
-    BufferLens, KvCache, Problem, ProblemDesc, SeqSpan, Sequences, Strides, MAX_HEAD_DIM,
+    explicit_scale, mask_from_flash, softcap_from_flash, thread_count, window_side, BufferLens,
+    KvCache, Problem, ProblemDesc, SeqSpan, Sequences, Strides, MAX_HEAD_DIM,
     MAX_SCALE_OVER_SOFTCAP, MAX_SOFTCAP, MAX_SOFTMAX_SCALE,
 };
 pub use rescale::{RescalePolicy, RescaleStats, DEFAULT_RESCALE_THRESHOLD, MAX_RESCALE_THRESHOLD};

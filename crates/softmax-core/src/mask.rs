@@ -42,7 +42,9 @@ impl Mask {
     };
 
     /// Builds a mask from FlashAttention's conventions: `causal`, and a window `(left, right)`
-    /// where a negative bound means unbounded. Causal and a window intersect.
+    /// where a negative bound means unbounded. Causal and a window intersect. For values from
+    /// a user (where only `-1` means unbounded and other negatives are errors), use
+    /// [`crate::mask_from_flash`].
     pub fn from_flash_args(causal: bool, window_left: i64, window_right: i64) -> Mask {
         let left = usize::try_from(window_left).ok();
         let mut right = usize::try_from(window_right).ok();

@@ -27,6 +27,76 @@ pub const MAX_SCALE_OVER_SOFTCAP: f32 = 4_294_967_296.0;
 /// The largest softcap accepted (2⁶⁴): the factor `cap·log2 e` after `tanh` must stay finite.
 pub const MAX_SOFTCAP: f32 = 18_446_744_073_709_551_616.0;
 
+/// One side of a FlashAttention-style `window_size`: `-1` is unbounded (`None`), `n ≥ 0` is
+/// `n` keys; any other negative value is [`ProblemError::BadWindow`]. `side` names it in the
+/// error (`"left"` or `"right"`).
+pub fn window_side(side: &'static str, value: i64) -> Result<Option<usize>, ProblemError> {
+    match value {
+        -1 => Ok(None),
+        // A window wider than the address space is as good as unbounded on any target.
+        v if v >= 0 => Ok(Some(usize::try_from(v).unwrap_or(usize::MAX))),
+        v => Err(ProblemError::BadWindow { side, value: v }),
+    }
+}
+
+/// FlashAttention's `causal` and `window_size = (left, right)` as a [`Mask`], checked: each
+/// side is `-1` (unbounded) or `≥ 0` ([`window_side`]); causal intersects the window. The
+/// one conversion the C ABI, the `fa` command and the Python module share.
+pub fn mask_from_flash(
+    causal: bool,
+    window_left: i64,
+    window_right: i64,
+) -> Result<Mask, ProblemError> {
+    let left = window_side("left", window_left)?;
+    let right = window_side("right", window_right)?;
+    // A window's right bound is never negative, so the intersection with causal is the
+    // diagonal.
+    let right = if causal { Some(0) } else { right };
+    Ok(Mask { left, right })
+}
+
+/// A softcap as the flat interfaces (C ABI, `fa --softcap`, Python `softcap=`) give it:
+/// `0` means no softcap (FlashAttention's convention); a negative, NaN or infinite value is
+/// [`ProblemError::BadSoftcap`]. The range against the scale is [`ProblemDesc::validate`]'s.
+pub fn softcap_from_flash(softcap: f32) -> Result<Option<f32>, ProblemError> {
+    if softcap == 0.0 {
+        Ok(None)
+    } else if softcap.is_finite() && softcap > 0.0 {
+        Ok(Some(softcap))
+    } else {
+        Err(ProblemError::BadSoftcap { softcap })
+    }
+}
+
+/// A softmax scale given explicitly (`fa --scale`, Python `scale=`): finite
+/// ([`ProblemError::NonFiniteScale`]) and non-zero ([`ProblemError::ZeroScale`]); its
+/// magnitude is checked by [`ProblemDesc::validate`]. The C ABI reads 0 as "not set" instead.
+pub fn explicit_scale(scale: f32) -> Result<f32, ProblemError> {
+    if !scale.is_finite() {
+        Err(ProblemError::NonFiniteScale { scale })
+    } else if scale == 0.0 {
+        Err(ProblemError::ZeroScale)
+    } else {
+        Ok(scale)
+    }
+}
+
+/// A thread count given explicitly (`fa --threads`): at least 1
+/// ([`ProblemError::BadThreads`] for 0 or a negative count) and at most `max`
+/// ([`ProblemError::TooManyThreads`]).
+pub fn thread_count(threads: i64, max: usize) -> Result<usize, ProblemError> {
+    if threads < 1 {
+        return Err(ProblemError::BadThreads { threads });
+    }
+    match usize::try_from(threads) {
+        Ok(n) if n <= max => Ok(n),
+        _ => Err(ProblemError::TooManyThreads {
+            threads: usize::try_from(threads).unwrap_or(usize::MAX),
+            max,
+        }),
+    }
+}
+
 /// Element strides of a `[batch, seqlen, heads, head_dim]` tensor; `head_dim` is contiguous.
 /// For variable-length (packed) tensors `batch` is ignored and `seq` steps over tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -247,6 +317,20 @@ impl<'a> ProblemDesc<'a> {
             self = self.causal();
         }
         self
+    }
+
+    /// Sets the mask and softcap from FlashAttention-style flat arguments, checked:
+    /// [`mask_from_flash`] and [`softcap_from_flash`] (`softcap` 0: none).
+    pub fn with_flash_args(
+        mut self,
+        causal: bool,
+        window_left: i64,
+        window_right: i64,
+        softcap: f32,
+    ) -> Result<Self, ProblemError> {
+        self.mask = mask_from_flash(causal, window_left, window_right)?;
+        self.softcap = softcap_from_flash(softcap)?;
+        Ok(self)
     }
 
     /// Sets the mask directly.
@@ -617,6 +701,11 @@ pub(crate) fn check_no_overlap(
         ("seq stride", seq, s.seq),
         ("head stride", heads, s.head),
     ];
+    // An empty tensor has no two elements to share an address (a zero-length sequence makes
+    // the contiguous batch stride 0).
+    if outer == 0 || seq == 0 || heads == 0 || dim == 0 {
+        return Ok(());
+    }
     dims.sort_unstable_by_key(|d| d.2);
     let mut span = dim;
     for (what, count, stride) in dims {

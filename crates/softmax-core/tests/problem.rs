@@ -505,3 +505,122 @@ fn absurd_sizes_are_an_overflow_error_not_a_panic() {
         Err(ProblemError::Overflow)
     ));
 }
+
+/// The flat (C ABI, `fa`, Python) arguments are converted by one checked function each:
+/// window sides are -1 (unbounded) or ≥ 0, softcap 0 is none, an explicit scale is finite and
+/// non-zero, an explicit thread count is at least 1. Fails before these helpers existed (the
+/// C ABI read a window side of -5 as unbounded).
+#[test]
+fn flat_arguments_share_one_checked_conversion() {
+    use softmax_core::{
+        explicit_scale, mask_from_flash, softcap_from_flash, thread_count, window_side,
+    };
+    assert_eq!(mask_from_flash(false, -1, -1), Ok(Mask::NONE));
+    assert_eq!(mask_from_flash(true, -1, -1), Ok(Mask::CAUSAL));
+    assert_eq!(
+        mask_from_flash(false, 100, 0),
+        Ok(Mask {
+            left: Some(100),
+            right: Some(0)
+        })
+    );
+    assert_eq!(
+        mask_from_flash(true, 3, 7),
+        Ok(Mask {
+            left: Some(3),
+            right: Some(0)
+        })
+    );
+    assert_eq!(
+        mask_from_flash(false, -5, 0),
+        Err(ProblemError::BadWindow {
+            side: "left",
+            value: -5
+        })
+    );
+    assert_eq!(
+        mask_from_flash(true, 4, i64::MIN),
+        Err(ProblemError::BadWindow {
+            side: "right",
+            value: i64::MIN
+        })
+    );
+    let msg = mask_from_flash(false, -5, 0).unwrap_err().to_string();
+    assert!(
+        msg.contains("-5") && msg.contains("-1 for unbounded"),
+        "{msg}"
+    );
+    assert_eq!(window_side("left", 0), Ok(Some(0)));
+
+    assert_eq!(softcap_from_flash(0.0), Ok(None));
+    assert_eq!(softcap_from_flash(-0.0), Ok(None));
+    assert_eq!(softcap_from_flash(30.0), Ok(Some(30.0)));
+    for bad in [-3.0, f32::INFINITY, f32::NEG_INFINITY] {
+        assert_eq!(
+            softcap_from_flash(bad),
+            Err(ProblemError::BadSoftcap { softcap: bad })
+        );
+    }
+    assert!(matches!(
+        softcap_from_flash(f32::NAN),
+        Err(ProblemError::BadSoftcap { .. })
+    ));
+
+    assert_eq!(explicit_scale(-1.0), Ok(-1.0));
+    assert_eq!(explicit_scale(0.0), Err(ProblemError::ZeroScale));
+    assert!(matches!(
+        explicit_scale(f32::NAN),
+        Err(ProblemError::NonFiniteScale { .. })
+    ));
+
+    assert_eq!(thread_count(3, 4), Ok(3));
+    assert_eq!(
+        thread_count(0, 4),
+        Err(ProblemError::BadThreads { threads: 0 })
+    );
+    assert_eq!(
+        thread_count(-1, 4),
+        Err(ProblemError::BadThreads { threads: -1 })
+    );
+    assert_eq!(
+        thread_count(5, 4),
+        Err(ProblemError::TooManyThreads { threads: 5, max: 4 })
+    );
+
+    // Through the description: the same conversions, then validation.
+    let p = ok_desc()
+        .with_flash_args(true, 2, -1, 0.0)
+        .unwrap()
+        .validate(MAX_HEAD_DIM)
+        .unwrap();
+    assert_eq!(
+        (p.mask(), p.softcap()),
+        (
+            Mask {
+                left: Some(2),
+                right: Some(0)
+            },
+            None
+        )
+    );
+    assert_eq!(
+        ok_desc().with_flash_args(false, -1, -2, 0.0),
+        Err(ProblemError::BadWindow {
+            side: "right",
+            value: -2
+        })
+    );
+}
+
+/// An empty problem (no queries) validates: its output has no elements that could overlap.
+/// Fails on the old validation with "output: batch stride = 0 makes elements overlap".
+#[test]
+fn empty_query_sequences_validate() {
+    for (b, sq, sk) in [(2, 0, 7), (3, 0, 0), (1, 0, 5)] {
+        let p = ProblemDesc::new(b, sq, sk, 4, 2, 16)
+            .validate(MAX_HEAD_DIM)
+            .unwrap_or_else(|e| panic!("b{b} sq{sq} sk{sk}: {e}"));
+        assert_eq!(p.min_buffer_lens().o, 0);
+        assert_eq!(p.lse_len(), 0);
+    }
+}
