@@ -113,7 +113,7 @@ def _describe(x, name):
 def _integer(x, name):
     """``x`` as a Python int: integers only (NumPy's too), never a bool or a float
     (``TypeError`` naming ``name``)."""
-    if isinstance(x, (bool, np.bool_)):
+    if isinstance(x, (bool, np.bool_)) or (_is_torch(x) and x.dtype == _torch_module().bool):
         raise TypeError(f"{name} is {x!r}: expected an integer, not a bool")
     try:
         return operator.index(x)
@@ -130,14 +130,13 @@ def _flag(x, name):
 
 
 def _real(x, name):
-    """``x`` as a Python float, or None: real numbers only (NumPy's and 0-d tensors too),
+    """``x`` as a Python float, or None: real numbers only (NumPy's and one-element tensors too),
     never a bool or a string (``TypeError`` naming ``name``). The value is the library's to
     judge."""
     if x is None:
         return None
-    if isinstance(x, (bool, np.bool_)) or not (
-        isinstance(x, numbers.Real) or (_is_torch(x) and x.numel() == 1 and not x.is_complex())
-    ):
+    one_number = _is_torch(x) and x.numel() == 1 and not (x.is_complex() or x.dtype == _torch_module().bool)
+    if isinstance(x, (bool, np.bool_)) or not (isinstance(x, numbers.Real) or one_number):
         raise TypeError(f"{name} is {x!r} ({type(x).__name__}): expected a real number or None")
     return float(x)
 

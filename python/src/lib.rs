@@ -601,9 +601,11 @@ fn forward(
                     shape_text(shape)
                 )));
             }
+            // An empty lse holds nothing: its strides mean nothing (torch's are not the
+            // product of the sizes after a 0, NumPy's are all zero).
             let mut dense = 1;
             for (&n, &s) in shape.iter().zip(strides).rev() {
-                if n > 1 && s != dense {
+                if n > 1 && s != dense && !shape.contains(&0) {
                     return Err(value_error("lse must be a contiguous array"));
                 }
                 dense *= n;

@@ -169,6 +169,20 @@ def test_zero_sized_tensors_as_numpy_arrays(device):
         fa.attention(nothing, nothing, nothing)
 
 
+def test_torch_scalars_as_options():
+    # One-number tensors are numbers (softcap, scale, window sides); bool tensors are not.
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (randn((1, 9, 2, 32), torch.float32, "cpu", gen) for _ in range(3))
+    got = fa.attention(q, k, v, scale=torch.tensor(0.3), window=(torch.tensor(2), -1))
+    check(got, sdpa_f64(q, k, v, window=(2, -1), scale=0.3), "cpu", torch.float32, "tensor options")
+    with pytest.raises(TypeError, match=r"softcap is tensor\(True\) \(Tensor\): expected a real number or None"):
+        fa.attention(q, k, v, softcap=torch.tensor(True))
+    with pytest.raises(TypeError, match=r"a side of window is tensor\(True\): expected an integer, not a bool"):
+        fa.attention(q, k, v, window=(torch.tensor(True), -1))
+    with pytest.raises(TypeError, match=r"a side of window is tensor\(2\.5000\) \(Tensor\): expected an integer"):
+        fa.attention(q, k, v, window=(torch.tensor(2.5), -1))
+
+
 @needs_cuda
 def test_device_prefix_sums_of_floats_are_type_errors():
     # The int32 conversion on the device used to truncate them (3.5 -> 3) silently.
