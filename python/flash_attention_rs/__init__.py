@@ -22,11 +22,15 @@ order.
 
 Errors carry the library's message: ``ValueError`` for shapes, dtypes, strides and options it
 refuses, ``RuntimeError`` where CUDA is not usable or a device call fails, ``TypeError`` for
-objects that are neither NumPy arrays nor torch tensors.
+objects that are neither NumPy arrays nor torch tensors. Arguments are never coerced: an
+option of the wrong type (a float or bool where an integer is due, a string where a number or
+a bool is due) is a ``TypeError`` naming it; an argument of the right type but the wrong form
+(``window`` not a pair) or a value the library refuses is a ``ValueError``.
 """
 
 from __future__ import annotations
 
+import numbers
 import operator
 import sys
 import threading
@@ -88,6 +92,11 @@ def _describe(x, name):
             raise ValueError(f"{name} is on device {x.device}: only cpu and cuda are supported")
         return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), _torch_dtype_name(x.dtype)), device
     if isinstance(x, np.ndarray):
+        if not x.dtype.isnative:
+            # Its name is still "float32": the library would read the bytes swapped.
+            raise ValueError(
+                f"{name} has dtype {x.dtype.str}: byte order not native (x.astype(x.dtype.newbyteorder('=')))"
+            )
         itemsize = x.dtype.itemsize
         strides = []
         for s in x.strides:
@@ -99,6 +108,50 @@ def _describe(x, name):
         address = x.__array_interface__["data"][0]
         return (address, tuple(x.shape), tuple(strides), x.dtype.name), None
     raise TypeError(f"{name} must be a NumPy array or a torch.Tensor, not {type(x).__name__}")
+
+
+def _integer(x, name):
+    """``x`` as a Python int: integers only (NumPy's too), never a bool or a float
+    (``TypeError`` naming ``name``)."""
+    if isinstance(x, (bool, np.bool_)) or (_is_torch(x) and x.dtype == _torch_module().bool):
+        raise TypeError(f"{name} is {x!r}: expected an integer, not a bool")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name} is {x!r} ({type(x).__name__}): expected an integer") from None
+
+
+def _flag(x, name):
+    """``x`` as a bool: ``True``/``False`` (or NumPy's) only, so that a string such as
+    ``"False"`` is not read as true (``TypeError`` naming ``name``)."""
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    raise TypeError(f"{name} is {x!r} ({type(x).__name__}): expected True or False")
+
+
+def _real(x, name):
+    """``x`` as a Python float, or None: real numbers only (NumPy's and one-element tensors too),
+    never a bool or a string (``TypeError`` naming ``name``). The value is the library's to
+    judge."""
+    if x is None:
+        return None
+    one_number = _is_torch(x) and x.numel() == 1 and not (x.is_complex() or x.dtype == _torch_module().bool)
+    if isinstance(x, (bool, np.bool_)) or not (isinstance(x, numbers.Real) or one_number):
+        raise TypeError(f"{name} is {x!r} ({type(x).__name__}): expected a real number or None")
+    return float(x)
+
+
+def _window(window):
+    """``window`` as a pair of Python ints, passed on as given: the library judges the values
+    (-1: unbounded side, >= 0: a bound, other negatives refused). Anything but a tuple or list
+    of exactly two entries is a ``ValueError``; a side that is not an integer (a bool, a
+    float) a ``TypeError``."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(
+            f"window is {window!r}: expected a pair (left, right) of integers, -1 for an "
+            f"unbounded side"
+        )
+    return tuple(_integer(side, "a side of window") for side in window)
 
 
 def _where(device):
@@ -121,7 +174,8 @@ def _empty(like, shape, dtype=None):
 
 
 def _host_prefix_sums(cu, name):
-    """Host prefix sums as a list of Python ints (``TypeError`` for non-integers)."""
+    """Host prefix sums as a list of Python ints (``TypeError`` for non-integers, bools
+    included)."""
     if _is_torch(cu):
         if cu.device.type != "cpu":
             raise ValueError(f"{name} is on {cu.device} but the tensors are in host memory")
@@ -130,7 +184,7 @@ def _host_prefix_sums(cu, name):
         cu = cu.tolist()
     if not hasattr(cu, "__iter__"):
         raise TypeError(f"{name} must be a 1-D sequence of integers")
-    return [operator.index(x) for x in cu]
+    return [_integer(x, f"an entry of {name}") for x in cu]
 
 
 def _host_int32(x, name):
@@ -227,8 +281,8 @@ def block_walk(seqused_k, block_table, block_size, num_blocks):
     _native.block_walk(
         _describe(used, "seqused_k")[0],
         _describe(table, "block_table")[0],
-        operator.index(block_size),
-        operator.index(num_blocks),
+        _integer(block_size, "block_size"),
+        _integer(num_blocks, "num_blocks"),
         _describe(walk, "walk")[0],
     )
     return walk
@@ -326,9 +380,14 @@ def attention(
         v: like ``k``, with its own ``head_dim_v``.
         causal: mask keys after the diagonal, bottom-right aligned (query ``i`` sees keys
             ``j <= i + seqlen_k - seqlen_q``), as FlashAttention >= 2.1 and KV-cache decode.
-        window: ``(left, right)`` local window, negative = unbounded.
-        softcap: ``cap * tanh(s / cap)`` on the scaled scores (None or 0: off).
-        scale: the softmax scale (None: ``1/sqrt(head_dim)``).
+        window: ``(left, right)`` local window: a tuple or list of two integers, each -1
+            (unbounded) or ``>= 0`` (keys before / after the aligned diagonal). Other
+            negatives raise ``ValueError`` (the library's check); so does anything but a pair,
+            and a side that is not an integer (a bool, a float) raises ``TypeError``.
+        softcap: ``cap * tanh(s / cap)`` on the scaled scores; None or 0: off
+            (FlashAttention's convention). Negative, NaN or infinite caps raise ``ValueError``.
+        scale: the softmax scale (None: ``1/sqrt(head_dim)``); 0, NaN and infinities raise
+            ``ValueError``.
         return_lse: also return the natural-log log-sum-exp, float32
             ``(batch, heads_q, seqlen_q)`` (varlen: ``(heads_q, total_q)``).
         backend: ``"auto"`` (where the tensors are), ``"cpu"`` or ``"cuda"``.
@@ -383,6 +442,14 @@ def attention(
     """
     if backend not in ("auto", "cpu", "cuda"):
         raise ValueError(f"backend is {backend!r}: expected 'auto', 'cpu' or 'cuda'")
+    # The options' types, before anything (an append) is written.
+    kwargs = dict(
+        causal=_flag(causal, "causal"),
+        window=_window(window),
+        softcap=_real(softcap, "softcap"),
+        scale=_real(scale, "scale"),
+    )
+    return_lse = _flag(return_lse, "return_lse")
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
     varlen = cu_seqlens_q is not None
@@ -391,6 +458,13 @@ def attention(
         raise ValueError("block_table needs seqused_k (the keys each sequence uses)")
     if num_splits is not None and not cached:
         raise ValueError("num_splits applies to KV-cache calls (seqused_k) only")
+    splits = 0
+    if num_splits is not None:
+        splits = _integer(num_splits, "num_splits")
+        if not 1 <= splits <= 2**31:
+            raise ValueError(
+                f"num_splits is {splits}: from 1 to 2**31 (None: the library's choice)"
+            )
     if block_walk is not None:
         # Checked before an append (k_new) writes anything.
         if block_table is None:
@@ -423,11 +497,6 @@ def attention(
         raise ValueError(
             f"q has shape {tuple(q.shape)}: with seqused_k it is (batch, seqlen_q, heads_q, head_dim)"
         )
-    splits = 0
-    if num_splits is not None:
-        splits = operator.index(num_splits)
-        if not 1 <= splits <= 2**31:
-            raise ValueError(f"num_splits is {splits}: at least 1 (None: the library's choice)")
 
     descs = []
     devices = []
@@ -484,12 +553,6 @@ def attention(
                 lse = np.empty(lse_shape, dtype=np.float32)
             lse_desc, _ = _describe(lse, "lse")
 
-    kwargs = dict(
-        causal=bool(causal),
-        window=(operator.index(window[0]), operator.index(window[1])),
-        softcap=None if softcap is None else float(softcap),
-        scale=None if scale is None else float(scale),
-    )
     keep_alive = []
     if varlen:
         cu_on_device = _is_torch(cu_seqlens_q) and cu_seqlens_q.device.type == "cuda"
@@ -508,6 +571,10 @@ def attention(
                 )
             if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape:
                 raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D of the same length")
+            for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+                # The int32 conversion below would truncate floats (as the host path refuses).
+                if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+                    raise TypeError(f"{name} has dtype {cu.dtype}: expected integers (int32)")
             # int32 and dense, on the current stream; the temporaries live until this call
             # returns, and PyTorch's allocator orders their reuse after the queued kernel.
             cu_q = cu_seqlens_q.to(torch.int32).contiguous()
@@ -517,8 +584,8 @@ def attention(
                 cu_q.data_ptr(),
                 cu_k.data_ptr(),
                 cu_q.numel() - 1,
-                operator.index(max_seqlen_q),
-                operator.index(max_seqlen_k),
+                _integer(max_seqlen_q, "max_seqlen_q"),
+                _integer(max_seqlen_k, "max_seqlen_k"),
             )
         else:
             kwargs["cu_seqlens"] = (

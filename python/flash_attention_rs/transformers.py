@@ -18,6 +18,8 @@ training.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import sys
 
 import numpy as np
@@ -121,6 +123,11 @@ def attention_forward(
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     if sliding_window is not None:
         # transformers' sliding window of w: query i sees keys i - w < j (<= i when causal).
+        # w = 0 would give side -1, which reads as unbounded: refused, as a float w is.
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral):
+            raise TypeError(f"sliding_window is {sliding_window!r}: expected an integer >= 1 or None")
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window is {sliding_window}: expected an integer >= 1 or None")
         window = (sliding_window - 1, -1 if causal else sliding_window - 1)
     else:
         window = (-1, -1)
@@ -177,7 +184,8 @@ def _empty(like, shape, is_torch):
 
 
 def _maybe_int(x):
-    return None if x is None else int(x)
+    # operator.index: an integer (or 0-d integer tensor) only, never a truncated float.
+    return None if x is None else operator.index(x)
 
 
 def _restarts(position_ids, seqlen_q):

@@ -104,11 +104,25 @@ fn check_tensor(arg: &TensorArg, name: &str, varlen: bool) -> PyResult<Checked> 
     if let Some(d) = shape.iter().find(|&&d| d < 0) {
         return Err(value_error(format!("{name} has a negative size {d}")));
     }
+    // An empty tensor holds no element, so its strides mean nothing: NumPy gives it all-zero
+    // strides, PyTorch the contiguous ones. Both are described by the contiguous ones, so an
+    // empty NumPy array meets the same rules (the library's) as an empty tensor.
+    let strides: Vec<i64> = if shape.contains(&0) {
+        let mut dense = 1i64;
+        let mut out = vec![0; rank];
+        for (o, &n) in out.iter_mut().zip(shape).rev() {
+            *o = dense;
+            dense = dense.saturating_mul(n.max(1));
+        }
+        out
+    } else {
+        strides.clone()
+    };
     // A dimension of size 1 (or 0) is never stepped over: any stride there means nothing
     // (NumPy and PyTorch leave arbitrary, even negative, values in them).
     let strides: Vec<i64> = shape
         .iter()
-        .zip(strides)
+        .zip(&strides)
         .map(|(&n, &s)| if n <= 1 { 0 } else { s })
         .collect();
     if strides.iter().any(|&s| s < 0) {
@@ -184,6 +198,29 @@ fn check_shapes(
         )));
     }
     Ok(())
+}
+
+/// One side of `window` as the C ABI's `i64`, passed as given (-1: unbounded; the library
+/// validates the value); an integer outside `i64` is a `ValueError` naming `window`.
+fn window_side(side: &Bound<'_, PyAny>) -> PyResult<i64> {
+    side.extract::<i64>().map_err(|_| {
+        value_error(format!(
+            "window has a side {side}: not an integer within 64 bits (-1: unbounded)"
+        ))
+    })
+}
+
+/// A Python float as the C ABI's `f32`. A finite value that float32 cannot hold (it would
+/// round to 0, which the C ABI reads as "not set", or to infinity) is a `ValueError`; NaN and
+/// infinities pass unchanged, for the library to refuse with its own message.
+fn to_f32(value: f64, name: &str) -> PyResult<f32> {
+    let narrow = value as f32;
+    if value.is_finite() && (!narrow.is_finite() || (narrow == 0.0 && value != 0.0)) {
+        return Err(value_error(format!(
+            "{name} = {value:?} is outside float32's range"
+        )));
+    }
+    Ok(narrow)
 }
 
 /// Host prefix sums as int32, with the packed tensors' token count as their last entry.
@@ -436,7 +473,7 @@ impl Call {
 /// paged cache's block walk `(batch, 2, max_blocks)` is a device tensor (CUDA only: the CPU
 /// refuses one).
 #[pyfunction]
-#[pyo3(signature = (q, k, v, o, lse=None, *, causal=false, window=(-1, -1), softcap=None,
+#[pyo3(signature = (q, k, v, o, lse=None, *, causal=false, window=None, softcap=None,
     scale=None, cu_seqlens=None, device_cu_seqlens=None, cache=None, device=None, stream=0))]
 #[allow(clippy::too_many_arguments)]
 fn forward(
@@ -447,9 +484,9 @@ fn forward(
     o: TensorArg,
     lse: Option<TensorArg>,
     causal: bool,
-    window: (i64, i64),
-    softcap: Option<f32>,
-    scale: Option<f32>,
+    window: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+    softcap: Option<f64>,
+    scale: Option<f64>,
     cu_seqlens: Option<(Vec<i64>, Vec<i64>)>,
     device_cu_seqlens: Option<DeviceSeqlensArg>,
     cache: Option<CacheArg>,
@@ -474,14 +511,21 @@ fn forward(
     check_shapes(&cq.dims, &ck.dims, &cv.dims, &co.dims, paged)?;
     let [batch, seqlen_q, heads_q, head_dim] = cq.dims;
     let (seqlen_k, heads_kv, head_dim_v) = (ck.dims[1], ck.dims[2], cv.dims[3]);
+    let window = match &window {
+        None => (-1, -1),
+        Some((left, right)) => (window_side(left)?, window_side(right)?),
+    };
     // The C ABI reads 0 as "not set"; an explicit 0 would silently become the default.
     if scale == Some(0.0) {
         return Err(value_error(
             "scale=0.0 is not supported (every key would weigh the same); pass None for 1/sqrt(head_dim)",
         ));
     }
+    let scale = scale.map(|s| to_f32(s, "scale")).transpose()?;
+    // softcap 0 (or None) is off, FlashAttention's convention; any other value goes to the
+    // library, which refuses negative, NaN and infinite caps.
     let softcap = match softcap {
-        Some(c) if c != 0.0 => c,
+        Some(c) if c != 0.0 => to_f32(c, "softcap")?,
         _ => 0.0,
     };
     let mut problem = FaProblem {
@@ -557,9 +601,11 @@ fn forward(
                     shape_text(shape)
                 )));
             }
+            // An empty lse holds nothing: its strides mean nothing (torch's are not the
+            // product of the sizes after a 0, NumPy's are all zero).
             let mut dense = 1;
             for (&n, &s) in shape.iter().zip(strides).rev() {
-                if n > 1 && s != dense {
+                if n > 1 && s != dense && !shape.contains(&0) {
                     return Err(value_error("lse must be a contiguous array"));
                 }
                 dense *= n;

@@ -44,7 +44,7 @@ def attention_f64(q, k, v, causal=False, window=(-1, -1), softcap=None, scale=No
         s = softcap * np.tanh(s / softcap)
     mask = visible(seqlen_q, seqlen_k, causal, window)
     s = np.where(mask, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # initial: no key at all (seqlen_k 0)
     m_safe = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m_safe)
     l = p.sum(axis=-1, keepdims=True)

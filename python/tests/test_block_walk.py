@@ -115,7 +115,7 @@ def test_bad_tables_raise():
     refused("expected 2 dimensions", table=table[0])
     refused("has dtype float", table=table.astype(np.float32))
     refused("values outside int32", used=[5, 0, 2**40])
-    refused("cannot be interpreted as an integer", block_size=4.0, exc=TypeError)
+    refused(r"block_size is 4.0 \(float\): expected an integer", block_size=4.0, exc=TypeError)
 
 
 def test_attention_refuses_a_walk_where_it_does_not_belong():

@@ -148,6 +148,56 @@ def test_errors(device):
             fa.attention(q[0], q[0], q[0], cu_seqlens_q=cu, cu_seqlens_k=cu)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_sized_tensors_as_numpy_arrays(device):
+    # The same outcomes as test_arguments.py's NumPy cases: an empty torch tensor has
+    # contiguous strides, an empty NumPy array zero ones; both reach the library alike.
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16
+    kv = randn((2, 13, 2, 64), dtype, device, gen)
+    out, lse = fa.attention(randn((2, 0, 4, 64), dtype, device, gen), kv, kv, causal=True, return_lse=True)
+    assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0) and out.device.type == device
+    q = randn((2, 9, 4, 64), dtype, device, gen)
+    empty = randn((2, 0, 2, 64), dtype, device, gen)
+    out = torch.full_like(q, float("nan"))
+    got, lse = fa.attention(q, empty, empty, out=out, return_lse=True)
+    assert got is out
+    assert torch.equal(out, torch.zeros_like(q))
+    assert torch.equal(lse, torch.full((2, 4, 9), float("-inf"), device=device))
+    with pytest.raises(ValueError, match=r"^batch must be at least 1$"):
+        nothing = randn((0, 9, 4, 64), dtype, device, gen)
+        fa.attention(nothing, nothing, nothing)
+
+
+def test_torch_scalars_as_options():
+    # One-number tensors are numbers (softcap, scale, window sides); bool tensors are not.
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (randn((1, 9, 2, 32), torch.float32, "cpu", gen) for _ in range(3))
+    got = fa.attention(q, k, v, scale=torch.tensor(0.3), window=(torch.tensor(2), -1))
+    check(got, sdpa_f64(q, k, v, window=(2, -1), scale=0.3), "cpu", torch.float32, "tensor options")
+    with pytest.raises(TypeError, match=r"softcap is tensor\(True\) \(Tensor\): expected a real number or None"):
+        fa.attention(q, k, v, softcap=torch.tensor(True))
+    with pytest.raises(TypeError, match=r"a side of window is tensor\(True\): expected an integer, not a bool"):
+        fa.attention(q, k, v, window=(torch.tensor(True), -1))
+    with pytest.raises(TypeError, match=r"a side of window is tensor\(2\.5000\) \(Tensor\): expected an integer"):
+        fa.attention(q, k, v, window=(torch.tensor(2.5), -1))
+
+
+@needs_cuda
+def test_device_prefix_sums_of_floats_are_type_errors():
+    # The int32 conversion on the device used to truncate them (3.5 -> 3) silently.
+    gen = torch.Generator().manual_seed(4)
+    q = randn((8, 4, 64), torch.bfloat16, "cuda", gen)
+    good = torch.tensor([0, 3, 8], dtype=torch.int32, device="cuda")
+    for bad in (good.float() + 0.5, good.bool()):
+        with pytest.raises(TypeError, match=r"cu_seqlens_q has dtype torch\.(float32|bool): expected integers"):
+            fa.attention(q, q, q, cu_seqlens_q=bad, cu_seqlens_k=good, max_seqlen_q=5, max_seqlen_k=5)
+    # int64 prefix sums are integers: taken.
+    got = fa.attention(q, q, q, cu_seqlens_q=good.long(), cu_seqlens_k=good, max_seqlen_q=5, max_seqlen_k=5)
+    parts = [sdpa_f64(q[None, a:b], q[None, a:b], q[None, a:b])[0] for a, b in ((0, 3), (3, 8))]
+    check(got, torch.cat(parts), "cuda", torch.bfloat16, "int64 device prefix sums")
+
+
 @needs_cuda
 def test_runs_on_the_current_stream_without_waiting():
     gen = torch.Generator().manual_seed(9)
