@@ -5,7 +5,9 @@
 # $OUT/peer-backward-<dtype>.md/.json); DECODE=1: decode over a KV cache instead (issue 15's
 # CPU target: batches 1,4, caches 4k-64k, 32/8 heads, D 128; PAGE_SIZE=0 padded, 16 paged on
 # our side only; results in $OUT/peer-decode-<dtype>.md/.json; first the read probe `readbw`
-# (READBW=0 skips it) and, with PF_SWEEP=1, the prefetch sweep); TESTS=0 skips the test binaries.
+# (READBW=0 skips it) and, with PF_SWEEP=1, the prefetch sweep; PREFETCH=<schedule> runs our
+# side with `fa --prefetch <schedule>`); FA_ARGS adds flags to every `fa` call of our side (e.g.
+# FA_ARGS="--simd avx512f"); TESTS=0 skips the test binaries.
 set -u
 out="${OUT:-/tmp/cpu-peer-out}"; mkdir -p "$out"
 cd "$(dirname "$0")"
@@ -25,9 +27,15 @@ if awk -v a="$pair" -v b="$one" 'BEGIN {exit !(a < 1.6 * b)}'; then cpus=0,8; fi
 cpus="${CPUS:-$cpus}"; echo "pinned to CPUs $cpus"
 python3 -c 'import torch; print("torch", torch.__version__, torch.backends.cpu.get_cpu_capability())'
 dtypes="${DTYPES:-f32}"
+fa_args="${FA_ARGS:-}"
+# fa-cpu no longer reads FA_CPU_DECODE_PREFETCH: an old command line that sets it gets the flag.
+if [ -n "${FA_CPU_DECODE_PREFETCH:-}" ] && [ -z "${PREFETCH:-}" ]; then
+    echo "note: FA_CPU_DECODE_PREFETCH is passed on as PREFETCH (fa --prefetch)"
+    PREFETCH="$FA_CPU_DECODE_PREFETCH"
+fi
 if [ "${BACKWARD:-0}" = 1 ]; then
     PYTHONUNBUFFERED=1 taskset -c "$cpus" python3 cpu_peer.py --ours fa --fa ./fa --threads 2 \
-        --backward --head-dims "${HEAD_DIMS:-64,128}" \
+        --fa-args "$fa_args" --backward --head-dims "${HEAD_DIMS:-64,128}" \
         --rounds "${ROUNDS:-5}" --iters "${ITERS:-3}" --dtypes "$dtypes" \
         --json-out "$out/peer-backward-${dtypes//,/-}.json" 2>&1 | tee "$out/peer-backward-${dtypes//,/-}.md"
     exit 0
@@ -40,7 +48,7 @@ if [ "${DECODE:-0}" = 1 ]; then
     fi
     # PF_SWEEP=1: the streaming loop's prefetch schedules alternated per round on a few shapes
     # (examples/bench_decode --pf), then the best (geometric mean of per-round decode/copy
-    # ratios) is exported as FA_CPU_DECODE_PREFETCH for the peer runs below.
+    # ratios) is PREFETCH (`fa --prefetch`) for the peer runs below.
     if [ -x ./bench_decode ] && [ "${PF_SWEEP:-0}" = 1 ]; then
         modes="${PF_MODES:-phase,off,ahead:4,ahead:16,phase+ahead:8}"
         for s in "bf16 1 4096 0" "bf16 1 65536 0" "f32 4 16384 0" "bf16 1 16384 16"; do
@@ -69,15 +77,16 @@ print({"Phase": "phase", "Off": "off", "Ahead": f"ahead:{n}", "PhaseAhead": f"ph
 PY
 )
         echo "prefetch schedule for the peer runs: ${best:-default}"
-        [ -n "$best" ] && export FA_CPU_DECODE_PREFETCH="$best" && echo "$best" > "$out/pf-best.txt"
+        [ -n "$best" ] && PREFETCH="$best" && echo "$best" > "$out/pf-best.txt"
     fi
+    decode_args="$fa_args${PREFETCH:+ --prefetch $PREFETCH}"
     PYTHONUNBUFFERED=1 taskset -c "$cpus" python3 cpu_peer.py --ours fa --fa ./fa --threads 2 \
-        --decode --batches "${BATCHES:-1,4}" --cache-lens "${CACHE_LENS:-4096,16384,65536}" \
+        --fa-args "$decode_args" --decode --batches "${BATCHES:-1,4}" --cache-lens "${CACHE_LENS:-4096,16384,65536}" \
         --page-size "${PAGE_SIZE:-0}" \
         --rounds "${ROUNDS:-5}" --iters "${ITERS:-7}" --dtypes "$dtypes" \
         --json-out "$out/peer-decode-${dtypes//,/-}.json" 2>&1 | tee "$out/peer-decode-${dtypes//,/-}.md"
     exit 0
 fi
 PYTHONUNBUFFERED=1 taskset -c "$cpus" python3 cpu_peer.py --ours fa --fa ./fa --threads 2 \
-    --rounds "${ROUNDS:-5}" --iters "${ITERS:-5}" --dtypes "$dtypes" \
+    --fa-args "$fa_args" --rounds "${ROUNDS:-5}" --iters "${ITERS:-5}" --dtypes "$dtypes" \
     --json-out "$out/peer-${dtypes//,/-}.json" 2>&1 | tee "$out/peer-${dtypes//,/-}.md"

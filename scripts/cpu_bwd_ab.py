@@ -3,9 +3,10 @@
 run, alternating (issue 18's "backward on AMX": the AMX kernel against the widening AVX-512
 path and against PyTorch).
 
-Side A: `fa bench --backward --json` as is; side B: the same binary with the environment
-assignments of --env-b (default `FA_CPU_AMX=0`: the dispatch stays off AMX, so bf16 and f16 inputs
-widen to f32 and run the AVX-512 backward); the peer: SDPA's autograd backward, timed exactly as
+Side A: `fa bench --backward --json` as is (plus --args-a); side B: the same binary with the
+flags of --args-b (default `--simd avx512f`: the dispatch stays off AMX, so bf16 and f16 inputs
+widen to f32 and run the AVX-512 backward) and the environment assignments of --env-b (default
+none; fa-cpu reads no environment variable, so these only serve experiment builds); the peer: SDPA's autograd backward, timed exactly as
 cpu_peer.py --backward times it. Every round runs the three sides on every shape, the order
 rotating each round, so slow phases of a shared machine hit all sides alike. Reported per
 shape: each side's backward GFLOP/s (from its median over rounds) and the medians over rounds of
@@ -16,6 +17,7 @@ the per-round ratios B time / A time and PyTorch time / A time (> 1: A is faster
 """
 import argparse
 import os
+import shlex
 import statistics
 import sys
 
@@ -26,7 +28,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fa", default="target/release/fa")
-    p.add_argument("--env-b", default="FA_CPU_AMX=0",
+    p.add_argument("--args-a", default="",
+                   help="more `fa` flags for side A only (one shell-quoted string)")
+    p.add_argument("--args-b", default="--simd avx512f",
+                   help="more `fa` flags for side B only (one shell-quoted string)")
+    p.add_argument("--env-b", default="",
                    help="comma-separated NAME=VALUE set for side B only")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=4)
@@ -42,13 +48,14 @@ def main():
     shapes = [(n, d, m == "causal") for n in map(int, a.seqlens.split(","))
               for d in map(int, a.head_dims.split(",")) for m in a.masks.split(",")]
 
-    def fa(n, d, causal, env):
+    def fa(n, d, causal, env, extra):
         cmd = [a.fa, "bench", "--json", "--backward", "--backend", "cpu",
                "--threads", str(a.threads), "--batch", "1", "--heads", str(a.heads),
                "--seqlen", str(n), "--head-dim", str(d), "--dtype", a.dtype,
                "--iters", str(a.iters), "--warmup", str(a.warmup)]
         if causal:
             cmd.append("--causal")
+        cmd += shlex.split(extra)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -61,8 +68,8 @@ def main():
                     os.environ[k] = v
 
     sides = {
-        "A": lambda s: fa(*s, {}),
-        "B": lambda s: fa(*s, env_b),
+        "A": lambda s: fa(*s, {}, a.args_a),
+        "B": lambda s: fa(*s, env_b, a.args_b),
         "torch": lambda s: run_peer_backward(torch, a.dtype, 1, a.heads, *s, a.iters,
                                              a.warmup)[0],
     }
@@ -75,8 +82,9 @@ def main():
                 res[s][nm].append(sides[nm](s))
         print(f"# round {rnd + 1}/{a.rounds} done", file=sys.stderr, flush=True)
 
+    side_b = " ".join(x for x in (a.args_b, a.env_b) if x) or "as is"
     print(f"# threads={a.threads}, rounds={a.rounds}, iters={a.iters}, dtype={a.dtype}, "
-          f"heads={a.heads}, B: {a.env_b}, torch {torch.__version__} "
+          f"heads={a.heads}, A: {a.args_a or 'as is'}, B: {side_b}, torch {torch.__version__} "
           f"(cpu capability {torch.backends.cpu.get_cpu_capability()})")
     print("| N | D | causal | A bwd GFLOP/s | B bwd GFLOP/s | PyTorch bwd GFLOP/s | "
           "**B time / A time** (min–max) | **PyTorch time / A time** (min–max) |")

@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import statistics
+import shlex
 import subprocess
 import sys
 import time
@@ -77,6 +78,7 @@ def ours_command(args, dtype, b, h, n, d, causal):
                "--dtype", dtype, "--iters", str(args.iters), "--warmup", str(args.warmup)]
         if args.backward:
             cmd.append("--backward")
+        cmd += shlex.split(args.fa_args)
     else:
         cmd = [args.example, "--threads", str(args.threads), "--batch", str(b), "--heads", str(h),
                "--seqlen", str(n), "--head-dim", str(d), "--dtype", dtype,
@@ -228,7 +230,7 @@ def decode_command(args, dtype, b, cache, hq, hkv, d, page):
             "--threads", str(args.threads), "--batch", str(b), "--cache-len", str(cache),
             "--heads", str(hq), "--heads-kv", str(hkv), "--head-dim", str(d),
             "--page-size", str(page), "--dtype", dtype,
-            "--iters", str(args.iters), "--warmup", str(args.warmup)]
+            "--iters", str(args.iters), "--warmup", str(args.warmup)] + shlex.split(args.fa_args)
 
 
 class DecodePeer:
@@ -410,6 +412,9 @@ def main():
     p.add_argument("--ours", choices=("fa", "example"), default=None,
                    help="our side: `fa bench --json` or the fa-cpu example (default: fa if built)")
     p.add_argument("--fa", default="target/release/fa")
+    p.add_argument("--fa-args", default="",
+                   help="more flags for every `fa` call of our side, e.g. '--prefetch next' "
+                        "or '--simd avx512f' (one shell-quoted string)")
     p.add_argument("--example", default="target/release/examples/bench_forward")
     p.add_argument("--json-out", default=None, help="also write every measurement here")
     p.add_argument("--backward", action="store_true",
@@ -434,7 +439,8 @@ def main():
           f"{os.cpu_count()} CPUs, threads={args.threads}, torch {torch.__version__} "
           f"(cpu capability {torch.backends.cpu.get_cpu_capability()}), ours={args.ours}, "
           f"rounds={args.rounds}, iters={args.iters}"
-          f"{', pass=backward' if args.backward else ''}{', pass=decode' if args.decode else ''}",
+          f"{', pass=backward' if args.backward else ''}{', pass=decode' if args.decode else ''}"
+          f"{', fa args: ' + args.fa_args if args.fa_args else ''}",
           flush=True)
     if args.decode:
         if args.ours != "fa":

@@ -77,11 +77,30 @@ struct ComputeArgs {
     /// CUDA sm90 load pipeline (tuning; default: the plan's choice).
     #[arg(long, value_enum)]
     sm90_pipeline: Option<PipelineArg>,
-    /// CPU instruction set: auto (the best this CPU has: AMX tiles for bf16/f16 where present,
-    /// unless FA_CPU_AMX=0), amx, avx512f (AVX-512 without AMX), avx2 or scalar; a set this
-    /// CPU lacks is an error.
+    /// CPU instruction set: auto (the best this CPU has: AMX tiles for bf16/f16 where
+    /// present), amx, avx512f (AVX-512 without AMX), avx2 or scalar; a set this CPU lacks is
+    /// an error.
     #[arg(long, value_enum, default_value_t = SimdArg::Auto)]
     simd: SimdArg,
+    /// CPU decode: the streaming loop's software prefetch schedule: phase (the default), off,
+    /// next, ahead:N or phase+ahead:N (N keys, 1 to 64). Results never depend on it.
+    #[arg(long, value_parser = parse_prefetch, default_value = "phase")]
+    prefetch: flash_attention::CpuDecodePrefetch,
+    /// CPU decode on AMX: keep P·V in f32 on the SIMD kernels instead of AMX tiles (which
+    /// round P to bf16; bf16/f16 outputs only).
+    #[arg(long)]
+    no_amx_pv: bool,
+    /// CPU decode without AMX tiles: multiply bf16 Q·Kᵀ pairs with vdpbf16ps where the CPU
+    /// has AVX512-BF16 (at the avx512f level; meant for AMD Zen 4 and later).
+    #[arg(long)]
+    bf16_dots: bool,
+}
+
+/// Parses `--prefetch` ([`flash_attention::CpuDecodePrefetch::parse`]).
+fn parse_prefetch(s: &str) -> Result<flash_attention::CpuDecodePrefetch, String> {
+    flash_attention::CpuDecodePrefetch::parse(s.trim()).ok_or_else(|| {
+        format!("{s:?}: expected off, phase, next, ahead:N or phase+ahead:N (N from 1 to 64)")
+    })
 }
 
 /// `--simd`: the CPU instruction set.
@@ -161,6 +180,11 @@ impl ComputeArgs {
             family: self.family.into(),
             sm90_pipeline: self.sm90_pipeline.map(Into::into),
             cpu_simd: self.simd.into(),
+            cpu_decode: flash_attention::CpuDecodeOptions {
+                prefetch: self.prefetch,
+                amx_pv: !self.no_amx_pv,
+                bf16_dots: self.bf16_dots,
+            },
             kv_splits: self
                 .splits
                 .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
@@ -546,6 +570,9 @@ fn main() -> ExitCode {
                 sm90_pipeline: None,
                 splits: None,
                 simd: SimdArg::Auto,
+                prefetch: flash_attention::CpuDecodePrefetch::default(),
+                no_amx_pv: false,
+                bf16_dots: false,
             },
         }),
         Some(Command::Run(a)) => cmd_run(a),

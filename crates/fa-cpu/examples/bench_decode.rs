@@ -15,14 +15,17 @@
 //! within 256 MiB..1 GiB; 0: a token copy, to profile the decode alone), `--pf` (prefetch
 //! schedules to alternate, e.g. `phase,next,ahead:4,off`; see `fa_cpu::DecodePrefetch::parse`),
 //! `--misalign` (bytes past a 64-byte boundary where K and V start; default 0, on a line as a
-//! runtime allocates a cache: the AMX path reads them in place, and misaligned rows cost it).
+//! runtime allocates a cache: the AMX path reads them in place, and misaligned rows cost it),
+//! `--simd auto|amx|avx512f|avx2|scalar` (default auto), `--no-amx-pv` (the decode's `P·V`
+//! in f32 on the SIMD kernels, not on AMX tiles: `fa_cpu::DecodeOptions::amx_pv`),
+//! `--bf16-dots` (the bf16 `Q·Kᵀ` by `vdpbf16ps` off AMX: `DecodeOptions::bf16_dots`).
 
 mod common;
 
 use common::{median, Inputs, Placed};
 use fa_cpu::{
-    decode_prefetch, forward_with_workspace, set_decode_prefetch, DecodePrefetch, Element,
-    ForwardOptions, Workspace,
+    forward_with_workspace, DecodeOptions, DecodePrefetch, Element, ForwardOptions, SimdLevel,
+    Workspace,
 };
 use softmax_core::{Out, ProblemDesc, Qkv};
 use std::time::Instant;
@@ -79,9 +82,28 @@ fn run<T: Element>(args: &[String]) {
     let v = Placed::new(&inputs.draw::<T>(outer * rows * hkv * d), misalign);
     let (k, v) = (k.as_slice(), v.as_slice());
     let mut o = vec![T::from_f32(0.0); b * sq * h * d];
-    let opts = ForwardOptions {
+    let flag = |name: &str| args.iter().any(|a| a == name);
+    let simd = match args
+        .iter()
+        .position(|a| a == "--simd")
+        .map(|i| args[i + 1].as_str())
+    {
+        None | Some("auto") => SimdLevel::Auto,
+        Some("amx") => SimdLevel::Amx,
+        Some("avx512f") => SimdLevel::Avx512f,
+        Some("avx2") => SimdLevel::Avx2Fma,
+        Some("scalar") => SimdLevel::Scalar,
+        Some(other) => panic!("--simd {other}: auto, amx, avx512f, avx2 or scalar"),
+    };
+    let base = ForwardOptions {
         threads: Some(threads),
         kv_splits: (splits > 0).then_some(splits),
+        simd,
+        decode: DecodeOptions {
+            amx_pv: !flag("--no-amx-pv"),
+            bf16_dots: flag("--bf16-dots"),
+            ..DecodeOptions::default()
+        },
         ..ForwardOptions::default()
     };
     let mut ws = Workspace::new();
@@ -103,7 +125,14 @@ fn run<T: Element>(args: &[String]) {
         });
         2.0 * copy_len as f64 / t.elapsed().as_secs_f64() / 1e9
     };
-    let mut call = || {
+    let mut call = |prefetch: DecodePrefetch| {
+        let opts = ForwardOptions {
+            decode: DecodeOptions {
+                prefetch,
+                ..base.decode
+            },
+            ..base
+        };
         let t = Instant::now();
         let stats = forward_with_workspace(
             &problem,
@@ -116,14 +145,14 @@ fn run<T: Element>(args: &[String]) {
         (t.elapsed().as_secs_f64(), stats.kv_splits)
     };
     // `--pf a,b,..`: prefetch schedules alternated within each round (DecodePrefetch::parse).
-    let modes: Vec<Option<DecodePrefetch>> = match args.iter().position(|a| a == "--pf") {
+    let modes: Vec<DecodePrefetch> = match args.iter().position(|a| a == "--pf") {
         Some(i) => args[i + 1]
             .split(',')
-            .map(|m| Some(DecodePrefetch::parse(m).unwrap_or_else(|| panic!("--pf {m}?"))))
+            .map(|m| DecodePrefetch::parse(m).unwrap_or_else(|| panic!("--pf {m}?")))
             .collect(),
-        None => vec![None],
+        None => vec![DecodePrefetch::default()],
     };
-    let (_, split_count) = call();
+    let (_, split_count) = call(modes[0]);
     copy();
     let mut times = vec![Vec::new(); modes.len()];
     let (mut copies, mut ratios) = (times.clone(), times.clone());
@@ -135,11 +164,8 @@ fn run<T: Element>(args: &[String]) {
             } else {
                 modes.len() - 1 - k
             };
-            if let Some(mode) = modes[m] {
-                set_decode_prefetch(mode);
-            }
             let c = copy();
-            let (t, _) = call();
+            let (t, _) = call(modes[m]);
             times[m].push(t);
             copies[m].push(c);
             ratios[m].push(kv_bytes / t / 1e9 / c);
@@ -158,7 +184,7 @@ fn run<T: Element>(args: &[String]) {
             } else {
                 page.to_string()
             },
-            modes[m].unwrap_or_else(decode_prefetch),
+            modes[m],
             t * 1e3,
             kv_bytes / t / 1e9,
             median(&mut copies[m]),

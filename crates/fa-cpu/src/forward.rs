@@ -193,8 +193,8 @@ pub(crate) fn forward_on<T: Element, O: Element>(
     forward_on_with(problem, qkv, out, opts, ws, amx_tiles, None)
 }
 
-/// [`forward_on`] with the decode's SIMD `Q·Kᵀ` chosen (`qk_dots`; `None`: the CPU's default,
-/// see `forward_stream`). Tests force `QkDots::Bf16Pairs` (emulated on any CPU).
+/// [`forward_on`] with the decode's SIMD `Q·Kᵀ` chosen (`qk_dots`; `None`: the options'
+/// choice, see `forward_stream`). Tests force `QkDots::Bf16Pairs` (emulated on any CPU).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_on_with<T: Element, O: Element>(
     problem: &Problem,
@@ -266,6 +266,7 @@ pub(crate) fn forward_on_with<T: Element, O: Element>(
         lse: lse.map(SharedOut::new),
         policy: opts.rescale,
         exp2: opts.exp2,
+        decode: opts.decode,
         hook: opts.probability_hook,
         tiling,
     };
@@ -498,23 +499,20 @@ fn forward_stream<T: Element, O: Element>(
             #[cfg(feature = "internal-tests")]
             AmxTiles::Emulated => true,
         };
-    // The SIMD `Q·Kᵀ` of bf16 inputs off the tiles: `vdpbf16ps` where asked for
-    // (`bf16_dots_preferred`) at the AVX-512 levels, else widened to f32. A native product
-    // needs the CPU's instruction and its trampoline, forced or not.
+    // The SIMD `Q·Kᵀ` of bf16 inputs off the tiles: `vdpbf16ps` where the options ask for
+    // it (`DecodeOptions::bf16_dots`) at the AVX-512 levels, else widened to f32. A native
+    // product needs the CPU's instruction and its trampoline, forced or not.
     let native_bf16 = matches!(isa.level(), SimdLevel::Avx512f | SimdLevel::Amx)
         && crate::arch::has_avx512_bf16();
     let bf16 = T::KIND == crate::element::sealed::Kind::Bf16;
     let qk = match qk_dots {
         Some(QkDots::Bf16Pairs { native: true }) if !native_bf16 => QkDots::F32,
         Some(forced) => forced,
-        None if bf16 && native_bf16 && crate::arch::bf16_dots_preferred() => {
-            QkDots::Bf16Pairs { native: true }
-        }
+        None if bf16 && native_bf16 && opts.decode.bf16_dots => QkDots::Bf16Pairs { native: true },
         None => QkDots::F32,
     };
     let plan = decode_stream::plan(problem, lanes, std::mem::size_of::<T>(), opts.kv_splits)?;
-    let hardware_tiles = matches!(amx_tiles, AmxTiles::Hardware);
-    let lens = StreamLens::of::<O>(problem, &plan, lanes, amx, hardware_tiles);
+    let lens = StreamLens::of::<O>(problem, &plan, lanes, amx, opts.decode.amx_pv);
     let bytes = lens.bytes();
     ws.ensure_slots(workers, bytes, |scratch| scratch.try_reserve_stream(lens))?;
     let stats = run_split_kv(

@@ -40,23 +40,26 @@
 //!   f64 reference, inside the bf16/f16 contract of 1e-2). f16 goes through conversion
 //!   without losing its precision: each value is split exactly into two bf16 (`hi + lo`), and
 //!   `Q·Kᵀ` takes three products (`hi·hi + hi·lo + lo·hi`), `P·V` two, so scores and the LSE
-//!   are as exact as on the f32 FMAs (the CPUs at hand have no AMX-FP16). `FA_CPU_AMX=0` in
-//!   the environment, or `simd: SimdLevel::Avx512f`, keeps AMX off. bf16 and f16 backward
+//!   are as exact as on the f32 FMAs (the CPUs at hand have no AMX-FP16). `simd:
+//!   SimdLevel::Avx512f` in the call's options keeps AMX off. bf16 and f16 backward
 //!   calls run all five products on AMX tiles too (P and dS rounded to bf16 before the
 //!   gradient products: ~2e-3 normwise against the f64 reference, inside the contract of
 //!   2e-2; f16's Q, K, V and dO split into two bf16 each as in the forward). The decode loop
 //!   runs `Q·Kᵀ` of bf16 caches on the tiles at ≤ 16 query rows per KV head (exact products,
 //!   f32 sums: the f32 bound), and its `P·V` too for bf16/f16 outputs at ≤ 8 rows per KV
-//!   head, P rounded to bf16 (`FA_CPU_DECODE_AMX_PV=0` keeps that product in f32); the
-//!   general split-KV path, f16 caches and probability hooks run through f32 FMAs. The tiles
+//!   head, P rounded to bf16 ([`DecodeOptions::amx_pv`] set to `false` keeps that product in
+//!   f32); the general split-KV path, f16 caches and probability hooks run through f32 FMAs. The tiles
 //!   read K and V rows in place: a cache that starts on a 64-byte line, with rows a multiple
 //!   of 64 bytes apart (PyTorch's CPU allocator places tensors so), loads one line per tile
 //!   row; one 16 bytes past a line (a large NumPy array or `Vec`) loads two and ran ~1.27×
 //!   slower from L2 on an AMX host (the same from DRAM). Without
-//!   AMX, `FA_CPU_DECODE_DPBF16=1` makes the decode's bf16 `Q·Kᵀ` multiply bf16 pairs with
-//!   AVX512-BF16's `vdpbf16ps` (exact products, f32 sums; denormal inputs read as zero)
+//!   AMX, [`DecodeOptions::bf16_dots`] makes the decode's bf16 `Q·Kᵀ` multiply bf16 pairs
+//!   with AVX512-BF16's `vdpbf16ps` (exact products, f32 sums; denormal inputs read as zero)
 //!   instead of widening K: meant for AMD's Zen 4 and later, which issue it at the FMA's
 //!   rate; off by default until an A/B on such a host says it pays.
+//! - Options: every choice is the call's ([`ForwardOptions`], [`BackwardOptions`]); nothing
+//!   is read from environment variables or kept in process-wide settings. The decode loop's
+//!   knobs (prefetch schedule, AMX `P·V`, `vdpbf16ps`) are [`ForwardOptions::decode`].
 //!
 //! # Example
 //! ```
@@ -106,7 +109,7 @@ pub use forward::{
 };
 #[cfg(feature = "phase-timing")]
 pub use kernel::amx_phases::{take_amx_forward_phases, AMX_FORWARD_PHASE_NAMES};
-pub use kernel::decode_stream::{decode_prefetch, set_decode_prefetch, DecodePrefetch};
+pub use kernel::decode_stream::{DecodeOptions, DecodePrefetch};
 
 /// The crate's white-box tests (SIMD kernels against their scalar twins, emulated AMX tiles,
 /// packers), compiled into the library under the `internal-tests` feature and run from
@@ -128,19 +131,6 @@ pub mod internal_tests {
 pub use kernel::phase_timing::{take_backward_phases, PHASE_NAMES as BACKWARD_PHASE_NAMES};
 
 use softmax_core::{Out, Problem, ProblemError, Qkv, RescalePolicy, RescaleStats};
-
-/// Whether the environment variable `name` turns a default-on path off: set to `0`,
-/// surrounding whitespace ignored. The crate's off switches (`FA_CPU_AMX`,
-/// `FA_CPU_DECODE_AMX_PV`) read their values through this one rule.
-pub(crate) fn env_switched_off(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| v.trim() == "0")
-}
-
-/// Whether the environment variable `name` turns a default-off path on: set to `1`,
-/// surrounding whitespace ignored (`FA_CPU_DECODE_DPBF16`); the twin of [`env_switched_off`].
-pub(crate) fn env_switched_on(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| v.trim() == "1")
-}
 
 /// The output bundle of a host call: O and, optionally, the f32 LSE.
 pub type HostOut<'a, O> = Out<&'a mut [O], &'a mut [f32]>;
@@ -215,6 +205,10 @@ pub struct ForwardOptions<'a> {
     /// `Some(n)` forces `n` (and the split path) on any problem; results agree with the
     /// unsplit call to rounding. `Some(0)` is an error.
     pub kv_splits: Option<usize>,
+    /// The split-KV decode's streaming loop (KV-cache problems with few query rows per KV
+    /// head): its prefetch schedule, whether its `P·V` runs on AMX tiles, whether its bf16
+    /// `Q·Kᵀ` uses `vdpbf16ps` (default: [`DecodeOptions::default`], the tuned choice).
+    pub decode: DecodeOptions,
 }
 
 impl Default for ForwardOptions<'_> {
@@ -226,6 +220,7 @@ impl Default for ForwardOptions<'_> {
             probability_hook: None,
             simd: SimdLevel::Auto,
             kv_splits: None,
+            decode: DecodeOptions::default(),
         }
     }
 }
@@ -239,6 +234,7 @@ impl std::fmt::Debug for ForwardOptions<'_> {
             .field("probability_hook", &self.probability_hook.map(|_| "Fn"))
             .field("simd", &self.simd)
             .field("kv_splits", &self.kv_splits)
+            .field("decode", &self.decode)
             .finish()
     }
 }

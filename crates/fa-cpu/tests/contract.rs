@@ -428,3 +428,40 @@ fn scratch_companion_bounds_what_a_worker_allocates() {
         }
     }
 }
+
+/// No library behaviour is read from the environment (issue 49): no source file of the
+/// library calls `std::env::var`/`var_os`/`vars` (the options carry every choice; see
+/// `tests/decode.rs`'s `environment_variables_change_nothing` for the run-time check). The
+/// scan covers `src/` recursively, except the white-box test modules (`*_tests.rs`, compiled
+/// only under the `internal-tests` feature), and fails if it finds too few sources.
+#[test]
+fn the_library_reads_no_environment_variable() {
+    fn scan(dir: &std::path::Path, files: &mut usize, hits: &mut Vec<String>) {
+        let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{dir:?}: {e}"));
+        for entry in entries {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                scan(&path, files, hits);
+            } else if path.extension().is_some_and(|e| e == "rs")
+                && !path.to_string_lossy().ends_with("_tests.rs")
+            {
+                *files += 1;
+                let text = std::fs::read_to_string(&path).expect("a source file");
+                for (i, line) in text.lines().enumerate() {
+                    let code = line.split("//").next().unwrap_or("");
+                    if ["env::var", "env::vars", "var_os("]
+                        .iter()
+                        .any(|p| code.contains(p))
+                    {
+                        hits.push(format!("{}:{}: {}", path.display(), i + 1, line.trim()));
+                    }
+                }
+            }
+        }
+    }
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let (mut files, mut hits) = (0, Vec::new());
+    scan(&src, &mut files, &mut hits);
+    assert!(files > 20, "only {files} source files under {src:?}");
+    assert!(hits.is_empty(), "environment reads:\n{}", hits.join("\n"));
+}

@@ -284,17 +284,42 @@ fn bitwise_identical_for_any_thread_count() {
 
 /// The prefetch schedule is a timing knob: every schedule gives bitwise the same results
 /// (bf16 and f32 caches, padded and paged, the tiles' path where this CPU has AMX), and the
-/// names parse.
+/// names parse (out-of-range distances and unknown names do not). A hand-built `Ahead(n)`
+/// with `n` past a tile (or 0) runs too, as `Ahead(64)` (or no fixed-distance stream).
 #[test]
 fn every_prefetch_schedule_gives_the_same_bits() {
-    use fa_cpu::{decode_prefetch, set_decode_prefetch, DecodePrefetch};
-    let names = ["off", "phase", "next", "ahead:4", "phase+ahead:16"];
-    let modes: Vec<DecodePrefetch> = names
+    use fa_cpu::{DecodeOptions, DecodePrefetch};
+    let names = [
+        "off",
+        "phase",
+        "next",
+        "ahead:4",
+        "phase+ahead:16",
+        "ahead:64",
+    ];
+    let mut modes: Vec<DecodePrefetch> = names
         .iter()
         .map(|n| DecodePrefetch::parse(n).unwrap_or_else(|| panic!("{n}")))
         .collect();
     assert_eq!(modes[2], DecodePrefetch::Next);
-    let before = decode_prefetch();
+    assert_eq!(modes[4], DecodePrefetch::PhaseAhead(16));
+    assert_eq!(DecodePrefetch::default(), DecodePrefetch::Phase);
+    assert_eq!(DecodeOptions::default().prefetch, DecodePrefetch::Phase);
+    for bad in [
+        "",
+        "Phase",
+        "ahead:0",
+        "ahead:65",
+        "ahead:x",
+        "phase+ahead:",
+        " off",
+    ] {
+        assert_eq!(DecodePrefetch::parse(bad), None, "{bad:?}");
+    }
+    modes.extend([
+        DecodePrefetch::Ahead(0),
+        DecodePrefetch::PhaseAhead(1 << 20),
+    ]);
     let mut rng = Rng::new(1505);
     let used = [700u32, 33, 257];
     for layout in [
@@ -302,15 +327,18 @@ fn every_prefetch_schedule_gives_the_same_bits() {
         DecodeCase::paged_layout(&used, 16),
     ] {
         let case = DecodeCase::new(&mut rng, &used, 1, 8, 2, 128, layout, Rounding::Bf16);
-        let base = ForwardOptions {
-            kv_splits: Some(3),
-            threads: Some(1),
-            ..ForwardOptions::default()
-        };
-        let bits = |mode: DecodePrefetch| {
-            set_decode_prefetch(mode);
-            let bf = run::<half::bf16, f32>(&case, &base);
-            let f = run::<f32, f32>(&case, &base);
+        let bits = |prefetch: DecodePrefetch| {
+            let opts = ForwardOptions {
+                kv_splits: Some(3),
+                threads: Some(1),
+                decode: DecodeOptions {
+                    prefetch,
+                    ..DecodeOptions::default()
+                },
+                ..ForwardOptions::default()
+            };
+            let bf = run::<half::bf16, f32>(&case, &opts);
+            let f = run::<f32, f32>(&case, &opts);
             [bf.out, bf.lse, f.out, f.lse]
                 .iter()
                 .flatten()
@@ -318,11 +346,10 @@ fn every_prefetch_schedule_gives_the_same_bits() {
                 .collect::<Vec<u32>>()
         };
         let first = bits(modes[0]);
-        for (name, &mode) in names.iter().zip(&modes).skip(1) {
-            assert!(bits(mode) == first, "{layout:?}: {name} differs from off");
+        for &mode in &modes[1..] {
+            assert!(bits(mode) == first, "{layout:?}: {mode:?} differs from off");
         }
     }
-    set_decode_prefetch(before);
 }
 
 #[test]
@@ -700,4 +727,79 @@ mod proptests {
             }
         }
     }
+}
+
+/// The environment variable that marks the child run of
+/// [`environment_variables_change_nothing`].
+const ENV_CHILD: &str = "FA_CPU_TEST_ENV_CHILD";
+
+/// No library behaviour is read from the environment: this test runs itself again in a child
+/// process with every variable fa-cpu once read set to its non-default value
+/// (`FA_CPU_AMX=0`, `FA_CPU_DECODE_AMX_PV=0`, `FA_CPU_DECODE_DPBF16=1`,
+/// `FA_CPU_DECODE_PREFETCH=off`), and the child's detected level and default-option decode
+/// bits (bf16 cache, bf16 and f32 outputs, a shape the AMX `Q·Kᵀ` and `P·V` take; f32 cache)
+/// must be the parent's. With the variables read, an AVX512-BF16 CPU changed the bf16 bits
+/// (`vdpbf16ps`), an AMX CPU the level and the bf16 output's bits.
+#[test]
+fn environment_variables_change_nothing() {
+    let mut rng = Rng::new(4949);
+    let used = [300u32, 1, 97];
+    let case = DecodeCase::new(
+        &mut rng,
+        &used,
+        1,
+        8,
+        2,
+        96,
+        CacheLayout::Padded { capacity: 301 },
+        Rounding::Bf16,
+    );
+    let opts = ForwardOptions {
+        threads: Some(1),
+        ..ForwardOptions::default()
+    };
+    let half = run::<half::bf16, half::bf16>(&case, &opts);
+    let bf = run::<half::bf16, f32>(&case, &opts);
+    let f = run::<f32, f32>(&case, &opts);
+    // FNV-1a over every output and LSE bit.
+    let mut digest = 0xcbf2_9ce4_8422_2325u64;
+    let words = half.out.iter().map(|x| u32::from(x.to_bits()));
+    let words = words.chain(
+        [&half.lse, &bf.out, &bf.lse, &f.out, &f.lse]
+            .into_iter()
+            .flatten()
+            .map(|x| x.to_bits()),
+    );
+    for w in words {
+        for byte in w.to_le_bytes() {
+            digest = (digest ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    let line = format!("env-digest {digest:016x} level {}", fa_cpu::simd_level());
+    if std::env::var_os(ENV_CHILD).is_some() {
+        println!("{line}");
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary");
+    let child = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "environment_variables_change_nothing",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ENV_CHILD, "1")
+        .env("FA_CPU_AMX", "0")
+        .env("FA_CPU_DECODE_AMX_PV", "0")
+        .env("FA_CPU_DECODE_DPBF16", "1")
+        .env("FA_CPU_DECODE_PREFETCH", "off")
+        .output()
+        .expect("the child run starts");
+    let stdout = String::from_utf8_lossy(&child.stdout);
+    assert!(child.status.success(), "child failed: {stdout}");
+    let got = stdout
+        .lines()
+        .find(|l| l.starts_with("env-digest "))
+        .unwrap_or_else(|| panic!("no digest in the child's output: {stdout}"));
+    assert_eq!(got, line, "the environment changed the level or the bits");
 }

@@ -72,7 +72,9 @@ internal!(decode_stream_tests:
     emulated_amx_decode_matches_the_oracle_on_every_level,
     #[ignore = "needs AMX (Intel Sapphire Rapids or later)"]
     hardware_amx_decode_matches_the_oracle,
+    emulated_amx_pv_option_keeps_p_v_in_f32,
     bf16_pair_dots_match_the_oracle,
+    bf16_dots_option_takes_the_pair_products,
     bf16_pair_dots_are_two_roundings_from_exact,
     natural_row_undoes_register_order,
 );

@@ -184,12 +184,17 @@ pub struct Options {
     /// problem; on the CPU KV-cache problems split, others do not; CUDA splits only KV-cache
     /// problems). Results agree with the unsplit call to rounding.
     pub kv_splits: Option<usize>,
-    /// CPU instruction set (default `Auto`: the best this CPU has, AMX tiles for bf16 and f16
-    /// included unless the environment variable `FA_CPU_AMX` is `0`). `Avx512f` keeps them
-    /// off AMX; a level this CPU lacks is an error. Ignored on CUDA.
+    /// CPU instruction set of the forward and the backward (default `Auto`: the best this CPU
+    /// has, AMX tiles for bf16 and f16 included). `Avx512f` keeps them off AMX; a level this
+    /// CPU lacks is an error. Ignored on CUDA.
     pub cpu_simd: CpuSimd,
+    /// The CPU decode loop's options ([`fa_cpu::DecodeOptions`]: prefetch schedule, AMX
+    /// `P·V`, `vdpbf16ps` `Q·Kᵀ`; default the library's tuned choice). Ignored on CUDA.
+    pub cpu_decode: CpuDecodeOptions,
 }
 
+pub use fa_cpu::DecodeOptions as CpuDecodeOptions;
+pub use fa_cpu::DecodePrefetch as CpuDecodePrefetch;
 pub use fa_cpu::SimdLevel as CpuSimd;
 
 /// What a forward call reported; fields a backend does not measure are `None`.
@@ -599,6 +604,7 @@ fn cpu_forward(
         },
         rescale: opts.rescale,
         kv_splits: opts.kv_splits,
+        decode: opts.cpu_decode,
         ..Default::default()
     };
     let stats = fa_cpu::forward_dyn(problem, qkv, out, &fopts, None)?;

@@ -33,7 +33,8 @@ impl Backend {
     /// identical for any thread count). Q, K and V share a dtype `T` (f32, bf16, f16); O and
     /// dO share one (`T` or f32); the three gradients share one (`T` or f32), laid out as Q,
     /// K and V. Everything is checked before anything is written. CPU only: CUDA answers
-    /// `Unsupported`.
+    /// `Unsupported`. Of `opts`, `threads` and `cpu_simd` apply (a level this CPU lacks is
+    /// an error, as in the forward).
     pub fn backward(
         &self,
         problem: &Problem,
@@ -120,7 +121,7 @@ fn cpu_backward(
 ) -> Result<BackwardStats, Error> {
     let bopts = fa_cpu::BackwardOptions {
         threads: opts.threads,
-        ..Default::default()
+        simd: opts.cpu_simd,
     };
     let stats = fa_cpu::backward_dyn(problem, qkv, inputs, grads, &bopts, None)?;
     Ok(BackwardStats {
@@ -262,5 +263,101 @@ mod tests {
             "{e:?}"
         );
         assert!(poisoned.dq.iter().chain(&poisoned.dv).all(|&x| x == 7.0));
+    }
+
+    /// `Options::cpu_simd` reaches the backward: at every level this CPU has, the facade's
+    /// gradients are fa-cpu's at that level bit for bit (bf16 inputs, so `Amx` runs the AMX
+    /// backward and `Avx512f` the widening one); a level it lacks is the typed error, with
+    /// the gradients untouched (the facade once ran `Auto` whatever was asked).
+    #[test]
+    fn cpu_simd_reaches_the_backward() {
+        use fa_cpu::SimdLevel;
+        let p = ProblemDesc::new(1, 40, 40, 2, 2, 32)
+            .causal()
+            .validate(256)
+            .expect("valid");
+        let lens = p.min_buffer_lens();
+        let bf = |n: usize, seed: u32| -> Vec<half::bf16> {
+            draw(n, seed)
+                .into_iter()
+                .map(half::bf16::from_f32)
+                .collect()
+        };
+        let (q, k, v, d_o) = (bf(lens.q, 5), bf(lens.k, 6), bf(lens.v, 7), bf(lens.o, 8));
+        let mut o = vec![half::bf16::ZERO; lens.o];
+        let mut lse = vec![0.0f32; p.lse_len()];
+        fa_cpu::forward(
+            &p,
+            Qkv::new(&q[..], &k[..], &v[..]),
+            Out::with_lse(&mut o[..], &mut lse[..]),
+            &fa_cpu::ForwardOptions::default(),
+        )
+        .expect("forward");
+        let b = Backend::open(BackendChoice::Cpu).expect("cpu");
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let (mut ran, mut refused) = (0, 0);
+        for level in [
+            SimdLevel::Scalar,
+            SimdLevel::Avx2Fma,
+            SimdLevel::Avx512f,
+            SimdLevel::Amx,
+        ] {
+            let nan = f32::NAN;
+            let mut g = Grads::new(vec![nan; lens.q], vec![nan; lens.k], vec![nan; lens.v]);
+            let got = b.backward(
+                &p,
+                Qkv::new(
+                    TensorRef::from(&q),
+                    TensorRef::from(&k),
+                    TensorRef::from(&v),
+                ),
+                BackwardInputs {
+                    o: TensorRef::from(&o),
+                    d_o: TensorRef::from(&d_o),
+                    lse: &lse,
+                },
+                Grads::new(
+                    TensorMut::from(&mut g.dq),
+                    TensorMut::from(&mut g.dk),
+                    TensorMut::from(&mut g.dv),
+                ),
+                &Options {
+                    cpu_simd: level,
+                    ..Options::default()
+                },
+            );
+            if !level.is_available() {
+                let e = got.unwrap_err();
+                assert!(
+                    matches!(e, Error::Problem(ProblemError::Unsupported { .. })),
+                    "{level:?}: {e:?}"
+                );
+                assert!(g.dq.iter().chain(&g.dk).chain(&g.dv).all(|x| x.is_nan()));
+                refused += 1;
+                continue;
+            }
+            got.expect("backward");
+            let mut want = Grads::new(vec![nan; lens.q], vec![nan; lens.k], vec![nan; lens.v]);
+            fa_cpu::backward(
+                &p,
+                Qkv::new(&q[..], &k[..], &v[..]),
+                fa_cpu::BackwardInputs {
+                    o: &o[..],
+                    d_o: &d_o[..],
+                    lse: &lse,
+                },
+                Grads::new(&mut want.dq[..], &mut want.dk[..], &mut want.dv[..]),
+                &fa_cpu::BackwardOptions {
+                    simd: level,
+                    ..Default::default()
+                },
+            )
+            .expect("backward");
+            assert_eq!(bits(&g.dq), bits(&want.dq), "{level:?}");
+            assert_eq!(bits(&g.dk), bits(&want.dk), "{level:?}");
+            assert_eq!(bits(&g.dv), bits(&want.dv), "{level:?}");
+            ran += 1;
+        }
+        assert!(ran >= 1 && ran + refused == 4);
     }
 }

@@ -45,8 +45,8 @@ pub mod shapes;
 pub mod tensor;
 
 pub use backend::{
-    append_kv, warmup, Backend, BackendChoice, BackendKind, Capabilities, CpuSimd, DTypes, Error,
-    Exp2, ForwardStats, Options, OutputDTypes,
+    append_kv, warmup, Backend, BackendChoice, BackendKind, Capabilities, CpuDecodeOptions,
+    CpuDecodePrefetch, CpuSimd, DTypes, Error, Exp2, ForwardStats, Options, OutputDTypes,
 };
 pub use backward::{BackwardInputs, BackwardStats};
 pub use fa_cuda::{KernelFamilyChoice, KernelOrigin, PrecompileReport, Sm90Pipeline, Tiles};
@@ -228,6 +228,112 @@ mod tests {
         assert_eq!(o, direct);
         // At most one split per key tile: 7 keys are one tile, so the call ran unsplit.
         assert_eq!(stats.kv_splits, Some(1));
+    }
+
+    /// `Options::cpu_decode` reaches fa-cpu's decode loop: for each setting (the default,
+    /// `vdpbf16ps` products at AVX-512, f32 `P·V`, another prefetch schedule) the facade's
+    /// bf16 decode output is fa-cpu's under the same `DecodeOptions` bit for bit; where the CPU
+    /// lets a setting change the path (AVX512-BF16, or AMX tiles) fa-cpu's output differs
+    /// from the default's, so a facade that dropped the options fails the equality.
+    #[test]
+    fn cpu_decode_options_reach_the_decode_loop() {
+        let used = [200u32, 77];
+        let p = ProblemDesc::new(2, 1, 0, 8, 2, 64)
+            .padded_cache(&used)
+            .validate(256)
+            .expect("valid");
+        let lens = p.min_buffer_lens();
+        let draw = |n: usize, s: f32| -> Vec<bf16> {
+            (0..n)
+                .map(|i| bf16::from_f32((i as f32 * 0.377 + s).sin() * 2.0))
+                .collect()
+        };
+        let (q, k, v) = (draw(lens.q, 0.1), draw(lens.k, 0.2), draw(lens.v, 0.3));
+        let avx512 = CpuSimd::Avx512f.is_available();
+        let simd = if avx512 {
+            CpuSimd::Avx512f
+        } else {
+            CpuSimd::Auto
+        };
+        let d = CpuDecodeOptions::default();
+        let settings = [
+            (CpuSimd::Auto, d),
+            (
+                simd,
+                CpuDecodeOptions {
+                    bf16_dots: true,
+                    ..d
+                },
+            ),
+            (simd, d),
+            (CpuSimd::Auto, CpuDecodeOptions { amx_pv: false, ..d }),
+            (
+                CpuSimd::Auto,
+                CpuDecodeOptions {
+                    prefetch: CpuDecodePrefetch::Next,
+                    ..d
+                },
+            ),
+        ];
+        // One call of each setting through fa-cpu and through the facade, output in `$t`;
+        // their bits (as u32), equal.
+        macro_rules! outputs {
+            ($t:ty) => {{
+                let mut outs = Vec::new();
+                for (level, decode) in settings {
+                    let nan = <$t as fa_cpu::Element>::from_f32(f32::NAN);
+                    let mut direct = vec![nan; lens.o];
+                    fa_cpu::forward(
+                        &p,
+                        Qkv::new(&q[..], &k[..], &v[..]),
+                        Out::new(&mut direct[..]),
+                        &fa_cpu::ForwardOptions {
+                            simd: level,
+                            decode,
+                            ..Default::default()
+                        },
+                    )
+                    .expect("runs");
+                    let mut o = vec![nan; lens.o];
+                    Backend::cpu()
+                        .forward(
+                            &p,
+                            Qkv::new(
+                                TensorRef::from(&q),
+                                TensorRef::from(&k),
+                                TensorRef::from(&v),
+                            ),
+                            Out::new(TensorMut::from(&mut o)),
+                            &Options {
+                                cpu_simd: level,
+                                cpu_decode: decode,
+                                ..Options::default()
+                            },
+                        )
+                        .expect("runs");
+                    let bits = |x: &[$t]| {
+                        x.iter()
+                            .map(|v| fa_cpu::Element::to_f32(*v).to_bits())
+                            .collect::<Vec<u32>>()
+                    };
+                    assert_eq!(bits(&o), bits(&direct), "{level:?} {decode:?}");
+                    outs.push(bits(&o));
+                }
+                outs
+            }};
+        }
+        let (wide, narrow) = (outputs!(f32), outputs!(bf16));
+        // The prefetch schedule never changes results.
+        assert_eq!(wide[4], wide[0]);
+        assert_eq!(narrow[4], narrow[0]);
+        // vdpbf16ps (f32 output: its rounding shows), the AMX P·V (bf16 output only).
+        let changed = usize::from(wide[1] != wide[2]) + usize::from(narrow[3] != narrow[0]);
+        if changed == 0 {
+            eprintln!(
+                "NOTE: neither vdpbf16ps nor AMX tiles here: no decode option changes this \
+                 CPU's path, checked only for equality with fa-cpu"
+            );
+        }
     }
 
     #[test]

@@ -20,22 +20,12 @@ use std::sync::OnceLock;
 pub(crate) const TILE_ROWS: usize = 16;
 /// Bytes per tile row (16 f32, 32 bf16, 16 bf16 pairs).
 pub(crate) const TILE_ROW_BYTES: usize = 64;
-/// The environment variable that keeps [`crate::SimdLevel::Auto`] off AMX when set to `0`.
-pub(crate) const ENV_OFF: &str = "FA_CPU_AMX";
-
 /// Whether this CPU has AMX-TILE and AMX-BF16 (with AVX-512F, AVX512-BW and AVX512-BF16,
 /// which the kernel around the tiles uses), the OS enables the tile state, and Linux
 /// granted this process the tile-data permission (asked once, on the first call).
 pub(crate) fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
     *AVAILABLE.get_or_init(detect_and_request)
-}
-
-/// Whether [`crate::SimdLevel::Auto`] picks AMX: [`available`], unless the environment
-/// variable [`ENV_OFF`] is `0` (read once; see [`crate::env_switched_off`]).
-pub(crate) fn auto_enabled() -> bool {
-    static ENABLED: OnceLock<bool> = OnceLock::new();
-    *ENABLED.get_or_init(|| available() && !crate::env_switched_off(ENV_OFF))
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -28,8 +28,8 @@ pub enum SimdLevel {
     /// (`tdpbf16ps`, probabilities rounded to bf16 before `P·V`), and the backward's five
     /// (P and dS rounded to bf16 before the gradient products); everything else, and
     /// whatever the AMX kernel does not cover, runs as [`SimdLevel::Avx512f`]. `Auto` picks it
-    /// where the CPU has AMX-BF16 and Linux grants the tile-data permission, unless the
-    /// environment variable `FA_CPU_AMX` is `0`; ask for `Avx512f` to keep AMX off.
+    /// where the CPU has AMX-BF16 and Linux grants the tile-data permission; ask for `Avx512f`
+    /// (in the call's options) to keep AMX off.
     Amx,
     /// AVX-512F (16 f32 lanes, 32 registers).
     Avx512f,
@@ -106,22 +106,6 @@ pub(crate) fn has_avx512_bf16() -> bool {
     false
 }
 
-/// The environment variable that sets whether the decode's SIMD `Q·Kᵀ` multiplies bf16 pairs
-/// with `vdpbf16ps` ([`bf16_dots_preferred`]): `1` on (where the CPU has it), else off.
-pub(crate) const ENV_DECODE_DPBF16: &str = "FA_CPU_DECODE_DPBF16";
-
-/// Whether the decode's SIMD `Q·Kᵀ` multiplies bf16 pairs with `vdpbf16ps` (read once): only
-/// where [`ENV_DECODE_DPBF16`] is `1` and the CPU has [`has_avx512_bf16`]. Off by default: AMD's
-/// Zen 4 issues `vdpbf16ps` at the FMA's rate (twice an FMA's multiply-adds per instruction;
-/// docs/history/gpu-notes.md, development VM), which should make it the faster `Q·Kᵀ` of a
-/// compute-bound bf16 decode there, but no end-to-end A/B on an AMD host has been taken yet;
-/// Intel's AVX512-BF16 CPUs issue it at a quarter of the FMA's rate (`scripts/dp_throughput.c`
-/// on the GPU machine's Xeon, 2026-12-04) and run the bf16 decode on AMX where they have it.
-pub(crate) fn bf16_dots_preferred() -> bool {
-    static PREFERRED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PREFERRED.get_or_init(|| crate::env_switched_on(ENV_DECODE_DPBF16) && has_avx512_bf16())
-}
-
 /// 0: not detected yet; otherwise 1 + the level's index.
 static DETECTED: AtomicU8 = AtomicU8::new(0);
 
@@ -133,7 +117,7 @@ pub(crate) fn detected() -> SimdLevel {
         3 => SimdLevel::Scalar,
         4 => SimdLevel::Amx,
         _ => {
-            let level = if detect_avx512() && amx::auto_enabled() {
+            let level = if detect_avx512() && amx::available() {
                 SimdLevel::Amx
             } else if detect_avx512() {
                 SimdLevel::Avx512f

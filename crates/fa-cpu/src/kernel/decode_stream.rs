@@ -40,7 +40,6 @@ use crate::element::{sealed, Element};
 use crate::Exp2Impl;
 use softmax_core::{Problem, ProblemError, RescalePolicy, RescaleStats, RowState};
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Keys per tile: the scores of a tile (rows × 64 floats) stay in L1, and the per-row softmax
 /// bookkeeping is paid once per 64 keys.
@@ -83,24 +82,22 @@ const AMX_KEYS: usize = TILE_ROWS;
 const TILE_DWORDS: usize = TILE_ROWS * TILE_ROW_BYTES / 4;
 /// Keys per `P·V` step.
 const PV_KEYS: usize = 4;
-/// The software prefetch schedule of the tile loops (all into L2, `prefetcht1`; see
-/// [`DecodePrefetch`]). History: measured on the 2-core Xeon VM (bf16, B=1, 16k keys, one
-/// thread, 9 rounds after a cache-evicting copy): K/V read 0.33–0.38 of the copy bandwidth
-/// with `Phase`, 0.24–0.31 without.
-const DEFAULT_PREFETCH: DecodePrefetch = DecodePrefetch::Phase;
 
-/// The software prefetch schedule of the streaming decode loop: a tuning knob for benchmarks
-/// (`FA_CPU_DECODE_PREFETCH` in the environment, or [`set_decode_prefetch`]); results never
-/// depend on it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The software prefetch schedule of the streaming decode loop ([`DecodeOptions::prefetch`];
+/// all into L2, `prefetcht1`): a tuning knob for benchmarks; results never depend on it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum DecodePrefetch {
     /// No software prefetch (the hardware prefetchers alone).
     Off,
-    /// One phase ahead: this tile's V rows during `Q·Kᵀ`, the next tile's K rows during
-    /// `P·V`, and an item's first K rows before its Q rows are loaded.
+    /// The default: one phase ahead: this tile's V rows during `Q·Kᵀ`, the next tile's K
+    /// rows during `P·V`, and an item's first K rows before its Q rows are loaded. On the
+    /// 2-core Xeon VM (bf16, B=1, 16k keys, one thread, 9 rounds after a cache-evicting copy)
+    /// K/V read 0.33–0.38 of the copy bandwidth with it, 0.24–0.31 without.
+    #[default]
     Phase,
     /// A fixed distance ahead in each stream: K rows `n` keys (all the item's heads) ahead of
-    /// `Q·Kᵀ`, V rows `n` keys ahead of `P·V` (`n` at most 64, the keys of one tile).
+    /// `Q·Kᵀ`, V rows `n` keys ahead of `P·V` (`n` at most 64, the keys of one tile: more
+    /// acts as 64, and 0 as no fixed-distance stream).
     Ahead(usize),
     /// Both [`DecodePrefetch::Phase`] and [`DecodePrefetch::Ahead`].
     PhaseAhead(usize),
@@ -113,7 +110,8 @@ pub enum DecodePrefetch {
 }
 
 impl DecodePrefetch {
-    /// Parses `off`, `phase`, `next`, `ahead:N` or `phase+ahead:N`.
+    /// Parses `off`, `phase`, `next`, `ahead:N` or `phase+ahead:N` (`N` in `1..=64`); `None`
+    /// for anything else.
     pub fn parse(s: &str) -> Option<DecodePrefetch> {
         let ahead = |n: &str| {
             n.parse::<usize>()
@@ -136,27 +134,6 @@ impl DecodePrefetch {
         }
     }
 
-    fn encode(self) -> usize {
-        match self {
-            DecodePrefetch::Off => 1,
-            DecodePrefetch::Phase => 2,
-            DecodePrefetch::Next => 3,
-            DecodePrefetch::Ahead(n) => 4 | n << 3,
-            DecodePrefetch::PhaseAhead(n) => 6 | n << 3,
-        }
-    }
-
-    fn decode(code: usize) -> DecodePrefetch {
-        let n = (code >> 3).clamp(1, TILE_KEYS);
-        match code & 7 {
-            1 => DecodePrefetch::Off,
-            3 => DecodePrefetch::Next,
-            4 => DecodePrefetch::Ahead(n),
-            6 => DecodePrefetch::PhaseAhead(n),
-            _ => DecodePrefetch::Phase,
-        }
-    }
-
     /// Whether the phase-ahead streams run.
     fn phase(self) -> bool {
         matches!(self, DecodePrefetch::Phase | DecodePrefetch::PhaseAhead(_))
@@ -167,37 +144,52 @@ impl DecodePrefetch {
         self == DecodePrefetch::Next
     }
 
-    /// Keys of the fixed-distance streams (0: none).
+    /// Keys of the fixed-distance streams (0: none; at most [`TILE_KEYS`], whatever the
+    /// variant holds, so that a hand-built `Ahead(n)` never reads past the offsets).
     fn ahead(self) -> usize {
         match self {
-            DecodePrefetch::Ahead(n) | DecodePrefetch::PhaseAhead(n) => n,
+            DecodePrefetch::Ahead(n) | DecodePrefetch::PhaseAhead(n) => n.min(TILE_KEYS),
             _ => 0,
         }
     }
 }
 
-/// The schedule in force: 0 until first read (then the environment's, or the default).
-static PREFETCH_MODE: AtomicUsize = AtomicUsize::new(0);
-
-/// Sets the streaming decode loop's prefetch schedule for the process (benchmarks).
-pub fn set_decode_prefetch(mode: DecodePrefetch) {
-    PREFETCH_MODE.store(mode.encode(), Ordering::Relaxed);
+/// Options of the split-KV decode's streaming loop (KV-cache problems with at most 32 query
+/// rows per KV head and no probability hook; [`crate::ForwardOptions::decode`]). The default
+/// is the library's tuned choice. Read once per call and per work item, never per key tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DecodeOptions {
+    /// The software prefetch schedule (default [`DecodePrefetch::Phase`]). Results are
+    /// bitwise the same under every schedule.
+    pub prefetch: DecodePrefetch,
+    /// Whether `P·V` of bf16 caches with a bf16 or f16 output runs on AMX tiles beside the
+    /// tiles' `Q·Kᵀ` (at most 8 query rows per KV head), P rounded to bf16 (relative 2⁻⁹,
+    /// the size of the output's own rounding: inside the bf16/f16 contract of 1e-2). On by
+    /// default; `false` keeps that product in f32 on the SIMD kernels. On the GPU machine's
+    /// Xeon, one core with the cache in L2, the tiles were 1.05× (h8/2) and 1.16× (h64/8) the
+    /// SIMD `P·V`; from DRAM on 2 pinned cores the paired medians of 22 shape pairs had a
+    /// geometric mean of 1.04 (the worst 0.93). No effect off AMX.
+    pub amx_pv: bool,
+    /// Whether the SIMD `Q·Kᵀ` of bf16 caches (no AMX tiles: levels `Avx512f`, or `Amx` where
+    /// the tiles do not take the problem) multiplies bf16 pairs with AVX512-BF16's
+    /// `vdpbf16ps` (exact products, f32 sums; bf16 denormals read as zero) instead of
+    /// widening K to f32. Off by default; ignored where the CPU lacks AVX512-BF16 or the
+    /// level is below AVX-512 (then K is widened as by default). Meant for AMD's Zen 4 and
+    /// later, which issue `vdpbf16ps` at the FMA's rate (twice the FMA's multiply-adds per
+    /// instruction); no end-to-end A/B on such a host has been taken yet. Intel's
+    /// AVX512-BF16 CPUs issue it at a quarter of the FMA's rate and run the bf16 decode on
+    /// AMX where they have it.
+    pub bf16_dots: bool,
 }
 
-/// The streaming decode loop's prefetch schedule: the last [`set_decode_prefetch`], else
-/// `FA_CPU_DECODE_PREFETCH` (see [`DecodePrefetch::parse`]), else the default.
-pub fn decode_prefetch() -> DecodePrefetch {
-    let code = PREFETCH_MODE.load(Ordering::Relaxed);
-    if code != 0 {
-        return DecodePrefetch::decode(code);
+impl Default for DecodeOptions {
+    fn default() -> Self {
+        DecodeOptions {
+            prefetch: DecodePrefetch::default(),
+            amx_pv: true,
+            bf16_dots: false,
+        }
     }
-    let mode = std::env::var("FA_CPU_DECODE_PREFETCH")
-        .ok()
-        .and_then(|s| DecodePrefetch::parse(s.trim()))
-        .unwrap_or(DEFAULT_PREFETCH);
-    // A racing first reader stores the same value.
-    PREFETCH_MODE.store(mode.encode(), Ordering::Relaxed);
-    mode
 }
 
 /// Whether the streaming kernel takes a split-KV problem: few rows per KV head, and no
@@ -385,13 +377,13 @@ impl StreamLens {
     pub(crate) const AMX_C_FLOATS: usize = 2 * TILE_DWORDS;
 
     /// The lengths of one plan: `amx` when the items run on tiles (their `Q·Kᵀ`, and their
-    /// `P·V` too where [`amx_pv_applies`]; `hardware`: on hardware tiles, not the emulation).
+    /// `P·V` too where [`amx_pv_applies`] with the call's `amx_pv`).
     pub(crate) fn of<O: Element>(
         p: &Problem,
         plan: &Plan,
         lanes: usize,
         amx: bool,
-        hardware: bool,
+        amx_pv: bool,
     ) -> StreamLens {
         let max_heads = plan.items.iter().map(|i| i.heads.len()).max().unwrap_or(0);
         StreamLens {
@@ -403,7 +395,7 @@ impl StreamLens {
             } else {
                 0
             },
-            amx_pv: amx && amx_pv_applies::<O>(lanes, hardware),
+            amx_pv: amx && amx_pv_applies::<O>(lanes, amx_pv),
         }
     }
 
@@ -436,16 +428,14 @@ impl StreamLens {
 /// then odd), and for bf16/f16 outputs only: it rounds P to bf16 (relative 2⁻⁹, the size of
 /// the output's own rounding), which an f32 output's 1e-5 bound does not allow.
 ///
-/// On by default; `FA_CPU_DECODE_AMX_PV=0` (read once per process) keeps the SIMD `P·V` on
-/// hardware tiles. On the GPU machine's Xeon, one core with the cache in L2, it is 1.05× (h8/2)
-/// and 1.16× (h64/8) the SIMD `P·V`; from DRAM on 2 pinned cores the paired medians of three
-/// device calls (22 shape pairs) have a geometric mean of 1.04, 16 of them ≥ 1.0 (the worst
-/// 0.93); docs/history/gpu-notes.md, 2026-12-04. The emulated tiles (tests) always take it.
-pub(crate) fn amx_pv_applies<O: Element>(lanes: usize, hardware: bool) -> bool {
-    static ON_HARDWARE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on_hardware =
-        || *ON_HARDWARE.get_or_init(|| !crate::env_switched_off("FA_CPU_DECODE_AMX_PV"));
-    lanes == TILE_ROWS && O::KIND != sealed::Kind::F32 && (!hardware || on_hardware())
+/// On by default ([`DecodeOptions::amx_pv`]). On the GPU machine's Xeon, one core with the
+/// cache in L2, it is 1.05× (h8/2) and 1.16× (h64/8) the SIMD `P·V`; from DRAM on 2 pinned
+/// cores the paired medians of three device calls (22 shape pairs) have a geometric mean of
+/// 1.04, 16 of them ≥ 1.0 (the worst 0.93); docs/history/gpu-notes.md, 2026-12-04.
+/// `allowed`: the call's option (the emulated tiles of the tests follow it too, so both
+/// settings are tested on any CPU).
+pub(crate) fn amx_pv_applies<O: Element>(lanes: usize, allowed: bool) -> bool {
+    allowed && lanes == TILE_ROWS && O::KIND != sealed::Kind::F32
 }
 
 /// Dwords of the tile-operand buffer (`Scratch::amx_pairs`) of an item: under the AMX
@@ -1357,7 +1347,7 @@ unsafe fn pv_tile<S: Simd, T: Element>(
 /// which is the chunk in register order ([`reg_pos`]). Half of each product's K depth
 /// multiplies zeros, which the tiles can afford: they replace the SIMD kernel's 40 vector
 /// operations per key and head (32/8 heads): 5–16 % less time in cache on the Xeon, a few
-/// per cent from DRAM (see [`amx_pv_applies`]). (A `vdpbf16ps` `P·V` with two keys' V rows
+/// per cent from DRAM (see [`DecodeOptions::amx_pv`]). (A `vdpbf16ps` `P·V` with two keys' V rows
 /// interleaved halves the FMA count but runs slower: the instruction issues once per two
 /// cycles where an FMA issues twice per cycle; docs/history/gpu-notes.md, 2026-12-04.)
 ///
@@ -1696,7 +1686,7 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     let qb = ensure_on_line(amx_q, amx_len(tiles.is_some(), amx_q_dwords(sh.heads, d)));
     // The AMX `P·V` (`pv_tile_amx`): each head's O rows padded to a C tile's 16 rows.
     let amx_pv =
-        tiles.is_some() && sh.rph <= AMX_PV_MAX_ROWS && amx_pv_applies::<O>(w, Tl::HARDWARE);
+        tiles.is_some() && sh.rph <= AMX_PV_MAX_ROWS && amx_pv_applies::<O>(w, ctx.decode.amx_pv);
     let pair_dwords = amx_pair_dwords(tiles.is_some(), amx_pv);
     let (a_rows, pa) = ensure_on_line(amx_pairs, pair_dwords)
         .split_at_mut(pair_dwords.min(StreamLens::AMX_A_DWORDS));
@@ -1715,7 +1705,7 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     states.fill(RowState::new());
 
     let kv = KvRows::new(p, b, h0);
-    let pf = decode_prefetch();
+    let pf = ctx.decode.prefetch;
     let ahead = pf.ahead();
     let end = item.keys.end.min(sk);
     // The item's first K rows (the first tile's under `Phase`, the first `ahead` keys' under

@@ -543,9 +543,7 @@ fn amx_decode_cases(rng: &mut Rng) -> Vec<(String, fa_reference::DecodeCase)> {
 /// normwise on O, 1e-4 on the LSE, against the f64 oracle on the same inputs.
 const AMX_DECODE_BOUND: f64 = 1e-5;
 /// bf16 output: `P·V` on tiles too at 16 lanes and ≤ 8 rows per KV head
-/// (`decode_stream::amx_pv_applies`: always on the emulation, on hardware unless
-/// `FA_CPU_DECODE_AMX_PV=0`), P
-/// rounded to bf16 (relative 2⁻⁹ per probability, the row sums f32) and O rounded to bf16:
+/// (`decode_stream::amx_pv_applies`, unless `DecodeOptions::amx_pv` is off), P rounded to bf16 (relative 2⁻⁹ per probability, the row sums f32) and O rounded to bf16:
 /// the bf16 contract's normwise bound, 1e-2 (DESIGN.md; expect ~3e-3); the LSE keeps 1e-4.
 const AMX_PV_DECODE_BOUND: f64 = 1e-2;
 /// See [`AMX_DECODE_BOUND`].
@@ -619,7 +617,7 @@ pub fn emulated_amx_decode_matches_the_oracle_on_every_level() {
         );
         // Output rounding to bf16 hides most of the Q·Kᵀ's differences: checked where the
         // P·V runs on the tiles too.
-        let pv = super::decode_stream::amx_pv_applies::<half::bf16>(lanes(isa), false);
+        let pv = super::decode_stream::amx_pv_applies::<half::bf16>(lanes(isa), true);
         assert!(
             !pv || differs_half > cases.len(),
             "{isa:?}: the emulated AMX path (bf16 out) changed no output in {differs_half} runs"
@@ -635,7 +633,7 @@ pub fn hardware_amx_decode_matches_the_oracle() {
     );
     let mut rng = Rng::fresh();
     let cases = amx_decode_cases(&mut rng);
-    let mut differs = 0;
+    let (mut differs, mut pv_differs) = (0, 0);
     for (what, case) in &cases {
         for threads in [Some(1), Some(2)] {
             let simd = crate::ForwardOptions {
@@ -656,7 +654,7 @@ pub fn hardware_amx_decode_matches_the_oracle() {
                 AmxTiles::Hardware,
                 &simd_out,
             ));
-            // bf16 output (the AMX P·V too, unless FA_CPU_DECODE_AMX_PV=0).
+            // bf16 output (the AMX P·V too, by default).
             let (simd_out, _) = run_decode_bf16::<half::bf16>(case, &simd, AmxTiles::Hardware);
             differs += usize::from(check_amx_decode::<half::bf16>(
                 what,
@@ -665,12 +663,155 @@ pub fn hardware_amx_decode_matches_the_oracle() {
                 AmxTiles::Hardware,
                 &simd_out,
             ));
+            // `amx_pv: false`: the tiles' Q·Kᵀ, the SIMD P·V in f32; still within the bound,
+            // and not the default's output (P is not rounded to bf16).
+            let f32_pv = crate::ForwardOptions {
+                decode: crate::DecodeOptions {
+                    amx_pv: false,
+                    ..crate::DecodeOptions::default()
+                },
+                ..amx
+            };
+            let (pv_on, _) = run_decode_bf16::<half::bf16>(case, &amx, AmxTiles::Hardware);
+            pv_differs += usize::from(check_amx_decode::<half::bf16>(
+                what,
+                case,
+                &f32_pv,
+                AmxTiles::Hardware,
+                &pv_on,
+            ));
         }
     }
     assert!(
         differs > cases.len(),
         "the AMX Q·Kᵀ changed no output: did it run?"
     );
+    assert!(
+        pv_differs > cases.len() / 2,
+        "amx_pv: false changed no bf16 output in {pv_differs} runs: did the option reach the loop?"
+    );
+}
+
+/// [`crate::DecodeOptions::amx_pv`] on the emulated tiles, every level: off, the bf16 outputs
+/// keep the bf16 bound against the oracle and, at 16 lanes (where the AMX `P·V` runs by
+/// default), differ from the default's in many runs (P no longer rounded to bf16); at 8 lanes
+/// and for f32 outputs (no AMX `P·V` either way) they are the default's bit for bit.
+pub fn emulated_amx_pv_option_keeps_p_v_in_f32() {
+    use crate::forward::AmxTiles;
+    let mut rng = Rng::fresh();
+    let cases = amx_decode_cases(&mut rng);
+    for (isa, name) in levels() {
+        let pv_by_default = super::decode_stream::amx_pv_applies::<half::bf16>(lanes(isa), true);
+        let mut differs = 0;
+        for (what, case) in &cases {
+            for splits in [None, Some(3)] {
+                let on = crate::ForwardOptions {
+                    simd: isa.level(),
+                    kv_splits: splits,
+                    ..crate::ForwardOptions::default()
+                };
+                let off = crate::ForwardOptions {
+                    decode: crate::DecodeOptions {
+                        amx_pv: false,
+                        ..on.decode
+                    },
+                    ..on
+                };
+                let (pv_on, _) = run_decode_bf16::<half::bf16>(case, &on, AmxTiles::Emulated);
+                let changed =
+                    check_amx_decode::<half::bf16>(what, case, &off, AmxTiles::Emulated, &pv_on);
+                assert!(
+                    pv_by_default || !changed,
+                    "{what} {name}: amx_pv changed a bf16 output where no AMX P·V runs"
+                );
+                differs += usize::from(changed);
+                let (f32_on, _) = run_decode_bf16::<f32>(case, &on, AmxTiles::Emulated);
+                let (f32_off, _) = run_decode_bf16::<f32>(case, &off, AmxTiles::Emulated);
+                assert!(
+                    f32_on
+                        .iter()
+                        .zip(&f32_off)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what} {name}: amx_pv changed an f32 output"
+                );
+            }
+        }
+        assert!(
+            !pv_by_default || differs > cases.len(),
+            "{name}: amx_pv: false changed no bf16 output in {differs} runs: did it reach the loop?"
+        );
+    }
+}
+
+/// [`crate::DecodeOptions::bf16_dots`] on every level: where the level is AVX-512 and the CPU
+/// has AVX512-BF16 it takes exactly the `vdpbf16ps` products (bit for bit those forced
+/// through `QkDots::Bf16Pairs { native: true }`), which change outputs against the default's
+/// widened `Q·Kᵀ` and keep the f32 bound; elsewhere it is ignored (the default's bits). The
+/// default is the widened `Q·Kᵀ` (`QkDots::F32`) bit for bit.
+pub fn bf16_dots_option_takes_the_pair_products() {
+    use super::decode_stream::QkDots;
+    use crate::forward::AmxTiles;
+    let native_here = crate::arch::has_avx512_bf16();
+    if !native_here {
+        eprintln!(
+            "NOTE: this CPU has no AVX512-BF16: bf16_dots is only checked to change nothing here"
+        );
+    }
+    let mut rng = Rng::fresh();
+    let cases = amx_decode_cases(&mut rng);
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    for (isa, name) in levels() {
+        let native = native_here && isa.level() == SimdLevel::Avx512f;
+        let mut differs = 0;
+        for (what, case) in &cases {
+            for splits in [None, Some(3)] {
+                let default = crate::ForwardOptions {
+                    simd: isa.level(),
+                    kv_splits: splits,
+                    ..crate::ForwardOptions::default()
+                };
+                let dots = crate::ForwardOptions {
+                    decode: crate::DecodeOptions {
+                        bf16_dots: true,
+                        ..default.decode
+                    },
+                    ..default
+                };
+                let hw = AmxTiles::Hardware;
+                let (def_out, def_lse) = run_decode_bf16_qk::<f32>(case, &default, hw, None);
+                let (f32_out, f32_lse) =
+                    run_decode_bf16_qk::<f32>(case, &default, hw, Some(QkDots::F32));
+                assert!(
+                    bits(&def_out) == bits(&f32_out) && bits(&def_lse) == bits(&f32_lse),
+                    "{what} {name}: the default is not the widened Q·Kᵀ"
+                );
+                let (out, lse) = run_decode_bf16_qk::<f32>(case, &dots, hw, None);
+                let forced = Some(QkDots::Bf16Pairs { native: true });
+                let (want, want_lse) = run_decode_bf16_qk::<f32>(case, &default, hw, forced);
+                assert!(
+                    bits(&out) == bits(&want) && bits(&lse) == bits(&want_lse),
+                    "{what} {name}: bf16_dots is not the forced vdpbf16ps path"
+                );
+                let problem = case.desc().validate(256).expect("valid case");
+                let oracle = fa_reference::attention_f64(&problem, &case.q, &case.k, &case.v);
+                let rep = fa_reference::compare(&problem, &out, Some(&lse), &oracle);
+                assert!(
+                    rep.within(AMX_DECODE_BOUND, AMX_DECODE_LSE_BOUND),
+                    "{what} {name} splits {splits:?}: {rep:?}"
+                );
+                let changed = bits(&out) != bits(&def_out);
+                assert!(
+                    native || !changed,
+                    "{what} {name}: bf16_dots changed an output without vdpbf16ps"
+                );
+                differs += usize::from(changed);
+            }
+        }
+        assert!(
+            !native || differs > cases.len(),
+            "{name}: bf16_dots changed no output in {differs} runs: did it reach the loop?"
+        );
+    }
 }
 
 /// The decode's bf16 pair products (`QkDots::Bf16Pairs`, [`crate::arch::Simd::dot_bf16_pairs`]):

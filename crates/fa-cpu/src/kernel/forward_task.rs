@@ -56,6 +56,8 @@ pub(crate) struct Ctx<'a, T, O> {
     pub policy: RescalePolicy<f32>,
     /// The exponential.
     pub exp2: Exp2Impl,
+    /// The streaming decode loop's options (read by `decode_stream::run_item` once per item).
+    pub decode: crate::DecodeOptions,
     /// Called on each panel of probabilities before `PV`.
     pub hook: Option<crate::ProbabilityHook<'a>>,
     /// The tiling of the architecture the tasks run on.
