@@ -146,13 +146,16 @@ typedef struct FaProblem {
   int64_t max_seqlen_q;
   // The longest key sequence (`FA_SEQLENS_VARLEN_DEVICE` only).
   int64_t max_seqlen_k;
-  // Keys before the diagonal a query sees; negative: unbounded.
+  // Keys before the diagonal a query sees; -1: unbounded (any other negative value is
+  // refused).
   int64_t window_left;
-  // Keys after the diagonal a query sees; negative: unbounded.
+  // Keys after the diagonal a query sees; -1: unbounded (any other negative value is
+  // refused).
   int64_t window_right;
   // Multiplier of `q·k`; 0 means `1/sqrt(head_dim)`.
   float softmax_scale;
-  // `cap·tanh(s/cap)` on the scaled scores when positive; 0 means none.
+  // `cap·tanh(s/cap)` on the scaled scores when positive; 0 means none (negative, NaN or
+  // infinite values are refused).
   float softcap;
 } FaProblem;
 

@@ -7,7 +7,7 @@
 use crate::error::Failure;
 use crate::types::*;
 use core::ops::Range;
-use softmax_core::{DType, KvCache, Mask, ProblemDesc, Sequences, Strides, Tensor};
+use softmax_core::{DType, KvCache, ProblemDesc, Sequences, Strides, Tensor};
 
 /// Reads a `T` the caller points at, refusing null and misaligned pointers.
 ///
@@ -458,9 +458,10 @@ pub(crate) fn describe<'a>(
         d => size(d, "problem.head_dim_v")?,
     };
     check_dense_sizes(&desc)?;
-    desc.mask = Mask::from_flash_args(p.causal != 0, p.window_left, p.window_right);
+    // softmax-core's conversions, shared with `fa` and the Python module: a window side is
+    // -1 or ≥ 0, softcap 0 is none and a negative or non-finite one is refused.
+    desc = desc.with_flash_args(p.causal != 0, p.window_left, p.window_right, p.softcap)?;
     desc.softmax_scale = (p.softmax_scale != 0.0).then_some(p.softmax_scale);
-    desc.softcap = (p.softcap != 0.0).then_some(p.softcap);
     for (tensor, t, name) in [
         (Tensor::Q, tensors[0], "q"),
         (Tensor::K, tensors[1], "k"),

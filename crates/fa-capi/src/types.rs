@@ -118,13 +118,16 @@ pub struct FaProblem {
     pub max_seqlen_q: i64,
     /// The longest key sequence (`FA_SEQLENS_VARLEN_DEVICE` only).
     pub max_seqlen_k: i64,
-    /// Keys before the diagonal a query sees; negative: unbounded.
+    /// Keys before the diagonal a query sees; -1: unbounded (any other negative value is
+    /// refused).
     pub window_left: i64,
-    /// Keys after the diagonal a query sees; negative: unbounded.
+    /// Keys after the diagonal a query sees; -1: unbounded (any other negative value is
+    /// refused).
     pub window_right: i64,
     /// Multiplier of `q·k`; 0 means `1/sqrt(head_dim)`.
     pub softmax_scale: f32,
-    /// `cap·tanh(s/cap)` on the scaled scores when positive; 0 means none.
+    /// `cap·tanh(s/cap)` on the scaled scores when positive; 0 means none (negative, NaN or
+    /// infinite values are refused).
     pub softcap: f32,
 }
 

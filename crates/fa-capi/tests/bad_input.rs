@@ -224,11 +224,39 @@ fn negative_and_overflowing_sizes_and_strides_are_refused() {
     refused(FA_ERR_INVALID_ARGUMENT, "softcap", |p, _, _| {
         p.softcap = -1.0
     });
+    refused(FA_ERR_INVALID_ARGUMENT, "softcap", |p, _, _| {
+        p.softcap = f32::INFINITY
+    });
     refused(
         FA_ERR_INVALID_ARGUMENT,
         "problem.seqlens is 9",
         |p, _, _| p.seqlens = 9,
     );
+}
+
+/// A window side is -1 (unbounded) or a number of keys ≥ 0: any other negative is refused
+/// with the problem's own message (the one `fa --window` and Python give). Fails before the
+/// shared conversion: -5 ran as unbounded.
+#[test]
+fn window_sides_other_than_minus_one_are_refused() {
+    refused(FA_ERR_INVALID_ARGUMENT, "window left = -5", |p, _, _| {
+        p.window_left = -5
+    });
+    refused(FA_ERR_INVALID_ARGUMENT, "-1 for unbounded", |p, _, _| {
+        p.window_right = i64::MIN
+    });
+    // -1 on both sides is no window (causal stays): the good call's result.
+    let mut call = Call::new();
+    assert_eq!(call.run(|_, _, _| {}), FA_OK, "{}", last_error());
+    let want = (call.o.clone(), call.lse.clone());
+    let mut call = Call::new();
+    let got = call.run(|p, _, _| {
+        p.window_left = -1;
+        p.window_right = -1;
+        p.softcap = 0.0;
+    });
+    assert_eq!(got, FA_OK, "{}", last_error());
+    assert_eq!((call.o, call.lse), want);
 }
 
 #[test]
