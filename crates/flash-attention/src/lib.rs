@@ -238,7 +238,7 @@ mod tests {
     #[test]
     fn cpu_decode_options_reach_the_decode_loop() {
         let used = [200u32, 77];
-        let p = ProblemDesc::new(2, 1, 0, 8, 2, 64)
+        let p = ProblemDesc::new(2, 1, 256, 8, 2, 64)
             .padded_cache(&used)
             .validate(256)
             .expect("valid");
