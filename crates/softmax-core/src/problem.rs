@@ -1004,10 +1004,12 @@ impl<'a> Problem<'a> {
     /// Entries of the LSE buffer: `[batch, heads_q, seqlen_q]` dense, `[heads_q, total_q]`
     /// packed (FlashAttention's layouts).
     pub fn lse_len(&self) -> usize {
+        // total_q first: an empty problem validates whatever its batch and heads, whose
+        // product alone may not fit; with total_q > 0 validation bounded the whole product.
         if self.is_varlen() {
-            self.heads_q * self.total_q
+            self.total_q * self.heads_q
         } else {
-            self.batch * self.heads_q * self.total_q
+            self.total_q * self.heads_q * self.batch
         }
     }
     /// Index into the LSE buffer for sequence `b`, head `h`, query `i`.
