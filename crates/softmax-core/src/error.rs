@@ -31,6 +31,10 @@ pub enum Tensor {
     KNew,
     /// New values appended to a KV cache.
     VNew,
+    /// The per-query-head logits of learnable attention sinks.
+    Sinks,
+    /// The gradient of the attention sinks' logits.
+    DSinks,
 }
 
 impl fmt::Display for Tensor {
@@ -48,6 +52,8 @@ impl fmt::Display for Tensor {
             Tensor::CuSeqlensK => "cu_seqlens_k",
             Tensor::KNew => "k_new",
             Tensor::VNew => "v_new",
+            Tensor::Sinks => "sinks",
+            Tensor::DSinks => "d_sinks",
         })
     }
 }
@@ -221,6 +227,20 @@ pub enum ProblemError {
         /// Bytes asked for.
         bytes: usize,
     },
+    /// The attention sinks do not hold one logit per query head.
+    SinksLength {
+        /// Entries needed (`heads_q`).
+        needed: usize,
+        /// Entries given.
+        len: usize,
+    },
+    /// An attention sink's logit is NaN or infinite.
+    NonFiniteSink {
+        /// The query head.
+        head: usize,
+        /// The value given.
+        value: f32,
+    },
     /// The backend does not support this (dtype, head dim, architecture, feature).
     Unsupported {
         /// What is not supported.
@@ -343,6 +363,13 @@ impl fmt::Display for ProblemError {
             }
             ProblemError::OutOfMemory { what, bytes } => {
                 write!(f, "out of memory: could not allocate {bytes} bytes for {what}")
+            }
+            ProblemError::SinksLength { needed, len } => write!(
+                f,
+                "sinks has {len} entries, the problem needs one per query head ({needed})"
+            ),
+            ProblemError::NonFiniteSink { head, value } => {
+                write!(f, "sinks[{head}] = {value} is not finite")
             }
             ProblemError::Unsupported { what } => write!(f, "unsupported: {what}"),
         }

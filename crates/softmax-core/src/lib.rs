@@ -5,7 +5,9 @@
 //! FP8 backends (the CUDA kernels mirror the same rules and are tested to agree):
 //!
 //! - [`online`]: per-row running maximum and sum, the accumulator correction, the **merge** of
-//!   two partial results (split-KV, ring attention), finalisation to `1/ℓ` and the LSE;
+//!   two partial results (split-KV, ring attention), finalisation to `1/ℓ` and the LSE, and
+//!   the one rule of a learnable attention sink ([`RowState::finish_with_sink`],
+//!   [`sink_grad_term`]);
 //! - [`rescale`]: when to rescale: always, or FlashAttention-4's threshold `τ`, with counters,
 //!   and the one rule a threshold must meet for the type P is stored in
 //!   ([`RescalePolicy::check`]);
@@ -13,7 +15,7 @@
 //!   measured error bound;
 //! - [`mask`]: causal (bottom-right aligned) and sliding-window rules per element and per tile;
 //! - [`problem`]: the problem description (shapes, strides, varlen, GQA, scale, softcap, mask,
-//!   KV caches) and its validation, once, into a [`Problem`] that backends take, or a typed
+//!   KV caches, attention sinks) and its validation, once, into a [`Problem`] that backends take, or a typed
 //!   [`ProblemError`];
 //! - [`tensors`]: the bundles a call's buffers travel in ([`Qkv`], [`Out`]), whatever holds
 //!   them (host slices, device buffers);
@@ -84,7 +86,7 @@ pub use error::{ProblemError, Tensor};
 pub use exp2::{exp2_cubic, EXP2_CUBIC, EXP2_CUBIC_MAX_REL_ERROR};
 pub use libm_float::LibmFloat;
 pub use mask::{Mask, TileKind};
-pub use online::{merge_into, BlockStep, RowResult, RowState};
+pub use online::{merge_into, sink_grad_term, BlockStep, RowResult, RowState};
 pub use problem::{
     explicit_scale, mask_from_flash, softcap_from_flash, thread_count, window_side, BufferLens,
     KvCache, Problem, ProblemDesc, SeqSpan, Sequences, Strides, MAX_HEAD_DIM,

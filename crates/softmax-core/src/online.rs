@@ -176,6 +176,48 @@ impl<T: LibmFloat> RowState<T> {
     }
 }
 
+/// The rules of a learnable attention sink (gpt-oss): a per-head logit that joins every row's
+/// softmax denominator with no value, `O = Σ_j exp(x_j − m)·V_j / (exp(s − m) + Σ_j exp(x_j − m))`.
+/// Backends fold it into a **finished** row once, with [`RowState::finish_with_sink`] (after all
+/// splits are merged, never per split); the backward's `∂L/∂s` sums [`sink_grad_term`] over rows.
+impl<T: LibmFloat> RowState<T> {
+    /// [`RowState::finish`] with an attention sink of log2-domain logit `sink_log2`
+    /// (`s·log2 e`, see [`crate::Problem::sink_log2`]; `None`: no sink, exactly `finish`).
+    ///
+    /// The sink is merged like a partial row of one key whose probability has no value: the
+    /// new reference is `M = max(m, sink)`, `ℓ' = ℓ·2^(m−M) + 2^(sink−M)`, and the returned
+    /// `inv_sum = 2^(m−M)/ℓ'` multiplies the row's accumulator (kept relative to `m`) into
+    /// the output; `lse = (M + log2 ℓ')·ln 2` includes the sink, so a backward's
+    /// `P = exp(x − lse)` stays right. A row that saw no key gets `inv_sum = 0` (output 0)
+    /// and `lse = sink·ln 2` (the sink's logit).
+    #[inline]
+    pub fn finish_with_sink(&self, sink_log2: Option<T>) -> RowResult<T> {
+        let Some(sink) = sink_log2 else {
+            return self.finish();
+        };
+        let (merged, factor_self, _) = self.merge(RowState {
+            max: sink,
+            sum: T::one(),
+        });
+        let result = merged.finish();
+        RowResult {
+            inv_sum: result.inv_sum * factor_self,
+            lse: result.lse,
+        }
+    }
+}
+
+/// One row's term of an attention sink's gradient: `∂L/∂s` is the sum over the rows of the
+/// sink's head (every sequence) of `−exp(s − lse)·D`, with `s` the sink's natural-log logit,
+/// `lse` the row's natural-log LSE (which includes the sink) and `D = Σ_c dO_c·O_c` the row's
+/// `rowsum(dO ∘ O)`. Exact: `exp(s − lse)` is the probability the row gives the sink, and the
+/// sink carries no value, so its score's gradient is `P_sink·(0 − D)`.
+#[inline]
+pub fn sink_grad_term<T: LibmFloat>(sink: T, lse: T, delta: T) -> T {
+    let log2_e = T::from(core::f64::consts::LOG2_E).unwrap_or_else(T::one);
+    -(((sink - lse) * log2_e).libm_exp2() * delta)
+}
+
 /// Merges partial row `b` (state and accumulator) into partial row `a`: `acc_a` becomes the
 /// accumulator of the union of their keys. Split-KV decode and multi-device ring attention are
 /// this one operation.

@@ -243,6 +243,10 @@ pub struct ProblemDesc<'a> {
     pub v_strides: Option<Strides>,
     /// Strides of O (`None`: contiguous).
     pub o_strides: Option<Strides>,
+    /// Learnable attention sinks (gpt-oss): one natural-log logit per query head, `heads_q`
+    /// finite entries, that joins every row's softmax denominator with no value (see
+    /// [`Problem::sinks`]); `None`: no sink.
+    pub sinks: Option<&'a [f32]>,
 }
 
 impl<'a> ProblemDesc<'a> {
@@ -273,6 +277,7 @@ impl<'a> ProblemDesc<'a> {
             k_strides: None,
             v_strides: None,
             o_strides: None,
+            sinks: None,
         }
     }
 
@@ -357,6 +362,13 @@ impl<'a> ProblemDesc<'a> {
         self
     }
 
+    /// Sets learnable attention sinks: one natural-log logit per query head (see
+    /// [`ProblemDesc::sinks`]).
+    pub fn with_sinks(mut self, sinks: &'a [f32]) -> Self {
+        self.sinks = Some(sinks);
+        self
+    }
+
     /// Reads K/V from a padded cache (see [`KvCache::Padded`]).
     pub fn padded_cache(mut self, seqused_k: &'a [u32]) -> Self {
         self.kv_cache = KvCache::Padded { seqused_k };
@@ -418,6 +430,17 @@ impl<'a> ProblemDesc<'a> {
                 heads_q: self.heads_q,
                 heads_kv: self.heads_kv,
             });
+        }
+        if let Some(sinks) = self.sinks {
+            if sinks.len() != self.heads_q {
+                return Err(ProblemError::SinksLength {
+                    needed: self.heads_q,
+                    len: sinks.len(),
+                });
+            }
+            if let Some((head, &value)) = sinks.iter().enumerate().find(|(_, s)| !s.is_finite()) {
+                return Err(ProblemError::NonFiniteSink { head, value });
+            }
         }
         let softmax_scale = match self.softmax_scale {
             Some(s) if !s.is_finite() => return Err(ProblemError::NonFiniteScale { scale: s }),
@@ -547,6 +570,7 @@ impl<'a> ProblemDesc<'a> {
             softcap: self.softcap,
             mask: self.mask,
             kv_cache: self.kv_cache,
+            sinks: self.sinks,
             q,
             k,
             v,
@@ -773,6 +797,7 @@ pub struct Problem<'a> {
     softcap: Option<f32>,
     mask: Mask,
     kv_cache: KvCache<'a>,
+    sinks: Option<&'a [f32]>,
     q: Strides,
     k: Strides,
     v: Strides,
@@ -910,6 +935,24 @@ impl<'a> Problem<'a> {
     /// Whether K and V are read from a KV cache (padded or paged).
     pub fn has_kv_cache(&self) -> bool {
         self.kv_cache != KvCache::None
+    }
+    /// The learnable attention sinks, when set: one finite natural-log logit `s_h` per query
+    /// head (validated), joining every row's softmax denominator with no value:
+    /// `O_i = Σ_j exp(x_ij − m)·V_j / (exp(s_h − m) + Σ_j exp(x_ij − m))`, `x` the scaled,
+    /// softcapped, masked scores (the sink itself is neither scaled nor softcapped). The LSE
+    /// includes the sink; a row that sees no key gets O = 0 and LSE = `s_h`. Backends fold it
+    /// in with [`crate::RowState::finish_with_sink`] and differentiate it with
+    /// [`crate::sink_grad_term`].
+    pub fn sinks(&self) -> Option<&'a [f32]> {
+        self.sinks
+    }
+    /// Query head `head_q`'s sink logit in the log2 domain of the row states
+    /// (`s_h·log2 e`, rounded to `T`), for [`crate::RowState::finish_with_sink`]; `None`
+    /// without sinks (or for a head out of range).
+    #[inline]
+    pub fn sink_log2<T: num_traits::Float>(&self, head_q: usize) -> Option<T> {
+        let s = *self.sinks?.get(head_q)?;
+        T::from(s as f64 * crate::score::LOG2_E)
     }
     /// Strides of Q, K, V and O.
     pub fn strides(&self) -> [Strides; 4] {

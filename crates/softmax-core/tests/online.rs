@@ -234,3 +234,57 @@ fn policy_headroom() {
     assert!(RescalePolicy::<f32>::Always.fits(8.0, 448.0));
     assert!(!RescalePolicy::<f32>::Always.fits(9.0, 448.0));
 }
+
+proptest! {
+    /// A sink folded into a finished row (any split, either policy) is the two-pass softmax
+    /// with one more score of zero value; its gradient term is `−P_sink·D`.
+    #[test]
+    fn sink_joins_the_denominator(
+        scores in prop::collection::vec(-30.0f64..30.0, 0..40),
+        sink in -40.0f64..40.0,
+        cut in 0usize..40,
+    ) {
+        let values: Vec<f64> = (0..scores.len()).map(|i| (i as f64 * 0.7).sin() + 0.3).collect();
+        let cut = cut.min(scores.len());
+        let mut state = RowState::<f64>::new();
+        let mut stats = RescaleStats::default();
+        let policy = RescalePolicy::Threshold(8.0);
+        let mut acc = 0.0;
+        for (lo, hi) in [(0, cut), (cut, scores.len())] {
+            let mut block: Vec<f64> = scores[lo..hi].iter().map(|s| s * LOG2_E).collect();
+            acc *= state.update(&mut block, &policy, &mut stats);
+            acc += block.iter().zip(&values[lo..hi]).map(|(p, v)| p * v).sum::<f64>();
+        }
+        let result = state.finish_with_sink(Some(sink * LOG2_E));
+        let out = acc * result.inv_sum;
+        // Two-pass with the sink as an extra score of value 0.
+        let max = scores.iter().cloned().fold(sink, f64::max);
+        let denom: f64 = scores.iter().map(|s| (s - max).exp()).sum::<f64>() + (sink - max).exp();
+        let num: f64 = scores.iter().zip(&values).map(|(s, v)| (s - max).exp() * v).sum();
+        let expected = num / denom;
+        prop_assert!((out - expected).abs() <= 1e-12 * (1.0 + expected.abs()), "{out} vs {expected}");
+        let lse = max + denom.ln();
+        prop_assert!((result.lse - lse).abs() <= 1e-12 * (1.0 + lse.abs()));
+        let d = 0.37;
+        let term = softmax_core::sink_grad_term(sink, result.lse, d);
+        prop_assert!((term + (sink - lse).exp() * d).abs() <= 1e-12);
+        // No sink: exactly finish().
+        prop_assert_eq!(state.finish_with_sink(None), state.finish());
+    }
+}
+
+#[test]
+fn a_row_without_keys_but_a_sink_is_zero_with_the_sinks_lse() {
+    let state = RowState::<f32>::new();
+    let r = state.finish_with_sink(Some(1.5 * LOG2_E as f32));
+    assert_eq!(r.inv_sum, 0.0);
+    assert!((r.lse - 1.5).abs() < 1e-6, "{}", r.lse);
+    // A sink far above every score: finite LSE, the output goes to 0 without NaN.
+    let mut state = RowState::<f32>::new();
+    let mut stats = RescaleStats::default();
+    let mut s = [0.0f32, 1.0];
+    state.update(&mut s, &RescalePolicy::Always, &mut stats);
+    let r = state.finish_with_sink(Some(1000.0));
+    assert!(r.inv_sum.is_finite() && r.inv_sum >= 0.0 && r.inv_sum < 1e-30);
+    assert!((r.lse - 1000.0 * core::f32::consts::LN_2).abs() < 1e-3);
+}

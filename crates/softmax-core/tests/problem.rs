@@ -624,3 +624,27 @@ fn empty_query_sequences_validate() {
         assert_eq!(p.lse_len(), 0);
     }
 }
+
+#[test]
+fn sinks_are_validated() {
+    let sinks = [0.5f32, -1.0, 2.0, 0.0];
+    let p = ok_desc().with_sinks(&sinks).validate(MAX_HEAD_DIM).unwrap();
+    assert_eq!(p.sinks(), Some(&sinks[..]));
+    assert_eq!(p.sink_log2::<f64>(1), Some(-1.0 * softmax_core::LOG2_E));
+    assert_eq!(p.sink_log2::<f32>(4), None);
+    assert_eq!(ok_desc().validate(MAX_HEAD_DIM).unwrap().sinks(), None);
+    let short = [0.0f32; 3];
+    assert_eq!(
+        ok_desc().with_sinks(&short).validate(MAX_HEAD_DIM),
+        Err(ProblemError::SinksLength { needed: 4, len: 3 })
+    );
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let s = [0.0f32, 0.0, bad, 0.0];
+        match ok_desc().with_sinks(&s).validate(MAX_HEAD_DIM) {
+            Err(ProblemError::NonFiniteSink { head: 2, value }) => {
+                assert!(value.is_nan() == bad.is_nan())
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
