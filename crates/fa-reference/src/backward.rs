@@ -1,7 +1,7 @@
 //! The f64 oracle of the attention backward pass, and the comparison of a backend's
 //! gradients with it.
 
-use crate::{visible, Element};
+use crate::{sink_of, visible, Element};
 use softmax_core::{Grads, Problem, Tensor};
 
 /// Two-pass f64 attention backward: the gradients of `L = Σ dO ∘ O` with respect to Q, K and
@@ -24,6 +24,23 @@ pub fn attention_backward_f64<E: Element>(
     v: &[E],
     d_o: &[E],
 ) -> Grads<Vec<f64>> {
+    attention_backward_sinks_f64(problem, q, k, v, d_o).0
+}
+
+/// [`attention_backward_f64`] and, when the problem has attention sinks, the gradient of
+/// their logits (`heads_q` entries): `∂L/∂s_h = −Σ_i P_sink,i·D_i` over every row `i` of head
+/// `h` (all sequences), `P_sink,i = exp(s_h − m)/Σ` the row's probability of the sink and
+/// `D_i = dO_i·O_i`. The sink joins each row's maximum and sum (as in
+/// [`crate::attention_f64`]), so `P` and `O` are the sink-aware ones; a row that sees no key
+/// has `O = 0`, hence `D = 0`, and contributes nothing. `None` without sinks.
+pub fn attention_backward_sinks_f64<E: Element>(
+    problem: &Problem,
+    q: &[E],
+    k: &[E],
+    v: &[E],
+    d_o: &[E],
+) -> (Grads<Vec<f64>>, Option<Vec<f64>>) {
+    let mut d_sinks = problem.sinks().map(|s| vec![0.0f64; s.len()]);
     let lens = problem.min_buffer_lens();
     let mut dq = vec![0.0f64; lens.q];
     let mut dk = vec![0.0f64; lens.k];
@@ -66,13 +83,24 @@ pub fn attention_backward_f64<E: Element>(
                 if scores.is_empty() {
                     continue;
                 }
+                let sink = sink_of(problem, h);
                 let max = scores
                     .iter()
-                    .fold(f64::NEG_INFINITY, |m, &(_, s, _)| if s > m { s } else { m });
+                    .fold(
+                        sink.unwrap_or(f64::NEG_INFINITY),
+                        |m, &(_, s, _)| {
+                            if s > m {
+                                s
+                            } else {
+                                m
+                            }
+                        },
+                    );
                 let max = if max == f64::NEG_INFINITY { 0.0 } else { max };
                 probs.clear();
                 probs.extend(scores.iter().map(|&(_, s, _)| (s - max).exp()));
-                let sum: f64 = probs.iter().sum();
+                let sink_weight = sink.map_or(0.0, |s| (s - max).exp());
+                let sum: f64 = probs.iter().sum::<f64>() + sink_weight;
                 if sum == 0.0 {
                     continue; // every visible score was −∞: the row is 0 and so is its gradient
                 }
@@ -85,6 +113,9 @@ pub fn attention_backward_f64<E: Element>(
                     }
                 }
                 let delta: f64 = (0..d_v).map(|c| d_o[oo + c].to_f64() * out_row[c]).sum();
+                if let Some(ds) = d_sinks.as_mut() {
+                    ds[h] -= sink_weight / sum * delta;
+                }
                 for (&(j, _, slope), &p) in scores.iter().zip(&probs) {
                     let ko = problem.k_offset(b, j, hk);
                     let vo = problem.v_offset(b, j, hk);
@@ -103,7 +134,7 @@ pub fn attention_backward_f64<E: Element>(
             }
         }
     }
-    Grads { dq, dk, dv }
+    (Grads { dq, dk, dv }, d_sinks)
 }
 
 /// The offsets of a tensor's own elements (Q, K, V or O; nothing for the others), in a fixed
@@ -173,4 +204,22 @@ pub fn compare_grads<E: Element>(
         dk: rel_l2_of(problem, Tensor::K, grads.dk, &reference.dk),
         dv: rel_l2_of(problem, Tensor::V, grads.dv, &reference.dv),
     }
+}
+
+/// The largest error of a backend's sink gradient against the oracle's
+/// ([`attention_backward_sinks_f64`]), relative to `1 + Σ_i P_sink,i·|D_i|`-sized terms: the
+/// largest `|x − ref| / (1 + |ref|)` over the heads (NaN if any entry is NaN where the
+/// reference is not).
+pub fn compare_sink_grads(d_sinks: &[f32], reference: &[f64]) -> f64 {
+    let mut worst = 0.0f64;
+    for (&x, &r) in d_sinks.iter().zip(reference) {
+        let x = x as f64;
+        if x.is_nan() != r.is_nan() {
+            return f64::NAN;
+        }
+        if !r.is_nan() {
+            worst = worst.max((x - r).abs() / (1.0 + r.abs()));
+        }
+    }
+    worst
 }

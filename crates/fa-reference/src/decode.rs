@@ -45,6 +45,8 @@ pub struct DecodeCase {
     pub mask: Mask,
     /// Softcap.
     pub softcap: Option<f32>,
+    /// Attention sink logits, one per query head (`None`: no sinks).
+    pub sinks: Option<Vec<f32>>,
     /// Queries `[batch, seqlen_q, heads_q, head_dim]`.
     pub q: Vec<f32>,
     /// The K cache.
@@ -116,6 +118,7 @@ impl DecodeCase {
             block_table,
             mask: Mask::NONE,
             softcap: None,
+            sinks: None,
             q,
             k,
             v,
@@ -155,6 +158,18 @@ impl DecodeCase {
         self
     }
 
+    /// Draws attention sinks, one per query head ([`crate::random_sinks`]).
+    pub fn with_random_sinks(mut self, rng: &mut Rng) -> DecodeCase {
+        self.sinks = Some(crate::random_sinks(rng, self.heads_q));
+        self
+    }
+
+    /// Sets the attention sinks (one logit per query head).
+    pub fn with_sinks(mut self, sinks: Vec<f32>) -> DecodeCase {
+        self.sinks = Some(sinks);
+        self
+    }
+
     /// The problem description (borrows the lengths and the table).
     pub fn desc(&self) -> ProblemDesc<'_> {
         let capacity = match self.layout {
@@ -171,6 +186,7 @@ impl DecodeCase {
         )
         .with_mask(self.mask);
         desc.softcap = self.softcap;
+        desc.sinks = self.sinks.as_deref();
         match self.layout {
             CacheLayout::Padded { .. } => desc.padded_cache(&self.seqused_k),
             CacheLayout::Paged {
@@ -206,6 +222,7 @@ impl DecodeCase {
         )
         .with_mask(self.mask);
         case.softcap = self.softcap;
+        case.sinks = self.sinks.clone();
         let d = self.head_dim;
         case.q.copy_from_slice(&self.q);
         let mut at = 0;

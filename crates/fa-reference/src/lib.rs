@@ -7,6 +7,8 @@
 //! - [`attention_backward_f64`]: the f64 backward (dQ, dK, dV of `Σ dO ∘ O`), two-pass like
 //!   the forward oracle, checked against finite differences of [`attention_f64`] in the
 //!   tests; [`compare_grads`] measures a backend's gradients against it.
+//!   [`attention_backward_sinks_f64`] adds the gradient of the attention sinks' logits
+//!   (checked against finite differences too; [`compare_sink_grads`]).
 //! - [`Rng`]: a small seeded generator (xoshiro256**) with normal samples, so that tests draw
 //!   fresh, reproducible inputs without extra dependencies.
 //! - [`Case`]: a random problem with its owned tensors, optionally rounded to bf16/f16.
@@ -40,7 +42,10 @@ use softmax_core::{Mask, Problem, ProblemDesc, Strides, Tensor};
 mod backward;
 mod decode;
 mod rng;
-pub use backward::{attention_backward_f64, compare_grads, rel_l2_of, tensor_offsets};
+pub use backward::{
+    attention_backward_f64, attention_backward_sinks_f64, compare_grads, compare_sink_grads,
+    rel_l2_of, tensor_offsets,
+};
 pub use decode::{CacheLayout, DecodeCase};
 pub use rng::Rng;
 
@@ -63,10 +68,18 @@ fn visible(mask: &Mask, i: usize, j: usize, seqlen_q: usize, seqlen_k: usize) ->
     after_left && before_right
 }
 
+/// Query head `h`'s attention sink logit in f64 (natural log), if the problem has sinks.
+pub(crate) fn sink_of(problem: &Problem, h: usize) -> Option<f64> {
+    problem.sinks().map(|s| s[h] as f64)
+}
+
 /// Two-pass f64 attention over the whole problem: scores, max, exp, sum, divide.
 ///
 /// Inputs are read at the offsets the problem's strides give (any element type that widens
-/// to f64). A row that sees no key yields 0 and LSE −∞. NaN/∞ in inputs propagate as IEEE
+/// to f64). With attention sinks ([`softmax_core::Problem::sinks`]) head `h`'s logit joins
+/// every row's maximum and sum as a score of no value (written out from the definition, not
+/// through `softmax_core`'s rule). A row that sees no key yields 0 and LSE −∞ (with a sink:
+/// 0 and the sink's logit). NaN/∞ in inputs propagate as IEEE
 /// arithmetic does here (this is the behaviour backends must reproduce).
 pub fn attention_f64<E: Element>(problem: &Problem, q: &[E], k: &[E], v: &[E]) -> Reference {
     let lens = problem.min_buffer_lens();
@@ -101,17 +114,32 @@ pub fn attention_f64<E: Element>(problem: &Problem, q: &[E], k: &[E], v: &[E]) -
                     scores.push((j, s));
                 }
                 let oo = problem.o_offset(b, i, h);
+                let sink = sink_of(problem, h);
                 if scores.is_empty() {
-                    continue; // output stays 0, LSE −∞
+                    // Output stays 0; LSE −∞, or the sink's logit (the only term).
+                    if let Some(s) = sink {
+                        lse[problem.lse_offset(b, h, i)] = s;
+                    }
+                    continue;
                 }
+                // The sink is one more score (of no value) in the maximum and the sum.
                 let max = scores
                     .iter()
-                    .fold(f64::NEG_INFINITY, |m, &(_, s)| if s > m { s } else { m });
+                    .fold(
+                        sink.unwrap_or(f64::NEG_INFINITY),
+                        |m, &(_, s)| {
+                            if s > m {
+                                s
+                            } else {
+                                m
+                            }
+                        },
+                    );
                 // Like the online algorithm, a NaN score never becomes the maximum but
                 // poisons the sum (and so the row) through exp(NaN).
                 let max = if max == f64::NEG_INFINITY { 0.0 } else { max };
                 acc.iter_mut().for_each(|a| *a = 0.0);
-                let mut sum = 0.0;
+                let mut sum = sink.map_or(0.0, |s| (s - max).exp());
                 for &(j, s) in &scores {
                     let p = (s - max).exp();
                     sum += p;
@@ -222,6 +250,8 @@ pub struct Case {
     pub softcap: Option<f32>,
     /// Strides (Q, K, V, O); `None` for contiguous.
     pub strides: [Option<Strides>; 4],
+    /// Attention sink logits, one per query head (`None`: no sinks).
+    pub sinks: Option<Vec<f32>>,
     /// Queries.
     pub q: Vec<f32>,
     /// Keys.
@@ -253,6 +283,7 @@ impl Case {
             softmax_scale: None,
             softcap: None,
             strides: [None; 4],
+            sinks: None,
             q: Vec::new(),
             k: Vec::new(),
             v: Vec::new(),
@@ -301,6 +332,7 @@ impl Case {
         desc = desc.head_dim_v(self.head_dim_v).with_mask(self.mask);
         desc.softmax_scale = self.softmax_scale;
         desc.softcap = self.softcap;
+        desc.sinks = self.sinks.as_deref();
         let tensors = [Tensor::Q, Tensor::K, Tensor::V, Tensor::O];
         for (t, s) in tensors.into_iter().zip(self.strides) {
             if let Some(s) = s {
@@ -353,6 +385,20 @@ impl Case {
         self
     }
 
+    /// Draws attention sinks: one logit per query head, `N(0, 1)·2` rounded to a multiple of
+    /// 2⁻⁸ (exact in f32, so that finite differences of ±2⁻¹² stay exact too). Scores of
+    /// N(0,1) inputs are O(1): such sinks take from a few percent to most of a row's mass.
+    pub fn with_random_sinks(mut self, rng: &mut Rng) -> Case {
+        self.sinks = Some(random_sinks(rng, self.heads_q));
+        self
+    }
+
+    /// Sets the attention sinks (one logit per query head; inputs unchanged).
+    pub fn with_sinks(mut self, sinks: Vec<f32>) -> Case {
+        self.sinks = Some(sinks);
+        self
+    }
+
     /// Sets the scale (inputs unchanged).
     pub fn with_scale(mut self, scale: f32) -> Case {
         self.softmax_scale = Some(scale);
@@ -392,6 +438,14 @@ impl Case {
         self.fill(rng, rounding);
         self
     }
+}
+
+/// `heads` random sink logits: `N(0, 1)·2` rounded to a multiple of 2⁻⁸ (see
+/// [`Case::with_random_sinks`]).
+pub fn random_sinks(rng: &mut Rng, heads: usize) -> Vec<f32> {
+    (0..heads)
+        .map(|_| ((rng.normal() * 2.0 * 256.0).round() / 256.0) as f32)
+        .collect()
 }
 
 /// How far a backend's output is from the oracle.

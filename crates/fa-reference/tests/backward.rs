@@ -2,7 +2,10 @@
 //! covering every mask, softcap, GQA, varlen (with empty sequences), `head_dim_v ≠ head_dim`
 //! and strided layouts.
 
-use fa_reference::{attention_backward_f64, attention_f64, tensor_offsets, Case, Rng, Rounding};
+use fa_reference::{
+    attention_backward_f64, attention_backward_sinks_f64, attention_f64, tensor_offsets, Case, Rng,
+    Rounding,
+};
 use softmax_core::{Mask, Problem, Tensor, MAX_HEAD_DIM};
 
 /// `L = Σ dO ∘ O` over O's own elements.
@@ -138,4 +141,65 @@ fn gradients_outside_the_tensor_and_of_hidden_keys_are_zero() {
             assert_eq!(x, 0.0, "padding at {at}");
         }
     }
+}
+
+/// The sinks' gradient against central differences of `L` in each sink logit, and the
+/// Q/K/V gradients of a problem with sinks (the same [`check`]). `H = 2⁻¹²` keeps `s ± H`
+/// exact in f32 (the sinks are multiples of 2⁻⁸); truncation O(H²) ≈ 6e-8.
+fn check_sinks(case: &Case, rng: &mut Rng) {
+    const H: f32 = 1.0 / 4096.0;
+    const TOL: f64 = 1e-6;
+    check(case, rng);
+    let problem = case.desc().validate(MAX_HEAD_DIM).unwrap();
+    let widen = |x: &[f32]| x.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    let (q, k, v) = (widen(&case.q), widen(&case.k), widen(&case.v));
+    let d_o: Vec<f64> = (0..problem.min_buffer_lens().o)
+        .map(|_| rng.normal())
+        .collect();
+    let (_, d_sinks) = attention_backward_sinks_f64(&problem, &q, &k, &v, &d_o);
+    let d_sinks = d_sinks.expect("sinks set");
+    let sinks = case.sinks.clone().unwrap();
+    let mut nonzero = 0;
+    for h in 0..sinks.len() {
+        let at = |delta: f32| {
+            let mut moved = sinks.clone();
+            moved[h] += delta;
+            let c = case.clone().with_sinks(moved);
+            let p = c.desc().validate(MAX_HEAD_DIM).unwrap();
+            loss(&p, &q, &k, &v, &d_o)
+        };
+        let fd = (at(H) - at(-H)) / (2.0 * H as f64);
+        let err = (d_sinks[h] - fd).abs();
+        assert!(
+            err <= TOL * (1.0 + fd.abs()),
+            "d_sinks[{h}]: analytic {} vs finite difference {fd} (err {err:e})",
+            d_sinks[h]
+        );
+        nonzero += usize::from(d_sinks[h] != 0.0);
+    }
+    assert!(nonzero > 0);
+}
+
+#[test]
+fn sink_gradients_match_finite_differences() {
+    let mut rng = Rng::new(53);
+    let base = Case::dense(&mut rng, 2, 3, 4, 2, 2, 3).with_random_sinks(&mut rng);
+    check_sinks(&base, &mut rng);
+    check_sinks(&base.clone().causal().with_softcap(1.5), &mut rng);
+    // GQA, a row that sees no key (causal, seqlen_q > seqlen_k), a window.
+    let gqa = Case::dense(&mut rng, 1, 5, 3, 4, 2, 2)
+        .causal()
+        .with_random_sinks(&mut rng);
+    check_sinks(&gqa, &mut rng);
+    let window = Case::dense(&mut rng, 1, 4, 6, 2, 1, 3)
+        .with_mask(Mask {
+            left: Some(1),
+            right: Some(0),
+        })
+        .with_random_sinks(&mut rng);
+    check_sinks(&window, &mut rng);
+    // Varlen with an empty sequence, and a very large sink (most of the mass).
+    let varlen =
+        Case::varlen(&mut rng, &[2, 0, 3], &[3, 2, 0], 2, 1, 3).with_sinks(vec![4.0, -3.0]);
+    check_sinks(&varlen, &mut rng);
 }

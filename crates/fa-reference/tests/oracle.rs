@@ -199,3 +199,50 @@ fn bf16_pv_slack_scales_with_cancellation_in_o() {
     let (q, k, v) = (bf(&case.q), bf(&case.k), bf(&case.v));
     assert_eq!(bf16_pv_slack(&p, &q, &k, &v), slack);
 }
+
+/// A sink only adds `exp(s_h)` to each row's denominator: `LSE' = logaddexp(LSE, s_h)` and
+/// `O' = O·exp(LSE − LSE')`, checked against the oracle without sinks (GQA, causal with rows
+/// that see no key, varlen with an empty sequence).
+#[test]
+fn sinks_rescale_rows_by_the_denominator() {
+    let mut rng = Rng::new(5353);
+    let cases = [
+        Case::dense(&mut rng, 2, 6, 4, 4, 2, 5).causal(),
+        Case::varlen(&mut rng, &[3, 0, 2], &[1, 4, 0], 2, 1, 3),
+    ];
+    for case in cases {
+        let with = case.clone().with_random_sinks(&mut rng);
+        let sinks = with.sinks.clone().unwrap();
+        let p0 = case.desc().validate(MAX_HEAD_DIM).unwrap();
+        let p1 = with.desc().validate(MAX_HEAD_DIM).unwrap();
+        let r0 = attention_f64(&p0, &case.q, &case.k, &case.v);
+        let r1 = attention_f64(&p1, &with.q, &with.k, &with.v);
+        for b in 0..p0.batch() {
+            for h in 0..p0.heads_q() {
+                for i in 0..p0.seq(b).seqlen_q {
+                    let at = p0.lse_offset(b, h, i);
+                    let (l0, s) = (r0.lse[at], sinks[h] as f64);
+                    let l1 = if l0 == f64::NEG_INFINITY {
+                        s
+                    } else {
+                        l0.max(s) + ((l0 - l0.max(s)).exp() + (s - l0.max(s)).exp()).ln()
+                    };
+                    assert!(
+                        (r1.lse[at] - l1).abs() < 1e-12,
+                        "lse {} vs {l1}",
+                        r1.lse[at]
+                    );
+                    let oo = p0.o_offset(b, i, h);
+                    for c in 0..p0.head_dim_v() {
+                        let expect = if l0 == f64::NEG_INFINITY {
+                            0.0
+                        } else {
+                            r0.out[oo + c] * (l0 - l1).exp()
+                        };
+                        assert!((r1.out[oo + c] - expect).abs() < 1e-12);
+                    }
+                }
+            }
+        }
+    }
+}
