@@ -145,6 +145,60 @@ fn check_len(tensor: Tensor, len: usize, needed: usize) -> Result<(), ProblemErr
     Ok(())
 }
 
+/// The gradient of the attention sinks' logits ([`softmax_core::Problem::sinks`]):
+/// `d_sinks[h] = −Σ_i exp(s_h − LSE_i)·D_i` over every row `i` of query head `h` (all
+/// sequences), `D_i = rowsum(dO_i ∘ O_i)`, each term `softmax-core`'s
+/// [`softmax_core::sink_grad_term`]. It reads only O, dO and the LSE (the sink carries no value,
+/// so Q, K and V enter through O and the LSE): call it beside [`backward`] / [`run_backward`],
+/// whose dQ, dK and dV need nothing more than the sink-aware LSE the forward wrote.
+///
+/// Deterministic and independent of any thread count: one pass on the calling thread, `D` and
+/// the sums in f64, in a fixed order (head, then sequence, then row), rounded once to f32.
+/// Rows whose LSE is −∞ (no key and no sink: never the case with sinks) add nothing.
+///
+/// `problem` was validated by the caller. Errors, before anything is written (`d_sinks` is
+/// then untouched): no sinks in the problem, or prefix sums on the device (`Unsupported`); O,
+/// dO or the LSE too short (`BufferTooSmall` names O or Lse); `d_sinks` shorter than
+/// `heads_q` (`BufferTooSmall` naming `DSinks`).
+pub fn backward_sinks<O: Element>(
+    problem: &Problem,
+    inputs: BackwardInputs<'_, O>,
+    d_sinks: &mut [f32],
+) -> Result<(), ProblemError> {
+    let Some(sinks) = problem.sinks() else {
+        return Err(ProblemError::Unsupported {
+            what: "the problem has no attention sinks to differentiate",
+        });
+    };
+    problem.require_host_seqlens()?;
+    let lens = problem.min_buffer_lens();
+    check_len(Tensor::O, inputs.o.len(), lens.o)?;
+    check_len(Tensor::O, inputs.d_o.len(), lens.o)?;
+    check_len(Tensor::Lse, inputs.lse.len(), problem.lse_len())?;
+    check_len(Tensor::DSinks, d_sinks.len(), problem.heads_q())?;
+    let dv = problem.head_dim_v();
+    for (h, (d, &sink)) in d_sinks.iter_mut().zip(sinks).enumerate() {
+        let mut sum = 0.0f64;
+        for b in 0..problem.batch() {
+            for i in 0..problem.seq(b).seqlen_q {
+                let lse = inputs.lse[problem.lse_offset(b, h, i)] as f64;
+                if lse == f64::NEG_INFINITY {
+                    continue;
+                }
+                let at = problem.o_offset(b, i, h);
+                let delta: f64 = inputs.o[at..at + dv]
+                    .iter()
+                    .zip(&inputs.d_o[at..at + dv])
+                    .map(|(&o, &g)| o.to_f32() as f64 * g.to_f32() as f64)
+                    .sum();
+                sum += softmax_core::sink_grad_term(sink as f64, lse, delta);
+            }
+        }
+        *d = sum as f32;
+    }
+    Ok(())
+}
+
 /// Exact attention backward with recomputation: the gradients of a loss `L` with respect to
 /// Q, K and V, given `∂L/∂O`, the forward's O and its LSE.
 ///

@@ -16,9 +16,9 @@
 //! gradients in the inputs' dtype or f32.
 
 use crate::{
-    backward, backward_with_workspace, forward, forward_with_workspace, BackwardInputs,
-    BackwardOptions, BackwardStats, BackwardWorkspace, Element, ForwardOptions, ForwardStats,
-    Workspace,
+    backward, backward_sinks, backward_with_workspace, forward, forward_with_workspace,
+    BackwardInputs, BackwardOptions, BackwardStats, BackwardWorkspace, Element, ForwardOptions,
+    ForwardStats, Workspace,
 };
 use half::{bf16, f16};
 use softmax_core::{Append, DType, Extent, Grads, Out, Problem, ProblemError, Qkv};
@@ -310,6 +310,29 @@ pub fn backward_dyn(
         }
         (R::F16(q), R::F16(k), R::F16(v), R::F32(o), R::F32(d_o)) => {
             with_grads!(q, k, v, o, d_o, F16)
+        }
+        _ => Err(BACKWARD_DTYPES),
+    }
+}
+
+/// [`crate::backward_sinks()`] on dtype-erased views (O and dO of one dtype, f32, bf16 or
+/// f16; [`BACKWARD_DTYPES`] otherwise). On error `d_sinks` is untouched.
+pub fn backward_sinks_dyn(
+    problem: &Problem,
+    inputs: DynBackwardInputs<'_>,
+    d_sinks: &mut [f32],
+) -> Result<(), ProblemError> {
+    use TensorRef as R;
+    let lse = inputs.lse;
+    match (inputs.o, inputs.d_o) {
+        (R::F32(o), R::F32(d_o)) => {
+            backward_sinks(problem, BackwardInputs { o, d_o, lse }, d_sinks)
+        }
+        (R::Bf16(o), R::Bf16(d_o)) => {
+            backward_sinks(problem, BackwardInputs { o, d_o, lse }, d_sinks)
+        }
+        (R::F16(o), R::F16(d_o)) => {
+            backward_sinks(problem, BackwardInputs { o, d_o, lse }, d_sinks)
         }
         _ => Err(BACKWARD_DTYPES),
     }

@@ -101,14 +101,14 @@ mod kernel;
 pub use append::append_kv;
 pub use arch::SimdLevel;
 pub use backward::{
-    backward, backward_scratch_bytes_per_thread, backward_with_workspace, plan_backward,
-    run_backward, supports_backward, BackwardDTypes, BackwardInputs, BackwardOptions, BackwardPlan,
-    BackwardStats, BackwardWorkspace, HostGrads,
+    backward, backward_scratch_bytes_per_thread, backward_sinks, backward_with_workspace,
+    plan_backward, run_backward, supports_backward, BackwardDTypes, BackwardInputs,
+    BackwardOptions, BackwardPlan, BackwardStats, BackwardWorkspace, HostGrads,
 };
 pub use element::Element;
 pub use erased::{
-    append_kv_dyn, backward_dyn, forward_dyn, DynBackwardInputs, TensorMut, TensorRef,
-    APPEND_DTYPES, BACKWARD_DTYPES, FORWARD_DTYPES,
+    append_kv_dyn, backward_dyn, backward_sinks_dyn, forward_dyn, DynBackwardInputs, TensorMut,
+    TensorRef, APPEND_DTYPES, BACKWARD_DTYPES, FORWARD_DTYPES,
 };
 pub use forward::{
     forward_with_workspace, plan_forward, run_forward, scratch_bytes_per_thread, supports,

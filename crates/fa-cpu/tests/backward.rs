@@ -684,3 +684,152 @@ fn one_backward_plan_runs_every_layer() {
         );
     }
 }
+
+/// With attention sinks: the forward's sink-aware O and LSE, then dQ, dK, dV (the backward
+/// unchanged) against the f64 reference backward with sinks, and `backward_sinks`' d sinks
+/// against its extra output; every dtype; bitwise identical gradients and d sinks for any
+/// thread count; a short `d_sinks` or a problem without sinks is a typed error that leaves
+/// `d_sinks` untouched.
+#[test]
+fn sinks_gradients_match_the_f64_reference() {
+    use fa_cpu::backward_sinks;
+    use fa_reference::{attention_backward_sinks_f64, compare_sink_grads};
+    let mut rng = Rng::new(5320);
+    let cases = |rng: &mut Rng, rounding: Rounding| {
+        vec![
+            Case::dense(rng, 2, 65, 70, 4, 2, 64).round(rounding),
+            Case::dense(rng, 1, 80, 40, 2, 1, 8)
+                .round(rounding)
+                .with_softcap(2.0)
+                .causal(),
+            Case::dense(rng, 1, 33, 90, 3, 1, 72)
+                .round(rounding)
+                .with_mask(Mask {
+                    left: Some(20),
+                    right: Some(5),
+                }),
+            Case::varlen(rng, &[7, 0, 65, 1, 0], &[9, 5, 70, 0, 0], 4, 2, 64)
+                .round(rounding)
+                .causal(),
+            Case::dense(rng, 2, 20, 31, 2, 1, 16).padded(rng, 3, rounding),
+        ]
+    };
+    /// Forward + backward + d sinks with `T` inputs, f32 gradients.
+    fn grads_and_sinks<T: Element + fa_reference::Element>(
+        case: &Case,
+        d_o: &[f32],
+        opts: &BackwardOptions,
+    ) -> (Grads<Vec<f32>>, Vec<f32>) {
+        let problem = case.desc().validate(256).unwrap();
+        let fwd = run::<T, T>(case, &ForwardOptions::default());
+        let d_o_t = convert::<T>(d_o);
+        let r = run_backward::<T, f32>(case, d_o, opts);
+        let mut d_sinks = vec![f32::NAN; problem.heads_q()];
+        backward_sinks(
+            &problem,
+            BackwardInputs {
+                o: &fwd.out,
+                d_o: &d_o_t,
+                lse: &fwd.lse,
+            },
+            &mut d_sinks,
+        )
+        .expect("d sinks");
+        (r.grads, d_sinks)
+    }
+    for (rounding, bound, sink_bound) in [
+        (Rounding::F32, 1e-5, 1e-4),
+        (Rounding::Bf16, 2e-2, 2e-2),
+        (Rounding::F16, 2e-2, 2e-2),
+    ] {
+        for case in cases(&mut rng, rounding) {
+            let case = case.with_random_sinks(&mut rng);
+            let problem = case.desc().validate(256).unwrap();
+            let d_o = draw_d_o(&case, &mut rng, rounding);
+            let (reference, ref_sinks) =
+                attention_backward_sinks_f64(&problem, &case.q, &case.k, &case.v, &d_o);
+            let ref_sinks = ref_sinks.unwrap();
+            for level in levels() {
+                let opts = BackwardOptions {
+                    threads: None,
+                    simd: level,
+                };
+                let (grads, d_sinks) = match rounding {
+                    Rounding::F32 => grads_and_sinks::<f32>(&case, &d_o, &opts),
+                    Rounding::Bf16 => grads_and_sinks::<bf16>(&case, &d_o, &opts),
+                    Rounding::F16 => grads_and_sinks::<half::f16>(&case, &d_o, &opts),
+                };
+                let what = format!("{rounding:?} {level:?} {:?} {:?}", case.dense, case.mask);
+                let e = compare_grads(
+                    &problem,
+                    Grads::new(&grads.dq[..], &grads.dk[..], &grads.dv[..]),
+                    &reference,
+                );
+                assert_within(&e, bound, &what);
+                let err = compare_sink_grads(&d_sinks, &ref_sinks);
+                assert!(
+                    err <= sink_bound,
+                    "{what}: d sinks {d_sinks:?} vs {ref_sinks:?} ({err:e})"
+                );
+                if rounding == Rounding::F32 {
+                    // Any thread count: the same bits.
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+                    for threads in [Some(1), Some(3)] {
+                        let o = BackwardOptions { threads, ..opts };
+                        let (g, s) = grads_and_sinks::<f32>(&case, &d_o, &o);
+                        assert_eq!(bits(&g.dq), bits(&grads.dq), "{what} {threads:?} dQ");
+                        assert_eq!(bits(&g.dk), bits(&grads.dk), "{what} {threads:?} dK");
+                        assert_eq!(bits(&g.dv), bits(&grads.dv), "{what} {threads:?} dV");
+                        assert_eq!(bits(&s), bits(&d_sinks), "{what} {threads:?} d sinks");
+                    }
+                }
+            }
+        }
+    }
+    // Errors leave d_sinks untouched.
+    let case = Case::dense(&mut rng, 1, 5, 6, 2, 1, 8).with_random_sinks(&mut rng);
+    let problem = case.desc().validate(256).unwrap();
+    let fwd = run::<f32, f32>(&case, &ForwardOptions::default());
+    let d_o = draw_d_o(&case, &mut rng, Rounding::F32);
+    let inputs = BackwardInputs {
+        o: &fwd.out,
+        d_o: &d_o,
+        lse: &fwd.lse,
+    };
+    let mut short = [7.0f32; 1];
+    let err = backward_sinks(&problem, inputs, &mut short).unwrap_err();
+    assert!(matches!(
+        err,
+        ProblemError::BufferTooSmall {
+            tensor: Tensor::DSinks,
+            needed: 2,
+            len: 1
+        }
+    ));
+    assert_eq!(short, [7.0]);
+    let mut d_sinks = [7.0f32; 2];
+    let err = backward_sinks(
+        &problem,
+        BackwardInputs {
+            lse: &fwd.lse[..1],
+            ..inputs
+        },
+        &mut d_sinks,
+    )
+    .unwrap_err();
+    assert!(matches!(
+        err,
+        ProblemError::BufferTooSmall {
+            tensor: Tensor::Lse,
+            ..
+        }
+    ));
+    let plain = Case {
+        sinks: None,
+        ..case.clone()
+    };
+    let plain = plain.desc().validate(256).unwrap();
+    let err = backward_sinks(&plain, inputs, &mut d_sinks).unwrap_err();
+    assert!(matches!(err, ProblemError::Unsupported { .. }));
+    assert_eq!(d_sinks, [7.0, 7.0]);
+}

@@ -944,3 +944,110 @@ fn one_plan_runs_every_layer_of_a_decode_step() {
         );
     }
 }
+
+/// Attention sinks over padded and paged caches: the streaming decode loop (few rows per KV
+/// head), the tiled split path (16 rows per KV head and more), forced split counts (the sink
+/// joins once, after the combine), masks, softcap, every dtype, sequences with no key (O = 0,
+/// LSE = the sink), and bitwise identity for any thread count.
+#[test]
+fn sinks_over_caches_match_the_oracle() {
+    let mut rng = Rng::new(5310);
+    for level in levels() {
+        for (rounding, bound, lse_bound) in [
+            (Rounding::F32, F32_BOUND, LSE_BOUND),
+            (Rounding::Bf16, HALF_BOUND, 1e-2),
+            (Rounding::F16, HALF_BOUND, 1e-2),
+        ] {
+            for (group, heads_kv, sq) in [(1, 2, 1), (8, 1, 1), (4, 2, 3), (16, 1, 2)] {
+                let used = lengths(&mut rng, 5, 300);
+                for layout in [
+                    CacheLayout::Padded { capacity: 301 },
+                    DecodeCase::paged_layout(&used, 16),
+                ] {
+                    let d = [8, 33, 64][rng.below(3)];
+                    let case = DecodeCase::new(
+                        &mut rng,
+                        &used,
+                        sq,
+                        group * heads_kv,
+                        heads_kv,
+                        d,
+                        layout,
+                        rounding,
+                    )
+                    .with_random_sinks(&mut rng);
+                    let case = match rng.below(3) {
+                        0 => case.causal(),
+                        1 => case.with_mask(Mask {
+                            left: Some(40),
+                            right: Some(0),
+                        }),
+                        _ => case.with_softcap(5.0),
+                    };
+                    for splits in [None, Some(1), Some(3), Some(1000)] {
+                        let o = opts(level, splits);
+                        let (rep, rep32) = match rounding {
+                            Rounding::F32 => (check::<f32, f32>(&case, &o), None),
+                            Rounding::Bf16 => (
+                                check::<half::bf16, half::bf16>(&case, &o),
+                                Some(check::<half::bf16, f32>(&case, &o)),
+                            ),
+                            Rounding::F16 => (
+                                check::<half::f16, half::f16>(&case, &o),
+                                Some(check::<half::f16, f32>(&case, &o)),
+                            ),
+                        };
+                        let what = format!(
+                            "{level:?} {rounding:?} {layout:?} group {group} sq {sq} d {d} \
+                             splits {splits:?} used {used:?}"
+                        );
+                        assert!(rep.within(bound, lse_bound), "{what}: {rep:?}");
+                        if let Some(rep) = rep32 {
+                            assert!(rep.within(F32_BOUND, LSE_BOUND), "{what} f32 out: {rep:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Bitwise identity for any thread count, with the automatic split of a long cache.
+    let used = [20000u32, 0, 9000];
+    let case = DecodeCase::new(
+        &mut rng,
+        &used,
+        1,
+        8,
+        2,
+        64,
+        DecodeCase::paged_layout(&used, 16),
+        Rounding::Bf16,
+    )
+    .with_random_sinks(&mut rng);
+    let problem = case.desc().validate(MAX_HEAD_DIM).unwrap();
+    let base = ForwardOptions {
+        threads: Some(1),
+        ..ForwardOptions::default()
+    };
+    let one = run::<half::bf16, f32>(&case, &base);
+    assert!(one.stats.kv_splits > 1, "{:?}", one.stats);
+    // Sequence 1 sees no key: O = 0 and LSE = the sink.
+    let sinks = case.sinks.clone().unwrap();
+    for h in 0..8 {
+        let at = problem.o_offset(1, 0, h);
+        assert!(one.out[at..at + 64].iter().all(|&x| x == 0.0));
+        let lse = one.lse[problem.lse_offset(1, h, 0)];
+        assert!(
+            (lse - sinks[h]).abs() <= 1e-6,
+            "h{h}: {lse} vs {}",
+            sinks[h]
+        );
+    }
+    for threads in [Some(2), Some(3), None] {
+        let other = run::<half::bf16, f32>(&case, &ForwardOptions { threads, ..base });
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same(&one.out, &other.out) && same(&one.lse, &other.lse),
+            "{threads:?}"
+        );
+    }
+}

@@ -1941,7 +1941,7 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
         natural_row::<T>(&o[r * sh.dv_pad..(r + 1) * sh.dv_pad], w, &mut nat[..dv]);
         match item.first_row {
             None => {
-                let result = state.finish();
+                let result = state.finish_with_sink(p.sink_log2(head));
                 // A row that saw no key gets 0, whatever V holds.
                 let at = p.o_offset(b, i, head);
                 if result.inv_sum != 0.0 {

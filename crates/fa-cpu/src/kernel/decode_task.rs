@@ -309,8 +309,9 @@ pub(crate) fn merge_rows<T, O: Element>(
                 &acc[at * dv..(at + 1) * dv],
             );
         }
-        let result = state.finish();
         let (head, i) = row_at(r);
+        // The sink joins the merged row once, never per split.
+        let result = state.finish_with_sink(p.sink_log2(head));
         // A row that saw no key gets 0, whatever V holds (as in the forward's write-back).
         let seen = result.inv_sum != 0.0;
         let values = acc_row

@@ -880,7 +880,7 @@ pub(super) unsafe fn write_back<S: Simd, T, O: Element>(
         for l in 0..valid {
             let r = p0 + l;
             let (head, i) = task.row(r);
-            let result = states[r].finish();
+            let result = states[r].finish_with_sink(p.sink_log2(head));
             let oo = p.o_offset(task.batch, i, head);
             let ahead = r + ROW_PREFETCH_AHEAD;
             if ahead < rows {
