@@ -114,6 +114,7 @@
 //! # }
 //! ```
 
+mod backward;
 mod cache;
 pub mod compile;
 mod device;
@@ -123,9 +124,14 @@ mod params;
 mod raw;
 mod tma;
 
+pub use backward::{
+    plan_backward, supports_backward, BackwardOptions, BackwardPlan, WorkspacePart, WorkspaceReq,
+    WORKSPACE_ALIGN,
+};
 pub use compile::{precompile, KernelOrigin, PrecompileReport};
 pub use device::{
-    driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, DeviceOut, ForwardStats,
+    driver_available, BackwardInputs, BackwardStats, BackwardTensors, CudaElement, Device,
+    DeviceBuffer, DeviceElement, DeviceOut, ForwardStats,
 };
 pub use error::CudaError;
 pub use kernels::decode::{block_walk, num_splits_heuristic, DecodeOverrides, DecodePlan};

@@ -368,6 +368,14 @@ impl Backend {
         }
     }
 
+    /// The CUDA device of a CUDA backend (`None` on the CPU).
+    pub(crate) fn cuda_device(&self) -> Option<&fa_cuda::Device> {
+        match &self.inner {
+            Inner::Cpu => None,
+            Inner::Cuda(d) => Some(d),
+        }
+    }
+
     /// A short name for tables and JSON (`cpu`, `cuda`).
     pub fn name(&self) -> &'static str {
         self.kind().name()
