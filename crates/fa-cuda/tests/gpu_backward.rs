@@ -315,8 +315,9 @@ fn plan_workspace_run_on_caller_memory() {
         unsafe { RawTensor::<bf16>::from_raw(t.ptr(), t.len() - by) }
     };
     let shift = |t: RawTensor<bf16>| {
-        // SAFETY: a misaligned view inside the same allocation (rejected before any launch).
-        unsafe { RawTensor::<bf16>::from_raw(t.ptr() + 2, t.len() - 8) }
+        // SAFETY: a misaligned view of the same length (rejected before any launch, so the
+        // element past the allocation is never touched).
+        unsafe { RawTensor::<bf16>::from_raw(t.ptr() + 2, t.len()) }
     };
     let expect_err = |tensors: BackwardTensors<bf16>, ws: RawTensor<u8>, what: &str| {
         let e = dev
@@ -496,4 +497,77 @@ fn host_entry_rejects_short_buffers_untouched() {
         })
     ));
     assert!(g.dq.iter().chain(&g.dk).chain(&g.dv).all(|&x| x == seven));
+}
+
+/// Backward kernel times (CUDA events around the pre-pass, main kernel and post-pass) on the
+/// paper's shapes: 16k tokens, hidden 2048, bf16, seqlen 2k and 8k, hdim 64 and 128, causal
+/// and not; TFLOP/s counted as 2.5× the forward's FLOPs (softmax-core's `flops::backward`).
+/// Prints only (a reading, not a check); `scripts/torch_sdpa.py --backward` gives the peers.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn timing_paper_shapes() {
+    let dev = device();
+    let mut rng = Rng::new(1);
+    for d in [64usize, 128] {
+        for n in [2048usize, 8192] {
+            for causal in [false, true] {
+                let (b, h) = (16384 / n, 2048 / d);
+                let mut desc = softmax_core::ProblemDesc::new(b, n, n, h, h, d);
+                if causal {
+                    desc = desc.causal();
+                }
+                let problem = desc.validate(256).expect("valid");
+                let lens = problem.min_buffer_lens();
+                let draw = |len: usize, rng: &mut Rng| -> Vec<bf16> {
+                    (0..len)
+                        .map(|_| bf16::from_f32(rng.normal() as f32))
+                        .collect()
+                };
+                let (q, k, v) = (draw(lens.q, &mut rng), draw(lens.k, &mut rng), draw(lens.v, &mut rng));
+                let d_o = draw(lens.o, &mut rng);
+                let (q, k, v, d_o) = (
+                    dev.upload(&q).expect("up"),
+                    dev.upload(&k).expect("up"),
+                    dev.upload(&v).expect("up"),
+                    dev.upload(&d_o).expect("up"),
+                );
+                let mut o = dev.alloc_zeroed::<bf16>(lens.o).expect("alloc");
+                let mut lse = dev.alloc_zeroed::<f32>(problem.lse_len()).expect("alloc");
+                dev.forward(
+                    &problem,
+                    Qkv::new(&q, &k, &v),
+                    Out::with_lse(&mut o, &mut lse),
+                    &ForwardOptions::default(),
+                )
+                .expect("forward");
+                let mut dq = dev.alloc_zeroed::<bf16>(lens.q).expect("alloc");
+                let mut dk = dev.alloc_zeroed::<bf16>(lens.k).expect("alloc");
+                let mut dv = dev.alloc_zeroed::<bf16>(lens.v).expect("alloc");
+                let ms = dev
+                    .time_backward(
+                        &problem,
+                        Qkv::new(&q, &k, &v),
+                        BackwardInputs {
+                            o: &o,
+                            d_o: &d_o,
+                            lse: &lse,
+                        },
+                        Grads::new(&mut dq, &mut dk, &mut dv),
+                        &BackwardOptions::default(),
+                        3,
+                        10,
+                    )
+                    .expect("timed");
+                let mut sorted = ms.clone();
+                sorted.sort_by(f32::total_cmp);
+                let median = f64::from(sorted[sorted.len() / 2]);
+                let flops = softmax_core::flops::backward(b, h, n, n, d, causal);
+                println!(
+                    "backward bf16 d{d} seqlen {n} {}: {median:.3} ms, {:.0} TFLOP/s",
+                    if causal { "causal" } else { "non-causal" },
+                    flops / (median * 1e-3) / 1e12
+                );
+            }
+        }
+    }
 }
