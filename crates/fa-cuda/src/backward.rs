@@ -17,7 +17,7 @@
 //! deterministic mode is not implemented yet ([`BackwardOptions::deterministic`] is a typed
 //! error).
 
-use crate::kernels::bwd_sm80::{self, BwdLaunch};
+use crate::kernels::bwd_sm80::{self, BwdLaunch, BwdTiles};
 use crate::kernels::DeviceProps;
 use crate::params::supports;
 use softmax_core::{BufferLens, DType, Problem, ProblemError, Sequences};
@@ -29,9 +29,12 @@ pub struct BackwardOptions {
     /// typed `Unsupported` error (the default path's dQ uses f32 atomics, see the module
     /// docs).
     pub deterministic: bool,
-    /// Time the three kernels with CUDA events ([`BackwardStats::kernel_ms`]; the call then
-    /// waits for them).
+    /// Time the three kernels with CUDA events ([`crate::BackwardStats::kernel_ms`]; the
+    /// call then waits for them).
     pub time_kernel: bool,
+    /// Override the plan's tiles and code choices (tuning experiments; `None`: the tuned
+    /// choice).
+    pub tiles: Option<BwdTiles>,
 }
 
 /// One named part of a workspace: where it starts and how long it is, in bytes.
@@ -198,7 +201,7 @@ pub fn plan_backward(
             what: "fa-cuda's deterministic backward is not implemented yet (dQ uses atomics)",
         });
     }
-    let launch = bwd_sm80::plan_backward(problem, dtype, props)?;
+    let launch = bwd_sm80::plan_backward(problem, dtype, opts.tiles, props)?;
     let lse_len = problem.lse_len();
     let round = |x: usize| {
         x.checked_next_multiple_of(WORKSPACE_ALIGN)
@@ -306,8 +309,8 @@ mod tests {
             .causal()
             .validate(256)
             .expect("valid");
-        let plan = plan_backward(&p, DType::Bf16, &BackwardOptions::default(), &H200)
-            .expect("plan");
+        let plan =
+            plan_backward(&p, DType::Bf16, &BackwardOptions::default(), &H200).expect("plan");
         let ws = plan.workspace();
         let rows = 2 * 8 * 100;
         assert_eq!(ws.part("d").map(|d| d.bytes), Some(rows * 4));
@@ -367,8 +370,7 @@ mod tests {
             .window(Some(3), Some(2))
             .validate(256)
             .expect("valid");
-        let plan = plan_backward(&p, DType::F16, &BackwardOptions::default(), &H200)
-            .expect("plan");
+        let plan = plan_backward(&p, DType::F16, &BackwardOptions::default(), &H200).expect("plan");
         assert!(plan.is_varlen());
         assert_eq!(plan.batch(), 3);
         assert_eq!(plan.params.q_strides[0], 0);

@@ -156,6 +156,7 @@ pub use device::{
     DeviceBuffer, DeviceElement, DeviceOut, ForwardStats,
 };
 pub use error::CudaError;
+pub use kernels::bwd_sm80::BwdTiles;
 pub use kernels::decode::{block_walk, num_splits_heuristic, DecodeOverrides, DecodePlan};
 pub use kernels::sm90::Pipeline as Sm90Pipeline;
 pub use kernels::{

@@ -88,6 +88,16 @@ fn poisoned<T: Element>(problem: &Problem) -> Grads<Vec<T>> {
 /// Runs `case` (inputs already rounded to `T`) through `Device::backward_host` and checks
 /// each gradient against the reference; returns the worst normwise error.
 fn check_case<T: CudaElement + Element>(label: &str, case: &Case, rng: &mut Rng) -> f64 {
+    check_case_with::<T>(label, case, rng, &BackwardOptions::default())
+}
+
+/// [`check_case`] with options (tile overrides).
+fn check_case_with<T: CudaElement + Element>(
+    label: &str,
+    case: &Case,
+    rng: &mut Rng,
+    opts: &BackwardOptions,
+) -> f64 {
     let problem = case.desc().validate(256).expect("valid case");
     let p = prepare::<T>(&problem, case, rng);
     let mut g = poisoned::<T>(&problem);
@@ -101,7 +111,7 @@ fn check_case<T: CudaElement + Element>(label: &str, case: &Case, rng: &mut Rng)
                 lse: &p.lse[..],
             },
             Grads::new(&mut g.dq[..], &mut g.dk[..], &mut g.dv[..]),
-            &BackwardOptions::default(),
+            opts,
         )
         .unwrap_or_else(|e| panic!("{label}: {e}"));
     let e = compare_grads(
@@ -188,7 +198,11 @@ fn larger_varlen_and_strided_problems() {
     let mut rng = Rng::fresh();
     let b = Rounding::Bf16;
     let big = Case::dense(&mut rng, 2, 520, 520, 4, 2, 128).round(b);
-    check_case::<bf16>("2x520x520 h4/2 d128 causal", &big.clone().causal(), &mut rng);
+    check_case::<bf16>(
+        "2x520x520 h4/2 d128 causal",
+        &big.clone().causal(),
+        &mut rng,
+    );
     check_case::<bf16>(
         "2x520x520 h4/2 d128 window(100,0)",
         &big.with_mask(Mask::from_flash_args(false, 100, 0)),
@@ -209,7 +223,11 @@ fn larger_varlen_and_strided_problems() {
     check_case::<bf16>("varlen h4/2 d64", &varlen, &mut rng);
     check_case::<bf16>("varlen h4/2 d64 causal", &varlen.causal(), &mut rng);
     let padded = Case::dense(&mut rng, 2, 77, 130, 4, 2, 64).padded(&mut rng, 8, b);
-    check_case::<bf16>("2x77x130 h4/2 d64 padded strides", &padded.causal(), &mut rng);
+    check_case::<bf16>(
+        "2x77x130 h4/2 d64 padded strides",
+        &padded.causal(),
+        &mut rng,
+    );
     let mut dv = Case::dense(&mut rng, 1, 90, 150, 2, 2, 64);
     dv.head_dim_v = 128;
     dv.fill(&mut rng, b);
@@ -428,7 +446,11 @@ fn plan_workspace_run_on_caller_memory() {
     assert_eq!(first.2, second.2, "dV is summed in a fixed order");
     let as_bf = |x: &[u16]| x.iter().map(|&b| bf16::from_bits(b)).collect::<Vec<_>>();
     let (gq, gk, gv) = (as_bf(&second.0), as_bf(&second.1), as_bf(&second.2));
-    let e = compare_grads(&problem, Grads::new(&gq[..], &gk[..], &gv[..]), &p.reference);
+    let e = compare_grads(
+        &problem,
+        Grads::new(&gq[..], &gk[..], &gv[..]),
+        &p.reference,
+    );
     println!(
         "caller memory: dq {:.2e} dk {:.2e} dv {:.2e}",
         e.dq, e.dk, e.dv
@@ -499,6 +521,61 @@ fn host_entry_rejects_short_buffers_untouched() {
     assert!(g.dq.iter().chain(&g.dk).chain(&g.dv).all(|&x| x == seven));
 }
 
+/// Tile choices under evaluation (tuning): `(head dim, BwdTiles::parse string)`; `None`
+/// in [`timing_paper_shapes`] is the plan's own choice.
+const CANDIDATES: [(usize, &str); 10] = [
+    (64, "64x128x1x1x2x1+v"),
+    (64, "64x128x1x1x2x1+u"),
+    (64, "64x128x1x4x2x2+n"),
+    (64, "64x128x1x4x2x2+nv"),
+    (64, "64x64x1x4x2x4+nv"),
+    (128, "64x128x1x2x2x1+v"),
+    (128, "64x128x1x2x2x1+u"),
+    (128, "64x128x1x2x2x1+uv"),
+    (128, "64x64x2x4x2x2+n"),
+    (128, "64x64x2x4x2x2+nv"),
+];
+
+fn tiles_opts(tiles: &str) -> BackwardOptions {
+    BackwardOptions {
+        tiles: Some(fa_cuda::BwdTiles::parse(tiles).expect("candidate tiles")),
+        ..BackwardOptions::default()
+    }
+}
+
+/// Every tuning candidate holds the bound on odd shapes, masks, GQA and both dtypes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn candidate_tiles_match_the_reference() {
+    let mut rng = Rng::fresh();
+    for (d, tiles) in CANDIDATES {
+        let opts = tiles_opts(tiles);
+        let a = Case::dense(&mut rng, 2, 129, 300, 4, 1, d).round(Rounding::Bf16);
+        check_case_with::<bf16>(
+            &format!("{tiles} 2x129x300 h4/1 d{d} causal"),
+            &a.causal(),
+            &mut rng,
+            &opts,
+        );
+        let b = Case::dense(&mut rng, 1, 300, 129, 8, 2, d).round(Rounding::F16);
+        check_case_with::<f16>(
+            &format!("{tiles} 1x300x129 h8/2 d{d} window"),
+            &b.with_mask(Mask::from_flash_args(false, 20, 5)),
+            &mut rng,
+            &opts,
+        );
+        let c = Case::dense(&mut rng, 2, 17, 17, 2, 2, d).round(Rounding::Bf16);
+        check_case_with::<bf16>(
+            &format!("{tiles} 2x17x17 d{d} softcap"),
+            &c.with_softcap(5.0),
+            &mut rng,
+            &opts,
+        );
+        let e = Case::dense(&mut rng, 1, 260, 260, 2, 2, d).round(Rounding::Bf16);
+        check_case_with::<bf16>(&format!("{tiles} 1x260x260 d{d}"), &e, &mut rng, &opts);
+    }
+}
+
 /// Backward kernel times (CUDA events around the pre-pass, main kernel and post-pass) on the
 /// paper's shapes: 16k tokens, hidden 2048, bf16, seqlen 2k and 8k, hdim 64 and 128, causal
 /// and not; TFLOP/s counted as 2.5× the forward's FLOPs (softmax-core's `flops::backward`).
@@ -523,7 +600,11 @@ fn timing_paper_shapes() {
                         .map(|_| bf16::from_f32(rng.normal() as f32))
                         .collect()
                 };
-                let (q, k, v) = (draw(lens.q, &mut rng), draw(lens.k, &mut rng), draw(lens.v, &mut rng));
+                let (q, k, v) = (
+                    draw(lens.q, &mut rng),
+                    draw(lens.k, &mut rng),
+                    draw(lens.v, &mut rng),
+                );
                 let d_o = draw(lens.o, &mut rng);
                 let (q, k, v, d_o) = (
                     dev.upload(&q).expect("up"),
@@ -543,30 +624,40 @@ fn timing_paper_shapes() {
                 let mut dq = dev.alloc_zeroed::<bf16>(lens.q).expect("alloc");
                 let mut dk = dev.alloc_zeroed::<bf16>(lens.k).expect("alloc");
                 let mut dv = dev.alloc_zeroed::<bf16>(lens.v).expect("alloc");
-                let ms = dev
-                    .time_backward(
-                        &problem,
-                        Qkv::new(&q, &k, &v),
-                        BackwardInputs {
-                            o: &o,
-                            d_o: &d_o,
-                            lse: &lse,
-                        },
-                        Grads::new(&mut dq, &mut dk, &mut dv),
-                        &BackwardOptions::default(),
-                        3,
-                        10,
-                    )
-                    .expect("timed");
-                let mut sorted = ms.clone();
-                sorted.sort_by(f32::total_cmp);
-                let median = f64::from(sorted[sorted.len() / 2]);
-                let flops = softmax_core::flops::backward(b, h, n, n, d, causal);
-                println!(
-                    "backward bf16 d{d} seqlen {n} {}: {median:.3} ms, {:.0} TFLOP/s",
-                    if causal { "causal" } else { "non-causal" },
-                    flops / (median * 1e-3) / 1e12
+                let configs = std::iter::once(None).chain(
+                    CANDIDATES
+                        .iter()
+                        .filter(|(cd, _)| *cd == d)
+                        .map(|(_, t)| Some(*t)),
                 );
+                for tiles in configs {
+                    let opts = tiles.map_or_else(BackwardOptions::default, tiles_opts);
+                    let ms = dev
+                        .time_backward(
+                            &problem,
+                            Qkv::new(&q, &k, &v),
+                            BackwardInputs {
+                                o: &o,
+                                d_o: &d_o,
+                                lse: &lse,
+                            },
+                            Grads::new(&mut dq, &mut dk, &mut dv),
+                            &opts,
+                            3,
+                            10,
+                        )
+                        .expect("timed");
+                    let mut sorted = ms.clone();
+                    sorted.sort_by(f32::total_cmp);
+                    let median = f64::from(sorted[sorted.len() / 2]);
+                    let flops = softmax_core::flops::backward(b, h, n, n, d, causal);
+                    println!(
+                        "backward bf16 d{d} seqlen {n} {} [{}]: {median:.3} ms, {:.0} TFLOP/s",
+                        if causal { "causal" } else { "non-causal" },
+                        tiles.unwrap_or("plan"),
+                        flops / (median * 1e-3) / 1e12
+                    );
+                }
             }
         }
     }

@@ -25,7 +25,8 @@ const CPU_BACKWARD_DTYPES: ProblemError = fa_cpu::BACKWARD_DTYPES;
 
 /// The CUDA backward's dtypes.
 const CUDA_BACKWARD_DTYPES: ProblemError = ProblemError::Unsupported {
-    what: "fa-cuda's backward takes bf16 or f16 tensors, all of one dtype (inputs, O, dO, gradients)",
+    what:
+        "fa-cuda's backward takes bf16 or f16 tensors, all of one dtype (inputs, O, dO, gradients)",
 };
 
 impl Backend {

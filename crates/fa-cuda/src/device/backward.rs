@@ -222,8 +222,7 @@ impl Device {
         let params = check_tensors(plan, &tensors, &workspace)?;
         let launch = *plan.launch();
         let dtype = plan.dtype();
-        let (main, origin, registers) =
-            self.named_function(&launch.variant, launch.smem_bytes)?;
+        let (main, origin, registers) = self.named_function(&launch.variant, launch.smem_bytes)?;
         let pre = self
             .named_function(&BwdPrepVariant { dtype, post: false }, 0)?
             .0;
@@ -324,13 +323,17 @@ impl Device {
         repeat: usize,
     ) -> Result<Vec<BackwardStats>, CudaError> {
         let plan = self.plan_backward(problem, T::DTYPE, opts)?;
-        for b in [qkv.q, qkv.k, qkv.v, inputs.o, inputs.d_o, &*grads.dq, &*grads.dk, &*grads.dv] {
+        for b in [
+            qkv.q, qkv.k, qkv.v, inputs.o, inputs.d_o, &*grads.dq, &*grads.dk, &*grads.dv,
+        ] {
             self.owns(b)?;
         }
         self.owns(inputs.lse)?;
         let stream = &self.stream;
         let cu = match problem.sequences() {
-            softmax_core::Sequences::Varlen { .. } => self.upload_host_cu_seqlens(problem, stream)?,
+            softmax_core::Sequences::Varlen { .. } => {
+                self.upload_host_cu_seqlens(problem, stream)?
+            }
             softmax_core::Sequences::VarlenDevice { .. } => {
                 return Err(ProblemError::Unsupported {
                     what: "device prefix sums go through backward_on_stream",
@@ -435,14 +438,8 @@ impl Device {
             time_kernel: true,
             ..*opts
         };
-        let stats = self.backward_owned(
-            problem,
-            qkv,
-            inputs,
-            Grads::new(dq, dk, dv),
-            &timed,
-            iters,
-        )?;
+        let stats =
+            self.backward_owned(problem, qkv, inputs, Grads::new(dq, dk, dv), &timed, iters)?;
         Ok(stats.iter().filter_map(|s| s.kernel_ms).collect())
     }
 
@@ -504,7 +501,11 @@ impl Device {
         let stats = self.backward(
             problem,
             Qkv::new(&q, &k, &v),
-            BackwardInputs { o: &o, d_o: &d_o, lse: &lse },
+            BackwardInputs {
+                o: &o,
+                d_o: &d_o,
+                lse: &lse,
+            },
             Grads::new(&mut gq, &mut gk, &mut gv),
             opts,
         )?;

@@ -70,6 +70,13 @@ pub struct BwdVariant {
     pub dtype: DType,
     /// Softcap: scores `cap·tanh(s·scale/cap)` and their derivative.
     pub softcap: bool,
+    /// Unroll every k-step of `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` (more registers).
+    pub qk_unroll: bool,
+    /// dQ's f32 additions as 2-element vector reductions on sm_90 (`red.global.add.v2.f32`;
+    /// scalar atomics on older devices).
+    pub red_v2: bool,
+    /// Columns of one dQ item: 64, or 32 (a smaller accumulator: fewer registers).
+    pub dq_cols: u32,
 }
 
 impl BwdVariant {
@@ -98,13 +105,18 @@ impl BwdVariant {
             format!("-DSTAGES={}", self.stages),
             format!("-DIS_BF16={}", u32::from(self.dtype == DType::Bf16)),
             format!("-DSOFTCAP={}", u32::from(self.softcap)),
+            format!("-DQK_UNROLL={}", u32::from(self.qk_unroll)),
+            format!("-DRED_V2={}", u32::from(self.red_v2)),
+            format!("-DDQ_COLS={}", self.dq_cols),
         ]
     }
 
-    /// A readable name, e.g. `bwd_sm80_bf16_d128_64x128_w8_s2` (`_cap`: softcap).
+    /// A readable name, e.g. `bwd_sm80_bf16_d128_64x128_w8_b1_s2_q2` (`_split`: dK/dV
+    /// columns split over warps, `_cap`: softcap, `_u`: unrolled `Sᵀ`, `_v2`: vector dQ
+    /// reductions, `_n`: 32-column dQ items).
     pub fn name(&self) -> String {
         format!(
-            "bwd_sm80_{}_d{}_{}x{}_w{}_b{}_s{}_q{}{}{}",
+            "bwd_sm80_{}_d{}_{}x{}_w{}_b{}_s{}_q{}{}{}{}{}{}",
             self.dtype.name(),
             self.hdp,
             self.block_m,
@@ -114,7 +126,10 @@ impl BwdVariant {
             self.stages,
             self.subs,
             if self.dsplit > 1 { "_split" } else { "" },
-            if self.softcap { "_cap" } else { "" }
+            if self.softcap { "_cap" } else { "" },
+            if self.qk_unroll { "_u" } else { "" },
+            if self.red_v2 { "_v2" } else { "" },
+            if self.dq_cols == 32 { "_n" } else { "" }
         )
     }
 
@@ -220,6 +235,73 @@ fn tile_config(hdp: u32, dtype: DType, softcap: bool) -> BwdVariant {
         stages,
         dtype,
         softcap,
+        qk_unroll: false,
+        red_v2: false,
+        dq_cols: 64,
+    }
+}
+
+/// Tile sizes and code choices of the backward kernel, overriding the plan's (tuning
+/// experiments only; see [`crate::BackwardOptions::tiles`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BwdTiles {
+    /// Queries per step (a multiple of 64).
+    pub block_m: u32,
+    /// Keys per CTA (a multiple of 16).
+    pub block_n: u32,
+    /// Warps sharing a 16-key slab's dK/dV columns.
+    pub dsplit: u32,
+    /// Parts each step's queries run in.
+    pub subs: u32,
+    /// Q/dO buffers (1 or 2).
+    pub stages: u32,
+    /// CTAs per SM for the register cap.
+    pub min_blocks: u32,
+    /// See [`BwdVariant::qk_unroll`].
+    pub qk_unroll: bool,
+    /// See [`BwdVariant::red_v2`].
+    pub red_v2: bool,
+    /// 32-column dQ items (see [`BwdVariant::dq_cols`]).
+    pub narrow_dq: bool,
+}
+
+impl BwdTiles {
+    /// Parses `BMxBNxDSPLITxSUBSxSTAGESxMINBLOCKS` with optional flags `u` (unrolled Sᵀ),
+    /// `v` (vector dQ reductions) and `n` (32-column dQ items) after a `+`, e.g.
+    /// `64x128x1x2x2x1+uv`.
+    pub fn parse(s: &str) -> Option<BwdTiles> {
+        let (dims, flags) = s.split_once('+').unwrap_or((s, ""));
+        let v: Vec<u32> = dims
+            .split('x')
+            .map(|x| x.parse().ok())
+            .collect::<Option<_>>()?;
+        let [block_m, block_n, dsplit, subs, stages, min_blocks] = v[..] else {
+            return None;
+        };
+        if !flags.chars().all(|c| matches!(c, 'u' | 'v' | 'n')) {
+            return None;
+        }
+        let ok = block_m > 0
+            && block_m % 64 == 0
+            && block_n > 0
+            && block_n % 16 == 0
+            && matches!(dsplit, 1 | 2 | 4)
+            && subs > 0
+            && block_m % (16 * subs) == 0
+            && (stages == 1 || stages == 2)
+            && min_blocks > 0
+            && (block_n / 16) * dsplit <= 16;
+        ok.then_some(BwdTiles {
+            block_m,
+            block_n,
+            dsplit,
+            subs,
+            stages,
+            min_blocks,
+            qk_unroll: flags.contains('u'),
+            red_v2: flags.contains('v'),
+            narrow_dq: flags.contains('n'),
+        })
     }
 }
 
@@ -241,11 +323,13 @@ pub struct BwdLaunch {
 }
 
 /// The sm80 backward's launch for a validated problem on a device: the variant (head-dim
-/// padding, tiles), the grids, and the check that the shared memory fits. `dtype` is that of
+/// padding, tiles; `tiles` overrides the tuned choice), the grids, and the check that the
+/// shared memory fits. `dtype` is that of
 /// every tensor of the call. Pure: the same inputs always give the same launch.
 pub fn plan_backward(
     problem: &Problem,
     dtype: DType,
+    tiles: Option<BwdTiles>,
     props: &DeviceProps,
 ) -> Result<BwdLaunch, ProblemError> {
     let dim = problem.head_dim().max(problem.head_dim_v()) as u32;
@@ -254,7 +338,24 @@ pub fn plan_backward(
         65..=128 => 128,
         _ => 256,
     };
-    let variant = tile_config(hdp, dtype, problem.softcap().is_some());
+    let mut variant = tile_config(hdp, dtype, problem.softcap().is_some());
+    if let Some(t) = tiles {
+        if hdp % (64 * t.dsplit) != 0 {
+            return Err(ProblemError::Unsupported {
+                what: "the backward tiles split the head dim into parts narrower than 64",
+            });
+        }
+        variant.block_m = t.block_m;
+        variant.block_n = t.block_n;
+        variant.dsplit = t.dsplit;
+        variant.warps = t.block_n / 16 * t.dsplit;
+        variant.subs = t.subs;
+        variant.stages = t.stages;
+        variant.min_blocks = t.min_blocks;
+        variant.qk_unroll = t.qk_unroll;
+        variant.red_v2 = t.red_v2;
+        variant.dq_cols = if t.narrow_dq { 32 } else { 64 };
+    }
     if variant.smem_bytes() > props.smem_optin_bytes {
         return Err(ProblemError::Unsupported {
             what: "the backward kernel's shared memory exceeds this device's limit",
@@ -302,15 +403,25 @@ mod tests {
             .causal()
             .validate(256)
             .expect("valid");
-        let l = plan_backward(&p, DType::F16, &DeviceProps::h200()).expect("plan");
+        let l = plan_backward(&p, DType::F16, None, &DeviceProps::h200()).expect("plan");
         assert_eq!(l.variant.hdp, 128);
         assert_eq!(l.grid, Some((2, 2, 2)));
         assert_eq!(l.prep_grid, Some((5, 8, 2)));
         let empty_k = softmax_core::ProblemDesc::new(1, 5, 0, 2, 2, 64)
             .validate(256)
             .expect("valid");
-        let l = plan_backward(&empty_k, DType::Bf16, &DeviceProps::a100()).expect("plan");
+        let l = plan_backward(&empty_k, DType::Bf16, None, &DeviceProps::a100()).expect("plan");
         assert_eq!(l.grid, None);
         assert!(l.prep_grid.is_some());
+        let t = BwdTiles::parse("64x64x2x2x2x2+uv").expect("tiles");
+        assert!(t.qk_unroll && t.red_v2 && t.dsplit == 2);
+        let l = plan_backward(&p, DType::F16, Some(t), &DeviceProps::h200()).expect("plan");
+        assert_eq!((l.variant.warps, l.block), (8, 256));
+        assert!(BwdTiles::parse("64x64x3x2x2x2").is_none());
+        assert!(BwdTiles::parse("64x64x1x2x2x1+w").is_none());
+        let d64 = softmax_core::ProblemDesc::new(1, 10, 10, 1, 1, 64)
+            .validate(256)
+            .expect("valid");
+        assert!(plan_backward(&d64, DType::F16, Some(t), &DeviceProps::h200()).is_err());
     }
 }

@@ -31,6 +31,10 @@
 //               dP^T and dS^T of one part live at a time: fewer registers beside dK and dV)
 //   STAGES      1: one Q/dO buffer (the next block's load overlaps dQ's product); 2: double
 //               buffered (the load overlaps the whole step)
+//   QK_UNROLL   1: unroll every k-step of S^T and dP^T (more registers); 0: one swizzle period
+//   RED_V2      1: dQ's f32 additions as 2-element vector reductions on sm_90 (half the
+//               instructions); scalar atomics elsewhere
+//   DQ_COLS     columns of one dQ item (64, or 32: fewer registers for its accumulator)
 //   IS_BF16     1: bf16, 0: fp16
 //   SOFTCAP     1: scores cap*tanh(s*scale/cap) and their derivative
 //
@@ -38,8 +42,9 @@
 // common/mask.cuh's KEY_LO / KEY_HI, query blocks outside the key block's reach skipped.
 
 #if !defined(HDP) || !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(WARPS) || !defined(DSPLIT) || \
-    !defined(MIN_BLOCKS) || !defined(STAGES) || !defined(IS_BF16) || !defined(SOFTCAP) || !defined(SUBS)
-#error "bwd_sm80/flash_bwd.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, DSPLIT, SUBS, MIN_BLOCKS, STAGES, IS_BF16, SOFTCAP"
+    !defined(MIN_BLOCKS) || !defined(STAGES) || !defined(IS_BF16) || !defined(SOFTCAP) || !defined(SUBS) || \
+    !defined(QK_UNROLL) || !defined(RED_V2) || !defined(DQ_COLS)
+#error "bwd_sm80/flash_bwd.cu needs HDP, BLOCK_M, BLOCK_N, WARPS, DSPLIT, SUBS, MIN_BLOCKS, STAGES, IS_BF16, SOFTCAP, QK_UNROLL, RED_V2, DQ_COLS"
 #endif
 
 #include "common/tile.cuh"
@@ -60,8 +65,9 @@ __device__ const int fa_compile_check_nonce = FA_COMPILE_CHECK_NONCE;
 #define ROW_BYTES (HDP * 2)
 #define DS_ROW_BYTES (BLOCK_M * 2)
 #define ELEM_BF16 (IS_BF16 != 0)
+#define QK_GROUPS (QK_UNROLL ? KQ / 4 : 1)
 
-#if WARPS != KW * DSPLIT || (BLOCK_M % 64) != 0 || (BLOCK_M % (16 * SUBS)) != 0 || (HDP % 64) != 0 || (DCOLS % 64) != 0 || (BLOCK_N % 16) != 0
+#if (DQ_COLS != 64 && DQ_COLS != 32) || WARPS != KW * DSPLIT || (BLOCK_M % 64) != 0 || (BLOCK_M % (16 * SUBS)) != 0 || (HDP % 64) != 0 || (DCOLS % 64) != 0 || (BLOCK_N % 16) != 0
 #error "bad backward tile configuration"
 #endif
 #if ((BLOCK_N * CHUNKS) % THREADS) != 0 || ((BLOCK_M * CHUNKS) % THREADS) != 0 || BLOCK_M > THREADS
@@ -108,6 +114,17 @@ static __device__ __forceinline__ void load_tile(u16* s, const u16* g, i64 row_s
         const u16* src = ok ? g + row * row_stride + c * 8 : g;
         cp_async16(base + (u32)swz(row, c) * 2u, src, ok);
     }
+#endif
+}
+
+// dst[0] += a, dst[1] += b in global memory (8-byte aligned), without a return value: one
+// vector reduction on sm_90 where RED_V2 asks for it, two scalar ones otherwise.
+static __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if RED_V2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
 #endif
 }
 
@@ -245,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_bwd(cons
 
             // S^T = K Q^T: this warp's 16 keys x BLOCK_M / SUBS queries.
             float s[1][NQS][4];
-            tile_qk<1, NQS, KQ, 1, ELEM_BF16, ROW_BYTES>(s, a_k, b_q, sub_off);
+            tile_qk<1, NQS, KQ, QK_GROUPS, ELEM_BF16, ROW_BYTES>(s, a_k, b_q, sub_off);
 
             // P^T = exp2(x - LSE2), x the log2-domain score; 0 outside the mask.
 #pragma unroll
@@ -277,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_bwd(cons
 
             // dP^T = V dO^T.
             float dp[1][NQS][4];
-            tile_qk<1, NQS, KQ, 1, ELEM_BF16, ROW_BYTES>(dp, a_v, b_q, (u32)(SDO_OFF - SQ_OFF) + sub_off);
+            tile_qk<1, NQS, KQ, QK_GROUPS, ELEM_BF16, ROW_BYTES>(dp, a_v, b_q, (u32)(SDO_OFF - SQ_OFF) + sub_off);
 
             // dS^T = P^T (dP^T - D), times the softcap's derivative 1 - tanh^2 (tanh recovered
             // from P: x = log2(P) + LSE2; P = 0 gives dS = 0).
@@ -322,26 +339,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_bwd(cons
         cp_async_commit();
 #endif
 
-        // dQ += dS K: items of 16 query rows x 64 columns, dealt round-robin to the warps,
-        // added to the f32 accumulator with atomics.
+        // dQ += dS K: items of 16 query rows x DQ_COLS columns, dealt round-robin to the
+        // warps, added to the f32 accumulator with atomics.
 #pragma unroll 1
-        for (int item = warp; item < (BLOCK_M / 16) * (HDP / 64); item += WARPS) {
+        for (int item = warp; item < (BLOCK_M / 16) * (HDP / DQ_COLS); item += WARPS) {
             const int mt = item % (BLOCK_M / 16), cg = item / (BLOCK_M / 16);
-            if (cg * 64 >= p.head_dim) continue;
-            float acc[8][4];
+            if (cg * DQ_COLS >= p.head_dim) continue;
+            float acc[DQ_COLS / 8][4];
 #pragma unroll
-            for (int n = 0; n < 8; ++n)
+            for (int n = 0; n < DQ_COLS / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
             const u32 ds_addr = ds_lane + (((2 * mt + ((lane >> 3) & 1)) ^ (lane & 7)) << 4);
+            // K's transposed-operand addresses of this item's columns (16-column pairs).
+            u32 kb[DQ_COLS / 16];
+#pragma unroll
+            for (int dp2 = 0; dp2 < DQ_COLS / 16; ++dp2) {
+#if DQ_COLS == 64
+                kb[dp2] = t_q[dp2] + (u32)(SK_OFF - SQ_OFF) + cg * 128;
+#else
+                kb[dp2] = ((cg & 1) ? t_q[2 + dp2] : t_q[dp2]) + (u32)(SK_OFF - SQ_OFF) + (cg >> 1) * 128;
+#endif
+            }
 #pragma unroll
             for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
                 u32 a[4];
                 ldsm_x4_trans(ds_addr + ks * 16 * DS_ROW_BYTES, a[0], a[1], a[2], a[3]);
 #pragma unroll
-                for (int dp2 = 0; dp2 < 4; ++dp2) {
+                for (int dp2 = 0; dp2 < DQ_COLS / 16; ++dp2) {
                     u32 b0, b1, b2, b3;
-                    ldsm_x4_trans(t_q[dp2] + (u32)(SK_OFF - SQ_OFF) + ks * 16 * ROW_BYTES + cg * 128, b0, b1, b2, b3);
+                    ldsm_x4_trans(kb[dp2] + ks * 16 * ROW_BYTES, b0, b1, b2, b3);
                     mma16816<ELEM_BF16>(acc[2 * dp2], a, b0, b1);
                     mma16816<ELEM_BF16>(acc[2 * dp2 + 1], a, b2, b3);
                 }
@@ -350,13 +377,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_bwd(cons
             for (int hh = 0; hh < 2; ++hh) {
                 const int i = m0 + mt * 16 + g + 8 * hh;
                 if (i >= sq) continue;
-                float* dst = dq_acc + (b * p.lse_bs + h * p.lse_hs + q_start + i) * p.head_dim + cg * 64 + 2 * tig;
+                float* dst = dq_acc + (b * p.lse_bs + h * p.lse_hs + q_start + i) * p.head_dim + cg * DQ_COLS + 2 * tig;
 #pragma unroll
-                for (int n = 0; n < 8; ++n) {
-                    if (cg * 64 + 8 * n < p.head_dim) {
-                        atomicAdd(dst + 8 * n, acc[n][2 * hh]);
-                        atomicAdd(dst + 8 * n + 1, acc[n][2 * hh + 1]);
-                    }
+                for (int n = 0; n < DQ_COLS / 8; ++n) {
+                    if (cg * DQ_COLS + 8 * n < p.head_dim) red_add2(dst + 8 * n, acc[n][2 * hh], acc[n][2 * hh + 1]);
                 }
             }
         }
