@@ -660,3 +660,99 @@ fn timing_paper_shapes() {
         }
     }
 }
+
+/// A packed batch whose prefix sums live on the device (`Sequences::VarlenDevice`) through the
+/// run entry: the same gradients as the reference of the host-described problem (an empty
+/// key sequence and an empty query sequence included).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn varlen_with_device_prefix_sums() {
+    let dev = device();
+    let stream = dev.context().new_stream().expect("a stream");
+    let mut rng = Rng::fresh();
+    let case = Case::varlen(
+        &mut rng,
+        &[0, 1, 17, 300, 129],
+        &[3, 1, 0, 280, 129],
+        4,
+        2,
+        64,
+    )
+    .causal()
+    .round(Rounding::Bf16);
+    let host = case.desc().validate(256).expect("valid");
+    let p = prepare::<bf16>(&host, &case, &mut rng);
+    let sizes = softmax_core::Sequences::VarlenDevice {
+        batch: host.batch(),
+        total_q: host.total_q(),
+        total_k: host.total_k(),
+        max_seqlen_q: host.max_seqlen_q(),
+        max_seqlen_k: host.max_seqlen_k(),
+    };
+    let on_device = softmax_core::ProblemDesc::new(1, 0, 0, 4, 2, 64)
+        .causal()
+        .with_sequences(sizes)
+        .validate(256)
+        .expect("valid");
+    let up = |x: &[bf16]| -> CudaSlice<u16> {
+        stream
+            .clone_htod(&x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>())
+            .expect("upload")
+    };
+    let lens = host.min_buffer_lens();
+    let (q, k, v, o, d_o) = (up(&p.q), up(&p.k), up(&p.v), up(&p.o), up(&p.d_o));
+    let nan = vec![bf16::NAN; lens.q.max(lens.k)];
+    let (dq, dk, dv) = (up(&nan[..lens.q]), up(&nan[..lens.k]), up(&nan[..lens.v]));
+    let lse = stream.clone_htod(&p.lse).expect("upload");
+    let as_i32 = |x: &[u32]| x.iter().map(|&v| v as i32).collect::<Vec<i32>>();
+    let cu_q = stream
+        .clone_htod(&as_i32(&case.cu_seqlens_q))
+        .expect("upload");
+    let cu_k = stream
+        .clone_htod(&as_i32(&case.cu_seqlens_k))
+        .expect("upload");
+    let plan = dev
+        .plan_backward(&on_device, DType::Bf16, &BackwardOptions::default())
+        .expect("plan");
+    let ws = stream
+        .alloc_zeros::<u8>(plan.workspace_bytes())
+        .expect("workspace");
+    let tensors = BackwardTensors::<bf16> {
+        qkv: Qkv::new(raw(&q, &stream), raw(&k, &stream), raw(&v, &stream)),
+        o: raw(&o, &stream),
+        d_o: raw(&d_o, &stream),
+        lse: Some(raw(&lse, &stream)),
+        grads: Grads::new(raw(&dq, &stream), raw(&dk, &stream), raw(&dv, &stream)),
+        cu_seqlens: Some(fa_cuda::CuSeqlens {
+            q: raw(&cu_q, &stream),
+            k: raw(&cu_k, &stream),
+        }),
+    };
+    // Without the prefix sums: a typed error.
+    let missing = BackwardTensors {
+        cu_seqlens: None,
+        ..tensors
+    };
+    assert!(matches!(
+        dev.backward_on_stream(&plan, missing, raw(&ws, &stream), &stream),
+        Err(CudaError::Problem(ProblemError::Unsupported { .. }))
+    ));
+    dev.backward_on_stream(&plan, tensors, raw(&ws, &stream), &stream)
+        .expect("runs");
+    stream.synchronize().expect("sync");
+    let back = |x: &CudaSlice<u16>| -> Vec<bf16> {
+        stream
+            .clone_dtoh(x)
+            .expect("download")
+            .into_iter()
+            .map(bf16::from_bits)
+            .collect()
+    };
+    let (gq, gk, gv) = (back(&dq), back(&dk), back(&dv));
+    let e = compare_grads(&host, Grads::new(&gq[..], &gk[..], &gv[..]), &p.reference);
+    println!(
+        "device prefix sums: dq {:.2e} dk {:.2e} dv {:.2e}",
+        e.dq, e.dk, e.dv
+    );
+    assert!(e.dq.max(e.dk).max(e.dv) <= GRAD_BOUND, "{e:?}");
+}
