@@ -14,9 +14,9 @@ pub use fa_cpu::DynBackwardInputs as BackwardInputs;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct BackwardStats {
-    /// CPU: (query tile, key tile) pairs computed, per query head.
+    /// CPU: (query tile, key tile) pairs computed, per query head (0 on CUDA).
     pub tiles_computed: u64,
-    /// CPU: (query tile, key tile) pairs the mask skipped.
+    /// CPU: (query tile, key tile) pairs the mask skipped (0 on CUDA).
     pub tiles_skipped: u64,
 }
 
