@@ -41,6 +41,13 @@ from . import _native
 
 __all__ = ["attention", "append_kv", "block_walk", "version", "cuda_device"]
 
+if "torch" in sys.modules:
+    # torch is already in use: register the autograd operators now (not first inside a
+    # torch.compile trace).
+    from . import _autograd
+else:
+    _autograd = None
+
 #: NumPy dtype names the library takes (``bfloat16`` is ml_dtypes' NumPy dtype).
 _NUMPY_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -68,6 +75,19 @@ def cuda_device(ordinal=0):
 def _torch_module():
     # Never imported here: a torch tensor can only exist once its caller imported torch.
     return sys.modules.get("torch")
+
+
+def _autograd_for(x):
+    """The autograd module (``_autograd``, imported on first use) when ``x`` is a torch
+    tensor, else None."""
+    global _autograd
+    if _autograd is None:
+        if not _is_torch(x):
+            return None
+        from . import _autograd as module
+
+        _autograd = module
+    return _autograd if isinstance(x, _autograd.torch.Tensor) else None
 
 
 def _is_torch(x):
@@ -450,6 +470,30 @@ def attention(
         scale=_real(scale, "scale"),
     )
     return_lse = _flag(return_lse, "return_lse")
+    autograd = _autograd_for(q)
+    if autograd is not None and not autograd.inside():
+        grad = autograd.needs_grad(q, k, v)
+        if grad or (autograd.HAS_CUSTOM_OP and autograd.compiling()):
+            cache_args = (seqused_k, block_table, block_walk, num_splits, k_new, v_new)
+            if grad and any(x is not None for x in cache_args):
+                raise ValueError(
+                    "flash_attention_rs has no backward through a KV cache (seqused_k, "
+                    "block_table, block_walk, num_splits, k_new/v_new): inputs require grad; "
+                    "call it under torch.no_grad() / torch.inference_mode() for decoding"
+                )
+            if grad and out is not None:
+                raise ValueError(
+                    "out= writes into a tensor outside the autograd graph: pass out=None when "
+                    "inputs require grad (the output is then a new tensor)"
+                )
+            if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+                raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
+            if out is None and all(x is None for x in cache_args):
+                return autograd.attention(
+                    q, k, v, kwargs["causal"], kwargs["window"], kwargs["softcap"],
+                    kwargs["scale"], return_lse, backend, cu_seqlens_q, cu_seqlens_k,
+                    max_seqlen_q, max_seqlen_k,
+                )
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
     varlen = cu_seqlens_q is not None
@@ -511,14 +555,6 @@ def attention(
             "q, k and v are in different places: " + ", ".join(_where(d) for d in devices)
         )
     device = devices[0]
-    if _is_torch(q):
-        torch = _torch_module()
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-            # The output would silently cut the autograd graph.
-            raise ValueError(
-                "flash_attention_rs has no backward yet: inputs require grad; call it under "
-                "torch.no_grad() / torch.inference_mode(), or pass detached tensors"
-            )
     if backend == "cpu" and device is not None:
         raise ValueError(f"backend='cpu' needs tensors in host memory; these are on cuda:{device}")
     if backend == "cuda" and device is None:
