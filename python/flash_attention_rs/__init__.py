@@ -44,9 +44,7 @@ __all__ = ["attention", "append_kv", "block_walk", "version", "cuda_device"]
 if "torch" in sys.modules:
     # torch is already in use: register the autograd operators now (not first inside a
     # torch.compile trace).
-    from . import _autograd
-else:
-    _autograd = None
+    from . import _autograd  # noqa: F401
 
 #: NumPy dtype names the library takes (``bfloat16`` is ml_dtypes' NumPy dtype).
 _NUMPY_DTYPES = ("float32", "float16", "bfloat16")
@@ -80,14 +78,12 @@ def _torch_module():
 def _autograd_for(x):
     """The autograd module (``_autograd``, imported on first use) when ``x`` is a torch
     tensor, else None."""
-    global _autograd
-    if _autograd is None:
-        if not _is_torch(x):
-            return None
-        from . import _autograd as module
+    torch = _torch_module()
+    if torch is None or not isinstance(x, torch.Tensor):
+        return None
+    from . import _autograd as module
 
-        _autograd = module
-    return _autograd if isinstance(x, _autograd.torch.Tensor) else None
+    return module
 
 
 def _is_torch(x):

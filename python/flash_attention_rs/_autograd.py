@@ -51,7 +51,8 @@ def compiling():
 
 def needs_grad(q, k, v):
     """Whether autograd records this call: grad mode on and an input that requires grad."""
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # A NumPy array among the inputs has no requires_grad (the plain path refuses the mix).
+    return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v))
 
 
 def _eager(q, k, v, causal, window_left, window_right, softcap, scale, cu_q, cu_k, max_q, max_k):
