@@ -4,19 +4,22 @@
 //! take what the Python shim gathered from NumPy arrays or PyTorch tensors (address, shape,
 //! element strides, dtype name).
 //!
-//! `backward` calls Rust directly (issue 49's direction): it builds a
-//! `softmax_core::ProblemDesc`, validates it, and runs the facade's host backward
-//! (`flash_attention::host::backward`, whose span and overlap checks the C ABI shares) with
-//! the GIL released. `forward` and the rest still run through the C ABI (`fa-capi`):
-//! `fa_forward_cpu` on host memory with the GIL released, `fa_forward_cuda` on the tensors'
-//! device memory, queued on the caller's stream.
+//! On the CPU, `backward` and `forward` without a KV cache call Rust directly (issue 49's
+//! direction): they build a `softmax_core::ProblemDesc`, validate it, and run the facade's
+//! host entries (`flash_attention::host::{forward, backward}`, whose span and overlap checks
+//! the C ABI runs too) with the GIL released. The rest still runs through the C ABI
+//! (`fa-capi`): `fa_forward_cache_cpu` and `fa_append_kv_cpu` on host memory with the GIL
+//! released, `fa_forward_cuda` (and the cache/append entries) on the tensors' device memory,
+//! queued on the caller's stream.
 //!
-//! The C ABI is the one mapping from foreign memory to a validated problem (its `describe`
-//! → `ProblemDesc::validate`, span, alignment and overlap checks, device handles); this crate
-//! adds only what a C caller states and a Python caller does not: that the four tensors'
-//! shapes agree with each other, that the last dimension is contiguous, and that the prefix
-//! sums end where the packed tensors do. Library errors keep their message and become
-//! `ValueError` (invalid or unsupported input) or `RuntimeError` (no device, a CUDA fault).
+//! Validation is never written here: the problem is softmax-core's (`ProblemDesc::validate`,
+//! `with_flash_args`), the host buffers' spans, alignment and overlap are the facade's
+//! (`flash_attention::host`, which the C ABI calls as well), and the C ABI's own checks
+//! apply on its paths. This crate adds only what a C caller states and a Python caller does
+//! not: that the tensors' shapes agree with each other, that the last dimension is
+//! contiguous, and that the prefix sums end where the packed tensors do. Library errors keep
+//! their message and become `ValueError` (invalid or unsupported input) or `RuntimeError` (no
+//! device, a CUDA fault); a CUDA backward is `NotImplementedError` (not built yet).
 
 use fa_capi::{
     fa_append_kv_cpu, fa_append_kv_cuda, fa_block_walk, fa_cuda_device_create,
@@ -25,8 +28,8 @@ use fa_capi::{
     FaTensor, FA_DTYPE_BF16, FA_DTYPE_F16, FA_DTYPE_F32, FA_ERR_INVALID_ARGUMENT,
     FA_ERR_UNSUPPORTED, FA_ERR_VERSION, FA_OK, FA_SEQLENS_VARLEN_DEVICE, FA_SEQLENS_VARLEN_HOST,
 };
-use flash_attention::host::{HostBackward, HostTensor};
-use flash_attention::{DType, Options, ProblemDesc};
+use flash_attention::host::{HostBackward, HostForward, HostTensor};
+use flash_attention::{DType, Options, Problem, ProblemDesc};
 use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use softmax_core::{Sequences, Strides, Tensor, MAX_HEAD_DIM};
@@ -493,6 +496,7 @@ impl Call {
 }
 
 /// The mask and score options as the C ABI and softmax-core's `with_flash_args` take them.
+#[derive(Clone, Copy)]
 struct FlashArgs {
     /// `(left, right)`, -1: unbounded (the library validates the values).
     window: (i64, i64),
@@ -565,6 +569,92 @@ fn facade_error(e: flash_attention::Error) -> PyErr {
     }
 }
 
+/// A CPU problem as plain data (so that it crosses into the GIL-free closure), described and
+/// validated by softmax-core itself: no C structs on this path.
+struct HostProblem {
+    /// Q's dims `[batch, seqlen_q, heads_q, head_dim]` (varlen: batch 1, total tokens).
+    q: [i64; 4],
+    /// K's seqlen (or total tokens) and heads, V's head dim.
+    seqlen_k: i64,
+    heads_kv: i64,
+    head_dim_v: i64,
+    /// Q, K, V, O strides.
+    strides: [Strides; 4],
+    causal: bool,
+    args: FlashArgs,
+    /// Host prefix sums (varlen).
+    seqlens: Option<(Vec<u32>, Vec<u32>)>,
+}
+
+impl HostProblem {
+    /// The problem of checked Q, K, V, O tensors (their shapes agree: `check_shapes`).
+    fn new(
+        [q, k, v, o]: [&Checked; 4],
+        causal: bool,
+        args: FlashArgs,
+        seqlens: Option<(Vec<i32>, Vec<i32>)>,
+    ) -> PyResult<HostProblem> {
+        let unsigned = |values: Vec<i32>, name: &str| -> PyResult<Vec<u32>> {
+            values
+                .into_iter()
+                .map(|x| {
+                    u32::try_from(x)
+                        .map_err(|_| value_error(format!("{name} has a negative entry {x}")))
+                })
+                .collect()
+        };
+        let seqlens = match seqlens {
+            Some((cu_q, cu_k)) => Some((
+                unsigned(cu_q, "cu_seqlens_q")?,
+                unsigned(cu_k, "cu_seqlens_k")?,
+            )),
+            None => None,
+        };
+        Ok(HostProblem {
+            q: q.dims,
+            seqlen_k: k.dims[1],
+            heads_kv: k.dims[2],
+            head_dim_v: v.dims[3],
+            strides: [q, k, v, o].map(Checked::core_strides),
+            causal,
+            args,
+            seqlens,
+        })
+    }
+
+    /// `ProblemDesc` → `validate`: softmax-core's checks, with the facade's size check first.
+    fn validate(&self) -> Result<Problem<'_>, flash_attention::Error> {
+        let size = |x: i64| x as usize; // checked non-negative by check_tensor
+        let [batch, seqlen_q, heads_q, head_dim] = self.q.map(size);
+        let mut desc = ProblemDesc::new(
+            batch,
+            seqlen_q,
+            size(self.seqlen_k),
+            heads_q,
+            size(self.heads_kv),
+            head_dim,
+        )
+        .head_dim_v(size(self.head_dim_v));
+        if let Some((cu_q, cu_k)) = &self.seqlens {
+            desc.sequences = Sequences::Varlen {
+                cu_seqlens_q: cu_q,
+                cu_seqlens_k: cu_k,
+            };
+        }
+        flash_attention::host::check_sizes(&desc)?;
+        let (left, right) = self.args.window;
+        desc = desc.with_flash_args(self.causal, left, right, self.args.softcap)?;
+        desc.softmax_scale = self.args.scale;
+        for (tensor, strides) in [Tensor::Q, Tensor::K, Tensor::V, Tensor::O]
+            .into_iter()
+            .zip(self.strides)
+        {
+            desc = desc.strides(tensor, strides);
+        }
+        Ok(desc.validate(MAX_HEAD_DIM)?)
+    }
+}
+
 /// Exact attention forward: `o = softmax(q·kᵀ·scale)·v` (and the log-sum-exp into `lse`).
 ///
 /// Tensors are `(address, shape, element strides, dtype)`: BSHD `(batch, seqlen, heads,
@@ -618,11 +708,12 @@ fn forward(
     check_shapes(&cq.dims, &ck.dims, &cv.dims, &co.dims, paged)?;
     let [batch, seqlen_q, heads_q, head_dim] = cq.dims;
     let (seqlen_k, heads_kv, head_dim_v) = (ck.dims[1], ck.dims[2], cv.dims[3]);
+    let args = flash_args(window.as_ref(), scale, softcap)?;
     let FlashArgs {
         window,
         scale,
         softcap,
-    } = flash_args(window.as_ref(), scale, softcap)?;
+    } = args;
     let mut problem = FaProblem {
         head_dim_v,
         causal: u32::from(causal),
@@ -692,6 +783,32 @@ fn forward(
             check_lse(arg, &expected)? as usize as *mut f32
         }
     };
+    if device.is_none() && cache.is_none() {
+        // The CPU forward calls Rust directly (issue 49): softmax-core describes and
+        // validates the problem, the facade checks the buffers (the same code as the C
+        // ABI's) and runs it, with the GIL released. KV caches and CUDA still go through the
+        // C ABI below.
+        let problem = HostProblem::new([&cq, &ck, &cv, &co], causal, args, host_seqlens)?;
+        let buffers = HostForward {
+            q: cq.host(),
+            k: ck.host(),
+            v: cv.host(),
+            o: co.host(),
+            lse: (!lse.is_null()).then_some(lse as usize),
+        };
+        return py
+            .detach(move || -> Result<(), flash_attention::Error> {
+                let problem = problem.validate()?;
+                // SAFETY: every address comes from a live NumPy array or CPU tensor whose
+                // shape and strides were checked against each other above, so the memory
+                // covers what the problem reaches; the caller keeps them alive for the call
+                // and writes none meanwhile. The facade checks null, alignment, overflow and
+                // overlap before anything is written.
+                unsafe { flash_attention::host::forward(&problem, &buffers, &Options::default()) }?;
+                Ok(())
+            })
+            .map_err(facade_error);
+    }
     let call = Call {
         problem,
         tensors: [cq.tensor, ck.tensor, cv.tensor, co.tensor],
@@ -798,10 +915,9 @@ fn backward(
             )));
         }
     }
-    let [batch, seqlen_q, heads_q, head_dim] = cq.dims;
-    let (seqlen_k, heads_kv, head_dim_v) = (ck.dims[1], ck.dims[2], cv.dims[3]);
+    let [batch, seqlen_q, heads_q, _] = cq.dims;
+    let seqlen_k = ck.dims[1];
     let args = flash_args(window.as_ref(), scale, softcap)?;
-    // Host prefix sums as softmax-core takes them (u32; validate checks the rest).
     let seqlens = match cu_seqlens {
         Some((cu_q, cu_k)) => {
             if cu_q.len() != cu_k.len() {
@@ -811,24 +927,14 @@ fn backward(
                     cu_k.len()
                 )));
             }
-            let unsigned = |values: Vec<i32>, name: &str| -> PyResult<Vec<u32>> {
-                values
-                    .into_iter()
-                    .map(|x| {
-                        u32::try_from(x)
-                            .map_err(|_| value_error(format!("{name} has a negative entry {x}")))
-                    })
-                    .collect()
-            };
-            let cu_q = host_prefix_sums(&cu_q, seqlen_q, "cu_seqlens_q", "q")?;
-            let cu_k = host_prefix_sums(&cu_k, seqlen_k, "cu_seqlens_k", "k")?;
             Some((
-                unsigned(cu_q, "cu_seqlens_q")?,
-                unsigned(cu_k, "cu_seqlens_k")?,
+                host_prefix_sums(&cu_q, seqlen_q, "cu_seqlens_q", "q")?,
+                host_prefix_sums(&cu_k, seqlen_k, "cu_seqlens_k", "k")?,
             ))
         }
         None => None,
     };
+    let problem = HostProblem::new([&cq, &ck, &cv, &co], causal, args, seqlens)?;
     let expected_lse = if varlen {
         vec![heads_q, seqlen_q]
     } else {
@@ -846,36 +952,8 @@ fn backward(
         dk: cdk.host(),
         dv: cdv.host(),
     };
-    let size = |x: i64| x as usize; // checked non-negative by check_tensor
-    let strides = [
-        (Tensor::Q, cq.core_strides()),
-        (Tensor::K, ck.core_strides()),
-        (Tensor::V, cv.core_strides()),
-        (Tensor::O, co.core_strides()),
-    ];
     py.detach(move || -> Result<(), flash_attention::Error> {
-        let mut desc = ProblemDesc::new(
-            size(batch),
-            size(seqlen_q),
-            size(seqlen_k),
-            size(heads_q),
-            size(heads_kv),
-            size(head_dim),
-        )
-        .head_dim_v(size(head_dim_v));
-        if let Some((cu_q, cu_k)) = &seqlens {
-            desc.sequences = Sequences::Varlen {
-                cu_seqlens_q: cu_q,
-                cu_seqlens_k: cu_k,
-            };
-        }
-        flash_attention::host::check_sizes(&desc)?;
-        desc = desc.with_flash_args(causal, args.window.0, args.window.1, args.softcap)?;
-        desc.softmax_scale = args.scale;
-        for (tensor, strides) in strides {
-            desc = desc.strides(tensor, strides);
-        }
-        let problem = desc.validate(MAX_HEAD_DIM)?;
+        let problem = problem.validate()?;
         // SAFETY: every address comes from a live CPU tensor or NumPy array whose shape and
         // strides were checked against each other above (d_out as out, each gradient as its
         // input), so the memory covers what the problem reaches; the caller keeps them alive

@@ -5,8 +5,8 @@
 use crate::convert::*;
 use crate::error::{guard, Failure};
 use crate::types::*;
-use flash_attention::host::{view_mut, view_ref, HostBackward, HostTensor};
-use flash_attention::{Backend, DType, Exp2, Options, Out, Qkv};
+use flash_attention::host::{view_mut, view_ref, HostBackward, HostForward, HostTensor};
+use flash_attention::{DType, Exp2, Options};
 
 /// The problem and the four tensor descriptors of a call, copied out of the caller's memory.
 pub(crate) struct Call {
@@ -124,39 +124,28 @@ unsafe fn run_host(
     lse: *mut f32,
     opts: &Options,
 ) -> Result<(), Failure> {
-    let lens = problem.min_buffer_lens();
     let names = ["q", "k", "v", "o"];
-    let mut dtypes = [DType::F32; 4];
-    let mut spans = Vec::with_capacity(5);
-    for (i, (t, len)) in call
-        .tensors
-        .iter()
-        .zip([lens.q, lens.k, lens.v, lens.o])
-        .enumerate()
-    {
-        dtypes[i] = dtype(t, names[i])?;
-        let span = host_span(names[i], t.data as usize, len, dtypes[i].size())?;
-        spans.push((names[i], span, i == 3));
+    let mut host = [HostTensor {
+        addr: 0,
+        dtype: DType::F32,
+    }; 4];
+    for (i, t) in call.tensors.iter().enumerate() {
+        host[i] = HostTensor {
+            addr: t.data as usize,
+            dtype: dtype(t, names[i])?,
+        };
     }
-    let lse_len = problem.lse_len();
-    if !lse.is_null() {
-        spans.push(("lse", host_span("lse", lse as usize, lse_len, 4)?, true));
-    }
-    check_disjoint(&spans)?;
-    let [tq, tk, tv, to] = &call.tensors;
-    // SAFETY: each address passed host_span for its dtype and length, the outputs overlap
-    // nothing (check_disjoint), and the memory is what the contract promises.
-    let (qkv, out) = unsafe {
-        let qkv = Qkv::new(
-            view_ref(dtypes[0], tq.data as usize, lens.q)?,
-            view_ref(dtypes[1], tk.data as usize, lens.k)?,
-            view_ref(dtypes[2], tv.data as usize, lens.v)?,
-        );
-        let o = view_mut(dtypes[3], to.data as usize, lens.o)?;
-        let lse = (!lse.is_null()).then(|| slice_mut::<f32>(lse as usize, lse_len));
-        (qkv, Out { o, lse })
+    let [q, k, v, o] = host;
+    let buffers = HostForward {
+        q,
+        k,
+        v,
+        o,
+        lse: (!lse.is_null()).then_some(lse as usize),
     };
-    Backend::cpu().forward(problem, qkv, out, opts)?;
+    // SAFETY: the tensors and `lse` follow the caller's contract; the facade checks every
+    // span and overlap before it writes.
+    unsafe { flash_attention::host::forward(problem, &buffers, opts) }?;
     Ok(())
 }
 

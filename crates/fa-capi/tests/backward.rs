@@ -163,7 +163,11 @@ impl<E: Elem> Buffers<E> {
         let dq_ptr: *mut c_void = self.grads.dq.as_mut_ptr().cast();
         let dk_ptr: *mut c_void = self.grads.dk.as_mut_ptr().cast();
         let dv_ptr: *mut c_void = self.grads.dv.as_mut_ptr().cast();
-        let (dq, dk, dv) = (self.desc(dq_ptr, 0), self.desc(dk_ptr, 1), self.desc(dv_ptr, 2));
+        let (dq, dk, dv) = (
+            self.desc(dq_ptr, 0),
+            self.desc(dk_ptr, 1),
+            self.desc(dv_ptr, 2),
+        );
         let mut t = [q, k, v, o, d_o, dq, dk, dv];
         let mut problem = self.problem;
         let mut lse = self.lse.as_ptr();

@@ -8,15 +8,16 @@
 //! [`check_sizes`] is the one size check a description needs before
 //! [`ProblemDesc::validate`] (which computes dense strides with plain multiplication).
 //!
-//! [`backward`] is a whole backward call on raw host addresses: every span and overlap is
-//! checked, then [`Backend::backward`] runs on the CPU; nothing is written on error.
+//! [`forward`] and [`backward`] are whole CPU calls on raw host addresses: every span and
+//! overlap is checked, then [`Backend::forward`] / [`Backend::backward`] run on the CPU;
+//! nothing is written on error.
 
-use crate::backend::{Backend, Error, Options};
+use crate::backend::{Backend, Error, ForwardStats, Options};
 use crate::backward::{BackwardInputs, BackwardStats};
 use crate::tensor::{TensorMut, TensorRef};
 use core::ops::Range;
 use half::{bf16, f16};
-use softmax_core::{DType, Grads, Problem, ProblemDesc, ProblemError, Qkv, Sequences};
+use softmax_core::{DType, Grads, Out, Problem, ProblemDesc, ProblemError, Qkv, Sequences};
 
 /// The byte range `len` elements of `elem_size` bytes at `addr` span, checked: `None` when
 /// empty (any address, null included); [`Error::InvalidArgument`] for null, misaligned (to
@@ -167,6 +168,71 @@ pub struct HostTensor {
     pub addr: usize,
     /// Element type.
     pub dtype: DType,
+}
+
+/// The buffers of a forward call in host memory, by address: Q, K, V (inputs), O (written)
+/// and optionally the LSE (written: `problem.lse_len()` f32s).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostForward {
+    /// Queries.
+    pub q: HostTensor,
+    /// Keys.
+    pub k: HostTensor,
+    /// Values.
+    pub v: HostTensor,
+    /// The output (written).
+    pub o: HostTensor,
+    /// The log-sum-exp (written) or `None`.
+    pub lse: Option<usize>,
+}
+
+/// [`Backend::forward`] on the CPU over host memory given by address: every buffer's span
+/// (from the problem: null, alignment, overflow) and every overlap of an output with another
+/// buffer is checked, then the backend checks dtypes and runs. On error nothing is written.
+///
+/// # Safety
+/// Each address must point to host memory holding the elements its span covers (the
+/// problem's `min_buffer_lens` for its tensor, `lse_len` f32s for the LSE), initialised for
+/// the inputs and writable for O and the LSE, and nothing else may write any of them during
+/// the call.
+pub unsafe fn forward(
+    problem: &Problem,
+    t: &HostForward,
+    opts: &Options,
+) -> Result<ForwardStats, Error> {
+    let lens = problem.min_buffer_lens();
+    let lse_len = problem.lse_len();
+    let buffers = [
+        ("q", t.q, lens.q, false),
+        ("k", t.k, lens.k, false),
+        ("v", t.v, lens.v, false),
+        ("o", t.o, lens.o, true),
+    ];
+    let mut spans = Vec::with_capacity(buffers.len() + 1);
+    for (name, tensor, len, out) in buffers {
+        spans.push((
+            name,
+            span(name, tensor.addr, len, tensor.dtype.size())?,
+            out,
+        ));
+    }
+    if let Some(lse) = t.lse {
+        spans.push(("lse", span("lse", lse, lse_len, 4)?, true));
+    }
+    check_disjoint(&spans)?;
+    // SAFETY: each address passed `span` for its dtype and length, the outputs overlap
+    // nothing (check_disjoint), and the memory is what the contract promises.
+    let (qkv, out) = unsafe {
+        let qkv = Qkv::new(
+            view_ref(t.q.dtype, t.q.addr, lens.q)?,
+            view_ref(t.k.dtype, t.k.addr, lens.k)?,
+            view_ref(t.v.dtype, t.v.addr, lens.v)?,
+        );
+        let o = view_mut(t.o.dtype, t.o.addr, lens.o)?;
+        let lse = t.lse.map(|addr| slice_mut::<f32>(addr, lse_len));
+        (qkv, Out { o, lse })
+    };
+    Backend::cpu().forward(problem, qkv, out, opts)
 }
 
 /// The buffers of a backward call in host memory, by address: inputs Q, K, V (the problem's
