@@ -3,9 +3,15 @@
 ``attention(q, k, v)`` computes ``softmax(q @ k^T * scale) @ v`` per head, exactly (no
 approximation beyond floating point), on the CPU (the SIMD kernel, with the GIL released) or on
 a CUDA GPU (the tensors' own device memory, queued on PyTorch's current stream, no host round
-trip). The work is done by the Rust library through its C ABI; this module only gathers each
-tensor's address, shape, strides, dtype and device, allocates the output with the caller's
-framework, and returns it.
+trip). The work is done by the Rust library (directly through pyo3 on the CPU, through its C
+ABI for KV caches and CUDA); this module only gathers each tensor's address, shape, strides,
+dtype and device, allocates the output with the caller's framework, and returns it.
+
+Autograd: torch tensors that require grad (or a ``torch.compile`` trace) go through the
+``torch.library`` custom operators of ``flash_attention_rs._autograd`` (forward with LSE, the
+Rust CPU backward), so ``attention`` trains on the CPU and compiles without a graph break.
+CUDA tensors that require grad raise ``NotImplementedError`` (the CUDA backward is not built
+yet); NumPy arrays are forward-only.
 
 Layout: BSHD ``(batch, seqlen, heads, head_dim)``. A BHSD tensor is passed as its BSHD view,
 ``x.transpose(1, 2)`` (torch) or ``x.swapaxes(1, 2)`` (NumPy): strides travel, nothing is
@@ -455,6 +461,14 @@ def attention(
         ``out``, or ``(out, lse)`` with ``return_lse``. On CUDA the work is queued on
         ``torch.cuda.current_stream()`` and the call returns without waiting, like any
         PyTorch operation.
+
+    Autograd (torch CPU tensors): when an input requires grad and grad mode is on, ``out`` is
+    a new contiguous tensor in the autograd graph, and ``backward()`` runs the Rust CPU
+    backward (gradients in the inputs' dtype; GQA's dK/dV summed over each group; causal,
+    window, softcap, scale and host varlen differentiated as computed). The LSE carries no
+    gradient. With grad, KV-cache arguments and ``out=`` raise ``ValueError``, and CUDA
+    tensors raise ``NotImplementedError`` (the CUDA backward is not built yet). Inside a
+    ``torch.compile`` trace the same operators run (no graph break).
     """
     if backend not in ("auto", "cpu", "cuda"):
         raise ValueError(f"backend is {backend!r}: expected 'auto', 'cpu' or 'cuda'")
