@@ -190,8 +190,7 @@ def _autograd(*xs):
         return False
     if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
         return True
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+    return _compiling(torch)
 
 
 def _empty(like, shape, is_torch):
@@ -214,4 +213,21 @@ def _restarts(position_ids, seqlen_q):
     if position_ids is None or seqlen_q <= 1 or tuple(position_ids.shape[1:]) != (seqlen_q,):
         return False
     steps = position_ids[..., 1:] - position_ids[..., :-1]
-    return bool((steps != 1).any())
+    restarts = (steps != 1).any()
+    torch = sys.modules.get("torch")
+    if _compiling(torch) and hasattr(torch, "_assert_async"):
+        # Inside a torch.compile trace, reading the answer on the host would break the graph:
+        # the check runs when the graph does (a RuntimeError with this message).
+        torch._assert_async(
+            torch.logical_not(restarts),
+            "fa_rs (flash_attention_rs): position_ids restart inside a row (packed sequences); "
+            "pass cu_seq_lens_q/cu_seq_lens_k, or unpack the batch",
+        )
+        return False
+    return bool(restarts)
+
+
+def _compiling(torch):
+    """Whether torch.compile (dynamo) is tracing this call."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())

@@ -378,3 +378,45 @@ def test_tiny_llama_training_step_matches_sdpa():
         torch.optim.SGD(m.parameters(), lr=0.1).step()
     for (n, a), (_, b) in zip(ours.named_parameters(), peer.named_parameters()):
         assert relative(a.detach(), b.detach()) < 1e-5, n
+
+
+@pytest.mark.skipif(transformers is None, reason="transformers is not installed: the compiled training step is NOT run")
+def test_tiny_llama_training_step_compiles_without_graph_breaks():
+    why = _compile_available()
+    if why:
+        pytest.skip(why)
+    import torch._dynamo
+    from flash_attention_rs import transformers as hook
+
+    name = hook.register()
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=name).train()
+    ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(4))
+
+    def step(ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(ids)
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+    torch._dynamo.reset()
+    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(ids)
+    loss.backward()
+    compiled = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    eager = step(ids)
+    eager.backward()
+    assert abs(loss.item() - eager.item()) < 1e-6
+    for n, p in model.named_parameters():
+        assert relative(compiled[n], p.grad) < 1e-5, n
