@@ -344,4 +344,114 @@ mod tests {
             Err(Error::InvalidArgument("q and o overlap".to_string()))
         );
     }
+
+    /// A forward then a backward on raw addresses: the backward's gradients are the facade's
+    /// (`Backend::backward` on the same slices) bit for bit; overlapping gradients and a
+    /// missing LSE are refused with nothing written.
+    #[test]
+    fn host_calls_match_the_facade_and_check_before_writing() {
+        let p = softmax_core::ProblemDesc::new(1, 13, 17, 4, 2, 16)
+            .causal()
+            .validate(256)
+            .expect("valid");
+        let lens = p.min_buffer_lens();
+        let draw = |n: usize, seed: f32| -> Vec<f32> {
+            (0..n).map(|i| (i as f32 * 0.37 + seed).sin()).collect()
+        };
+        let (q, k, v, d_o) = (
+            draw(lens.q, 1.0),
+            draw(lens.k, 2.0),
+            draw(lens.v, 3.0),
+            draw(lens.o, 4.0),
+        );
+        let mut o = vec![0.0f32; lens.o];
+        let mut lse = vec![0.0f32; p.lse_len()];
+        let f32_at = |x: &[f32]| HostTensor {
+            addr: x.as_ptr() as usize,
+            dtype: DType::F32,
+        };
+        let fwd = HostForward {
+            q: f32_at(&q),
+            k: f32_at(&k),
+            v: f32_at(&v),
+            o: HostTensor {
+                addr: o.as_mut_ptr() as usize,
+                dtype: DType::F32,
+            },
+            lse: Some(lse.as_mut_ptr() as usize),
+        };
+        // SAFETY: live vectors of the problem's lengths; o and lse are written only here.
+        unsafe { forward(&p, &fwd, &Options::default()) }.expect("forward");
+        let mut want = Grads::new(vec![0.0f32; lens.q], vec![0.0; lens.k], vec![0.0; lens.v]);
+        Backend::cpu()
+            .backward(
+                &p,
+                Qkv::new(
+                    TensorRef::from(&q),
+                    TensorRef::from(&k),
+                    TensorRef::from(&v),
+                ),
+                BackwardInputs {
+                    o: TensorRef::from(&o),
+                    d_o: TensorRef::from(&d_o),
+                    lse: &lse,
+                },
+                Grads::new(
+                    TensorMut::from(&mut want.dq),
+                    TensorMut::from(&mut want.dk),
+                    TensorMut::from(&mut want.dv),
+                ),
+                &Options::default(),
+            )
+            .expect("backward");
+        let mut got = Grads::new(vec![7.0f32; lens.q], vec![7.0; lens.k], vec![7.0; lens.v]);
+        let mut call = HostBackward {
+            q: f32_at(&q),
+            k: f32_at(&k),
+            v: f32_at(&v),
+            o: f32_at(&o),
+            lse: lse.as_ptr() as usize,
+            d_o: f32_at(&d_o),
+            dq: HostTensor {
+                addr: got.dq.as_mut_ptr() as usize,
+                dtype: DType::F32,
+            },
+            dk: HostTensor {
+                addr: got.dk.as_mut_ptr() as usize,
+                dtype: DType::F32,
+            },
+            dv: HostTensor {
+                addr: got.dv.as_mut_ptr() as usize,
+                dtype: DType::F32,
+            },
+        };
+        let bad = |mut c: HostBackward, edit: fn(&mut HostBackward)| {
+            edit(&mut c);
+            c
+        };
+        for (edit, what) in [
+            (
+                (|c: &mut HostBackward| c.dk.addr = c.dv.addr) as fn(&mut HostBackward),
+                "dk and dv overlap",
+            ),
+            (|c: &mut HostBackward| c.lse = 0, "lse is a null pointer"),
+            (
+                |c: &mut HostBackward| c.dq.addr = c.q.addr,
+                "q and dq overlap",
+            ),
+        ] {
+            // SAFETY: as above; the edits make the call invalid in ways checked first.
+            let e = unsafe { backward(&p, &bad(call, edit), &Options::default()) }.unwrap_err();
+            assert_eq!(e, Error::InvalidArgument(what.to_string()));
+            let g = &got;
+            assert!(g.dq.iter().chain(&g.dk).chain(&g.dv).all(|&x| x == 7.0));
+        }
+        call.lse = lse.as_ptr() as usize;
+        // SAFETY: as above; the gradients are written only here.
+        unsafe { backward(&p, &call, &Options::default()) }.expect("backward");
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got.dq), bits(&want.dq));
+        assert_eq!(bits(&got.dk), bits(&want.dk));
+        assert_eq!(bits(&got.dv), bits(&want.dv));
+    }
 }
