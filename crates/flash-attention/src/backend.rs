@@ -237,6 +237,9 @@ pub enum Error {
     },
     /// The CUDA backend failed while running (driver, compilation).
     Cuda(fa_cuda::CudaError),
+    /// A buffer given by address was refused before any work ([`crate::host`]: null,
+    /// misaligned, past the address space, or an output overlapping another buffer).
+    InvalidArgument(String),
 }
 
 impl core::fmt::Display for Error {
@@ -251,6 +254,7 @@ impl core::fmt::Display for Error {
                 write!(f, "{} is not usable here: {reason}", backend.name())
             }
             Error::Cuda(e) => write!(f, "{e}"),
+            Error::InvalidArgument(message) => f.write_str(message),
         }
     }
 }
