@@ -2,7 +2,8 @@
  * flash-attention-rs C API: exact attention forward on the CPU (host memory) and on CUDA
  * (caller-owned device memory, caller's stream), and its KV-cache (decode) form over a padded
  * or paged cache (FaKvCache, fa_forward_cache_*; a paged cache's block walk built on the host by
- * fa_block_walk for the CUDA call). Every function returns an FA_* code
+ * fa_block_walk for the CUDA call); and the backward on the CPU (fa_backward_cpu: dQ, dK, dV
+ * from the forward's O and LSE and dO). Every function returns an FA_* code
  * (FA_OK = 0); fa_last_error_message() says why a call failed (thread-local, valid until the
  * next call on that thread). Link libflash_attention_rs.a (with -lpthread -ldl -lm) or
  * libflash_attention_rs.so.
@@ -33,9 +34,10 @@
 // in-place appends `fa_append_kv_cpu` and `fa_append_kv_cuda` (no descriptor changed);
 // version 4 adds [`FaKvCache::block_walk`] (a trailing field: a version-2/3 `FaKvCache`,
 // of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`;
-// version 5 adds [`FA_EXP2_AUTO`], the options' new default.
+// version 5 adds [`FA_EXP2_AUTO`], the options' new default; version 6 adds the CPU
+// backward `fa_backward_cpu` (no descriptor changed).
 // A library accepts descriptors of every version up to its own.
-#define FA_API_VERSION 5
+#define FA_API_VERSION 6
 
 // Success.
 #define FA_OK 0
@@ -289,6 +291,42 @@ int32_t fa_forward_cpu(const struct FaProblem *problem,
                        const struct FaTensor *o,
                        float *lse,
                        const struct FaOptions *options);
+
+// Gradients of a loss with respect to Q, K and V on host memory (the backward of
+// [`fa_forward_cpu`]), computed by the SIMD CPU kernel: exact, recomputing the attention
+// probabilities from the forward's `lse` (no N×N storage), deterministic (the same bits for
+// any thread count). GQA/MQA: `dk`/`dv` are summed over each KV head's group of query heads.
+//
+// `problem` is the forward's (fixed-length or varlen with host prefix sums; the mask,
+// window, scale and softcap as given to the forward). Inputs: `q`, `k`, `v` (one dtype `T`:
+// f32, bf16 or f16), the forward's output `o` and `∂L/∂O` `d_o` (one dtype, `T` or f32; `d_o`
+// laid out as `o`: the same strides), and `lse`, the forward's log-sum-exp as it wrote it
+// (f32 `[batch, heads_q, seqlen_q]` dense or `[heads_q, total_q]` packed; required).
+// Outputs: `dq`, `dk`, `dv` (one dtype, `T` or f32), laid out as `q`, `k` and `v` (the same
+// strides). `options` may be null (defaults; `threads` applies, `exp2` is not read).
+//
+// Every argument is checked before anything is written: on an error code the gradients
+// are untouched (except `FA_ERR_PANIC`) and `fa_last_error_message()` says why. Strides that
+// differ from their input's are `FA_ERR_INVALID_ARGUMENT`, as are null, misaligned and
+// overflowing buffers and gradients that overlap any other buffer; dtype combinations the
+// kernel lacks are `FA_ERR_UNSUPPORTED`. Since API version 6.
+//
+// # Safety
+// As [`fa_forward_cpu`] for the problem and the descriptors; each tensor's `data` must hold
+// every element its shape and strides reach (`d_o` as `o`, each gradient as its input),
+// writable for `dq`, `dk` and `dv`; `lse` must point to `heads_q · total_q` (packed) or
+// `batch · heads_q · seqlen_q` floats. Inputs must not be written by anyone during the call.
+int32_t fa_backward_cpu(const struct FaProblem *problem,
+                        const struct FaTensor *q,
+                        const struct FaTensor *k,
+                        const struct FaTensor *v,
+                        const struct FaTensor *o,
+                        const float *lse,
+                        const struct FaTensor *d_o,
+                        const struct FaTensor *dq,
+                        const struct FaTensor *dk,
+                        const struct FaTensor *dv,
+                        const struct FaOptions *options);
 
 // Forward attention of new queries against a KV cache in host memory (decode, or a few
 // tokens per sequence for speculative decoding): `o` (and `lse`, when not null, f32

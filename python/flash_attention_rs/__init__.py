@@ -3,9 +3,15 @@
 ``attention(q, k, v)`` computes ``softmax(q @ k^T * scale) @ v`` per head, exactly (no
 approximation beyond floating point), on the CPU (the SIMD kernel, with the GIL released) or on
 a CUDA GPU (the tensors' own device memory, queued on PyTorch's current stream, no host round
-trip). The work is done by the Rust library through its C ABI; this module only gathers each
-tensor's address, shape, strides, dtype and device, allocates the output with the caller's
-framework, and returns it.
+trip). The work is done by the Rust library (directly through pyo3 on the CPU, through its C
+ABI for KV caches and CUDA); this module only gathers each tensor's address, shape, strides,
+dtype and device, allocates the output with the caller's framework, and returns it.
+
+Autograd: torch tensors that require grad (or a ``torch.compile`` trace) go through the
+``torch.library`` custom operators of ``flash_attention_rs._autograd`` (forward with LSE, the
+Rust CPU backward), so ``attention`` trains on the CPU and compiles without a graph break.
+CUDA tensors that require grad raise ``NotImplementedError`` (the CUDA backward is not built
+yet); NumPy arrays are forward-only.
 
 Layout: BSHD ``(batch, seqlen, heads, head_dim)``. A BHSD tensor is passed as its BSHD view,
 ``x.transpose(1, 2)`` (torch) or ``x.swapaxes(1, 2)`` (NumPy): strides travel, nothing is
@@ -41,6 +47,11 @@ from . import _native
 
 __all__ = ["attention", "append_kv", "block_walk", "version", "cuda_device"]
 
+if "torch" in sys.modules:
+    # torch is already in use: register the autograd operators now (not first inside a
+    # torch.compile trace).
+    from . import _autograd  # noqa: F401
+
 #: NumPy dtype names the library takes (``bfloat16`` is ml_dtypes' NumPy dtype).
 _NUMPY_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -68,6 +79,17 @@ def cuda_device(ordinal=0):
 def _torch_module():
     # Never imported here: a torch tensor can only exist once its caller imported torch.
     return sys.modules.get("torch")
+
+
+def _autograd_for(x):
+    """The autograd module (``_autograd``, imported on first use) when ``x`` is a torch
+    tensor, else None."""
+    torch = _torch_module()
+    if torch is None or not isinstance(x, torch.Tensor):
+        return None
+    from . import _autograd as module
+
+    return module
 
 
 def _is_torch(x):
@@ -439,6 +461,14 @@ def attention(
         ``out``, or ``(out, lse)`` with ``return_lse``. On CUDA the work is queued on
         ``torch.cuda.current_stream()`` and the call returns without waiting, like any
         PyTorch operation.
+
+    Autograd (torch CPU tensors): when an input requires grad and grad mode is on, ``out`` is
+    a new contiguous tensor in the autograd graph, and ``backward()`` runs the Rust CPU
+    backward (gradients in the inputs' dtype; GQA's dK/dV summed over each group; causal,
+    window, softcap, scale and host varlen differentiated as computed). The LSE carries no
+    gradient. With grad, KV-cache arguments and ``out=`` raise ``ValueError``, and CUDA
+    tensors raise ``NotImplementedError`` (the CUDA backward is not built yet). Inside a
+    ``torch.compile`` trace the same operators run (no graph break).
     """
     if backend not in ("auto", "cpu", "cuda"):
         raise ValueError(f"backend is {backend!r}: expected 'auto', 'cpu' or 'cuda'")
@@ -450,6 +480,30 @@ def attention(
         scale=_real(scale, "scale"),
     )
     return_lse = _flag(return_lse, "return_lse")
+    autograd = _autograd_for(q)
+    if autograd is not None and not autograd.inside():
+        grad = autograd.needs_grad(q, k, v)
+        if grad or (autograd.HAS_CUSTOM_OP and autograd.compiling()):
+            cache_args = (seqused_k, block_table, block_walk, num_splits, k_new, v_new)
+            if grad and any(x is not None for x in cache_args):
+                raise ValueError(
+                    "flash_attention_rs has no backward through a KV cache (seqused_k, "
+                    "block_table, block_walk, num_splits, k_new/v_new): inputs require grad; "
+                    "call it under torch.no_grad() / torch.inference_mode() for decoding"
+                )
+            if grad and out is not None:
+                raise ValueError(
+                    "out= writes into a tensor outside the autograd graph: pass out=None when "
+                    "inputs require grad (the output is then a new tensor)"
+                )
+            if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+                raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
+            if out is None and all(x is None for x in cache_args):
+                return autograd.attention(
+                    q, k, v, kwargs["causal"], kwargs["window"], kwargs["softcap"],
+                    kwargs["scale"], return_lse, backend, cu_seqlens_q, cu_seqlens_k,
+                    max_seqlen_q, max_seqlen_k,
+                )
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
     varlen = cu_seqlens_q is not None
@@ -511,14 +565,6 @@ def attention(
             "q, k and v are in different places: " + ", ".join(_where(d) for d in devices)
         )
     device = devices[0]
-    if _is_torch(q):
-        torch = _torch_module()
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-            # The output would silently cut the autograd graph.
-            raise ValueError(
-                "flash_attention_rs has no backward yet: inputs require grad; call it under "
-                "torch.no_grad() / torch.inference_mode(), or pass detached tensors"
-            )
     if backend == "cpu" and device is not None:
         raise ValueError(f"backend='cpu' needs tensors in host memory; these are on cuda:{device}")
     if backend == "cuda" and device is None:

@@ -13,7 +13,9 @@ Packed sequences given as ``cu_seq_lens_q``/``cu_seq_lens_k`` (what transformers
 FlashAttention-style backends) run as one varlen call. Refused with ``ValueError``: masks
 other than "no mask" or the plain causal / sliding-window pattern (padding masks, custom
 masks), rows of packed sequences told only by restarting ``position_ids``, and dropout while
-training.
+training. Training works on the CPU: with inputs that require grad the call goes through
+``attention``'s autograd operator (gradients from the Rust CPU backward); CUDA tensors that
+require grad raise ``NotImplementedError`` (the CUDA backward is not built yet).
 """
 
 from __future__ import annotations
@@ -142,8 +144,8 @@ def attention_forward(
         if cu_q is None or cu_k is None or query.shape[0] != 1:
             raise ValueError("packed sequences need cu_seq_lens_q, cu_seq_lens_k and batch 1")
         q, k, v = (x[0].swapaxes(0, 1) for x in (query, key, value))
-        out = _empty(query, (q.shape[0], q.shape[1], value.shape[-1]), is_torch)
-        attention(
+        out = None if _autograd(query, key, value) else _empty(query, (q.shape[0], q.shape[1], value.shape[-1]), is_torch)
+        out = attention(
             q,
             k,
             v,
@@ -171,9 +173,24 @@ def attention_forward(
         )
     q, k, v = (x.swapaxes(1, 2) for x in (query, key, value))
     batch, _, heads_q, _ = q.shape
+    if _autograd(query, key, value):
+        # Training (or torch.compile): a new, contiguous output inside the autograd graph.
+        return attention(q, k, v, **common), None
     out = _empty(query, (batch, seqlen_q, heads_q, value.shape[-1]), is_torch)
     attention(q, k, v, out=out, **common)
     return out, None
+
+
+def _autograd(*xs):
+    """Whether this call goes through the autograd operator: torch tensors, and grad recorded
+    for one of them or torch.compile tracing (``out=`` is then not used: the operator returns
+    a new contiguous tensor)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(xs[0], torch.Tensor):
+        return False
+    if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+        return True
+    return _compiling(torch)
 
 
 def _empty(like, shape, is_torch):
@@ -196,4 +213,21 @@ def _restarts(position_ids, seqlen_q):
     if position_ids is None or seqlen_q <= 1 or tuple(position_ids.shape[1:]) != (seqlen_q,):
         return False
     steps = position_ids[..., 1:] - position_ids[..., :-1]
-    return bool((steps != 1).any())
+    restarts = (steps != 1).any()
+    torch = sys.modules.get("torch")
+    if _compiling(torch) and hasattr(torch, "_assert_async"):
+        # Inside a torch.compile trace, reading the answer on the host would break the graph:
+        # the check runs when the graph does (a RuntimeError with this message).
+        torch._assert_async(
+            torch.logical_not(restarts),
+            "fa_rs (flash_attention_rs): position_ids restart inside a row (packed sequences); "
+            "pass cu_seq_lens_q/cu_seq_lens_k, or unpack the batch",
+        )
+        return False
+    return bool(restarts)
+
+
+def _compiling(torch):
+    """Whether torch.compile (dynamo) is tracing this call."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())

@@ -1,17 +1,25 @@
 //! The native half of the Python package `flash_attention_rs` (module
-//! `flash_attention_rs._native`): one call, `forward` (and `append_kv`, new tokens into a
-//! KV cache in place; `block_walk`, a paged cache's block walk built on the host), that takes
-//! what the Python shim
-//! gathered from NumPy arrays or PyTorch tensors (address, shape, element strides, dtype name)
-//! and runs the library through its C ABI (`fa-capi`): `fa_forward_cpu` on host memory with the
-//! GIL released, `fa_forward_cuda` on the tensors' device memory, queued on the caller's stream.
+//! `flash_attention_rs._native`): `forward` (and `append_kv`, new tokens into a KV cache in
+//! place; `block_walk`, a paged cache's block walk built on the host) and `backward`, which
+//! take what the Python shim gathered from NumPy arrays or PyTorch tensors (address, shape,
+//! element strides, dtype name).
 //!
-//! The C ABI is the one mapping from foreign memory to a validated problem (its `describe`
-//! → `ProblemDesc::validate`, span, alignment and overlap checks, device handles); this crate
-//! adds only what a C caller states and a Python caller does not: that the four tensors'
-//! shapes agree with each other, that the last dimension is contiguous, and that the prefix
-//! sums end where the packed tensors do. Library errors keep their message and become
-//! `ValueError` (invalid or unsupported input) or `RuntimeError` (no device, a CUDA fault).
+//! On the CPU, `backward` and `forward` without a KV cache call Rust directly (issue 49's
+//! direction): they build a `softmax_core::ProblemDesc`, validate it, and run the facade's
+//! host entries (`flash_attention::host::{forward, backward}`, whose span and overlap checks
+//! the C ABI runs too) with the GIL released. The rest still runs through the C ABI
+//! (`fa-capi`): `fa_forward_cache_cpu` and `fa_append_kv_cpu` on host memory with the GIL
+//! released, `fa_forward_cuda` (and the cache/append entries) on the tensors' device memory,
+//! queued on the caller's stream.
+//!
+//! Validation is never written here: the problem is softmax-core's (`ProblemDesc::validate`,
+//! `with_flash_args`), the host buffers' spans, alignment and overlap are the facade's
+//! (`flash_attention::host`, which the C ABI calls as well), and the C ABI's own checks
+//! apply on its paths. This crate adds only what a C caller states and a Python caller does
+//! not: that the tensors' shapes agree with each other, that the last dimension is
+//! contiguous, and that the prefix sums end where the packed tensors do. Library errors keep
+//! their message and become `ValueError` (invalid or unsupported input) or `RuntimeError` (no
+//! device, a CUDA fault); a CUDA backward is `NotImplementedError` (not built yet).
 
 use fa_capi::{
     fa_append_kv_cpu, fa_append_kv_cuda, fa_block_walk, fa_cuda_device_create,
@@ -20,8 +28,11 @@ use fa_capi::{
     FaTensor, FA_DTYPE_BF16, FA_DTYPE_F16, FA_DTYPE_F32, FA_ERR_INVALID_ARGUMENT,
     FA_ERR_UNSUPPORTED, FA_ERR_VERSION, FA_OK, FA_SEQLENS_VARLEN_DEVICE, FA_SEQLENS_VARLEN_HOST,
 };
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use flash_attention::host::{HostBackward, HostForward, HostTensor};
+use flash_attention::{DType, Options, Problem, ProblemDesc};
+use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use softmax_core::{Sequences, Strides, Tensor, MAX_HEAD_DIM};
 use std::ffi::{c_void, CStr};
 
 /// A tensor as the shim describes it: data address, shape, strides in elements, dtype name.
@@ -76,10 +87,29 @@ fn dtype_code(dtype: &str, name: &str) -> PyResult<u32> {
 }
 
 /// A checked tensor argument: its dims as `[batch, seqlen, heads, dim]` (varlen: batch 1,
-/// seqlen = total tokens) and its C descriptor.
+/// seqlen = total tokens), its strides `(batch, seq, head)` in elements (never negative; 0
+/// where a dimension is not stepped over), its dtype, and its C descriptor.
 struct Checked {
     dims: [i64; 4],
+    strides: [i64; 3],
+    dtype: DType,
     tensor: FaTensor,
+}
+
+impl Checked {
+    /// The tensor as the facade's host buffer (address and dtype).
+    fn host(&self) -> HostTensor {
+        HostTensor {
+            addr: self.tensor.data as usize,
+            dtype: self.dtype,
+        }
+    }
+
+    /// The strides as softmax-core's (checked non-negative by `check_tensor`).
+    fn core_strides(&self) -> Strides {
+        let [batch, seq, head] = self.strides.map(|s| s as usize);
+        Strides { batch, seq, head }
+    }
 }
 
 fn shape_text(shape: &[i64]) -> String {
@@ -148,11 +178,18 @@ fn check_tensor(arg: &TensorArg, name: &str, varlen: bool) -> PyResult<Checked> 
     } else {
         (strides[0], strides[1], strides[2])
     };
+    let code = dtype_code(dtype, name)?;
     Ok(Checked {
         dims,
+        strides: [stride_batch, stride_seq, stride_head],
+        dtype: match code {
+            FA_DTYPE_BF16 => DType::Bf16,
+            FA_DTYPE_F16 => DType::F16,
+            _ => DType::F32,
+        },
         tensor: FaTensor {
             data: *addr as usize as *mut c_void,
-            dtype: dtype_code(dtype, name)?,
+            dtype: code,
             stride_batch,
             stride_seq,
             stride_head,
@@ -458,6 +495,166 @@ impl Call {
     }
 }
 
+/// The mask and score options as the C ABI and softmax-core's `with_flash_args` take them.
+#[derive(Clone, Copy)]
+struct FlashArgs {
+    /// `(left, right)`, -1: unbounded (the library validates the values).
+    window: (i64, i64),
+    /// `None`: `1/sqrt(head_dim)`.
+    scale: Option<f32>,
+    /// 0: none.
+    softcap: f32,
+}
+
+/// Reads `window`, `scale` and `softcap` as the forward and the backward take them.
+fn flash_args(
+    window: Option<&(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+    scale: Option<f64>,
+    softcap: Option<f64>,
+) -> PyResult<FlashArgs> {
+    let window = match window {
+        None => (-1, -1),
+        Some((left, right)) => (window_side(left)?, window_side(right)?),
+    };
+    // The C ABI reads 0 as "not set"; an explicit 0 would silently become the default.
+    if scale == Some(0.0) {
+        return Err(value_error(
+            "scale=0.0 is not supported (every key would weigh the same); pass None for 1/sqrt(head_dim)",
+        ));
+    }
+    let scale = scale.map(|s| to_f32(s, "scale")).transpose()?;
+    // softcap 0 (or None) is off, FlashAttention's convention; any other value goes to the
+    // library, which refuses negative, NaN and infinite caps.
+    let softcap = match softcap {
+        Some(c) if c != 0.0 => to_f32(c, "softcap")?,
+        _ => 0.0,
+    };
+    Ok(FlashArgs {
+        window,
+        scale,
+        softcap,
+    })
+}
+
+/// Checks an LSE argument: float32, of the `expected` shape, contiguous; returns its address.
+fn check_lse(arg: &TensorArg, expected: &[i64]) -> PyResult<u64> {
+    let (addr, shape, strides, dtype) = arg;
+    if shape.as_slice() != expected || dtype != "float32" {
+        return Err(value_error(format!(
+            "lse must be float32 of shape {}, got {dtype} {}",
+            shape_text(expected),
+            shape_text(shape)
+        )));
+    }
+    // An empty lse holds nothing: its strides mean nothing (torch's are not the product of
+    // the sizes after a 0, NumPy's are all zero).
+    let mut dense = 1;
+    for (&n, &s) in shape.iter().zip(strides).rev() {
+        if n > 1 && s != dense && !shape.contains(&0) {
+            return Err(value_error("lse must be a contiguous array"));
+        }
+        dense *= n;
+    }
+    Ok(*addr)
+}
+
+/// A facade error as a Python exception: invalid or unsupported input is `ValueError`,
+/// anything else (no device, a CUDA fault) `RuntimeError`.
+fn facade_error(e: flash_attention::Error) -> PyErr {
+    match e {
+        flash_attention::Error::Problem(_) | flash_attention::Error::InvalidArgument(_) => {
+            PyValueError::new_err(e.to_string())
+        }
+        other => PyRuntimeError::new_err(other.to_string()),
+    }
+}
+
+/// A CPU problem as plain data (so that it crosses into the GIL-free closure), described and
+/// validated by softmax-core itself: no C structs on this path.
+struct HostProblem {
+    /// Q's dims `[batch, seqlen_q, heads_q, head_dim]` (varlen: batch 1, total tokens).
+    q: [i64; 4],
+    /// K's seqlen (or total tokens) and heads, V's head dim.
+    seqlen_k: i64,
+    heads_kv: i64,
+    head_dim_v: i64,
+    /// Q, K, V, O strides.
+    strides: [Strides; 4],
+    causal: bool,
+    args: FlashArgs,
+    /// Host prefix sums (varlen).
+    seqlens: Option<(Vec<u32>, Vec<u32>)>,
+}
+
+impl HostProblem {
+    /// The problem of checked Q, K, V, O tensors (their shapes agree: `check_shapes`).
+    fn new(
+        [q, k, v, o]: [&Checked; 4],
+        causal: bool,
+        args: FlashArgs,
+        seqlens: Option<(Vec<i32>, Vec<i32>)>,
+    ) -> PyResult<HostProblem> {
+        let unsigned = |values: Vec<i32>, name: &str| -> PyResult<Vec<u32>> {
+            values
+                .into_iter()
+                .map(|x| {
+                    u32::try_from(x)
+                        .map_err(|_| value_error(format!("{name} has a negative entry {x}")))
+                })
+                .collect()
+        };
+        let seqlens = match seqlens {
+            Some((cu_q, cu_k)) => Some((
+                unsigned(cu_q, "cu_seqlens_q")?,
+                unsigned(cu_k, "cu_seqlens_k")?,
+            )),
+            None => None,
+        };
+        Ok(HostProblem {
+            q: q.dims,
+            seqlen_k: k.dims[1],
+            heads_kv: k.dims[2],
+            head_dim_v: v.dims[3],
+            strides: [q, k, v, o].map(Checked::core_strides),
+            causal,
+            args,
+            seqlens,
+        })
+    }
+
+    /// `ProblemDesc` → `validate`: softmax-core's checks, with the facade's size check first.
+    fn validate(&self) -> Result<Problem<'_>, flash_attention::Error> {
+        let size = |x: i64| x as usize; // checked non-negative by check_tensor
+        let [batch, seqlen_q, heads_q, head_dim] = self.q.map(size);
+        let mut desc = ProblemDesc::new(
+            batch,
+            seqlen_q,
+            size(self.seqlen_k),
+            heads_q,
+            size(self.heads_kv),
+            head_dim,
+        )
+        .head_dim_v(size(self.head_dim_v));
+        if let Some((cu_q, cu_k)) = &self.seqlens {
+            desc.sequences = Sequences::Varlen {
+                cu_seqlens_q: cu_q,
+                cu_seqlens_k: cu_k,
+            };
+        }
+        flash_attention::host::check_sizes(&desc)?;
+        let (left, right) = self.args.window;
+        desc = desc.with_flash_args(self.causal, left, right, self.args.softcap)?;
+        desc.softmax_scale = self.args.scale;
+        for (tensor, strides) in [Tensor::Q, Tensor::K, Tensor::V, Tensor::O]
+            .into_iter()
+            .zip(self.strides)
+        {
+            desc = desc.strides(tensor, strides);
+        }
+        Ok(desc.validate(MAX_HEAD_DIM)?)
+    }
+}
+
 /// Exact attention forward: `o = softmax(q·kᵀ·scale)·v` (and the log-sum-exp into `lse`).
 ///
 /// Tensors are `(address, shape, element strides, dtype)`: BSHD `(batch, seqlen, heads,
@@ -511,23 +708,12 @@ fn forward(
     check_shapes(&cq.dims, &ck.dims, &cv.dims, &co.dims, paged)?;
     let [batch, seqlen_q, heads_q, head_dim] = cq.dims;
     let (seqlen_k, heads_kv, head_dim_v) = (ck.dims[1], ck.dims[2], cv.dims[3]);
-    let window = match &window {
-        None => (-1, -1),
-        Some((left, right)) => (window_side(left)?, window_side(right)?),
-    };
-    // The C ABI reads 0 as "not set"; an explicit 0 would silently become the default.
-    if scale == Some(0.0) {
-        return Err(value_error(
-            "scale=0.0 is not supported (every key would weigh the same); pass None for 1/sqrt(head_dim)",
-        ));
-    }
-    let scale = scale.map(|s| to_f32(s, "scale")).transpose()?;
-    // softcap 0 (or None) is off, FlashAttention's convention; any other value goes to the
-    // library, which refuses negative, NaN and infinite caps.
-    let softcap = match softcap {
-        Some(c) if c != 0.0 => to_f32(c, "softcap")?,
-        _ => 0.0,
-    };
+    let args = flash_args(window.as_ref(), scale, softcap)?;
+    let FlashArgs {
+        window,
+        scale,
+        softcap,
+    } = args;
     let mut problem = FaProblem {
         head_dim_v,
         causal: u32::from(causal),
@@ -588,31 +774,41 @@ fn forward(
     };
     let lse = match &lse {
         None => core::ptr::null_mut(),
-        Some((addr, shape, strides, dtype)) => {
+        Some(arg) => {
             let expected = if varlen {
                 vec![heads_q, seqlen_q]
             } else {
                 vec![problem.batch, heads_q, seqlen_q]
             };
-            if *shape != expected || dtype != "float32" {
-                return Err(value_error(format!(
-                    "lse must be float32 of shape {}, got {dtype} {}",
-                    shape_text(&expected),
-                    shape_text(shape)
-                )));
-            }
-            // An empty lse holds nothing: its strides mean nothing (torch's are not the
-            // product of the sizes after a 0, NumPy's are all zero).
-            let mut dense = 1;
-            for (&n, &s) in shape.iter().zip(strides).rev() {
-                if n > 1 && s != dense && !shape.contains(&0) {
-                    return Err(value_error("lse must be a contiguous array"));
-                }
-                dense *= n;
-            }
-            *addr as usize as *mut f32
+            check_lse(arg, &expected)? as usize as *mut f32
         }
     };
+    if device.is_none() && cache.is_none() {
+        // The CPU forward calls Rust directly (issue 49): softmax-core describes and
+        // validates the problem, the facade checks the buffers (the same code as the C
+        // ABI's) and runs it, with the GIL released. KV caches and CUDA still go through the
+        // C ABI below.
+        let problem = HostProblem::new([&cq, &ck, &cv, &co], causal, args, host_seqlens)?;
+        let buffers = HostForward {
+            q: cq.host(),
+            k: ck.host(),
+            v: cv.host(),
+            o: co.host(),
+            lse: (!lse.is_null()).then_some(lse as usize),
+        };
+        return py
+            .detach(move || -> Result<(), flash_attention::Error> {
+                let problem = problem.validate()?;
+                // SAFETY: every address comes from a live NumPy array or CPU tensor whose
+                // shape and strides were checked against each other above, so the memory
+                // covers what the problem reaches; the caller keeps them alive for the call
+                // and writes none meanwhile. The facade checks null, alignment, overflow and
+                // overlap before anything is written.
+                unsafe { flash_attention::host::forward(&problem, &buffers, &Options::default()) }?;
+                Ok(())
+            })
+            .map_err(facade_error);
+    }
     let call = Call {
         problem,
         tensors: [cq.tensor, ck.tensor, cv.tensor, co.tensor],
@@ -628,6 +824,145 @@ fn forward(
         }
     };
     result.map_err(|(code, message)| library_error(code, message))
+}
+
+/// The message of a backward asked of CUDA tensors.
+const CUDA_BACKWARD: &str = "the CUDA backward is not built yet: flash_attention_rs computes \
+     gradients on the CPU only (CPU tensors), or run CUDA attention under torch.no_grad()";
+
+/// Exact attention backward: `dq`, `dk`, `dv` receive the gradients of a loss with respect
+/// to `q`, `k`, `v`, given the forward's `o` and `lse` and `d_o = ∂L/∂o` (GQA: `dk`/`dv`
+/// summed over each KV head's group of query heads).
+///
+/// The tensors are as in [`forward`] (BSHD, or packed with host `cu_seqlens`); `d_o` must
+/// have `o`'s shape and strides and each gradient its input's, `lse` is the forward's
+/// (float32 `(batch, heads_q, seqlen_q)`, varlen `(heads_q, total_q)`, contiguous). The
+/// options are the forward's. Python calls Rust directly here: the problem is built as a
+/// `softmax_core::ProblemDesc` and validated by it, the buffers are checked by the facade
+/// (`flash_attention::host`, the same code the C ABI runs) and the CPU backward runs with the
+/// GIL released; nothing is written on error. `device` (a CUDA device handle) is refused
+/// for now: the CUDA backward is not built yet (`NotImplementedError`).
+#[pyfunction]
+#[pyo3(signature = (q, k, v, o, lse, d_o, dq, dk, dv, *, causal=false, window=None,
+    softcap=None, scale=None, cu_seqlens=None, device=None, stream=0))]
+#[allow(clippy::too_many_arguments)]
+fn backward(
+    py: Python<'_>,
+    q: TensorArg,
+    k: TensorArg,
+    v: TensorArg,
+    o: TensorArg,
+    lse: TensorArg,
+    d_o: TensorArg,
+    dq: TensorArg,
+    dk: TensorArg,
+    dv: TensorArg,
+    causal: bool,
+    window: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+    softcap: Option<f64>,
+    scale: Option<f64>,
+    cu_seqlens: Option<(Vec<i64>, Vec<i64>)>,
+    device: Option<PyRef<'_, CudaDevice>>,
+    stream: u64,
+) -> PyResult<()> {
+    if device.is_some() {
+        // Where the CUDA branch goes: the same problem, the device tensors and `stream`
+        // through the facade's (or fa-cuda's) device backward entry.
+        let _ = stream;
+        return Err(PyNotImplementedError::new_err(CUDA_BACKWARD));
+    }
+    let varlen = cu_seqlens.is_some();
+    let checked = [
+        (&q, "q"),
+        (&k, "k"),
+        (&v, "v"),
+        (&o, "out"),
+        (&d_o, "d_out"),
+        (&dq, "dq"),
+        (&dk, "dk"),
+        (&dv, "dv"),
+    ]
+    .map(|(t, name)| check_tensor(t, name, varlen));
+    let [cq, ck, cv, co, cdo, cdq, cdk, cdv] = checked;
+    let (cq, ck, cv, co, cdo, cdq, cdk, cdv) = (cq?, ck?, cv?, co?, cdo?, cdq?, cdk?, cdv?);
+    check_shapes(&cq.dims, &ck.dims, &cv.dims, &co.dims, false)?;
+    for (grad, input, names) in [
+        (&cdo, &co, ("d_out", "out")),
+        (&cdq, &cq, ("dq", "q")),
+        (&cdk, &ck, ("dk", "k")),
+        (&cdv, &cv, ("dv", "v")),
+    ] {
+        // The backward reads dO in O's layout and writes each gradient in its input's.
+        let strides = |c: &Checked| {
+            if varlen {
+                [0, c.strides[1], c.strides[2]]
+            } else {
+                c.strides
+            }
+        };
+        if grad.dims != input.dims || strides(grad) != strides(input) {
+            return Err(value_error(format!(
+                "{} has dims {} and strides {} but {} has {} and {}: the backward takes {} \
+                 laid out as {}",
+                names.0,
+                shape_text(&grad.dims),
+                shape_text(&strides(grad)),
+                names.1,
+                shape_text(&input.dims),
+                shape_text(&strides(input)),
+                names.0,
+                names.1
+            )));
+        }
+    }
+    let [batch, seqlen_q, heads_q, _] = cq.dims;
+    let seqlen_k = ck.dims[1];
+    let args = flash_args(window.as_ref(), scale, softcap)?;
+    let seqlens = match cu_seqlens {
+        Some((cu_q, cu_k)) => {
+            if cu_q.len() != cu_k.len() {
+                return Err(value_error(format!(
+                    "cu_seqlens_q has {} entries but cu_seqlens_k has {}",
+                    cu_q.len(),
+                    cu_k.len()
+                )));
+            }
+            Some((
+                host_prefix_sums(&cu_q, seqlen_q, "cu_seqlens_q", "q")?,
+                host_prefix_sums(&cu_k, seqlen_k, "cu_seqlens_k", "k")?,
+            ))
+        }
+        None => None,
+    };
+    let problem = HostProblem::new([&cq, &ck, &cv, &co], causal, args, seqlens)?;
+    let expected_lse = if varlen {
+        vec![heads_q, seqlen_q]
+    } else {
+        vec![batch, heads_q, seqlen_q]
+    };
+    let lse = check_lse(&lse, &expected_lse)? as usize;
+    let buffers = HostBackward {
+        q: cq.host(),
+        k: ck.host(),
+        v: cv.host(),
+        o: co.host(),
+        lse,
+        d_o: cdo.host(),
+        dq: cdq.host(),
+        dk: cdk.host(),
+        dv: cdv.host(),
+    };
+    py.detach(move || -> Result<(), flash_attention::Error> {
+        let problem = problem.validate()?;
+        // SAFETY: every address comes from a live CPU tensor or NumPy array whose shape and
+        // strides were checked against each other above (d_out as out, each gradient as its
+        // input), so the memory covers what the problem reaches; the caller keeps them alive
+        // for the call and writes none meanwhile. The facade checks null, alignment,
+        // overflow and overlap before anything is written.
+        unsafe { flash_attention::host::backward(&problem, &buffers, &Options::default()) }?;
+        Ok(())
+    })
+    .map_err(facade_error)
 }
 
 /// Everything one append takes, plain data only (run with the GIL released).
@@ -813,6 +1148,7 @@ fn version() -> String {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward, m)?)?;
+    m.add_function(wrap_pyfunction!(backward, m)?)?;
     m.add_function(wrap_pyfunction!(append_kv, m)?)?;
     m.add_function(wrap_pyfunction!(block_walk, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;

@@ -473,105 +473,31 @@ pub(crate) fn describe<'a>(
     Ok(desc)
 }
 
-/// Refuses shapes whose contiguous strides (tokens × heads × head dim) overflow `usize`.
-/// `ProblemDesc::validate` computes them even when explicit strides are given, with plain
-/// multiplication (a panic in debug builds), so the boundary checks them first.
+/// Refuses shapes whose contiguous strides overflow `usize` (before `validate` computes
+/// them): the facade's [`flash_attention::host::check_sizes`], shared with the Python module.
 fn check_dense_sizes(desc: &ProblemDesc) -> Result<(), Failure> {
-    let (seq_q, seq_k) = match desc.sequences {
-        Sequences::Fixed {
-            seqlen_q, seqlen_k, ..
-        } => (seqlen_q, seqlen_k),
-        Sequences::Varlen {
-            cu_seqlens_q,
-            cu_seqlens_k,
-        } => {
-            let last = |cu: &[u32]| cu.iter().copied().max().unwrap_or(0) as usize;
-            (last(cu_seqlens_q), last(cu_seqlens_k))
-        }
-        Sequences::VarlenDevice {
-            total_q, total_k, ..
-        } => (total_q, total_k),
-    };
-    let dim = desc.head_dim.max(desc.head_dim_v);
-    for (seq, heads) in [(seq_q, desc.heads_q), (seq_k, desc.heads_kv)] {
-        seq.checked_mul(heads)
-            .and_then(|x| x.checked_mul(dim))
-            .ok_or_else(|| Failure::from(softmax_core::ProblemError::Overflow))?;
-    }
-    Ok(())
+    Ok(flash_attention::host::check_sizes(desc)?)
 }
 
-/// The byte range `len` elements of `elem_size` bytes at `addr` span, checked: `None` when
-/// empty (any address, null included); an error for null, misaligned (to the element size),
-/// or a range past `isize::MAX` bytes or the end of the address space.
+/// The byte range `len` elements of `elem_size` bytes at `addr` span, checked: the facade's
+/// [`flash_attention::host::span`] (`None` when empty; null, misaligned and overflowing
+/// ranges refused), shared with the Python module.
 pub(crate) fn host_span(
     name: &str,
     addr: usize,
     len: usize,
     elem_size: usize,
 ) -> Result<Option<Range<usize>>, Failure> {
-    if len == 0 {
-        return Ok(None);
-    }
-    if addr == 0 {
-        return Err(Failure::invalid(format!("{name} is a null pointer")));
-    }
-    if !addr.is_multiple_of(elem_size) {
-        return Err(Failure::invalid(format!(
-            "{name} is misaligned: {addr:#x} is not a multiple of {elem_size}"
-        )));
-    }
-    let end = len
-        .checked_mul(elem_size)
-        .filter(|&bytes| bytes <= isize::MAX as usize)
-        .and_then(|bytes| addr.checked_add(bytes))
-        .ok_or_else(|| {
-            Failure::invalid(format!("{name}: {len} elements overflow the address space"))
-        })?;
-    Ok(Some(addr..end))
+    Ok(flash_attention::host::span(name, addr, len, elem_size)?)
 }
 
-/// Refuses an output whose bytes overlap another buffer of the call (a shared and a mutable
-/// view of the same memory).
+/// Refuses an output whose bytes overlap another buffer of the call: the facade's
+/// [`flash_attention::host::check_disjoint`].
 pub(crate) fn check_disjoint(spans: &[(&str, Option<Range<usize>>, bool)]) -> Result<(), Failure> {
-    for (i, (a, ra, a_out)) in spans.iter().enumerate() {
-        for (b, rb, b_out) in &spans[i + 1..] {
-            if let (Some(ra), Some(rb)) = (ra, rb) {
-                if (*a_out || *b_out) && ra.start < rb.end && rb.start < ra.end {
-                    return Err(Failure::invalid(format!("{a} and {b} overlap")));
-                }
-            }
-        }
-    }
-    Ok(())
+    Ok(flash_attention::host::check_disjoint(spans)?)
 }
 
-/// A shared slice of `len` elements at `addr` (empty when `len` is 0).
-///
-/// # Safety
-/// Unless `len` is 0, `addr` must have passed [`host_span`] for `T` and point to `len`
-/// initialised `T`s that nothing writes while the slice lives.
-pub(crate) unsafe fn slice_ref<'a, T>(addr: usize, len: usize) -> &'a [T] {
-    if len == 0 {
-        return &[];
-    }
-    // SAFETY: non-null, aligned, within isize::MAX bytes (host_span); readable (contract).
-    unsafe { core::slice::from_raw_parts(addr as *const T, len) }
-}
-
-/// A mutable slice of `len` elements at `addr` (empty when `len` is 0).
-///
-/// # Safety
-/// As [`slice_ref`], and the memory must be writable and not overlap any other slice alive
-/// at the same time ([`check_disjoint`]).
-pub(crate) unsafe fn slice_mut<'a, T>(addr: usize, len: usize) -> &'a mut [T] {
-    if len == 0 {
-        return &mut [];
-    }
-    // SAFETY: non-null, aligned, within isize::MAX bytes (host_span); writable and not
-    // aliased (contract).
-    unsafe { core::slice::from_raw_parts_mut(addr as *mut T, len) }
-}
+pub(crate) use flash_attention::host::{slice_mut, slice_ref};
 
 #[cfg(test)]
 mod tests {

@@ -1,12 +1,12 @@
 //! `fa_forward_cpu` and `fa_forward_cache_cpu`: forward attention on host memory with fa-cpu
-//! (through flash-attention), over dense/packed K/V or a KV cache; `fa_append_kv_cpu`: new
-//! tokens into a host KV cache, in place.
+//! (through flash-attention), over dense/packed K/V or a KV cache; `fa_backward_cpu`: its
+//! gradients; `fa_append_kv_cpu`: new tokens into a host KV cache, in place.
 
 use crate::convert::*;
 use crate::error::{guard, Failure};
 use crate::types::*;
-use flash_attention::{Backend, DType, Exp2, Options, Out, Qkv, TensorMut, TensorRef};
-use half::{bf16, f16};
+use flash_attention::host::{view_mut, view_ref, HostBackward, HostForward, HostTensor};
+use flash_attention::{DType, Exp2, Options};
 
 /// The problem and the four tensor descriptors of a call, copied out of the caller's memory.
 pub(crate) struct Call {
@@ -43,43 +43,6 @@ pub(crate) unsafe fn read_call(
                 read_struct(v, "v")?,
                 read_struct(o, "o")?,
             ],
-        })
-    }
-}
-
-/// A read-only host view of `len` elements of `dtype` at `addr`.
-///
-/// # Safety
-/// As [`slice_ref`].
-unsafe fn view_ref<'a>(dtype: DType, addr: usize, len: usize) -> Result<TensorRef<'a>, Failure> {
-    // SAFETY: forwarded; f32, bf16 and f16 are valid for every bit pattern.
-    unsafe {
-        Ok(match dtype {
-            DType::F32 => TensorRef::F32(slice_ref::<f32>(addr, len)),
-            DType::Bf16 => TensorRef::Bf16(slice_ref::<bf16>(addr, len)),
-            DType::F16 => TensorRef::F16(slice_ref::<f16>(addr, len)),
-            other => return Err(no_view(other)),
-        })
-    }
-}
-
-/// A dtype that `dtype()` may make one day but that has no host view here yet.
-fn no_view(dtype: DType) -> Failure {
-    Failure::unsupported(format!("the C API has no host view of {dtype} tensors"))
-}
-
-/// A writable host view of `len` elements of `dtype` at `addr`.
-///
-/// # Safety
-/// As [`slice_mut`].
-unsafe fn view_mut<'a>(dtype: DType, addr: usize, len: usize) -> Result<TensorMut<'a>, Failure> {
-    // SAFETY: forwarded; f32, bf16 and f16 are valid for every bit pattern.
-    unsafe {
-        Ok(match dtype {
-            DType::F32 => TensorMut::F32(slice_mut::<f32>(addr, len)),
-            DType::Bf16 => TensorMut::Bf16(slice_mut::<bf16>(addr, len)),
-            DType::F16 => TensorMut::F16(slice_mut::<f16>(addr, len)),
-            other => return Err(no_view(other)),
         })
     }
 }
@@ -161,39 +124,145 @@ unsafe fn run_host(
     lse: *mut f32,
     opts: &Options,
 ) -> Result<(), Failure> {
-    let lens = problem.min_buffer_lens();
     let names = ["q", "k", "v", "o"];
-    let mut dtypes = [DType::F32; 4];
-    let mut spans = Vec::with_capacity(5);
-    for (i, (t, len)) in call
-        .tensors
-        .iter()
-        .zip([lens.q, lens.k, lens.v, lens.o])
-        .enumerate()
-    {
-        dtypes[i] = dtype(t, names[i])?;
-        let span = host_span(names[i], t.data as usize, len, dtypes[i].size())?;
-        spans.push((names[i], span, i == 3));
+    let mut host = [HostTensor {
+        addr: 0,
+        dtype: DType::F32,
+    }; 4];
+    for (i, t) in call.tensors.iter().enumerate() {
+        host[i] = HostTensor {
+            addr: t.data as usize,
+            dtype: dtype(t, names[i])?,
+        };
     }
-    let lse_len = problem.lse_len();
-    if !lse.is_null() {
-        spans.push(("lse", host_span("lse", lse as usize, lse_len, 4)?, true));
-    }
-    check_disjoint(&spans)?;
-    let [tq, tk, tv, to] = &call.tensors;
-    // SAFETY: each address passed host_span for its dtype and length, the outputs overlap
-    // nothing (check_disjoint), and the memory is what the contract promises.
-    let (qkv, out) = unsafe {
-        let qkv = Qkv::new(
-            view_ref(dtypes[0], tq.data as usize, lens.q)?,
-            view_ref(dtypes[1], tk.data as usize, lens.k)?,
-            view_ref(dtypes[2], tv.data as usize, lens.v)?,
-        );
-        let o = view_mut(dtypes[3], to.data as usize, lens.o)?;
-        let lse = (!lse.is_null()).then(|| slice_mut::<f32>(lse as usize, lse_len));
-        (qkv, Out { o, lse })
+    let [q, k, v, o] = host;
+    let buffers = HostForward {
+        q,
+        k,
+        v,
+        o,
+        lse: (!lse.is_null()).then_some(lse as usize),
     };
-    Backend::cpu().forward(problem, qkv, out, opts)?;
+    // SAFETY: the tensors and `lse` follow the caller's contract; the facade checks every
+    // span and overlap before it writes.
+    unsafe { flash_attention::host::forward(problem, &buffers, opts) }?;
+    Ok(())
+}
+
+/// Gradients of a loss with respect to Q, K and V on host memory (the backward of
+/// [`fa_forward_cpu`]), computed by the SIMD CPU kernel: exact, recomputing the attention
+/// probabilities from the forward's `lse` (no N×N storage), deterministic (the same bits for
+/// any thread count). GQA/MQA: `dk`/`dv` are summed over each KV head's group of query heads.
+///
+/// `problem` is the forward's (fixed-length or varlen with host prefix sums; the mask,
+/// window, scale and softcap as given to the forward). Inputs: `q`, `k`, `v` (one dtype `T`:
+/// f32, bf16 or f16), the forward's output `o` and `∂L/∂O` `d_o` (one dtype, `T` or f32; `d_o`
+/// laid out as `o`: the same strides), and `lse`, the forward's log-sum-exp as it wrote it
+/// (f32 `[batch, heads_q, seqlen_q]` dense or `[heads_q, total_q]` packed; required).
+/// Outputs: `dq`, `dk`, `dv` (one dtype, `T` or f32), laid out as `q`, `k` and `v` (the same
+/// strides). `options` may be null (defaults; `threads` applies, `exp2` is not read).
+///
+/// Every argument is checked before anything is written: on an error code the gradients
+/// are untouched (except `FA_ERR_PANIC`) and `fa_last_error_message()` says why. Strides that
+/// differ from their input's are `FA_ERR_INVALID_ARGUMENT`, as are null, misaligned and
+/// overflowing buffers and gradients that overlap any other buffer; dtype combinations the
+/// kernel lacks are `FA_ERR_UNSUPPORTED`. Since API version 6.
+///
+/// # Safety
+/// As [`fa_forward_cpu`] for the problem and the descriptors; each tensor's `data` must hold
+/// every element its shape and strides reach (`d_o` as `o`, each gradient as its input),
+/// writable for `dq`, `dk` and `dv`; `lse` must point to `heads_q · total_q` (packed) or
+/// `batch · heads_q · seqlen_q` floats. Inputs must not be written by anyone during the call.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fa_backward_cpu(
+    problem: *const FaProblem,
+    q: *const FaTensor,
+    k: *const FaTensor,
+    v: *const FaTensor,
+    o: *const FaTensor,
+    lse: *const f32,
+    d_o: *const FaTensor,
+    dq: *const FaTensor,
+    dk: *const FaTensor,
+    dv: *const FaTensor,
+    options: *const FaOptions,
+) -> i32 {
+    guard(|| {
+        // SAFETY: the descriptor pointers follow this function's contract.
+        let call = unsafe { read_call(problem, q, k, v, o) }?;
+        // SAFETY: as above.
+        let [d_o, dq, dk, dv] = unsafe {
+            [
+                read_struct(d_o, "d_o")?,
+                read_struct(dq, "dq")?,
+                read_struct(dk, "dk")?,
+                read_struct(dv, "dv")?,
+            ]
+        };
+        let varlen = call.problem.seqlens != FA_SEQLENS_FIXED;
+        let [tq, tk, tv, to] = &call.tensors;
+        for (grad, input, names) in [
+            (&d_o, to, ("d_o", "o")),
+            (&dq, tq, ("dq", "q")),
+            (&dk, tk, ("dk", "k")),
+            (&dv, tv, ("dv", "v")),
+        ] {
+            check_same_layout(grad, input, names, varlen)?;
+        }
+        // SAFETY: as above.
+        let opts = cpu_options(&unsafe { read_options(options) }?)?;
+        // SAFETY: the prefix sums follow this function's contract.
+        let seqlens = unsafe { read_seqlens(&call.problem, false) }?;
+        let problem = describe(&call.problem, &seqlens, call.tensor_refs())?
+            .validate(softmax_core::MAX_HEAD_DIM)?;
+        let host = |t: &FaTensor, name: &str| -> Result<HostTensor, Failure> {
+            Ok(HostTensor {
+                addr: t.data as usize,
+                dtype: dtype(t, name)?,
+            })
+        };
+        let buffers = HostBackward {
+            q: host(tq, "q")?,
+            k: host(tk, "k")?,
+            v: host(tv, "v")?,
+            o: host(to, "o")?,
+            lse: lse as usize,
+            d_o: host(&d_o, "d_o")?,
+            dq: host(&dq, "dq")?,
+            dk: host(&dk, "dk")?,
+            dv: host(&dv, "dv")?,
+        };
+        // SAFETY: the tensors and `lse` follow this function's contract; the facade checks
+        // every span and overlap before it writes.
+        unsafe { flash_attention::host::backward(&problem, &buffers, &opts) }?;
+        Ok(())
+    })
+}
+
+/// A backward buffer laid out as its input: the same strides (`stride_batch` is not read for
+/// packed sequences).
+fn check_same_layout(
+    t: &FaTensor,
+    like: &FaTensor,
+    (name, like_name): (&str, &str),
+    varlen: bool,
+) -> Result<(), Failure> {
+    let strides = |x: &FaTensor| {
+        (
+            if varlen { 0 } else { x.stride_batch },
+            x.stride_seq,
+            x.stride_head,
+        )
+    };
+    if strides(t) != strides(like) {
+        return Err(Failure::invalid(format!(
+            "{name} has strides {:?} (batch, seq, head) but {like_name} has {:?}: the backward \
+             takes {name} laid out as {like_name}",
+            strides(t),
+            strides(like)
+        )));
+    }
     Ok(())
 }
 

@@ -53,6 +53,7 @@ impl From<flash_attention::Error> for Failure {
                 code: FA_ERR_NO_DEVICE,
                 message: e.to_string(),
             },
+            E::InvalidArgument(message) => Failure::invalid(message),
             other => Failure {
                 code: FA_ERR_CUDA,
                 message: other.to_string(),

@@ -8,7 +8,8 @@
 //! allocated on the stream); new tokens go into a cache in place with `fa_append_kv_cpu` /
 //! `fa_append_kv_cuda` (API version 3); a paged cache's block walk (`FaKvCache::block_walk`,
 //! the order `fa_forward_cache_cuda` reads the blocks in) is built on the host by
-//! `fa_block_walk` (API version 4).
+//! `fa_block_walk` (API version 4); the gradients of a host forward come from
+//! `fa_backward_cpu` (API version 6).
 //!
 //! The header is `include/flash_attention_rs.h`, generated from this crate by cbindgen (the
 //! test `header_is_current` fails when it is stale; `FA_CAPI_BLESS=1 cargo test -p fa-capi`
@@ -38,7 +39,7 @@ mod error;
 mod types;
 mod walk;
 
-pub use cpu::{fa_append_kv_cpu, fa_forward_cache_cpu, fa_forward_cpu};
+pub use cpu::{fa_append_kv_cpu, fa_backward_cpu, fa_forward_cache_cpu, fa_forward_cpu};
 pub use cuda::{
     fa_append_kv_cuda, fa_cuda_device_create, fa_cuda_device_create_from_context,
     fa_cuda_device_destroy, fa_forward_cache_cuda, fa_forward_cache_cuda_workspace_bytes,

@@ -12,9 +12,10 @@ use core::ffi::c_void;
 /// in-place appends `fa_append_kv_cpu` and `fa_append_kv_cuda` (no descriptor changed);
 /// version 4 adds [`FaKvCache::block_walk`] (a trailing field: a version-2/3 `FaKvCache`,
 /// of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`;
-/// version 5 adds [`FA_EXP2_AUTO`], the options' new default.
+/// version 5 adds [`FA_EXP2_AUTO`], the options' new default; version 6 adds the CPU
+/// backward `fa_backward_cpu` (no descriptor changed).
 /// A library accepts descriptors of every version up to its own.
-pub const FA_API_VERSION: u32 = 5;
+pub const FA_API_VERSION: u32 = 6;
 
 /// Success.
 pub const FA_OK: i32 = 0;

@@ -434,8 +434,10 @@ pub fn precompile_into<V: KernelVariant + Clone>(
 }
 
 /// [`precompile`] of every variant of every family that supports `arch` (what `fa warmup`
-/// runs): the sm80 forward, the decode kernels, their combine and the append.
+/// runs): the forward families, the decode kernels, their combine and the append, and the
+/// sm80 backward with its pre/post-pass.
 pub fn precompile_all(arch: &str) -> Result<PrecompileReport, CudaError> {
+    use crate::kernels::bwd_sm80::{BwdPrepVariant, BwdVariant};
     use crate::kernels::decode::{AppendVariant, CombineVariant, DecodeVariant};
     use crate::kernels::DType;
     let supported: Vec<ForwardVariant> = match capability_of(arch) {
@@ -451,6 +453,8 @@ pub fn precompile_all(arch: &str) -> Result<PrecompileReport, CudaError> {
         precompile(arch, &DecodeVariant::all())?,
         precompile(arch, &combine)?,
         precompile(arch, &[AppendVariant])?,
+        precompile(arch, &BwdVariant::all())?,
+        precompile(arch, &BwdPrepVariant::all())?,
     ] {
         report.kernels.extend(more.kernels);
     }

@@ -18,7 +18,10 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
 
+mod backward;
 mod decode;
+
+pub use backward::{BackwardInputs, BackwardStats, BackwardTensors};
 
 /// Whether the CUDA driver library can be loaded. `cudarc` panics on the first driver call
 /// when it cannot, so [`Device::open`] checks this first.

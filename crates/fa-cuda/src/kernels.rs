@@ -6,9 +6,11 @@
 //! Layout of the sources (`src/kernels/`): `common/` holds the PTX helpers, the mask, the
 //! online-softmax steps and the row epilogue that every family shares; `sm80/` the
 //! `mma.sync` forward kernel ([`sm80`]); `sm90/` the Hopper `wgmma` forward kernel ([`sm90`]);
-//! `decode/` the split-KV decode, combine and append kernels ([`decode`]).
+//! `decode/` the split-KV decode, combine and append kernels ([`decode`]); `bwd_sm80/` the
+//! `mma.sync` backward with its pre/post-pass ([`bwd_sm80`]).
 //! [`plan_forward`] picks the forward family ([`KernelFamilyChoice`]) and asks its plan.
 
+pub mod bwd_sm80;
 pub mod decode;
 pub mod sm80;
 pub mod sm90;
@@ -78,12 +80,14 @@ impl KernelFamily {
 
 /// Every kernel family of the crate.
 pub fn families() -> &'static [&'static KernelFamily] {
-    static FAMILIES: [&KernelFamily; 5] = [
+    static FAMILIES: [&KernelFamily; 7] = [
         &sm80::FAMILY,
         &sm90::FAMILY,
         &decode::FAMILY,
         &decode::COMBINE_FAMILY,
         &decode::APPEND_FAMILY,
+        &bwd_sm80::FAMILY,
+        &bwd_sm80::PREP_FAMILY,
     ];
     &FAMILIES
 }

@@ -69,6 +69,27 @@
 //! at each sequence's used length (typed errors for a full cache or a bad block, cache
 //! untouched).
 //!
+//! # Backward (training)
+//! The sm80 backward family (`kernels/bwd_sm80/`, [`kernels::bwd_sm80`]; `mma.sync`, runs on
+//! sm_80 and newer, Hopper included) in the plan → workspace → run contract:
+//! [`plan_backward`] (pure: problem, dtype, [`BackwardOptions`], [`DeviceProps`]) gives a
+//! [`BackwardPlan`] with the launch and a [`WorkspaceReq`] (f32 `D = rowsum(dO∘O)` and
+//! `LSE·log2 e` per (row, head), the f32 dQ accumulator: `rows × head_dim`, linear in the
+//! tokens); [`Device::backward_on_stream`] checks caller memory ([`BackwardTensors`]) and the
+//! caller's workspace against it and only launches (pre-pass, main kernel, dQ post-pass);
+//! [`Device::backward`] / [`Device::backward_host`] allocate the workspace and run the same
+//! path. The main kernel owns a key block of one KV head (K, V in shared memory, dK and dV in
+//! registers), recomputes `P` from the forward's LSE for every query block of every query
+//! head of its GQA group (so dK/dV are summed over the group in a fixed order, without
+//! H-times memory) and adds `dS·K` to the dQ accumulator with f32 atomics: **dQ is not
+//! bitwise deterministic** from run to run (dK and dV are); a deterministic mode is a later
+//! step ([`BackwardOptions::deterministic`] answers `Unsupported`). bf16 or fp16 (every
+//! tensor of the call one dtype, gradients included), head dims multiples of 8 up to 256,
+//! causal and sliding windows with query-block skipping, softcap (with its derivative),
+//! GQA/MQA, varlen (host prefix sums on the owned paths, device ones on the run entry),
+//! `seqlen_q ≠ seqlen_k`, rows that see no key (gradient 0). Tests: `tests/gpu_backward.rs`
+//! against `fa-reference`'s f64 backward.
+//!
 //! # Performance (H200, bf16, 16k tokens, same-call PyTorch SDPA peers; docs/benchmarks.md)
 //! The sm90 family (the default on Hopper) at seqlen 8k (docs/history/benchmarks-lab.md,
 //! "Forward", the 60dffcd table): hdim 128 627 TFLOP/s non-causal and 591 causal (1.03× /
@@ -86,9 +107,10 @@
 //!
 //! # Testing without a GPU
 //! The unit tests, the NVRTC compile check (`tests/nvrtc_compile.rs`: every variant of every
-//! family for sm_80 and sm_90a, no register spill) and the disk-cache tests (`tests/disk_cache.rs`) need no GPU; the check needs `libnvrtc` on the loader
+//! family for sm_80 and sm_90a, the backward's included, no register spill) and the disk-cache tests (`tests/disk_cache.rs`) need no GPU; the check needs `libnvrtc` on the loader
 //! path (`source .ci/install-nvrtc.sh`) and fails when `CI` is set and it is missing. The GPU
-//! tests (`tests/gpu.rs`, `tests/gpu_decode.rs`) are ignored by default.
+//! tests (`tests/gpu.rs`, `tests/gpu_decode.rs`, `tests/gpu_backward.rs`) are ignored by
+//! default.
 //!
 //! # Example
 //! ```no_run
@@ -114,6 +136,7 @@
 //! # }
 //! ```
 
+mod backward;
 mod cache;
 pub mod compile;
 mod device;
@@ -123,11 +146,17 @@ mod params;
 mod raw;
 mod tma;
 
+pub use backward::{
+    plan_backward, supports_backward, BackwardOptions, BackwardPlan, WorkspacePart, WorkspaceReq,
+    WORKSPACE_ALIGN,
+};
 pub use compile::{precompile, KernelOrigin, PrecompileReport};
 pub use device::{
-    driver_available, CudaElement, Device, DeviceBuffer, DeviceElement, DeviceOut, ForwardStats,
+    driver_available, BackwardInputs, BackwardStats, BackwardTensors, CudaElement, Device,
+    DeviceBuffer, DeviceElement, DeviceOut, ForwardStats,
 };
 pub use error::CudaError;
+pub use kernels::bwd_sm80::BwdTiles;
 pub use kernels::decode::{block_walk, num_splits_heuristic, DecodeOverrides, DecodePlan};
 pub use kernels::sm90::Pipeline as Sm90Pipeline;
 pub use kernels::{

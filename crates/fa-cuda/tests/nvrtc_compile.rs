@@ -198,3 +198,45 @@ fn decode_family_compiles_without_spills() {
     check_variant(&AppendVariant, &mut failures);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// The backward family (every variant the plan can pick) and its pre/post-pass kernels (both
+/// dtypes), for sm_80 and sm_90a, without spills.
+#[test]
+#[ignore = "needs libnvrtc (source .ci/install-nvrtc.sh); CI runs it with --include-ignored"]
+fn backward_family_compiles_without_spills() {
+    use fa_cuda::kernels::bwd_sm80::{BwdPrepVariant, BwdVariant};
+    assert!(
+        nvrtc_available(),
+        "libnvrtc cannot be loaded: source .ci/install-nvrtc.sh first"
+    );
+    let only = std::env::var("FA_NVRTC_ONLY").unwrap_or_default();
+    let variants: Vec<BwdVariant> = BwdVariant::all()
+        .into_iter()
+        .filter(|v| v.name().contains(&only))
+        .collect();
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .min(8);
+    let mut failures: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let variants = &variants;
+                s.spawn(move || {
+                    let mut out = Vec::new();
+                    for v in variants.iter().skip(t).step_by(threads) {
+                        check_variant(v, &mut out);
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("compile thread"))
+            .collect()
+    });
+    for v in BwdPrepVariant::all() {
+        check_variant(&v, &mut failures);
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -237,6 +237,9 @@ pub enum Error {
     },
     /// The CUDA backend failed while running (driver, compilation).
     Cuda(fa_cuda::CudaError),
+    /// A buffer given by address was refused before any work ([`crate::host`]: null,
+    /// misaligned, past the address space, or an output overlapping another buffer).
+    InvalidArgument(String),
 }
 
 impl core::fmt::Display for Error {
@@ -251,6 +254,7 @@ impl core::fmt::Display for Error {
                 write!(f, "{} is not usable here: {reason}", backend.name())
             }
             Error::Cuda(e) => write!(f, "{e}"),
+            Error::InvalidArgument(message) => f.write_str(message),
         }
     }
 }
@@ -365,6 +369,14 @@ impl Backend {
         match self.inner {
             Inner::Cpu => BackendKind::Cpu,
             Inner::Cuda(_) => BackendKind::Cuda,
+        }
+    }
+
+    /// The CUDA device of a CUDA backend (`None` on the CPU).
+    pub(crate) fn cuda_device(&self) -> Option<&fa_cuda::Device> {
+        match &self.inner {
+            Inner::Cpu => None,
+            Inner::Cuda(d) => Some(d),
         }
     }
 

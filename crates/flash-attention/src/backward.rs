@@ -1,5 +1,6 @@
 //! The backward pass over dtype-erased host tensors: [`Backend::backward`] and
-//! [`Backend::time_backward`] (CPU; CUDA has no backward yet and says so with a typed error).
+//! [`Backend::time_backward`] on the CPU (fa-cpu) and on CUDA (fa-cuda's plan → workspace →
+//! run path through `Device::backward_host`).
 
 use crate::backend::{Backend, BackendKind, DTypes, Error, Options};
 use crate::tensor::{TensorMut, TensorRef};
@@ -13,28 +14,35 @@ pub use fa_cpu::DynBackwardInputs as BackwardInputs;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct BackwardStats {
-    /// CPU: (query tile, key tile) pairs computed, per query head.
+    /// CPU: (query tile, key tile) pairs computed, per query head (0 on CUDA).
     pub tiles_computed: u64,
-    /// CPU: (query tile, key tile) pairs the mask skipped.
+    /// CPU: (query tile, key tile) pairs the mask skipped (0 on CUDA).
     pub tiles_skipped: u64,
 }
 
 /// The CPU rejects this combination of dtypes for the backward.
 const CPU_BACKWARD_DTYPES: ProblemError = fa_cpu::BACKWARD_DTYPES;
 
-/// CUDA has no backward kernel.
-const CUDA_BACKWARD: ProblemError = ProblemError::Unsupported {
-    what: "the CUDA backend has no backward pass yet (use the CPU backend)",
+/// The CUDA backward's dtypes.
+const CUDA_BACKWARD_DTYPES: ProblemError = ProblemError::Unsupported {
+    what:
+        "fa-cuda's backward takes bf16 or f16 tensors, all of one dtype (inputs, O, dO, gradients)",
 };
 
 impl Backend {
     /// Gradients of a loss with respect to Q, K and V, given `∂L/∂O` and the forward's O and
-    /// LSE: exact, recomputing the probabilities (no N×N storage), deterministic (bitwise
-    /// identical for any thread count). Q, K and V share a dtype `T` (f32, bf16, f16); O and
-    /// dO share one (`T` or f32); the three gradients share one (`T` or f32), laid out as Q,
-    /// K and V. Everything is checked before anything is written. CPU only: CUDA answers
-    /// `Unsupported`. Of `opts`, `threads` and `cpu_simd` apply (a level this CPU lacks is
-    /// an error, as in the forward).
+    /// LSE: exact, recomputing the probabilities (no N×N storage). Everything is checked
+    /// before anything is written.
+    ///
+    /// CPU: deterministic (bitwise identical for any thread count); Q, K and V share a dtype
+    /// `T` (f32, bf16, f16); O and dO share one (`T` or f32); the three gradients share one
+    /// (`T` or f32), laid out as Q, K and V. Of `opts`, `threads` and `cpu_simd` apply (a level
+    /// this CPU lacks is an error, as in the forward).
+    ///
+    /// CUDA: every tensor bf16, or every tensor f16; the tensors are copied to the device
+    /// and the gradients back (fa-cuda's `Device::backward_host`: plan, workspace, run). dK
+    /// and dV are deterministic; dQ is summed with f32 atomics, so its last bits may differ
+    /// from run to run. No field of `opts` applies.
     pub fn backward(
         &self,
         problem: &Problem,
@@ -44,11 +52,16 @@ impl Backend {
         opts: &Options,
     ) -> Result<BackwardStats, Error> {
         self.check_backward(problem, &qkv, &inputs, &grads)?;
-        cpu_backward(problem, qkv, inputs, grads, opts)
+        match self.cuda_device() {
+            Some(d) => cuda_backward(d, problem, qkv, inputs, grads),
+            None => cpu_backward(problem, qkv, inputs, grads, opts),
+        }
     }
 
-    /// Seconds per call of `iters` timed backward calls after `warmup` untimed ones (wall
-    /// clock; the gradients are written by every call). CPU only, as [`Backend::backward`].
+    /// Seconds per call of `iters` timed backward calls after `warmup` untimed ones. CPU: wall
+    /// clock, the gradients written by every call. CUDA: the tensors are uploaded once and
+    /// each run's kernels are timed with CUDA events (no transfers; the gradients stay on the
+    /// device and `grads` is not written).
     #[allow(clippy::too_many_arguments)]
     pub fn time_backward(
         &self,
@@ -61,6 +74,9 @@ impl Backend {
         iters: usize,
     ) -> Result<Vec<f64>, Error> {
         self.check_backward(problem, &qkv, &inputs, &grads)?;
+        if let Some(d) = self.cuda_device() {
+            return cuda_time_backward(d, problem, qkv, inputs, &grads, warmup, iters);
+        }
         let calls = warmup.checked_add(iters).ok_or(ProblemError::Overflow)?;
         let mut times = Vec::new();
         times
@@ -93,22 +109,141 @@ impl Backend {
         inputs: &BackwardInputs<'_>,
         grads: &Grads<TensorMut<'_>>,
     ) -> Result<(), Error> {
-        if self.kind() == BackendKind::Cuda {
-            return Err(CUDA_BACKWARD.into());
-        }
         let input = qkv.q.dtype();
         let (out, grad) = (inputs.o.dtype(), grads.dq.dtype());
         let same_inputs = qkv.k.dtype() == input && qkv.v.dtype() == input;
+        let same_grads = grads.dk.dtype() == grad && grads.dv.dtype() == grad;
+        if self.kind() == BackendKind::Cuda {
+            let half = matches!(input, DType::Bf16 | DType::F16);
+            let all_one = out == input && inputs.d_o.dtype() == input && grad == input;
+            if !(half && same_inputs && same_grads && all_one) {
+                return Err(CUDA_BACKWARD_DTYPES.into());
+            }
+            self.check(problem, DTypes { input, output: out })?;
+            fa_cuda::supports_backward(problem, input)?;
+            return Ok(());
+        }
         let ok_out = inputs.d_o.dtype() == out && (out == input || out == DType::F32);
-        let ok_grads = grads.dk.dtype() == grad
-            && grads.dv.dtype() == grad
-            && (grad == input || grad == DType::F32);
+        let ok_grads = same_grads && (grad == input || grad == DType::F32);
         if !(same_inputs && ok_out && ok_grads) {
             return Err(CPU_BACKWARD_DTYPES.into());
         }
         self.check(problem, DTypes { input, output: out })?;
         Ok(())
     }
+}
+
+/// The fa-cuda call for the tensors' dtype (checked by [`Backend::check_backward`]): plan,
+/// workspace and run through `Device::backward_host`.
+fn cuda_backward(
+    d: &fa_cuda::Device,
+    problem: &Problem,
+    qkv: Qkv<TensorRef<'_>>,
+    inputs: BackwardInputs<'_>,
+    grads: Grads<TensorMut<'_>>,
+) -> Result<BackwardStats, Error> {
+    let opts = fa_cuda::BackwardOptions::default();
+    let lse = inputs.lse;
+    match (qkv.q, qkv.k, qkv.v, inputs.o, inputs.d_o) {
+        (
+            TensorRef::Bf16(q),
+            TensorRef::Bf16(k),
+            TensorRef::Bf16(v),
+            TensorRef::Bf16(o),
+            TensorRef::Bf16(d_o),
+        ) => match grads {
+            Grads {
+                dq: TensorMut::Bf16(dq),
+                dk: TensorMut::Bf16(dk),
+                dv: TensorMut::Bf16(dv),
+            } => d.backward_host(
+                problem,
+                Qkv::new(q, k, v),
+                fa_cuda::BackwardInputs { o, d_o, lse },
+                Grads::new(dq, dk, dv),
+                &opts,
+            )?,
+            _ => return Err(CUDA_BACKWARD_DTYPES.into()),
+        },
+        (
+            TensorRef::F16(q),
+            TensorRef::F16(k),
+            TensorRef::F16(v),
+            TensorRef::F16(o),
+            TensorRef::F16(d_o),
+        ) => match grads {
+            Grads {
+                dq: TensorMut::F16(dq),
+                dk: TensorMut::F16(dk),
+                dv: TensorMut::F16(dv),
+            } => d.backward_host(
+                problem,
+                Qkv::new(q, k, v),
+                fa_cuda::BackwardInputs { o, d_o, lse },
+                Grads::new(dq, dk, dv),
+                &opts,
+            )?,
+            _ => return Err(CUDA_BACKWARD_DTYPES.into()),
+        },
+        _ => return Err(CUDA_BACKWARD_DTYPES.into()),
+    };
+    Ok(BackwardStats::default())
+}
+
+/// [`Backend::time_backward`] on CUDA: uploads once, then times each run's kernels with CUDA
+/// events (seconds per run). `grads` only sizes the device gradients.
+fn cuda_time_backward(
+    d: &fa_cuda::Device,
+    problem: &Problem,
+    qkv: Qkv<TensorRef<'_>>,
+    inputs: BackwardInputs<'_>,
+    grads: &Grads<TensorMut<'_>>,
+    warmup: usize,
+    iters: usize,
+) -> Result<Vec<f64>, Error> {
+    use softmax_core::Extent;
+    let opts = fa_cuda::BackwardOptions::default();
+    let lse = d.upload(inputs.lse)?;
+    macro_rules! timed {
+        ($t:ty, $q:expr, $k:expr, $v:expr, $o:expr, $d_o:expr) => {{
+            let (q, k, v) = (d.upload($q)?, d.upload($k)?, d.upload($v)?);
+            let (o, d_o) = (d.upload($o)?, d.upload($d_o)?);
+            let mut dq = d.alloc_zeroed::<$t>(grads.dq.elems())?;
+            let mut dk = d.alloc_zeroed::<$t>(grads.dk.elems())?;
+            let mut dv = d.alloc_zeroed::<$t>(grads.dv.elems())?;
+            d.time_backward(
+                problem,
+                Qkv::new(&q, &k, &v),
+                fa_cuda::BackwardInputs {
+                    o: &o,
+                    d_o: &d_o,
+                    lse: &lse,
+                },
+                Grads::new(&mut dq, &mut dk, &mut dv),
+                &opts,
+                warmup,
+                iters,
+            )?
+        }};
+    }
+    let ms = match (qkv.q, qkv.k, qkv.v, inputs.o, inputs.d_o) {
+        (
+            TensorRef::Bf16(q),
+            TensorRef::Bf16(k),
+            TensorRef::Bf16(v),
+            TensorRef::Bf16(o),
+            TensorRef::Bf16(d_o),
+        ) => timed!(half::bf16, q, k, v, o, d_o),
+        (
+            TensorRef::F16(q),
+            TensorRef::F16(k),
+            TensorRef::F16(v),
+            TensorRef::F16(o),
+            TensorRef::F16(d_o),
+        ) => timed!(half::f16, q, k, v, o, d_o),
+        _ => return Err(CUDA_BACKWARD_DTYPES.into()),
+    };
+    Ok(ms.into_iter().map(|t| f64::from(t) / 1e3).collect())
 }
 
 /// The fa-cpu call for the tensors' dtypes (checked by [`Backend::check_backward`]).

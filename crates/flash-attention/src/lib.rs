@@ -8,6 +8,9 @@
 //!   [`Backend::capabilities`], [`Backend::check`] (can it run this problem, answered before
 //!   any work), [`Backend::forward`] and [`Backend::time_forward`];
 //! - [`TensorRef`] / [`TensorMut`]: dtype-erased views of f32, bf16 and f16 host slices;
+//! - [`host`]: foreign host memory (raw addresses, as the C ABI and the Python module hold
+//!   them) checked into those views, and [`host::backward`], a whole CPU backward call on
+//!   such addresses;
 //! - [`shapes`]: benchmark shapes (the FlashAttention papers' sweep), their bytes and FLOPs.
 //!
 //! Problems are described and validated with `softmax-core` ([`ProblemDesc`] →
@@ -41,6 +44,7 @@
 
 pub mod backend;
 pub mod backward;
+pub mod host;
 pub mod shapes;
 pub mod tensor;
 

@@ -333,7 +333,7 @@ impl Device {
 
     /// The compiled and loaded function of a variant of any family (once per process and
     /// context), with `smem_bytes` of dynamic shared memory allowed.
-    fn named_function<V: KernelVariant + Clone + Send + Sync + 'static>(
+    pub(super) fn named_function<V: KernelVariant + Clone + Send + Sync + 'static>(
         &self,
         variant: &V,
         smem_bytes: u32,

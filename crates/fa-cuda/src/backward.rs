@@ -1,0 +1,379 @@
+//! The backward pass's host side, in the plan → workspace → run contract: [`plan_backward`]
+//! (a pure function of the problem, the dtype, the options and the device's properties)
+//! gives a [`BackwardPlan`] holding the launch ([`BwdLaunch`]: variant, grids, shared
+//! memory), the kernel parameters and the workspace the call needs ([`WorkspaceReq`]: total
+//! bytes, alignment, named parts); [`crate::Device::backward_on_stream`] checks the caller's
+//! tensors and workspace against the plan and only launches. The owned-buffer conveniences
+//! ([`crate::Device::backward`], [`crate::Device::backward_host`]) allocate the workspace and
+//! call the same path.
+//!
+//! The kernels (`kernels/bwd_sm80/`): a pre-pass writes `D = rowsum(dO∘O)` and `LSE·log2 e`
+//! per (row, head) into the workspace and zeroes the f32 dQ accumulator; the main kernel (one
+//! CTA per key block, KV head and sequence) recomputes `P` from the forward's LSE and adds
+//! `dV = Pᵀ·dO`, `dK = dSᵀ·Q·scale` in registers over every query head of its GQA group (a
+//! fixed order: dK and dV are deterministic) and `dS·K` into the dQ accumulator with f32
+//! atomics; a post-pass scales the accumulator and rounds it into dQ. **dQ is not bitwise
+//! deterministic** (the atomics' order varies from run to run, by rounding only); a
+//! deterministic mode is not implemented yet ([`BackwardOptions::deterministic`] is a typed
+//! error).
+
+use crate::kernels::bwd_sm80::{self, BwdLaunch, BwdTiles};
+use crate::kernels::DeviceProps;
+use crate::params::supports;
+use softmax_core::{BufferLens, DType, Problem, ProblemError, Sequences};
+
+/// Options of a backward call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackwardOptions {
+    /// Ask for bitwise identical gradients on every run. Not implemented yet: `true` is a
+    /// typed `Unsupported` error (the default path's dQ uses f32 atomics, see the module
+    /// docs).
+    pub deterministic: bool,
+    /// Time the three kernels with CUDA events ([`crate::BackwardStats::kernel_ms`]; the
+    /// call then waits for them).
+    pub time_kernel: bool,
+    /// Override the plan's tiles and code choices (tuning experiments; `None`: the tuned
+    /// choice).
+    pub tiles: Option<BwdTiles>,
+}
+
+/// One named part of a workspace: where it starts and how long it is, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkspacePart {
+    /// The part's name (e.g. `"dq_accum"`).
+    pub name: &'static str,
+    /// Offset from the workspace's start (a multiple of the workspace's alignment).
+    pub offset: usize,
+    /// Length.
+    pub bytes: usize,
+}
+
+/// The device memory a planned call needs besides its tensors: total bytes, the alignment of
+/// the base address, and the named parts the run carves out of it (the same values the plan
+/// computed: size and use cannot drift).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkspaceReq {
+    /// Total bytes (0: no workspace needed).
+    pub bytes: usize,
+    /// Alignment of the base address in bytes.
+    pub align: usize,
+    /// The parts, in address order.
+    pub parts: Vec<WorkspacePart>,
+}
+
+impl WorkspaceReq {
+    /// The part called `name`.
+    pub fn part(&self, name: &str) -> Option<WorkspacePart> {
+        self.parts.iter().copied().find(|p| p.name == name)
+    }
+}
+
+/// Alignment of the backward workspace and of each of its parts.
+pub const WORKSPACE_ALIGN: usize = 256;
+
+/// The kernels' parameter block; `kernels/bwd_sm80/params.cuh`'s `BwdParams` has the same
+/// layout.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct BwdParams {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub d_o: u64,
+    pub lse: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+    pub dsum: u64,
+    pub lse2: u64,
+    pub dq_acc: u64,
+    pub cu_q: u64,
+    pub cu_k: u64,
+    pub q_strides: [i64; 3],
+    pub k_strides: [i64; 3],
+    pub v_strides: [i64; 3],
+    pub o_strides: [i64; 3],
+    pub lse_bs: i64,
+    pub lse_hs: i64,
+    pub seqlen_q: i32,
+    pub seqlen_k: i32,
+    pub group: i32,
+    pub head_dim: i32,
+    pub head_dim_v: i32,
+    pub win_left: i32,
+    pub win_right: i32,
+    pub pad0: i32,
+    pub pre: f32,
+    pub softcap_post: f32,
+    pub scale: f32,
+    pub pad1: f32,
+}
+
+// SAFETY: plain old data with a C layout matching the kernels' `BwdParams` (checked by the
+// size assertion below and by the GPU tests).
+unsafe impl cudarc::driver::DeviceRepr for BwdParams {}
+const _: () = assert!(core::mem::size_of::<BwdParams>() == 272);
+
+/// A planned backward call: what runs, with which parameters, and the workspace it needs.
+/// Computed once by [`plan_backward`] (or [`crate::Device::plan_backward`]); run any number
+/// of times with [`crate::Device::backward_on_stream`] on tensors of the problem it was made
+/// for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackwardPlan {
+    launch: BwdLaunch,
+    workspace: WorkspaceReq,
+    dtype: DType,
+    props: DeviceProps,
+    lens: BufferLens,
+    lse_len: usize,
+    /// Sequences in the batch (the prefix sums' length is this + 1).
+    batch: usize,
+    /// Whether the problem is packed (the run then takes device prefix sums).
+    varlen: bool,
+    pub(crate) params: BwdParams,
+}
+
+impl BackwardPlan {
+    /// The launch: the main kernel's variant, grids and shared memory.
+    pub fn launch(&self) -> &BwdLaunch {
+        &self.launch
+    }
+    /// The workspace the run needs.
+    pub fn workspace(&self) -> &WorkspaceReq {
+        &self.workspace
+    }
+    /// Bytes of workspace the run needs (the scratch-size companion of the run).
+    pub fn workspace_bytes(&self) -> usize {
+        self.workspace.bytes
+    }
+    /// The dtype of every tensor of the call.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// The device properties the plan was made for.
+    pub fn props(&self) -> &DeviceProps {
+        &self.props
+    }
+    /// The smallest buffers (elements) of the problem: Q, K, V (and dQ, dK, dV) and O (and dO).
+    pub fn buffer_lens(&self) -> BufferLens {
+        self.lens
+    }
+    /// Elements of the LSE.
+    pub fn lse_len(&self) -> usize {
+        self.lse_len
+    }
+    /// Sequences in the batch.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+    /// Whether the run takes device prefix sums (a packed problem).
+    pub fn is_varlen(&self) -> bool {
+        self.varlen
+    }
+}
+
+/// Whether fa-cuda's backward runs a validated problem with tensors of `dtype` (all of them:
+/// Q, K, V, O, dO and the gradients): the forward's limits ([`crate::supports`]), no KV cache.
+pub fn supports_backward(problem: &Problem, dtype: DType) -> Result<(), ProblemError> {
+    supports(problem, dtype)?;
+    if problem.has_kv_cache() {
+        return Err(ProblemError::Unsupported {
+            what: "the backward takes no KV cache (padded or paged): give K and V as sequences",
+        });
+    }
+    Ok(())
+}
+
+/// The plan of a backward call: checks what this backend supports, picks the sm80 backward
+/// variant and grids for the device `props` describes, sizes the workspace (f32 `D` and
+/// `LSE·log2 e` per (row, head), the f32 dQ accumulator of `head_dim` columns per row; each
+/// part [`WORKSPACE_ALIGN`]-aligned) and fills the kernel parameters. Pure: touches no device.
+pub fn plan_backward(
+    problem: &Problem,
+    dtype: DType,
+    opts: &BackwardOptions,
+    props: &DeviceProps,
+) -> Result<BackwardPlan, ProblemError> {
+    supports_backward(problem, dtype)?;
+    if opts.deterministic {
+        return Err(ProblemError::Unsupported {
+            what: "fa-cuda's deterministic backward is not implemented yet (dQ uses atomics)",
+        });
+    }
+    let launch = bwd_sm80::plan_backward(problem, dtype, opts.tiles, props)?;
+    let lse_len = problem.lse_len();
+    let round = |x: usize| {
+        x.checked_next_multiple_of(WORKSPACE_ALIGN)
+            .ok_or(ProblemError::Overflow)
+    };
+    let row_bytes = lse_len.checked_mul(4).ok_or(ProblemError::Overflow)?;
+    let acc_bytes = row_bytes
+        .checked_mul(problem.head_dim())
+        .ok_or(ProblemError::Overflow)?;
+    let d_off = 0;
+    let lse_off = round(row_bytes)?;
+    let acc_off = lse_off
+        .checked_add(round(row_bytes)?)
+        .ok_or(ProblemError::Overflow)?;
+    let total = acc_off
+        .checked_add(round(acc_bytes)?)
+        .ok_or(ProblemError::Overflow)?;
+    let workspace = WorkspaceReq {
+        bytes: total,
+        align: WORKSPACE_ALIGN,
+        parts: vec![
+            WorkspacePart {
+                name: "d",
+                offset: d_off,
+                bytes: row_bytes,
+            },
+            WorkspacePart {
+                name: "lse_log2",
+                offset: lse_off,
+                bytes: row_bytes,
+            },
+            WorkspacePart {
+                name: "dq_accum",
+                offset: acc_off,
+                bytes: acc_bytes,
+            },
+        ],
+    };
+    let varlen = problem.is_varlen();
+    let strides = problem.strides();
+    let triple = |s: &softmax_core::Strides| {
+        [
+            if varlen { 0 } else { s.batch as i64 },
+            s.seq as i64,
+            s.head as i64,
+        ]
+    };
+    let (lse_bs, lse_hs) = if varlen {
+        (0, problem.total_q() as i64)
+    } else {
+        (
+            (problem.heads_q() * problem.total_q()) as i64,
+            problem.total_q() as i64,
+        )
+    };
+    // Windows beyond any sequence are unbounded in effect; the kernel's indices are 32-bit.
+    let window = |w: Option<usize>| w.map_or(-1, |w| w.min(1 << 30) as i32);
+    let mask = problem.mask();
+    let transform = problem.score_transform::<f64>();
+    let params = BwdParams {
+        q_strides: triple(&strides[0]),
+        k_strides: triple(&strides[1]),
+        v_strides: triple(&strides[2]),
+        o_strides: triple(&strides[3]),
+        lse_bs,
+        lse_hs,
+        seqlen_q: problem.total_q() as i32,
+        seqlen_k: problem.total_k() as i32,
+        group: problem.group_size() as i32,
+        head_dim: problem.head_dim() as i32,
+        head_dim_v: problem.head_dim_v() as i32,
+        win_left: window(mask.left),
+        win_right: window(mask.right),
+        pre: transform.pre_factor() as f32,
+        softcap_post: transform.softcap_post_factor().unwrap_or(0.0) as f32,
+        scale: problem.softmax_scale(),
+        ..BwdParams::default()
+    };
+    Ok(BackwardPlan {
+        launch,
+        workspace,
+        dtype,
+        props: *props,
+        lens: problem.min_buffer_lens(),
+        lse_len,
+        batch: problem.batch(),
+        varlen: matches!(
+            problem.sequences(),
+            Sequences::Varlen { .. } | Sequences::VarlenDevice { .. }
+        ),
+        params,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use softmax_core::ProblemDesc;
+
+    const H200: DeviceProps = DeviceProps::h200();
+
+    #[test]
+    fn workspace_parts_are_aligned_and_cover_the_rows() {
+        let p = ProblemDesc::new(2, 100, 300, 8, 2, 96)
+            .causal()
+            .validate(256)
+            .expect("valid");
+        let plan =
+            plan_backward(&p, DType::Bf16, &BackwardOptions::default(), &H200).expect("plan");
+        let ws = plan.workspace();
+        let rows = 2 * 8 * 100;
+        assert_eq!(ws.part("d").map(|d| d.bytes), Some(rows * 4));
+        assert_eq!(ws.part("lse_log2").map(|d| d.bytes), Some(rows * 4));
+        let acc = ws.part("dq_accum").expect("accumulator");
+        assert_eq!(acc.bytes, rows * 96 * 4);
+        assert!(ws.parts.iter().all(|p| p.offset % WORKSPACE_ALIGN == 0));
+        assert!(acc.offset + acc.bytes <= ws.bytes);
+        assert_eq!(plan.workspace_bytes(), ws.bytes);
+        assert_eq!(plan.params.group, 4);
+        assert_eq!((plan.params.lse_bs, plan.params.lse_hs), (800, 100));
+        assert_eq!((plan.params.win_left, plan.params.win_right), (-1, 0));
+        // Pure: the same inputs give the same plan.
+        let again = plan_backward(&p, DType::Bf16, &BackwardOptions::default(), &H200);
+        assert_eq!(again.as_ref(), Ok(&plan));
+    }
+
+    #[test]
+    fn unsupported_requests_get_typed_errors() {
+        let p = ProblemDesc::new(1, 10, 10, 2, 2, 64)
+            .validate(256)
+            .expect("valid");
+        let opts = BackwardOptions::default();
+        assert!(matches!(
+            plan_backward(&p, DType::F32, &opts, &H200),
+            Err(ProblemError::Unsupported { .. })
+        ));
+        let det = BackwardOptions {
+            deterministic: true,
+            ..opts
+        };
+        assert!(matches!(
+            plan_backward(&p, DType::Bf16, &det, &H200),
+            Err(ProblemError::Unsupported { .. })
+        ));
+        let used = [5u32];
+        let cache = ProblemDesc::new(1, 1, 16, 2, 2, 64)
+            .padded_cache(&used)
+            .validate(256)
+            .expect("valid");
+        assert!(matches!(
+            plan_backward(&cache, DType::Bf16, &opts, &H200),
+            Err(ProblemError::Unsupported { .. })
+        ));
+        let odd = ProblemDesc::new(1, 10, 10, 2, 2, 60)
+            .validate(256)
+            .expect("valid");
+        assert!(plan_backward(&odd, DType::Bf16, &opts, &H200).is_err());
+    }
+
+    #[test]
+    fn varlen_plans_use_the_packed_layout() {
+        let (cu_q, cu_k) = ([0u32, 5, 5, 40], [0u32, 7, 9, 9]);
+        let p = ProblemDesc::varlen(&cu_q, &cu_k, 4, 2, 64)
+            .window(Some(3), Some(2))
+            .validate(256)
+            .expect("valid");
+        let plan = plan_backward(&p, DType::F16, &BackwardOptions::default(), &H200).expect("plan");
+        assert!(plan.is_varlen());
+        assert_eq!(plan.batch(), 3);
+        assert_eq!(plan.params.q_strides[0], 0);
+        assert_eq!((plan.params.lse_bs, plan.params.lse_hs), (0, 40));
+        assert_eq!(plan.lse_len(), 4 * 40);
+        assert_eq!(plan.launch().grid, Some((1, 2, 3)));
+    }
+}
