@@ -112,6 +112,9 @@ pub fn supports(problem: &Problem, dtype: DType) -> Result<(), ProblemError> {
     if problem.heads_q() > 65535 || problem.batch() > 65535 {
         return unsupported("fa-cuda handles at most 65535 heads and 65535 sequences");
     }
+    if problem.sinks().is_some() {
+        return unsupported("fa-cuda does not run attention sinks yet (the CPU backend does)");
+    }
     Ok(())
 }
 
@@ -259,6 +262,24 @@ mod tests {
         assert_eq!(p.params.q_strides[0], 0);
         assert_eq!((p.params.lse_bs, p.params.lse_hs), (0, 40));
         assert_eq!((p.params.win_left, p.params.win_right), (3, 2));
+    }
+
+    #[test]
+    fn sinks_are_unsupported_for_now() {
+        let sinks = [0.5f32; 8];
+        let desc = ProblemDesc::new(1, 16, 16, 8, 2, 64).with_sinks(&sinks);
+        let err = prepare(
+            &desc,
+            lens_of(&desc),
+            DType::Bf16,
+            &ForwardOptions::default(),
+            &H200,
+        )
+        .err();
+        assert!(
+            matches!(err, Some(ProblemError::Unsupported { what }) if what.contains("sinks")),
+            "{err:?}"
+        );
     }
 
     #[test]

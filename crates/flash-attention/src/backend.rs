@@ -37,6 +37,7 @@ impl BackendKind {
                 gqa: true,
                 lse: true,
                 kv_cache: true,
+                sinks: true,
             },
             BackendKind::Cuda => Capabilities {
                 input_dtypes: &[DType::Bf16, DType::F16],
@@ -50,6 +51,7 @@ impl BackendKind {
                 gqa: true,
                 lse: true,
                 kv_cache: true,
+                sinks: false,
             },
         }
     }
@@ -141,6 +143,9 @@ pub struct Capabilities {
     pub lse: bool,
     /// K/V read from a padded or paged KV cache (decode, split-KV; [`Options::kv_splits`]).
     pub kv_cache: bool,
+    /// Learnable attention sinks ([`softmax_core::ProblemDesc::sinks`]): the forward, and
+    /// their gradient through [`Backend::backward_sinks`].
+    pub sinks: bool,
 }
 
 impl Capabilities {
@@ -550,6 +555,9 @@ fn check_kind(kind: BackendKind, problem: &Problem, dtypes: DTypes) -> Result<()
             BackendKind::Cpu => CPU_DTYPES,
             BackendKind::Cuda => CUDA_DTYPES,
         });
+    }
+    if problem.sinks().is_some() && !caps.sinks {
+        return unsupported("this backend does not run attention sinks yet (the CPU backend does)");
     }
     if problem.head_dim().max(problem.head_dim_v()) > caps.max_head_dim {
         return unsupported("the head dimension is larger than the backend supports");

@@ -29,6 +29,11 @@ const CUDA_BACKWARD_DTYPES: ProblemError = ProblemError::Unsupported {
         "fa-cuda's backward takes bf16 or f16 tensors, all of one dtype (inputs, O, dO, gradients)",
 };
 
+/// CUDA runs no attention sinks yet.
+const CUDA_SINKS: ProblemError = ProblemError::Unsupported {
+    what: "the CUDA backend does not run attention sinks yet (use the CPU backend)",
+};
+
 impl Backend {
     /// Gradients of a loss with respect to Q, K and V, given `∂L/∂O` and the forward's O and
     /// LSE: exact, recomputing the probabilities (no N×N storage). Everything is checked
@@ -98,6 +103,27 @@ impl Backend {
             }
         }
         Ok(times)
+    }
+
+    /// The gradient of the attention sinks' logits (`heads_q` entries, f32), for a problem
+    /// with sinks ([`softmax_core::ProblemDesc::sinks`]): `d_sinks[h] = −Σ_i exp(s_h −
+    /// LSE_i)·D_i` over the rows of head `h`, `D_i = rowsum(dO_i ∘ O_i)`. Call it beside
+    /// [`Backend::backward`] (whose dQ, dK, dV take the sink into account through the
+    /// forward's LSE); it reads only O, dO and the LSE. Deterministic, summed in a fixed
+    /// order (fa-cpu's [`fa_cpu::backward_sinks`]). Errors, before `d_sinks` is written:
+    /// CUDA (`Unsupported`), a problem without sinks, O and dO of different or unsupported
+    /// dtypes, short buffers.
+    pub fn backward_sinks(
+        &self,
+        problem: &Problem,
+        inputs: BackwardInputs<'_>,
+        d_sinks: &mut [f32],
+    ) -> Result<(), Error> {
+        if self.kind() == BackendKind::Cuda {
+            return Err(CUDA_SINKS.into());
+        }
+        fa_cpu::backward_sinks_dyn(problem, inputs, d_sinks)?;
+        Ok(())
     }
 
     /// The checks of a backward call that come before any work: the backend, the dtypes
@@ -398,6 +424,78 @@ mod tests {
             "{e:?}"
         );
         assert!(poisoned.dq.iter().chain(&poisoned.dv).all(|&x| x == 7.0));
+    }
+
+    /// Sinks through the facade: the forward and `backward_sinks` are fa-cpu's bit for bit;
+    /// a problem with sinks is refused by CUDA's capabilities.
+    #[test]
+    fn sinks_reach_the_cpu_and_cuda_refuses_them() {
+        let sinks = [0.5f32, -1.25, 2.0, 0.0];
+        let p = ProblemDesc::new(1, 9, 11, 4, 2, 16)
+            .causal()
+            .with_sinks(&sinks)
+            .validate(256)
+            .expect("valid");
+        let lens = p.min_buffer_lens();
+        let (q, k, v) = (draw(lens.q, 1), draw(lens.k, 2), draw(lens.v, 3));
+        let d_o = draw(lens.o, 4);
+        let mut o = vec![0.0f32; lens.o];
+        let mut lse = vec![0.0f32; p.lse_len()];
+        let b = Backend::open(BackendChoice::Cpu).expect("cpu");
+        assert!(b.capabilities().sinks);
+        b.forward(
+            &p,
+            Qkv::new(
+                TensorRef::from(&q),
+                TensorRef::from(&k),
+                TensorRef::from(&v),
+            ),
+            Out::with_lse(TensorMut::from(&mut o), &mut lse[..]),
+            &Options::default(),
+        )
+        .expect("forward");
+        let mut direct_o = vec![0.0f32; lens.o];
+        let mut direct_lse = vec![0.0f32; p.lse_len()];
+        fa_cpu::forward(
+            &p,
+            Qkv::new(&q[..], &k[..], &v[..]),
+            Out::with_lse(&mut direct_o[..], &mut direct_lse[..]),
+            &fa_cpu::ForwardOptions::default(),
+        )
+        .expect("forward");
+        assert_eq!(o, direct_o);
+        assert_eq!(lse, direct_lse);
+        let mut d_sinks = [f32::NAN; 4];
+        let inputs = BackwardInputs {
+            o: TensorRef::from(&o),
+            d_o: TensorRef::from(&d_o),
+            lse: &lse,
+        };
+        b.backward_sinks(&p, inputs, &mut d_sinks).expect("d sinks");
+        let mut want = [f32::NAN; 4];
+        fa_cpu::backward_sinks(
+            &p,
+            fa_cpu::BackwardInputs {
+                o: &o,
+                d_o: &d_o,
+                lse: &lse,
+            },
+            &mut want,
+        )
+        .expect("d sinks");
+        assert_eq!(d_sinks.map(f32::to_bits), want.map(f32::to_bits));
+        assert!(d_sinks.iter().all(|x| x.is_finite()));
+        assert!(!crate::backend::BackendKind::Cuda.capabilities().sinks);
+        let e = crate::backend::check_kind_for_tests(
+            crate::backend::BackendKind::Cuda,
+            &p,
+            DTypes {
+                input: DType::Bf16,
+                output: DType::Bf16,
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(e, ProblemError::Unsupported { what } if what.contains("sinks")));
     }
 
     /// `Options::cpu_simd` reaches the backward: at every level this CPU has, the facade's

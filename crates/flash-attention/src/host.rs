@@ -9,8 +9,9 @@
 //! [`ProblemDesc::validate`] (which computes dense strides with plain multiplication).
 //!
 //! [`forward`] and [`backward`] are whole CPU calls on raw host addresses: every span and
-//! overlap is checked, then [`Backend::forward`] / [`Backend::backward`] run on the CPU;
-//! nothing is written on error.
+//! overlap is checked (the problem's attention sinks included), then [`Backend::forward`] /
+//! [`Backend::backward`] (and [`Backend::backward_sinks`] when `d_sinks` is asked for) run on
+//! the CPU; nothing is written on error.
 
 use crate::backend::{Backend, Error, ForwardStats, Options};
 use crate::backward::{BackwardInputs, BackwardStats};
@@ -219,6 +220,7 @@ pub unsafe fn forward(
     if let Some(lse) = t.lse {
         spans.push(("lse", span("lse", lse, lse_len, 4)?, true));
     }
+    spans.push(("sinks", sinks_span(problem)?, false));
     check_disjoint(&spans)?;
     // SAFETY: each address passed `span` for its dtype and length, the outputs overlap
     // nothing (check_disjoint), and the memory is what the contract promises.
@@ -233,6 +235,15 @@ pub unsafe fn forward(
         (qkv, Out { o, lse })
     };
     Backend::cpu().forward(problem, qkv, out, opts)
+}
+
+/// The bytes of the problem's attention sinks (an input every output must stay clear of:
+/// the sinks are read while O, the LSE or the gradients are written).
+fn sinks_span(problem: &Problem) -> Result<Option<Range<usize>>, Error> {
+    match problem.sinks() {
+        Some(s) => span("sinks", s.as_ptr() as usize, s.len(), 4),
+        None => Ok(None),
+    }
 }
 
 /// The buffers of a backward call in host memory, by address: inputs Q, K, V (the problem's
@@ -258,6 +269,9 @@ pub struct HostBackward {
     pub dk: HostTensor,
     /// `∂L/∂V` (written; summed likewise).
     pub dv: HostTensor,
+    /// `∂L/∂sinks` (written: `heads_q` f32s, [`Backend::backward_sinks`]) or `None`; only for
+    /// a problem with attention sinks.
+    pub d_sinks: Option<usize>,
 }
 
 /// [`Backend::backward`] on the CPU over host memory given by address: every buffer's span
@@ -295,6 +309,16 @@ pub unsafe fn backward(
         ));
     }
     spans.push(("lse", span("lse", t.lse, lse_len, 4)?, false));
+    spans.push(("sinks", sinks_span(problem)?, false));
+    let heads = problem.heads_q();
+    if let Some(d_sinks) = t.d_sinks {
+        if problem.sinks().is_none() {
+            return Err(Error::InvalidArgument(
+                "d_sinks is set but the problem has no attention sinks".to_string(),
+            ));
+        }
+        spans.push(("d_sinks", span("d_sinks", d_sinks, heads, 4)?, true));
+    }
     check_disjoint(&spans)?;
     // SAFETY: each address passed `span` for its dtype and length, the outputs overlap
     // nothing (check_disjoint), and the memory is what the contract promises.
@@ -317,7 +341,15 @@ pub unsafe fn backward(
             ),
         )
     };
-    Backend::cpu().backward(problem, qkv, inputs, grads, opts)
+    let backend = Backend::cpu();
+    let stats = backend.backward(problem, qkv, inputs, grads, opts)?;
+    if let Some(addr) = t.d_sinks {
+        // SAFETY: `d_sinks` passed `span` for `heads` f32s and overlaps no other buffer.
+        let d_sinks = unsafe { slice_mut::<f32>(addr, heads) };
+        // Every check it makes (sinks present, O/dO dtypes and lengths) passed above.
+        backend.backward_sinks(problem, inputs, d_sinks)?;
+    }
+    Ok(stats)
 }
 
 #[cfg(test)]
@@ -424,6 +456,7 @@ mod tests {
                 addr: got.dv.as_mut_ptr() as usize,
                 dtype: DType::F32,
             },
+            d_sinks: None,
         };
         let bad = |mut c: HostBackward, edit: fn(&mut HostBackward)| {
             edit(&mut c);
@@ -453,5 +486,97 @@ mod tests {
         assert_eq!(bits(&got.dq), bits(&want.dq));
         assert_eq!(bits(&got.dk), bits(&want.dk));
         assert_eq!(bits(&got.dv), bits(&want.dv));
+    }
+
+    /// Sinks on raw addresses: the forward and the backward's d sinks are the facade's bit for
+    /// bit; d sinks overlapping the sinks, or asked for without sinks, are refused with
+    /// nothing written.
+    #[test]
+    fn host_sinks_match_the_facade() {
+        let sinks = vec![0.25f32, -1.5, 1.0, 3.0];
+        let p = softmax_core::ProblemDesc::new(1, 7, 9, 4, 2, 8)
+            .causal()
+            .with_sinks(&sinks)
+            .validate(256)
+            .expect("valid");
+        let lens = p.min_buffer_lens();
+        let draw = |n: usize, seed: f32| -> Vec<f32> {
+            (0..n).map(|i| (i as f32 * 0.53 + seed).sin()).collect()
+        };
+        let (q, k, v, d_o) = (
+            draw(lens.q, 1.0),
+            draw(lens.k, 2.0),
+            draw(lens.v, 3.0),
+            draw(lens.o, 4.0),
+        );
+        let at = |x: &[f32]| HostTensor {
+            addr: x.as_ptr() as usize,
+            dtype: DType::F32,
+        };
+        let mut o = vec![0.0f32; lens.o];
+        let mut lse = vec![0.0f32; p.lse_len()];
+        let fwd = HostForward {
+            q: at(&q),
+            k: at(&k),
+            v: at(&v),
+            o: HostTensor {
+                addr: o.as_mut_ptr() as usize,
+                dtype: DType::F32,
+            },
+            lse: Some(lse.as_mut_ptr() as usize),
+        };
+        // SAFETY: live vectors of the problem's lengths; o and lse are written only here.
+        unsafe { forward(&p, &fwd, &Options::default()) }.expect("forward");
+        let inputs = BackwardInputs {
+            o: TensorRef::from(&o),
+            d_o: TensorRef::from(&d_o),
+            lse: &lse,
+        };
+        let mut want = [0.0f32; 4];
+        Backend::cpu()
+            .backward_sinks(&p, inputs, &mut want)
+            .expect("d sinks");
+        let mut grads = Grads::new(vec![0.0f32; lens.q], vec![0.0; lens.k], vec![0.0; lens.v]);
+        let mut got = [7.0f32; 4];
+        let mut call = HostBackward {
+            q: at(&q),
+            k: at(&k),
+            v: at(&v),
+            o: at(&o),
+            lse: lse.as_ptr() as usize,
+            d_o: at(&d_o),
+            dq: HostTensor {
+                addr: grads.dq.as_mut_ptr() as usize,
+                dtype: DType::F32,
+            },
+            dk: HostTensor {
+                addr: grads.dk.as_mut_ptr() as usize,
+                dtype: DType::F32,
+            },
+            dv: HostTensor {
+                addr: grads.dv.as_mut_ptr() as usize,
+                dtype: DType::F32,
+            },
+            d_sinks: Some(sinks.as_ptr() as usize),
+        };
+        // SAFETY: as above; d_sinks overlaps the sinks, which is checked first.
+        let e = unsafe { backward(&p, &call, &Options::default()) }.unwrap_err();
+        assert_eq!(
+            e,
+            Error::InvalidArgument("sinks and d_sinks overlap".to_string())
+        );
+        assert_eq!(sinks, [0.25, -1.5, 1.0, 3.0]);
+        call.d_sinks = Some(got.as_mut_ptr() as usize);
+        let plain = softmax_core::ProblemDesc::new(1, 7, 9, 4, 2, 8)
+            .causal()
+            .validate(256)
+            .expect("valid");
+        // SAFETY: as above.
+        let e = unsafe { backward(&plain, &call, &Options::default()) }.unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        assert_eq!(got, [7.0; 4]);
+        // SAFETY: as above; the gradients and d sinks are written only here.
+        unsafe { backward(&p, &call, &Options::default()) }.expect("backward");
+        assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits));
     }
 }

@@ -11,6 +11,10 @@
 //! - [`host`]: foreign host memory (raw addresses, as the C ABI and the Python module hold
 //!   them) checked into those views, and [`host::backward`], a whole CPU backward call on
 //!   such addresses;
+//! - attention sinks (gpt-oss: one logit per query head in every row's denominator) travel in
+//!   the problem ([`ProblemDesc::sinks`]); the CPU runs them in every forward and gives their
+//!   gradient through [`Backend::backward_sinks`] beside [`Backend::backward`]; CUDA answers
+//!   `Unsupported` for now ([`Capabilities::sinks`]);
 //! - [`shapes`]: benchmark shapes (the FlashAttention papers' sweep), their bytes and FLOPs.
 //!
 //! Problems are described and validated with `softmax-core` ([`ProblemDesc`] →
