@@ -21,7 +21,7 @@
 #include <stdlib.h>
 
 /* Options with every default, for `FaOptions opts = FA_OPTIONS_INIT;`. */
-#define FA_OPTIONS_INIT { (uint32_t)sizeof(FaOptions), FA_API_VERSION, 0, FA_EXP2_AUTO }
+#define FA_OPTIONS_INIT { (uint32_t)sizeof(FaOptions), FA_API_VERSION, 0, FA_EXP2_AUTO, 0, 0 }
 
 /* A KV-cache descriptor with every field empty, for `FaKvCache cache = FA_KV_CACHE_INIT;`. */
 #define FA_KV_CACHE_INIT { (uint32_t)sizeof(FaKvCache), FA_API_VERSION, 0, 0, 0, 0, 0, 0, 0 }
@@ -35,9 +35,11 @@
 // version 4 adds [`FaKvCache::block_walk`] (a trailing field: a version-2/3 `FaKvCache`,
 // of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`;
 // version 5 adds [`FA_EXP2_AUTO`], the options' new default; version 6 adds the CPU
-// backward `fa_backward_cpu` (no descriptor changed).
+// backward `fa_backward_cpu` (no descriptor changed); version 7 adds attention sinks,
+// [`FaOptions::sinks`] and [`FaOptions::d_sinks`] (trailing fields: older options read as
+// ones without sinks).
 // A library accepts descriptors of every version up to its own.
-#define FA_API_VERSION 6
+#define FA_API_VERSION 7
 
 // Success.
 #define FA_OK 0
@@ -111,6 +113,17 @@ typedef struct FaOptions {
   uint32_t threads;
   // `FA_EXP2_*` of the CPU kernel. Ignored on CUDA.
   uint32_t exp2;
+  // Learnable attention sinks (API version 7): `heads_q` finite f32 logits in host memory,
+  // one per query head, each joining every row of its head in the softmax denominator with
+  // no value (gpt-oss); the LSE includes it, and a row that sees no key gets O = 0 and
+  // LSE = its sink. Null: no sinks. The CPU entries take it (`fa_forward_cpu`,
+  // `fa_forward_cache_cpu`, `fa_backward_cpu`: pass the forward's sinks); the CUDA
+  // entries answer `FA_ERR_UNSUPPORTED` for now.
+  const float *sinks;
+  // `fa_backward_cpu` only (API version 7): where `∂L/∂sinks` goes, `heads_q` f32s
+  // (`−Σ_i exp(s_h − lse_i)·rowsum(dO_i ∘ O_i)` over the rows of head `h`), or null. Needs
+  // `sinks`; the forward entries refuse it set.
+  float *d_sinks;
 } FaOptions;
 
 // The attention problem: shapes, sequences, mask, scale and softcap.
@@ -273,9 +286,10 @@ const char *fa_last_error_message(void);
 // `[batch, heads_q, seqlen_q]` dense or `[heads_q, total_q]` packed) receive
 // `softmax(q·kᵀ·scale)·v`, computed by the SIMD CPU kernel.
 //
-// Q, K and V share one dtype; O is that dtype or f32. Every argument is checked before
-// anything is written: on an error code the outputs are untouched (except `FA_ERR_PANIC`)
-// and `fa_last_error_message()` says why. `options` may be null (defaults).
+// Q, K and V share one dtype; O is that dtype or f32. `options->sinks` (API version 7) adds
+// attention sinks (see [`FaOptions::sinks`]). Every argument is checked before anything is
+// written: on an error code the outputs are untouched (except `FA_ERR_PANIC`) and
+// `fa_last_error_message()` says why. `options` may be null (defaults).
 //
 // # Safety
 // Every non-null pointer must point to what its type says: the descriptors to initialised
@@ -303,7 +317,10 @@ int32_t fa_forward_cpu(const struct FaProblem *problem,
 // laid out as `o`: the same strides), and `lse`, the forward's log-sum-exp as it wrote it
 // (f32 `[batch, heads_q, seqlen_q]` dense or `[heads_q, total_q]` packed; required).
 // Outputs: `dq`, `dk`, `dv` (one dtype, `T` or f32), laid out as `q`, `k` and `v` (the same
-// strides). `options` may be null (defaults; `threads` applies, `exp2` is not read).
+// strides). `options` may be null (defaults; `threads` applies, `exp2` is not read). With
+// attention sinks (API version 7), `options->sinks` is the forward's and
+// `options->d_sinks`, when not null, receives their gradient (`heads_q` f32s, summed in a
+// fixed order: deterministic); `d_sinks` without `sinks` is `FA_ERR_INVALID_ARGUMENT`.
 //
 // Every argument is checked before anything is written: on an error code the gradients
 // are untouched (except `FA_ERR_PANIC`) and `fa_last_error_message()` says why. Strides that

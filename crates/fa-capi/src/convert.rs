@@ -45,7 +45,7 @@ pub(crate) unsafe trait Versioned: Copy + Default {
     fn version(&self) -> u32;
 }
 
-// SAFETY: repr(C), `size` then `version` first, the rest plain integers.
+// SAFETY: repr(C), `size` then `version` first, the rest plain integers and raw pointers.
 unsafe impl Versioned for FaOptions {
     const NAME: &'static str = "options";
     const C_NAME: &'static str = "FaOptions";
@@ -138,6 +138,44 @@ pub(crate) unsafe fn read_options(ptr: *const FaOptions) -> Result<FaOptions, Fa
     }
     // SAFETY: forwarded.
     unsafe { read_versioned(ptr) }
+}
+
+/// The options' attention sinks ([`FaOptions::sinks`]) as a host slice of `heads_q` f32s, or
+/// `None` when null; null (for `heads_q > 0`), misaligned and overflowing pointers are
+/// refused. Their values are softmax-core's to check (validation: finite).
+///
+/// # Safety
+/// A non-null `opts.sinks` must point to `p.heads_q` readable f32s that nobody writes during
+/// the call.
+pub(crate) unsafe fn read_sinks<'a>(
+    opts: &FaOptions,
+    p: &FaProblem,
+) -> Result<Option<&'a [f32]>, Failure> {
+    if opts.sinks.is_null() {
+        return Ok(None);
+    }
+    let heads = size(p.heads_q, "problem.heads_q")?;
+    host_span("options.sinks", opts.sinks as usize, heads, 4)?;
+    // SAFETY: the span passed for `heads` f32s; the memory is the caller's promise.
+    Ok(Some(unsafe {
+        slice_ref::<f32>(opts.sinks as usize, heads)
+    }))
+}
+
+/// Refuses attention sinks on an entry that runs none (the CUDA entries for now): set
+/// `sinks` is `FA_ERR_UNSUPPORTED`, set `d_sinks` (a backward output) invalid.
+pub(crate) fn refuse_sinks(opts: &FaOptions, entry: &str) -> Result<(), Failure> {
+    if !opts.d_sinks.is_null() {
+        return Err(Failure::invalid(format!(
+            "options.d_sinks is set but {entry} writes no sink gradient (fa_backward_cpu does)"
+        )));
+    }
+    if !opts.sinks.is_null() {
+        return Err(Failure::unsupported(format!(
+            "options.sinks is set but {entry} runs no attention sinks yet (the CPU entries do)"
+        )));
+    }
+    Ok(())
 }
 
 /// A size field: negative values are errors (and anything past `usize`).

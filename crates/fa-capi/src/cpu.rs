@@ -47,6 +47,17 @@ pub(crate) unsafe fn read_call(
     }
 }
 
+/// A forward entry refuses `options.d_sinks` (a backward output).
+fn forward_only(opts: &FaOptions, entry: &str) -> Result<(), Failure> {
+    if opts.d_sinks.is_null() {
+        Ok(())
+    } else {
+        Err(Failure::invalid(format!(
+            "options.d_sinks is set but {entry} is a forward (fa_backward_cpu writes it)"
+        )))
+    }
+}
+
 fn cpu_options(opts: &FaOptions) -> Result<Options, Failure> {
     // A local pool of that many OS threads is started: more than the machine has is refused
     // (as `fa --threads` does) rather than left to exhaust the process.
@@ -77,9 +88,10 @@ fn cpu_options(opts: &FaOptions) -> Result<Options, Failure> {
 /// `[batch, heads_q, seqlen_q]` dense or `[heads_q, total_q]` packed) receive
 /// `softmax(q·kᵀ·scale)·v`, computed by the SIMD CPU kernel.
 ///
-/// Q, K and V share one dtype; O is that dtype or f32. Every argument is checked before
-/// anything is written: on an error code the outputs are untouched (except `FA_ERR_PANIC`)
-/// and `fa_last_error_message()` says why. `options` may be null (defaults).
+/// Q, K and V share one dtype; O is that dtype or f32. `options->sinks` (API version 7) adds
+/// attention sinks (see [`FaOptions::sinks`]). Every argument is checked before anything is
+/// written: on an error code the outputs are untouched (except `FA_ERR_PANIC`) and
+/// `fa_last_error_message()` says why. `options` may be null (defaults).
 ///
 /// # Safety
 /// Every non-null pointer must point to what its type says: the descriptors to initialised
@@ -102,11 +114,16 @@ pub unsafe extern "C" fn fa_forward_cpu(
         // SAFETY: the descriptor pointers follow this function's contract.
         let call = unsafe { read_call(problem, q, k, v, o) }?;
         // SAFETY: as above.
-        let opts = cpu_options(&unsafe { read_options(options) }?)?;
+        let raw = unsafe { read_options(options) }?;
+        let opts = cpu_options(&raw)?;
+        forward_only(&raw, "fa_forward_cpu")?;
+        // SAFETY: the sinks follow this function's contract.
+        let sinks = unsafe { read_sinks(&raw, &call.problem) }?;
         // SAFETY: the prefix sums follow this function's contract.
         let seqlens = unsafe { read_seqlens(&call.problem, false) }?;
-        let problem = describe(&call.problem, &seqlens, call.tensor_refs())?
-            .validate(softmax_core::MAX_HEAD_DIM)?;
+        let mut desc = describe(&call.problem, &seqlens, call.tensor_refs())?;
+        desc.sinks = sinks;
+        let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
         // SAFETY: the tensors and `lse` follow this function's contract.
         unsafe { run_host(&call, &problem, lse, &opts) }
     })
@@ -160,7 +177,10 @@ unsafe fn run_host(
 /// laid out as `o`: the same strides), and `lse`, the forward's log-sum-exp as it wrote it
 /// (f32 `[batch, heads_q, seqlen_q]` dense or `[heads_q, total_q]` packed; required).
 /// Outputs: `dq`, `dk`, `dv` (one dtype, `T` or f32), laid out as `q`, `k` and `v` (the same
-/// strides). `options` may be null (defaults; `threads` applies, `exp2` is not read).
+/// strides). `options` may be null (defaults; `threads` applies, `exp2` is not read). With
+/// attention sinks (API version 7), `options->sinks` is the forward's and
+/// `options->d_sinks`, when not null, receives their gradient (`heads_q` f32s, summed in a
+/// fixed order: deterministic); `d_sinks` without `sinks` is `FA_ERR_INVALID_ARGUMENT`.
 ///
 /// Every argument is checked before anything is written: on an error code the gradients
 /// are untouched (except `FA_ERR_PANIC`) and `fa_last_error_message()` says why. Strides that
@@ -211,11 +231,15 @@ pub unsafe extern "C" fn fa_backward_cpu(
             check_same_layout(grad, input, names, varlen)?;
         }
         // SAFETY: as above.
-        let opts = cpu_options(&unsafe { read_options(options) }?)?;
+        let raw = unsafe { read_options(options) }?;
+        let opts = cpu_options(&raw)?;
+        // SAFETY: the sinks follow this function's contract.
+        let sinks = unsafe { read_sinks(&raw, &call.problem) }?;
         // SAFETY: the prefix sums follow this function's contract.
         let seqlens = unsafe { read_seqlens(&call.problem, false) }?;
-        let problem = describe(&call.problem, &seqlens, call.tensor_refs())?
-            .validate(softmax_core::MAX_HEAD_DIM)?;
+        let mut desc = describe(&call.problem, &seqlens, call.tensor_refs())?;
+        desc.sinks = sinks;
+        let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
         let host = |t: &FaTensor, name: &str| -> Result<HostTensor, Failure> {
             Ok(HostTensor {
                 addr: t.data as usize,
@@ -232,6 +256,7 @@ pub unsafe extern "C" fn fa_backward_cpu(
             dq: host(&dq, "dq")?,
             dk: host(&dk, "dk")?,
             dv: host(&dv, "dv")?,
+            d_sinks: (!raw.d_sinks.is_null()).then_some(raw.d_sinks as usize),
         };
         // SAFETY: the tensors and `lse` follow this function's contract; the facade checks
         // every span and overlap before it writes.
@@ -306,7 +331,11 @@ pub unsafe extern "C" fn fa_forward_cache_cpu(
         // SAFETY: as above.
         let cache = unsafe { read_versioned(cache) }?;
         // SAFETY: as above.
-        let mut opts = cpu_options(&unsafe { read_options(options) }?)?;
+        let raw = unsafe { read_options(options) }?;
+        let mut opts = cpu_options(&raw)?;
+        forward_only(&raw, "fa_forward_cache_cpu")?;
+        // SAFETY: the sinks follow this function's contract.
+        let sinks = unsafe { read_sinks(&raw, &call.problem) }?;
         opts.kv_splits = (cache.num_splits != 0).then_some(cache.num_splits as usize);
         // SAFETY: the tables follow this function's contract.
         let tables = unsafe { HostCache::read(&call.problem, &cache) }?;
@@ -323,9 +352,9 @@ pub unsafe extern "C" fn fa_forward_cache_cpu(
             call.problem.seqlen_k = 0;
         }
         let fixed = Seqlens::Fixed;
-        let problem = tables
-            .apply(describe(&call.problem, &fixed, call.tensor_refs())?)?
-            .validate(softmax_core::MAX_HEAD_DIM)?;
+        let mut desc = tables.apply(describe(&call.problem, &fixed, call.tensor_refs())?)?;
+        desc.sinks = sinks;
+        let problem = desc.validate(softmax_core::MAX_HEAD_DIM)?;
         // SAFETY: the tensors and `lse` follow this function's contract.
         unsafe { run_host(&call, &problem, lse, &opts) }
     })

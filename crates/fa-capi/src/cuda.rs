@@ -229,8 +229,9 @@ pub unsafe extern "C" fn fa_forward_cuda(
         let device = &unsafe { device_ref(device) }?.device;
         // SAFETY: as above.
         let call = unsafe { read_call(problem, q, k, v, o) }?;
-        // SAFETY: as above (validated for its size and version; no field applies here).
-        unsafe { read_options(options) }?;
+        // SAFETY: as above (validated for its size and version; no field but the sinks,
+        // refused, applies here).
+        refuse_sinks(&unsafe { read_options(options) }?, "fa_forward_cuda")?;
         // SAFETY: host prefix sums follow this function's contract.
         let seqlens = unsafe { read_seqlens(&call.problem, true) }?;
         let problem = describe(&call.problem, &seqlens, call.tensor_refs())?
@@ -313,8 +314,9 @@ impl CacheCall {
         let mut call = unsafe { read_call(problem, q, k, v, o) }?;
         // SAFETY: as above.
         let cache: FaKvCache = unsafe { read_versioned(cache) }?;
-        // SAFETY: as above (validated for its size and version; no field applies here).
-        unsafe { read_options(options) }?;
+        // SAFETY: as above (validated for its size and version; no field but the sinks,
+        // refused, applies here).
+        refuse_sinks(&unsafe { read_options(options) }?, "the CUDA cache entries")?;
         let mut host = HostCache::by_capacity(&call.problem, &cache)?;
         if append {
             host.seqused_k.fill(0);

@@ -116,9 +116,10 @@ impl<E: Elem> Buffers<E> {
             b.problem.cu_seqlens_k = b.cu.1.as_ptr();
         }
         let [q, k, v, o] = b.inputs();
+        let mut opts = fa_options_default();
+        opts.sinks = b.case.sinks.as_ref().map_or(null(), |s| s.as_ptr());
         // SAFETY: live buffers of the problem's sizes, contiguous as described.
-        let code =
-            unsafe { fa_forward_cpu(&b.problem, &q, &k, &v, &o, b.lse.as_mut_ptr(), null()) };
+        let code = unsafe { fa_forward_cpu(&b.problem, &q, &k, &v, &o, b.lse.as_mut_ptr(), &opts) };
         assert_eq!(code, FA_OK, "forward: {}", last_error());
         b
     }
@@ -172,6 +173,7 @@ impl<E: Elem> Buffers<E> {
         let mut problem = self.problem;
         let mut lse = self.lse.as_ptr();
         let mut opts = fa_options_default();
+        opts.sinks = self.case.sinks.as_ref().map_or(null(), |s| s.as_ptr());
         edit(&mut problem, &mut t, &mut lse, &mut opts);
         let [q, k, v, o, d_o, dq, dk, dv] = t;
         // SAFETY: every pointer is a live local or a buffer of `self` of the right size (the
@@ -403,4 +405,70 @@ fn bad_calls_get_their_code_and_leave_the_gradients_untouched() {
 #[test]
 fn the_api_version_names_the_backward() {
     assert!(fa_api_version() >= 6);
+}
+
+/// Attention sinks through `options.sinks` (API version 7): the forward and the backward of
+/// fresh inputs with random sinks against the f64 reference (dQ, dK, dV and `options.d_sinks`);
+/// `d_sinks` without `sinks`, on a forward, or overlapping a gradient is refused, and a NaN
+/// sink is `FA_ERR_INVALID_ARGUMENT`, with everything untouched.
+#[test]
+fn sinks_and_their_gradient_match_the_f64_reference() {
+    use fa_reference::{attention_backward_sinks_f64, compare_sink_grads};
+    let mut rng = Rng::fresh();
+    for (what, case) in cases(&mut rng, Rounding::F32) {
+        let case = case.with_random_sinks(&mut rng);
+        let heads = case.heads_q;
+        let mut b = Buffers::<f32>::new(case, &mut rng, Rounding::F32);
+        let mut d_sinks = vec![SENTINEL; heads];
+        let out = d_sinks.as_mut_ptr();
+        let code = b.run(|_, _, _, o| o.d_sinks = out);
+        assert_eq!(code, FA_OK, "{what}: {}", last_error());
+        let e = b.errors();
+        for (name, x) in [("dq", e.dq), ("dk", e.dk), ("dv", e.dv)] {
+            assert!(x <= 1e-5, "{what}: {name} rel_l2 {x:e}");
+        }
+        let p = b.case.desc().validate(256).expect("valid");
+        let (_, reference) = attention_backward_sinks_f64(&p, &b.q, &b.k, &b.v, &b.d_o_f32);
+        let err = compare_sink_grads(&d_sinks, &reference.expect("sinks"));
+        assert!(err <= 1e-4, "{what}: d sinks {d_sinks:?} ({err:e})");
+    }
+    let case = Case::dense(&mut rng, 1, 9, 11, 4, 2, 16).with_random_sinks(&mut rng);
+    let mut b = Buffers::<f32>::new(case, &mut rng, Rounding::F32);
+    b.grads.dq.fill(SENTINEL);
+    b.grads.dk.fill(SENTINEL);
+    b.grads.dv.fill(SENTINEL);
+    let mut d_sinks = [SENTINEL; 4];
+    let out = d_sinks.as_mut_ptr();
+    // d_sinks without sinks.
+    let code = b.run(|_, _, _, o| {
+        o.sinks = null();
+        o.d_sinks = out;
+    });
+    assert_eq!(code, FA_ERR_INVALID_ARGUMENT, "{}", last_error());
+    // d_sinks over dQ.
+    let dq = b.grads.dq.as_mut_ptr();
+    let code = b.run(|_, _, _, o| o.d_sinks = dq);
+    assert_eq!(code, FA_ERR_INVALID_ARGUMENT, "{}", last_error());
+    assert!(last_error().contains("overlap"), "{}", last_error());
+    // A NaN sink.
+    let bad = [0.0f32, f32::NAN, 0.0, 0.0];
+    let code = b.run(|_, _, _, o| {
+        o.sinks = bad.as_ptr();
+        o.d_sinks = out;
+    });
+    assert_eq!(code, FA_ERR_INVALID_ARGUMENT, "{}", last_error());
+    assert!(last_error().contains("sinks[1]"), "{}", last_error());
+    assert!(b.untouched());
+    assert_eq!(d_sinks, [SENTINEL; 4]);
+    // d_sinks on a forward.
+    let [q, k, v, o] = b.inputs();
+    let mut opts = fa_options_default();
+    opts.sinks = b.case.sinks.as_ref().map_or(null(), |s| s.as_ptr());
+    opts.d_sinks = out;
+    let before = b.o.clone();
+    // SAFETY: live buffers of the problem's sizes; the call is refused before any write.
+    let code = unsafe { fa_forward_cpu(&b.problem, &q, &k, &v, &o, null_mut(), &opts) };
+    assert_eq!(code, FA_ERR_INVALID_ARGUMENT, "{}", last_error());
+    assert_eq!(b.o, before);
+    assert_eq!(d_sinks, [SENTINEL; 4]);
 }
