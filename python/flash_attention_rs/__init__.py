@@ -132,6 +132,21 @@ def _describe(x, name):
     raise TypeError(f"{name} must be a NumPy array or a torch.Tensor, not {type(x).__name__}")
 
 
+def _sinks_host(sinks):
+    """Attention sinks as a contiguous float32 NumPy array (the library checks the length
+    against the heads and the values: finite); CUDA tensors are left to the caller's check."""
+    if _is_torch(sinks):
+        if sinks.device.type != "cpu":
+            raise NotImplementedError(
+                "attention sinks run on the CPU only for now (the CUDA kernels take none yet)"
+            )
+        sinks = sinks.detach().to(_torch_module().float32).numpy()
+    out = np.ascontiguousarray(np.asarray(sinks, dtype=np.float32))
+    if out.ndim != 1:
+        raise ValueError(f"sinks has shape {out.shape}: expected (heads_q,)")
+    return out
+
+
 def _integer(x, name):
     """``x`` as a Python int: integers only (NumPy's too), never a bool or a float
     (``TypeError`` naming ``name``)."""
@@ -390,6 +405,7 @@ def attention(
     k_new=None,
     v_new=None,
     out=None,
+    sinks=None,
 ):
     """Exact attention ``softmax(q k^T * scale) v``; returns ``out`` (and the log-sum-exp).
 
@@ -456,6 +472,13 @@ def attention(
             next step).
         out: where to write (shape of ``q`` with ``head_dim_v``; same framework and device;
             on the CPU its dtype may also be float32). Allocated when None.
+        sinks: learnable attention sinks (gpt-oss): one logit per query head, ``(heads_q,)``
+            (a sequence, NumPy array or CPU tensor; read as float32), each joining every row
+            of its head in the softmax denominator with no value. The LSE includes it; a row
+            that sees no key gives 0 and LSE = its sink. NaN or infinite logits raise
+            ``ValueError``. CPU only for now (CUDA tensors raise ``NotImplementedError``), and
+            without autograd (inputs that require grad raise ``NotImplementedError``: the
+            sinks' gradient is ``_native.backward(..., sinks=, d_sinks=)`` for now).
 
     Returns:
         ``out``, or ``(out, lse)`` with ``return_lse``. On CUDA the work is queued on
@@ -480,10 +503,21 @@ def attention(
         scale=_real(scale, "scale"),
     )
     return_lse = _flag(return_lse, "return_lse")
+    sinks_host = None if sinks is None else _sinks_host(sinks)
+    if sinks_host is not None and _is_torch(q) and q.device.type == "cuda":
+        # Refused before anything (an append) is written.
+        raise NotImplementedError(
+            "attention sinks run on the CPU only for now (the CUDA kernels take none yet)"
+        )
     autograd = _autograd_for(q)
     if autograd is not None and not autograd.inside():
-        grad = autograd.needs_grad(q, k, v)
+        grad = autograd.needs_grad(q, k, v) or bool(getattr(sinks, "requires_grad", False))
         if grad or (autograd.HAS_CUSTOM_OP and autograd.compiling()):
+            if sinks is not None:
+                raise NotImplementedError(
+                    "flash_attention_rs has no autograd for attention sinks yet: call it under "
+                    "torch.no_grad() / torch.inference_mode()"
+                )
             cache_args = (seqused_k, block_table, block_walk, num_splits, k_new, v_new)
             if grad and any(x is not None for x in cache_args):
                 raise ValueError(
@@ -565,6 +599,12 @@ def attention(
             "q, k and v are in different places: " + ", ".join(_where(d) for d in devices)
         )
     device = devices[0]
+    if sinks_host is not None:
+        if device is not None:
+            raise NotImplementedError(
+                "attention sinks run on the CPU only for now (the CUDA kernels take none yet)"
+            )
+        kwargs["sinks"] = _describe(sinks_host, "sinks")[0]
     if backend == "cpu" and device is not None:
         raise ValueError(f"backend='cpu' needs tensors in host memory; these are on cuda:{device}")
     if backend == "cuda" and device is None:
@@ -663,5 +703,5 @@ def attention(
         torch = _torch_module()
         stream = torch.cuda.current_stream(device).cuda_stream
         _native.forward(*descs, o_desc, lse_desc, device=cuda_device(device), stream=stream, **kwargs)
-    del keep_alive
+    del keep_alive, sinks_host
     return (out, lse) if return_lse else out

@@ -197,6 +197,31 @@ fn check_tensor(arg: &TensorArg, name: &str, varlen: bool) -> PyResult<Checked> 
     })
 }
 
+/// Checks attention sinks (or their gradient, `name` says which): a contiguous float32 vector
+/// of `heads_q` entries, one per query head, in host memory (the library checks the address:
+/// null, alignment); returns its address.
+fn check_sinks(arg: &TensorArg, name: &str, heads_q: i64) -> PyResult<usize> {
+    let (addr, shape, strides, dtype) = arg;
+    if shape.as_slice() != [heads_q] {
+        return Err(value_error(format!(
+            "{name} has shape {}: expected ({heads_q},), one per query head",
+            shape_text(shape)
+        )));
+    }
+    if dtype != "float32" {
+        return Err(value_error(format!(
+            "{name} has dtype {dtype}: attention sinks are float32"
+        )));
+    }
+    if heads_q > 1 && strides.first() != Some(&1) {
+        return Err(value_error(format!(
+            "{name} has strides {}: it must be contiguous",
+            shape_text(strides)
+        )));
+    }
+    Ok(*addr as usize)
+}
+
 /// The shapes of Q, K, V and O must describe one problem (the C ABI takes each size once).
 /// With a paged cache, K/V's leading dimensions are blocks, not sequences.
 fn check_shapes(
@@ -423,6 +448,8 @@ struct Call {
     problem: FaProblem,
     tensors: [FaTensor; 4],
     lse: *mut f32,
+    /// Attention sinks (`heads_q` f32s) or null.
+    sinks: *const f32,
     /// The KV cache the keys are read from (its tables are the caller's arrays).
     cache: Option<FaKvCache>,
     /// Host prefix sums `problem.cu_seqlens_*` point into (kept alive by the call).
@@ -435,8 +462,16 @@ struct Call {
 unsafe impl Send for Call {}
 
 impl Call {
+    /// The options: the defaults and the call's attention sinks.
+    fn options(&self) -> FaOptions {
+        FaOptions {
+            sinks: self.sinks,
+            ..FaOptions::default()
+        }
+    }
+
     fn run_cpu(&self) -> i32 {
-        let options = FaOptions::default();
+        let options = self.options();
         let [q, k, v, o] = &self.tensors;
         // SAFETY: every address comes from a live NumPy array or CPU tensor whose shape and
         // strides the descriptors state (checked against each other above), so the memory
@@ -453,7 +488,7 @@ impl Call {
     }
 
     fn run_cuda(&self, device: &CudaDevice, stream: u64) -> i32 {
-        let options = FaOptions::default();
+        let options = self.options();
         let [q, k, v, o] = &self.tensors;
         if let Some(cache) = &self.cache {
             // SAFETY: as in the plain call below; the cache's tables are int32 tensors of the
@@ -584,6 +619,8 @@ struct HostProblem {
     args: FlashArgs,
     /// Host prefix sums (varlen).
     seqlens: Option<(Vec<u32>, Vec<u32>)>,
+    /// The address of the attention sinks (`heads_q` f32s), if any.
+    sinks: Option<usize>,
 }
 
 impl HostProblem {
@@ -593,6 +630,7 @@ impl HostProblem {
         causal: bool,
         args: FlashArgs,
         seqlens: Option<(Vec<i32>, Vec<i32>)>,
+        sinks: Option<usize>,
     ) -> PyResult<HostProblem> {
         let unsigned = |values: Vec<i32>, name: &str| -> PyResult<Vec<u32>> {
             values
@@ -619,6 +657,7 @@ impl HostProblem {
             causal,
             args,
             seqlens,
+            sinks,
         })
     }
 
@@ -651,6 +690,13 @@ impl HostProblem {
         {
             desc = desc.strides(tensor, strides);
         }
+        if let Some(addr) = self.sinks {
+            flash_attention::host::span("sinks", addr, heads_q, 4)?;
+            // SAFETY: the span passed for `heads_q` f32s; the address comes from a live
+            // float32 array of that shape (check_sinks) that the caller keeps alive and
+            // unwritten for the call.
+            desc.sinks = Some(unsafe { flash_attention::host::slice_ref::<f32>(addr, heads_q) });
+        }
         Ok(desc.validate(MAX_HEAD_DIM)?)
     }
 }
@@ -668,10 +714,12 @@ impl HostProblem {
 /// block table `(batch, max_blocks)`, the paged cache `(num_blocks, block_size, heads_kv,
 /// head_dim)`; the tables are int32, host arrays on the CPU and device tensors on CUDA; a
 /// paged cache's block walk `(batch, 2, max_blocks)` is a device tensor (CUDA only: the CPU
-/// refuses one).
+/// refuses one). `sinks` (float32 `(heads_q,)`, host memory) adds attention sinks: one logit per
+/// query head in every row's softmax denominator (the CPU paths; CUDA answers unsupported).
 #[pyfunction]
 #[pyo3(signature = (q, k, v, o, lse=None, *, causal=false, window=None, softcap=None,
-    scale=None, cu_seqlens=None, device_cu_seqlens=None, cache=None, device=None, stream=0))]
+    scale=None, cu_seqlens=None, device_cu_seqlens=None, cache=None, sinks=None, device=None,
+    stream=0))]
 #[allow(clippy::too_many_arguments)]
 fn forward(
     py: Python<'_>,
@@ -687,6 +735,7 @@ fn forward(
     cu_seqlens: Option<(Vec<i64>, Vec<i64>)>,
     device_cu_seqlens: Option<DeviceSeqlensArg>,
     cache: Option<CacheArg>,
+    sinks: Option<TensorArg>,
     device: Option<PyRef<'_, CudaDevice>>,
     stream: u64,
 ) -> PyResult<()> {
@@ -708,6 +757,10 @@ fn forward(
     check_shapes(&cq.dims, &ck.dims, &cv.dims, &co.dims, paged)?;
     let [batch, seqlen_q, heads_q, head_dim] = cq.dims;
     let (seqlen_k, heads_kv, head_dim_v) = (ck.dims[1], ck.dims[2], cv.dims[3]);
+    let sinks = match &sinks {
+        Some(arg) => Some(check_sinks(arg, "sinks", heads_q)?),
+        None => None,
+    };
     let args = flash_args(window.as_ref(), scale, softcap)?;
     let FlashArgs {
         window,
@@ -788,7 +841,7 @@ fn forward(
         // validates the problem, the facade checks the buffers (the same code as the C
         // ABI's) and runs it, with the GIL released. KV caches and CUDA still go through the
         // C ABI below.
-        let problem = HostProblem::new([&cq, &ck, &cv, &co], causal, args, host_seqlens)?;
+        let problem = HostProblem::new([&cq, &ck, &cv, &co], causal, args, host_seqlens, sinks)?;
         let buffers = HostForward {
             q: cq.host(),
             k: ck.host(),
@@ -813,6 +866,7 @@ fn forward(
         problem,
         tensors: [cq.tensor, ck.tensor, cv.tensor, co.tensor],
         lse,
+        sinks: sinks.map_or(core::ptr::null(), |a| a as *const f32),
         cache,
         _host_seqlens: host_seqlens,
     };
@@ -841,10 +895,13 @@ const CUDA_BACKWARD: &str = "the CUDA backward is not built yet: flash_attention
 /// `softmax_core::ProblemDesc` and validated by it, the buffers are checked by the facade
 /// (`flash_attention::host`, the same code the C ABI runs) and the CPU backward runs with the
 /// GIL released; nothing is written on error. `device` (a CUDA device handle) is refused
-/// for now: the CUDA backward is not built yet (`NotImplementedError`).
+/// for now: the CUDA backward is not built yet (`NotImplementedError`). `sinks` are the
+/// forward's attention sinks; `d_sinks` (float32 `(heads_q,)`), when given, receives their
+/// gradient (it needs `sinks`).
 #[pyfunction]
 #[pyo3(signature = (q, k, v, o, lse, d_o, dq, dk, dv, *, causal=false, window=None,
-    softcap=None, scale=None, cu_seqlens=None, device=None, stream=0))]
+    softcap=None, scale=None, cu_seqlens=None, sinks=None, d_sinks=None, device=None,
+    stream=0))]
 #[allow(clippy::too_many_arguments)]
 fn backward(
     py: Python<'_>,
@@ -862,6 +919,8 @@ fn backward(
     softcap: Option<f64>,
     scale: Option<f64>,
     cu_seqlens: Option<(Vec<i64>, Vec<i64>)>,
+    sinks: Option<TensorArg>,
+    d_sinks: Option<TensorArg>,
     device: Option<PyRef<'_, CudaDevice>>,
     stream: u64,
 ) -> PyResult<()> {
@@ -917,6 +976,14 @@ fn backward(
     }
     let [batch, seqlen_q, heads_q, _] = cq.dims;
     let seqlen_k = ck.dims[1];
+    let sinks = match &sinks {
+        Some(arg) => Some(check_sinks(arg, "sinks", heads_q)?),
+        None => None,
+    };
+    let d_sinks = match &d_sinks {
+        Some(arg) => Some(check_sinks(arg, "d_sinks", heads_q)?),
+        None => None,
+    };
     let args = flash_args(window.as_ref(), scale, softcap)?;
     let seqlens = match cu_seqlens {
         Some((cu_q, cu_k)) => {
@@ -934,7 +1001,7 @@ fn backward(
         }
         None => None,
     };
-    let problem = HostProblem::new([&cq, &ck, &cv, &co], causal, args, seqlens)?;
+    let problem = HostProblem::new([&cq, &ck, &cv, &co], causal, args, seqlens, sinks)?;
     let expected_lse = if varlen {
         vec![heads_q, seqlen_q]
     } else {
@@ -951,6 +1018,7 @@ fn backward(
         dq: cdq.host(),
         dk: cdk.host(),
         dv: cdv.host(),
+        d_sinks,
     };
     py.detach(move || -> Result<(), flash_attention::Error> {
         let problem = problem.validate()?;

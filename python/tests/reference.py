@@ -30,8 +30,9 @@ def visible(seqlen_q, seqlen_k, causal=False, window=(-1, -1)):
     return ok
 
 
-def attention_f64(q, k, v, causal=False, window=(-1, -1), softcap=None, scale=None):
-    """BSHD inputs (any float dtype) -> (out (B, Sq, Hq, Dv) float64, lse (B, Hq, Sq))."""
+def attention_f64(q, k, v, causal=False, window=(-1, -1), softcap=None, scale=None, sinks=None):
+    """BSHD inputs (any float dtype) -> (out (B, Sq, Hq, Dv) float64, lse (B, Hq, Sq)).
+    ``sinks`` (Hq,): one more score per row, of no value (attention sinks)."""
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -44,6 +45,9 @@ def attention_f64(q, k, v, causal=False, window=(-1, -1), softcap=None, scale=No
         s = softcap * np.tanh(s / softcap)
     mask = visible(seqlen_q, seqlen_k, causal, window)
     s = np.where(mask, s, -np.inf)
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64)[None, :, None, None]
+        s = np.concatenate([s, np.broadcast_to(sink, s.shape[:-1] + (1,))], axis=-1)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # initial: no key at all (seqlen_k 0)
     m_safe = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m_safe)
@@ -51,6 +55,8 @@ def attention_f64(q, k, v, causal=False, window=(-1, -1), softcap=None, scale=No
     with np.errstate(divide="ignore", invalid="ignore"):
         p = np.where(l > 0, p / l, 0.0)
         lse = np.where(l[..., 0] > 0, np.log(l[..., 0]) + m_safe[..., 0], -np.inf)
+    if sinks is not None:
+        p = p[..., :-1]  # the sink's probability carries no value
     out = np.einsum("bhqk,bkhd->bqhd", p, v)
     return out, lse
 
@@ -100,6 +106,8 @@ def cache_f64(q, k, v, seqused_k, block_table=None, **kw):
     lse = np.full((batch, heads_q, seqlen_q), -np.inf)
     for b in range(batch):
         if len(ks[b]) == 0:
+            if kw.get("sinks") is not None:  # no key but a sink: zeros and the sink
+                lse[b] = np.asarray(kw["sinks"], dtype=np.float64)[:, None]
             continue  # no key: zeros and -inf
         o, l = attention_f64(q[b : b + 1], ks[b][None], vs[b][None], **kw)
         out[b], lse[b] = o[0], l[0]

@@ -244,3 +244,25 @@ def test_append_kv_without_room_raises_and_leaves_the_cache():
     frozen.setflags(write=False)
     with pytest.raises(ValueError, match="read-only"):
         fa.append_kv(frozen, v, new, new, [0, 0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("block_size", [None, 16], ids=["padded", "paged16"])
+def test_sinks_over_a_cache(dtype, block_size):
+    """Attention sinks through the C ABI's cache entry (``options.sinks``): against the
+    float64 oracle, with forced splits (the sink joins once, after the merge), and a sequence
+    with no key (zeros, LSE = the sink)."""
+    rng = np.random.default_rng(zlib.crc32(repr(("sinks", dtype.name, block_size)).encode()))
+    used = [0, 1, 77, 300]
+    k, v, table = make_cache(rng, used, 2, 32, dtype, block_size)
+    q = randn(rng, (4, 2, 8, 32), dtype)
+    sinks = (rng.standard_normal(8) * 2.0).astype(np.float32)
+    ref, ref_lse = cache_f64(q, k, v, used, table, causal=True, sinks=sinks)
+    for splits in (None, 3):
+        got, lse = fa.attention(q, k, v, seqused_k=used, block_table=table, causal=True,
+                                num_splits=splits, sinks=sinks, return_lse=True)
+        err = normwise_error(got, ref)
+        assert err <= BOUNDS[dtype.name], f"normwise error {err:.3e} (splits {splits})"
+        check_lse(lse, ref_lse, 1e-5 if dtype == np.float32 else 2e-2)
+        assert np.all(got[0].astype(np.float64) == 0.0)
+        np.testing.assert_allclose(lse[0], np.broadcast_to(sinks[:, None], (8, 2)), atol=1e-6)

@@ -290,3 +290,90 @@ def test_the_cpu_call_releases_the_gil_and_is_reentrant():
         t.join()
     for r in results:
         check(r, ref, np.float32)
+
+
+def _sinks(rng, heads):
+    return (rng.standard_normal(heads) * 2.0).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_sinks_match_the_f64_reference(dtype):
+    rng = np.random.default_rng(53)
+    q, k, v = randn(rng, (2, 19, 6, 24), dtype), randn(rng, (2, 11, 2, 24), dtype), randn(rng, (2, 11, 2, 24), dtype)
+    sinks = _sinks(rng, 6)
+    for kw in [dict(), dict(causal=True), dict(window=(3, 1), softcap=2.0, scale=0.3)]:
+        got, lse = fa.attention(q, k, v, sinks=sinks, return_lse=True, **kw)
+        ref, ref_lse = attention_f64(q, k, v, sinks=sinks, **kw)
+        check(got, ref, dtype, str(kw))
+        # With sinks every row's LSE is finite: rows without keys get their head's sink.
+        assert np.all(np.isfinite(lse))
+        bound = 1e-5 if dtype == np.float32 else 2e-2
+        assert np.max(np.abs(lse - ref_lse)) <= bound, kw
+    # Rows without keys (causal, more queries than keys): zero output, LSE = the sink.
+    out, lse = fa.attention(q, k, v, sinks=list(sinks), causal=True, return_lse=True)
+    assert np.all(np.asarray(out[:, :8], dtype=np.float32) == 0.0)
+    np.testing.assert_allclose(lse[:, :, :8], np.broadcast_to(sinks[None, :, None], (2, 6, 8)), atol=1e-6)
+
+
+def test_sinks_varlen_and_bad_sinks():
+    rng = np.random.default_rng(54)
+    cu_q, cu_k = [0, 5, 5, 17], [0, 7, 12, 12]
+    q, k, v = randn(rng, (17, 4, 16), np.float32), randn(rng, (12, 2, 16), np.float32), randn(rng, (12, 2, 16), np.float32)
+    sinks = _sinks(rng, 4)
+    got, lse = fa.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sinks=sinks, causal=True, return_lse=True)
+    ref, ref_lse = varlen_f64(q, k, v, cu_q, cu_k, causal=True, sinks=sinks)
+    check(got, ref, np.float32)
+    assert np.max(np.abs(lse - ref_lse)) <= 1e-5
+    out = np.full((17, 4, 16), 7.0, dtype=np.float32)
+    for bad, message in [
+        (np.zeros(3, np.float32), "sinks has shape"),
+        (np.array([0.0, np.nan, 0.0, 0.0], np.float32), "sinks[1]"),
+        (np.array([0.0, 0.0, np.inf, 0.0], np.float32), "sinks[2]"),
+        (np.zeros((2, 2), np.float32), "sinks has shape"),
+    ]:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            fa.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sinks=bad, out=out)
+        assert np.all(out == 7.0)
+
+
+def test_sinks_gradient_through_the_native_backward():
+    """``_native.backward(..., sinks=, d_sinks=)``: d sinks against central differences of the
+    float64 oracle (GQA, causal with rows that see no key), and dq/dk/dv against those of the
+    oracle too (one element each)."""
+    from flash_attention_rs import _native
+
+    rng = np.random.default_rng(55)
+    b, sq, sk, hq, hk, d = 1, 9, 6, 4, 2, 8
+    q, k, v = randn(rng, (b, sq, hq, d), np.float32), randn(rng, (b, sk, hk, d), np.float32), randn(rng, (b, sk, hk, d), np.float32)
+    sinks = _sinks(rng, hq)
+    d_o = randn(rng, (b, sq, hq, d), np.float32)
+    out, lse = fa.attention(q, k, v, sinks=sinks, causal=True, return_lse=True)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    d_sinks = np.full(hq, np.nan, dtype=np.float32)
+    desc = lambda x: fa._describe(x, "x")[0]
+    _native.backward(*(desc(x) for x in (q, k, v, out, lse, d_o, dq, dk, dv)), causal=True,
+                     sinks=desc(sinks), d_sinks=desc(d_sinks))
+
+    def loss(q=q, k=k, v=v, sinks=sinks):
+        o, _ = attention_f64(q, k, v, causal=True, sinks=sinks)
+        return float(np.sum(o * d_o.astype(np.float64)))
+
+    h = 1e-6
+    for i in range(hq):
+        up, down = sinks.astype(np.float64), sinks.astype(np.float64)
+        up[i] += h
+        down[i] -= h
+        fd = (loss(sinks=up) - loss(sinks=down)) / (2 * h)
+        assert abs(d_sinks[i] - fd) <= 1e-4 * (1 + abs(fd)), (i, d_sinks[i], fd)
+    for grad, x, name, at in [(dq, q, "q", (0, 7, 1, 3)), (dk, k, "k", (0, 4, 1, 3)), (dv, v, "v", (0, 4, 1, 3))]:
+        up, down = x.astype(np.float64), x.astype(np.float64)
+        up[at] += h
+        down[at] -= h
+        fd = (loss(**{name: up}) - loss(**{name: down})) / (2 * h)
+        assert abs(grad[at] - fd) <= 1e-4 * (1 + abs(fd)), (name, grad[at], fd)
+    # d_sinks without sinks: refused, nothing written.
+    d_sinks[:] = 7.0
+    with pytest.raises(ValueError, match="no attention sinks"):
+        _native.backward(*(desc(x) for x in (q, k, v, out, lse, d_o, dq, dk, dv)), causal=True,
+                         d_sinks=desc(d_sinks))
+    assert np.all(d_sinks == 7.0)
