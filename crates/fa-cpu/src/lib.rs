@@ -39,6 +39,12 @@
 //!   the cache (no packing), several KV heads per work item so the cache streams
 //!   contiguously, bf16/f16 widened in registers. [`append_kv`] writes new tokens into a
 //!   cache in place.
+//! - Attention sinks ([`softmax_core::Problem::sinks`], gpt-oss): every forward variant (tiles,
+//!   AMX, split-KV, the streaming decode loop) folds the head's sink into a row once, where the
+//!   row is finished (after the combine of its splits), through
+//!   [`softmax_core::RowState::finish_with_sink`]; the LSE includes it, so [`backward`] needs
+//!   nothing more for dQ, dK, dV, and [`backward_sinks`] gives the sinks' gradient from O, dO
+//!   and the LSE (deterministic: one pass, f64 sums in a fixed order).
 //! - AMX: where the CPU has AMX-BF16 and Linux grants the tile-data permission,
 //!   [`SimdLevel::Auto`] resolves to [`SimdLevel::Amx`] and bf16 and f16 forward calls run
 //!   both products on AMX tiles (P rounded to bf16 before `P·V`: ~2e-3 normwise against the
