@@ -35,9 +35,11 @@
 // version 4 adds [`FaKvCache::block_walk`] (a trailing field: a version-2/3 `FaKvCache`,
 // of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`;
 // version 5 adds [`FA_EXP2_AUTO`], the options' new default; version 6 adds the CPU
-// backward `fa_backward_cpu` (no descriptor changed).
+// backward `fa_backward_cpu` (no descriptor changed); version 7 adds the CUDA backward
+// `fa_backward_cuda` and its workspace size `fa_backward_cuda_workspace_bytes` (no
+// descriptor changed).
 // A library accepts descriptors of every version up to its own.
-#define FA_API_VERSION 6
+#define FA_API_VERSION 7
 
 // Success.
 #define FA_OK 0
@@ -537,6 +539,75 @@ int32_t fa_append_kv_cuda(const struct FaCudaDevice *device,
                           const struct FaTensor *k_cache,
                           const struct FaTensor *v_cache,
                           void *stream);
+
+// Bytes of device workspace `fa_backward_cuda` needs for this call (its plan: the f32
+// `D = rowsum(dO∘O)` and `LSE·log2 e` per (row, head) and the f32 dQ accumulator), into
+// `*bytes`; the workspace's address must be aligned to 256 bytes (as `cudaMalloc`'s are).
+// The plan depends only on the problem, the dtype and the device, so the same call always
+// needs the same size. Reads no device memory (the tensors' `data` are not used; device
+// prefix sums are not read). Since API version 7.
+//
+// # Safety
+// `device` a live handle; the descriptors as in `fa_forward_cuda`; `bytes` null (refused)
+// or a writable `size_t`.
+int32_t fa_backward_cuda_workspace_bytes(const struct FaCudaDevice *device,
+                                         const struct FaProblem *problem,
+                                         const struct FaTensor *q,
+                                         const struct FaTensor *k,
+                                         const struct FaTensor *v,
+                                         const struct FaTensor *o,
+                                         const struct FaOptions *options,
+                                         size_t *bytes);
+
+// Gradients of a loss with respect to Q, K and V (the backward of [`fa_forward_cuda`]) on
+// device memory the caller owns, queued on the caller's `stream` (a `CUstream`/`cudaStream_t`
+// of the device's context; null: the legacy default stream) without waiting: order later
+// work after `stream` before reading `dq`/`dk`/`dv` or freeing anything. Exact, recomputing
+// the probabilities from the forward's `lse` (no N×N storage); GQA/MQA: `dk`/`dv` summed
+// over each KV head's group of query heads (in a fixed order: deterministic); `dq` is summed
+// with f32 atomics, so it may differ from run to run by rounding.
+//
+// `problem` is the forward's (fixed-length, or varlen with host prefix sums, copied on
+// `stream`, or device ones, `FA_SEQLENS_VARLEN_DEVICE`; mask, window, scale and softcap as
+// given to the forward). Inputs: `q`, `k`, `v`, the forward's output `o`, `d_o` = ∂L/∂O
+// (laid out as `o`: the same strides) and `lse`, the forward's natural-log LSE as
+// `fa_forward_cuda` wrote it (device f32, `[batch, heads_q, seqlen_q]` dense or
+// `[heads_q, total_q]` packed; required). Outputs: `dq`, `dk`, `dv`, laid out as `q`, `k`
+// and `v`. All eight tensors share one dtype, bf16 or f16 (the gradients come out in it).
+//
+// The workspace: `workspace` (device memory, 256-byte aligned, at least
+// `fa_backward_cuda_workspace_bytes` bytes, given in `workspace_bytes`; its contents need
+// not be initialised; not used by other work until `stream` has passed the call) or, when
+// `workspace` is null, allocated by the library on `stream` and freed in stream order after
+// the kernels. Everything is checked before anything is queued, the gradients untouched on
+// an error code: null, alignment (16 bytes for tensors, 4 for the LSE and prefix sums, 256
+// for the workspace), overflow, strides that differ from their input's
+// (`FA_ERR_INVALID_ARGUMENT`), gradients or workspace that overlap any other buffer, a
+// workspace too small; dtypes or problems the kernel lacks are `FA_ERR_UNSUPPORTED`. The
+// options' CPU fields are ignored. Since API version 7.
+//
+// # Safety
+// `device` must be a live handle; the descriptors as in `fa_forward_cuda`; every `data`,
+// `lse`, device prefix-sum pointer and a non-null `workspace` must be device memory usable
+// in the device's context holding what the problem reaches (`d_o` as `o`, each gradient as
+// its input), which stays allocated and is not written by other work (inputs) or touched at
+// all (outputs, workspace) until `stream` has passed the kernels; device prefix sums must be
+// the forward's; `stream` must stay alive meanwhile.
+int32_t fa_backward_cuda(const struct FaCudaDevice *device,
+                         const struct FaProblem *problem,
+                         const struct FaTensor *q,
+                         const struct FaTensor *k,
+                         const struct FaTensor *v,
+                         const struct FaTensor *o,
+                         const float *lse,
+                         const struct FaTensor *d_o,
+                         const struct FaTensor *dq,
+                         const struct FaTensor *dk,
+                         const struct FaTensor *dv,
+                         void *workspace,
+                         size_t workspace_bytes,
+                         void *stream,
+                         const struct FaOptions *options);
 
 // Builds the block walk of a paged KV cache into `walk` (host memory): the order in which
 // `fa_forward_cache_cuda` reads the cache's blocks when `FaKvCache::block_walk` points to a

@@ -242,7 +242,7 @@ pub unsafe extern "C" fn fa_backward_cpu(
 
 /// A backward buffer laid out as its input: the same strides (`stride_batch` is not read for
 /// packed sequences).
-fn check_same_layout(
+pub(crate) fn check_same_layout(
     t: &FaTensor,
     like: &FaTensor,
     (name, like_name): (&str, &str),

@@ -13,9 +13,11 @@ use core::ffi::c_void;
 /// version 4 adds [`FaKvCache::block_walk`] (a trailing field: a version-2/3 `FaKvCache`,
 /// of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`;
 /// version 5 adds [`FA_EXP2_AUTO`], the options' new default; version 6 adds the CPU
-/// backward `fa_backward_cpu` (no descriptor changed).
+/// backward `fa_backward_cpu` (no descriptor changed); version 7 adds the CUDA backward
+/// `fa_backward_cuda` and its workspace size `fa_backward_cuda_workspace_bytes` (no
+/// descriptor changed).
 /// A library accepts descriptors of every version up to its own.
-pub const FA_API_VERSION: u32 = 6;
+pub const FA_API_VERSION: u32 = 7;
 
 /// Success.
 pub const FA_OK: i32 = 0;
@@ -289,4 +291,12 @@ impl Default for FaKvCache {
 /// `fa_cuda_device_create_from_context`, freed by `fa_cuda_device_destroy`.
 pub struct FaCudaDevice {
     pub(crate) device: fa_cuda::Device,
+}
+
+impl FaCudaDevice {
+    /// The fa-cuda device behind the handle, for Rust callers that hold a handle and call
+    /// fa-cuda directly (the Python module's CUDA backward). Not part of the C ABI.
+    pub fn device(&self) -> &fa_cuda::Device {
+        &self.device
+    }
 }
