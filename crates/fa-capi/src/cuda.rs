@@ -1094,7 +1094,7 @@ pub unsafe extern "C" fn fa_backward_cuda(
         for i in 0..8 {
             let addr = descs[i].data as usize;
             let span = host_span(names[i], addr, elems[i], call.dtype.size())?;
-            if elems[i] > 0 && addr % 16 != 0 {
+            if elems[i] > 0 && !addr.is_multiple_of(16) {
                 return Err(Failure::invalid(format!(
                     "{} is at {addr:#x}: device tensors must be 16-byte aligned",
                     names[i]
@@ -1118,7 +1118,7 @@ pub unsafe extern "C" fn fa_backward_cuda(
                 )));
             }
             let align = plan.workspace().align as u64;
-            if p % align != 0 {
+            if !p.is_multiple_of(align) {
                 return Err(Failure::invalid(format!(
                     "workspace is at {p:#x}: it must be {align}-byte aligned"
                 )));
