@@ -3,7 +3,8 @@
  * (caller-owned device memory, caller's stream), and its KV-cache (decode) form over a padded
  * or paged cache (FaKvCache, fa_forward_cache_*; a paged cache's block walk built on the host by
  * fa_block_walk for the CUDA call); and the backward on the CPU (fa_backward_cpu: dQ, dK, dV
- * from the forward's O and LSE and dO). Every function returns an FA_* code
+ * from the forward's O and LSE and dO) and on CUDA (fa_backward_cuda, caller's memory and
+ * stream; fa_backward_cuda_workspace_bytes). Every function returns an FA_* code
  * (FA_OK = 0); fa_last_error_message() says why a call failed (thread-local, valid until the
  * next call on that thread). Link libflash_attention_rs.a (with -lpthread -ldl -lm) or
  * libflash_attention_rs.so.
