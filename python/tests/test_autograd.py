@@ -375,7 +375,8 @@ def test_cuda_varlen_gradients(dtype, where):
     if where == "cuda":
         cu_q, cu_k = cu_q.cuda(), cu_k.cuda()
     d_out = torch.randn((sum(lens_q), hq, d), generator=gen).to(dtype).cuda()
-    out = fa.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+    longest = dict(max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k)) if where == "cuda" else {}
+    out = fa.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, **longest)
     out.backward(d_out)
     ref_in = [x.detach().cpu().double().requires_grad_(True) for x in (q, k, v)]
     parts = []
