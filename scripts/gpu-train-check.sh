@@ -49,6 +49,6 @@ timeout 65 python3 -m pytest -p no:cacheprovider -rs -v -s --durations=8 \
 pb=$?
 echo "pytest B rc=$pb ($(( $(date +%s) - t0 )) s)" | tee -a "$out/summary.txt"
 for f in capi pytest-a pytest-b; do
-    echo "== $f: $(grep -E "test result|[0-9]+ (passed|failed)" "$out/$f.log" | tail -n 1)"
+    echo "== $f: $(grep -E "test result|=+ .*(passed|failed|skipped|error)" "$out/$f.log" | tail -n 1)"
 done | tee -a "$out/summary.txt"
 [ "$capi" = 0 ] && [ "$pa" = 0 ] && [ "$pb" = 0 ]
