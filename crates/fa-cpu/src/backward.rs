@@ -4,15 +4,16 @@
 use crate::arch::SimdLevel;
 use crate::dispatch::dispatch;
 use crate::dispatch::Isa;
-use crate::forward::{check_level_and_threads, ensure_pool, AmxTiles};
+use crate::forward::{check_level_and_threads, ensure_pool, on_workers, reserve_slots, AmxTiles};
 use crate::kernel::amx_backward_task::{AmxBackwardTask, AmxBwdLens, AmxBwdScratch};
 use crate::kernel::amx_task::{AmxInputs, HalfKind};
 use crate::kernel::backward_task::{
     backward_tasks, BackwardTask, BwdCtx, BwdLens, BwdScratch, BwdStats, BwdTask,
 };
 use crate::kernel::SharedOut;
+use crate::WorkspaceReq;
 use crate::{supports, Element};
-use softmax_core::{BufferLens, Grads, Problem, ProblemError, Qkv, Tensor};
+use softmax_core::{BufferLens, DType, Grads, Problem, ProblemError, Qkv, Tensor};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -209,31 +210,6 @@ pub fn backward_with_workspace<T: Element, O: Element, G: Element>(
     backward_on(problem, qkv, inputs, grads, opts, ws, AmxTiles::Hardware)
 }
 
-/// Makes sure the first `workers` slots exist and hold scratch of `lens` (`ensure(scratch,
-/// lens)`), failing with `oom` instead of aborting.
-fn ensure_slots<S: Default, L>(
-    slots: &mut Vec<Mutex<S>>,
-    workers: usize,
-    lens: &L,
-    ensure: impl Fn(&mut S, &L) -> Result<(), std::collections::TryReserveError>,
-    oom: impl Fn() -> ProblemError,
-) -> Result<(), ProblemError> {
-    slots
-        .try_reserve(workers.saturating_sub(slots.len()))
-        .map_err(|_| oom())?;
-    while slots.len() < workers {
-        slots.push(Mutex::new(S::default()));
-    }
-    for slot in &mut slots[..workers] {
-        let scratch = match slot.get_mut() {
-            Ok(s) => s,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        ensure(scratch, lens).map_err(|_| oom())?;
-    }
-    Ok(())
-}
-
 /// [`backward_with_workspace`] with the AMX tiles chosen ([`AmxTiles`]): `Hardware` runs bf16
 /// inputs on the CPU's tiles when the level is [`SimdLevel::Amx`]; `Emulated` (tests) runs
 /// bf16 inputs on software tiles at any level.
@@ -246,7 +222,204 @@ pub(crate) fn backward_on<T: Element, O: Element, G: Element>(
     ws: &mut BackwardWorkspace,
     amx_tiles: AmxTiles,
 ) -> Result<BackwardStats, ProblemError> {
+    let dtypes = BackwardDTypes {
+        inputs: T::DTYPE,
+        outputs: O::DTYPE,
+        grads: G::DTYPE,
+    };
+    let plan = plan_backward_on(problem, dtypes, opts, amx_tiles)?;
+    run_backward(&plan, qkv, inputs, grads, ws)
+}
+
+/// The dtypes of a backward call: Q, K, V (`inputs`); O and dO (`outputs`: `inputs` or f32);
+/// dQ, dK, dV (`grads`: `inputs` or f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BackwardDTypes {
+    /// Q, K and V.
+    pub inputs: DType,
+    /// O and dO.
+    pub outputs: DType,
+    /// dQ, dK and dV.
+    pub grads: DType,
+}
+
+/// What one backward call does, decided once from the validated problem, the dtypes and the
+/// options ([`plan_backward`]): the SIMD level, the workers, the kernel (SIMD, or all five
+/// products on AMX tiles), the task list (one per sequence and KV head) and the scratch it
+/// needs ([`BackwardPlan::workspace`]). [`run_backward`] executes it on any tensors of the
+/// problem's sizes and the plan's dtypes, as often as wanted (every layer of a model whose
+/// layers share a shape).
+#[derive(Clone, Debug)]
+pub struct BackwardPlan<'a> {
+    problem: Problem<'a>,
+    dtypes: BackwardDTypes,
+    isa: Isa,
+    threads: Option<usize>,
+    workers: usize,
+    amx_tiles: AmxTiles,
+    tasks: Vec<BwdTask>,
+    kernel: BwdKernel,
+}
+
+/// The backward's kernel and its scratch sizes.
+#[derive(Clone, Copy, Debug)]
+enum BwdKernel {
+    /// The SIMD kernel of the plan's level.
+    Simd(BwdLens),
+    /// All five products on AMX tiles (bf16 or f16 Q, K and V).
+    Amx(AmxBwdLens),
+}
+
+impl<'a> BackwardPlan<'a> {
+    /// The validated problem the plan runs.
+    pub fn problem(&self) -> &Problem<'a> {
+        &self.problem
+    }
+
+    /// The SIMD level the run uses (resolved: never `Auto`).
+    pub fn simd(&self) -> SimdLevel {
+        self.isa.level()
+    }
+
+    /// The kernel: `"simd"` or `"amx"`.
+    pub fn variant(&self) -> &'static str {
+        match self.kernel {
+            BwdKernel::Simd(_) => "simd",
+            BwdKernel::Amx(_) => "amx",
+        }
+    }
+
+    /// Tasks (one per sequence and KV head).
+    pub fn work_items(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// The memory a run needs besides the tensors (no partial rows: every task owns the
+    /// gradient elements it writes).
+    pub fn workspace(&self) -> WorkspaceReq {
+        WorkspaceReq {
+            workers: self.workers,
+            bytes_per_worker: match self.kernel {
+                BwdKernel::Simd(lens) => lens.bytes(),
+                BwdKernel::Amx(lens) => lens.bytes(),
+            },
+            partial_bytes: 0,
+        }
+    }
+}
+
+/// The plan of a backward call ([`BackwardPlan`]): every check that does not need the
+/// tensors (what [`supports_backward`] refuses, the dtypes of [`crate::BACKWARD_DTYPES`], the
+/// options) happens here, once; [`run_backward`] then checks the tensors' lengths and dtypes.
+pub fn plan_backward<'a>(
+    problem: &Problem<'a>,
+    dtypes: BackwardDTypes,
+    opts: &BackwardOptions,
+) -> Result<BackwardPlan<'a>, ProblemError> {
+    plan_backward_on(problem, dtypes, opts, AmxTiles::Hardware)
+}
+
+/// [`plan_backward`] with the AMX tiles chosen (tests: `Emulated`).
+pub(crate) fn plan_backward_on<'a>(
+    problem: &Problem<'a>,
+    dtypes: BackwardDTypes,
+    opts: &BackwardOptions,
+    amx_tiles: AmxTiles,
+) -> Result<BackwardPlan<'a>, ProblemError> {
     supports_backward(problem)?;
+    let BackwardDTypes {
+        inputs,
+        outputs,
+        grads,
+    } = dtypes;
+    if (outputs != inputs && outputs != DType::F32) || (grads != inputs && grads != DType::F32) {
+        return Err(crate::BACKWARD_DTYPES);
+    }
+    let (isa, threads) = check_level_and_threads(opts.simd, opts.threads)?;
+    let tasks = backward_tasks(problem);
+    // More workers than tasks would only hold scratch.
+    let workers = threads
+        .unwrap_or_else(|| rayon::current_num_threads().max(1))
+        .min(tasks.len().max(1));
+    // The AMX kernel: bf16 or f16 Q, K and V (any O/dO and gradient type) on the AMX level,
+    // or on emulated tiles in tests. Everything else runs the SIMD kernel of the level.
+    let amx = match amx_tiles {
+        AmxTiles::Hardware if isa.level() != SimdLevel::Amx => None,
+        _ => HalfKind::of(inputs),
+    };
+    let kernel = match amx {
+        Some(kind) => BwdKernel::Amx(AmxBwdLens::new(problem, kind)),
+        None => BwdKernel::Simd(BwdLens::new(problem, isa.level())),
+    };
+    Ok(BackwardPlan {
+        problem: *problem,
+        dtypes,
+        isa,
+        threads,
+        workers,
+        amx_tiles,
+        tasks,
+        kernel,
+    })
+}
+
+impl BackwardWorkspace {
+    /// Reserves what `plan`'s run needs ([`BackwardPlan::workspace`]): its worker pool (when
+    /// the plan's options set a thread count) and every worker's scratch. [`run_backward`]
+    /// does it too; calling it first makes the run allocate nothing. Errors: `OutOfMemory`,
+    /// or `Unsupported` when the worker threads cannot start.
+    pub fn reserve(&mut self, plan: &BackwardPlan<'_>) -> Result<(), ProblemError> {
+        ensure_pool(&mut self.pool, plan.threads)?;
+        match plan.kernel {
+            BwdKernel::Amx(lens) => reserve_slots(
+                &mut self.amx_slots,
+                plan.workers,
+                |s: &mut AmxBwdScratch| s.try_ensure(&lens),
+                |what| ProblemError::OutOfMemory {
+                    what,
+                    bytes: lens.bytes(),
+                },
+            ),
+            BwdKernel::Simd(lens) => reserve_slots(
+                &mut self.slots,
+                plan.workers,
+                |s: &mut BwdScratch| s.try_ensure(&lens),
+                |what| ProblemError::OutOfMemory {
+                    what,
+                    bytes: lens.bytes(),
+                },
+            ),
+        }
+    }
+}
+
+/// The plan's dtypes do not match the tensors'.
+const PLAN_DTYPES: ProblemError = ProblemError::Unsupported {
+    what: "the tensors' dtypes are not the ones the backward plan was made for",
+};
+
+/// Runs a plan ([`plan_backward`]) on tensors of its problem's sizes and its dtypes, with the
+/// caller's workspace (reserved here to [`BackwardPlan::workspace`], a no-op once it is large
+/// enough). Errors, checked before anything is written (the gradients are then untouched):
+/// dtypes other than the plan's; a buffer too short for the problem (`BufferTooSmall` names
+/// Q/K/V for both an input and its gradient, O for both O and dO, Lse for the LSE); scratch
+/// that cannot be allocated.
+pub fn run_backward<T: Element, O: Element, G: Element>(
+    plan: &BackwardPlan<'_>,
+    qkv: Qkv<&[T]>,
+    inputs: BackwardInputs<'_, O>,
+    grads: HostGrads<'_, G>,
+    ws: &mut BackwardWorkspace,
+) -> Result<BackwardStats, ProblemError> {
+    let dtypes = BackwardDTypes {
+        inputs: T::DTYPE,
+        outputs: O::DTYPE,
+        grads: G::DTYPE,
+    };
+    if dtypes != plan.dtypes {
+        return Err(PLAN_DTYPES);
+    }
+    let problem = &plan.problem;
     problem.check_buffers(BufferLens {
         q: qkv.q.len(),
         k: qkv.k.len(),
@@ -259,44 +432,13 @@ pub(crate) fn backward_on<T: Element, O: Element, G: Element>(
     check_len(Tensor::Q, grads.dq.len(), lens.q)?;
     check_len(Tensor::K, grads.dk.len(), lens.k)?;
     check_len(Tensor::V, grads.dv.len(), lens.v)?;
-    let (isa, threads) = check_level_and_threads(opts.simd, opts.threads)?;
-    ensure_pool(&mut ws.pool, threads)?;
-    let task_list = backward_tasks(problem);
-    // More workers than tasks would only hold scratch.
-    let workers = threads
-        .unwrap_or_else(|| rayon::current_num_threads().max(1))
-        .min(task_list.len().max(1));
-    // The AMX kernel: bf16 or f16 Q, K and V (any O/dO and gradient type) on the AMX level,
-    // or on emulated tiles in tests. Everything else runs the SIMD kernel of the level.
-    let amx_inputs = match amx_tiles {
-        AmxTiles::Hardware if isa.level() != SimdLevel::Amx => None,
-        _ => AmxInputs::of(qkv.q, qkv.k, qkv.v),
+    ws.reserve(plan)?;
+    let (isa, threads, workers, amx_tiles) = (plan.isa, plan.threads, plan.workers, plan.amx_tiles);
+    let task_list = &plan.tasks[..];
+    let amx_inputs = match plan.kernel {
+        BwdKernel::Amx(_) => AmxInputs::of(qkv.q, qkv.k, qkv.v),
+        BwdKernel::Simd(_) => None,
     };
-    if let Some(inputs) = amx_inputs {
-        let lens = AmxBwdLens::new(problem, inputs.kind);
-        ensure_slots(
-            &mut ws.amx_slots,
-            workers,
-            &lens,
-            AmxBwdScratch::try_ensure,
-            || ProblemError::OutOfMemory {
-                what: "backward scratch (AMX)",
-                bytes: lens.bytes(),
-            },
-        )?;
-    } else {
-        let lens = BwdLens::new(problem, isa.level());
-        ensure_slots(
-            &mut ws.slots,
-            workers,
-            &lens,
-            BwdScratch::try_ensure,
-            || ProblemError::OutOfMemory {
-                what: "backward scratch",
-                bytes: lens.bytes(),
-            },
-        )?;
-    }
 
     let Grads { dq, dk, dv } = grads;
     let ctx = BwdCtx {
@@ -324,7 +466,7 @@ pub(crate) fn backward_on<T: Element, O: Element, G: Element>(
                 Ok(g) => g,
                 Err(poisoned) => poisoned.into_inner(),
             };
-            match run_amx_tasks(isa, amx_tiles, &ctx, amx, &task_list, &next, &mut guard) {
+            match run_amx_tasks(isa, amx_tiles, &ctx, amx, task_list, &next, &mut guard) {
                 Some(stats) => mine = stats,
                 None => tiles_lost.store(true, Ordering::Relaxed),
             }
@@ -353,14 +495,7 @@ pub(crate) fn backward_on<T: Element, O: Element, G: Element>(
         *t = t.add(mine);
     };
     // The calling thread is worker 0 (as in the forward).
-    match (
-        threads,
-        ws.pool.as_ref().and_then(|(_, pool)| pool.as_ref()),
-    ) {
-        (Some(_), Some(pool)) => pool.in_place_scope(|s| run_workers(s, workers, &work)),
-        (Some(_), None) => work(0),
-        (None, _) => rayon::in_place_scope(|s| run_workers(s, workers, &work)),
-    }
+    on_workers(&ws.pool, threads, workers, &work);
     if tiles_lost.into_inner() {
         return Err(ProblemError::Unsupported {
             what: "the AMX tiles could not be configured on a worker thread",
@@ -374,14 +509,6 @@ pub(crate) fn backward_on<T: Element, O: Element, G: Element>(
         tiles_computed: stats.computed,
         tiles_skipped: stats.skipped,
     })
-}
-
-/// Runs `work(0)` on the calling thread and `work(1..workers)` as jobs of the scope's pool.
-fn run_workers<'s, F: Fn(usize) + Sync>(scope: &rayon::Scope<'s>, workers: usize, work: &'s F) {
-    for slot in 1..workers {
-        scope.spawn(move |_| work(slot));
-    }
-    work(0);
 }
 
 /// Runs tasks from the shared counter `next` on AMX tiles (configured here, once, on the

@@ -6,6 +6,8 @@
 pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
     /// The dtype's name (`"f32"`, `"bf16"`, `"f16"`).
     const NAME: &'static str;
+    /// The dtype as `softmax-core` names it.
+    const DTYPE: softmax_core::DType;
     /// Widens to f32 (exact).
     fn to_f32(self) -> f32;
     /// Rounds from f32 to nearest even.
@@ -66,6 +68,7 @@ pub(crate) mod sealed {
 
 impl Element for f32 {
     const NAME: &'static str = "f32";
+    const DTYPE: softmax_core::DType = softmax_core::DType::F32;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -78,6 +81,7 @@ impl Element for f32 {
 
 impl Element for half::bf16 {
     const NAME: &'static str = "bf16";
+    const DTYPE: softmax_core::DType = softmax_core::DType::Bf16;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits((self.to_bits() as u32) << 16)
@@ -90,6 +94,7 @@ impl Element for half::bf16 {
 
 impl Element for half::f16 {
     const NAME: &'static str = "f16";
+    const DTYPE: softmax_core::DType = softmax_core::DType::F16;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         half::f16::to_f32(self)

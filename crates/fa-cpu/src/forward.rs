@@ -3,10 +3,11 @@
 use crate::arch::amx::Tiles;
 use crate::arch::SimdLevel;
 use crate::dispatch::{dispatch, Isa, SimdTask};
-use crate::kernel::amx_task::{AmxInputs, AMX_TASK_ROWS};
+use crate::kernel::amx_task::{AmxInputs, HalfKind, AMX_TASK_ROWS};
 use crate::kernel::decode_stream::{self, QkDots, StreamLens, StreamTask};
 use crate::kernel::decode_task::{self, DecodeTask, Partials};
 use crate::kernel::scratch::ensure;
+use crate::kernel::tiling::Task;
 use crate::kernel::{self, Ctx, ForwardTask, Scratch, ScratchLens, SharedOut, TaskStats, Tiling};
 use crate::{Element, ForwardOptions, ForwardStats, HostOut};
 use softmax_core::{BufferLens, DType, Out, Problem, ProblemError, Qkv, RowState};
@@ -59,6 +60,25 @@ impl Workspace {
             .sum()
     }
 
+    /// Reserves what `plan`'s run needs ([`ForwardPlan::workspace`]): its worker pool (when
+    /// the plan's options set a thread count) and every worker's scratch. [`run_forward`] does
+    /// it too; calling it first makes the run allocate nothing (a no-op once the workspace is
+    /// large enough). Errors: `OutOfMemory` for the scratch, `Unsupported` when the worker
+    /// threads cannot start.
+    pub fn reserve(&mut self, plan: &ForwardPlan<'_>) -> Result<(), ProblemError> {
+        ensure_pool(&mut self.pool, plan.threads)?;
+        let req = plan.workspace();
+        let tiling = plan.tiling;
+        self.ensure_slots(plan.workers, req.bytes_per_worker, |scratch| {
+            match &plan.work {
+                Work::Stream { lens, .. } => scratch.try_reserve_stream(*lens),
+                Work::Tiles { lens, .. } | Work::Splits { lens, .. } => {
+                    scratch.try_reserve(&tiling, *lens)
+                }
+            }
+        })
+    }
+
     /// Makes `n` scratch slots, each reserved by `reserve` (`bytes`: what one asks, for the
     /// error): allocation failures are typed errors here, and the tasks then run without
     /// allocating.
@@ -68,21 +88,48 @@ impl Workspace {
         bytes: usize,
         reserve: impl Fn(&mut Scratch) -> Result<(), std::collections::TryReserveError>,
     ) -> Result<(), ProblemError> {
-        let oom = |what| ProblemError::OutOfMemory { what, bytes };
-        self.slots
-            .try_reserve(n.saturating_sub(self.slots.len()))
-            .map_err(|_| oom("the scratch slots"))?;
-        while self.slots.len() < n {
-            self.slots.push(Mutex::new(Scratch::default()));
-        }
-        for slot in &mut self.slots[..n] {
-            let scratch = match slot.get_mut() {
-                Ok(s) => s,
-                Err(poisoned) => poisoned.into_inner(),
-            };
-            reserve(scratch).map_err(|_| oom("per-thread scratch"))?;
-        }
-        Ok(())
+        reserve_slots(&mut self.slots, n, reserve, |what| {
+            ProblemError::OutOfMemory { what, bytes }
+        })
+    }
+}
+
+/// Makes sure the first `n` of `slots` exist and each is reserved by `reserve`, failing with
+/// `oom(what)` instead of aborting (the forward's and the backward's worker scratch).
+pub(crate) fn reserve_slots<S: Default>(
+    slots: &mut Vec<Mutex<S>>,
+    n: usize,
+    reserve: impl Fn(&mut S) -> Result<(), std::collections::TryReserveError>,
+    oom: impl Fn(&'static str) -> ProblemError,
+) -> Result<(), ProblemError> {
+    slots
+        .try_reserve(n.saturating_sub(slots.len()))
+        .map_err(|_| oom("the scratch slots"))?;
+    while slots.len() < n {
+        slots.push(Mutex::new(S::default()));
+    }
+    for slot in &mut slots[..n] {
+        let scratch = match slot.get_mut() {
+            Ok(s) => s,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        reserve(scratch).map_err(|_| oom("per-thread scratch"))?;
+    }
+    Ok(())
+}
+
+/// Runs `work(slot)` for `slot < workers`: `work(0)` on the calling thread, the others as jobs
+/// of the workspace's pool (`threads` set) or of rayon's global pool (`threads: None`).
+pub(crate) fn on_workers<F: Fn(usize) + Sync>(
+    pool: &Option<(usize, Option<rayon::ThreadPool>)>,
+    threads: Option<usize>,
+    workers: usize,
+    work: &F,
+) {
+    match (threads, pool.as_ref().and_then(|(_, pool)| pool.as_ref())) {
+        (Some(_), Some(pool)) => pool.in_place_scope(|s| run_workers(s, workers, work)),
+        (Some(_), None) => work(0),
+        (None, _) => rayon::in_place_scope(|s| run_workers(s, workers, work)),
     }
 }
 
@@ -159,7 +206,8 @@ pub(crate) fn ensure_pool(
     Ok(())
 }
 
-/// [`crate::forward`] with caller-owned scratch and pool (reused across calls).
+/// [`crate::forward`] with caller-owned scratch and pool (reused across calls): a plan
+/// ([`plan_forward`]) run once ([`run_forward`]).
 pub fn forward_with_workspace<T: Element, O: Element>(
     problem: &Problem,
     qkv: Qkv<&[T]>,
@@ -194,7 +242,7 @@ pub(crate) fn forward_on<T: Element, O: Element>(
 }
 
 /// [`forward_on`] with the decode's SIMD `Q·Kᵀ` chosen (`qk_dots`; `None`: the options'
-/// choice, see `forward_stream`). Tests force `QkDots::Bf16Pairs` (emulated on any CPU).
+/// choice, see [`plan_forward`]). Tests force `QkDots::Bf16Pairs` (emulated on any CPU).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_on_with<T: Element, O: Element>(
     problem: &Problem,
@@ -205,58 +253,323 @@ pub(crate) fn forward_on_with<T: Element, O: Element>(
     amx_tiles: AmxTiles,
     qk_dots: Option<QkDots>,
 ) -> Result<ForwardStats, ProblemError> {
+    let plan = plan_on(problem, T::DTYPE, O::DTYPE, opts, amx_tiles, qk_dots)?;
+    run_forward(&plan, qkv, out, ws)
+}
+
+/// What one forward call does, decided once from the validated problem, the dtypes and the
+/// options ([`plan_forward`]): the SIMD level and the workers, the variant (whole sequences on
+/// the SIMD kernel or on AMX tiles, split-KV over the tiles, or the streaming decode loop)
+/// with its work list, and the scratch it needs ([`ForwardPlan::workspace`]).
+///
+/// [`run_forward`] executes a plan on any tensors of the problem's sizes and the plan's
+/// dtypes, as often as wanted: every layer of a decode step can run the step's one plan.
+/// Planning is the part of a call that decides and allocates the work list; a run only
+/// computes (after reserving its workspace, a no-op once the workspace is large enough).
+#[derive(Clone)]
+pub struct ForwardPlan<'a> {
+    problem: Problem<'a>,
+    opts: ForwardOptions<'a>,
+    inputs: DType,
+    output: DType,
+    isa: Isa,
+    threads: Option<usize>,
+    workers: usize,
+    tiling: Tiling,
+    amx_tiles: AmxTiles,
+    work: Work,
+}
+
+/// A plan's variant and its work list.
+#[derive(Clone, Debug)]
+enum Work {
+    /// Whole sequences: the tasks on the SIMD kernel, or on AMX tiles for inputs of `amx`'s
+    /// kind.
+    Tiles {
+        tasks: Vec<Task>,
+        amx: Option<HalfKind>,
+        lens: ScratchLens,
+    },
+    /// Split-KV over the tiled kernel's tasks, then the combines.
+    Splits {
+        plan: decode_task::Plan,
+        lens: ScratchLens,
+    },
+    /// Split-KV through the streaming decode loop (few query rows per KV head).
+    Stream {
+        plan: decode_stream::Plan,
+        lens: StreamLens,
+        amx: bool,
+        qk: QkDots,
+    },
+}
+
+/// Memory a plan's run needs besides the tensors ([`ForwardPlan::workspace`]). A
+/// [`Workspace`] reserves it before any task starts, so running out of memory is a typed
+/// error and the tasks allocate nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkspaceReq {
+    /// Workers of the run (one scratch slot each).
+    pub workers: usize,
+    /// Scratch bytes of one worker.
+    pub bytes_per_worker: usize,
+    /// Bytes of split-KV partial rows (unnormalised O rows and their softmax states), shared
+    /// by the workers; 0 without splits.
+    pub partial_bytes: usize,
+}
+
+impl WorkspaceReq {
+    /// All the bytes: the workers' scratch and the partial rows (saturating).
+    pub fn bytes(&self) -> usize {
+        self.workers
+            .saturating_mul(self.bytes_per_worker)
+            .saturating_add(self.partial_bytes)
+    }
+}
+
+impl std::fmt::Debug for ForwardPlan<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForwardPlan")
+            .field("variant", &self.variant())
+            .field("inputs", &self.inputs)
+            .field("output", &self.output)
+            .field("simd", &self.isa.level())
+            .field("workers", &self.workers)
+            .field("work_items", &self.work_items())
+            .field("kv_splits", &self.kv_splits())
+            .field("workspace", &self.workspace())
+            .finish()
+    }
+}
+
+impl<'a> ForwardPlan<'a> {
+    /// The validated problem the plan runs.
+    pub fn problem(&self) -> &Problem<'a> {
+        &self.problem
+    }
+
+    /// The SIMD level the run uses (resolved: never `Auto`).
+    pub fn simd(&self) -> SimdLevel {
+        self.isa.level()
+    }
+
+    /// The variant: `"tiles"` (the SIMD kernel), `"amx"` (both products on AMX tiles),
+    /// `"split-kv"` (split-KV over the tiled kernel) or `"stream"` (the decode loop; `"stream
+    /// amx"` with its `Q·Kᵀ` on AMX tiles).
+    pub fn variant(&self) -> &'static str {
+        match &self.work {
+            Work::Tiles { amx: None, .. } => "tiles",
+            Work::Tiles { amx: Some(_), .. } => "amx",
+            Work::Splits { .. } => "split-kv",
+            Work::Stream { amx: false, .. } => "stream",
+            Work::Stream { amx: true, .. } => "stream amx",
+        }
+    }
+
+    /// Work items of the (first) parallel phase.
+    pub fn work_items(&self) -> usize {
+        match &self.work {
+            Work::Tiles { tasks, .. } => tasks.len(),
+            Work::Splits { plan, .. } => plan.items.len(),
+            Work::Stream { plan, .. } => plan.items.len(),
+        }
+    }
+
+    /// The largest number of splits of any task's keys (1 without split-KV).
+    pub fn kv_splits(&self) -> usize {
+        match &self.work {
+            Work::Tiles { .. } => 1,
+            Work::Splits { plan, .. } => plan.max_splits,
+            Work::Stream { plan, .. } => plan.max_splits,
+        }
+    }
+
+    /// The memory a run needs besides the tensors.
+    pub fn workspace(&self) -> WorkspaceReq {
+        let (bytes_per_worker, partial_rows) = match &self.work {
+            Work::Tiles { lens, .. } => (scratch_bytes_per_thread_for(&self.tiling, *lens), 0),
+            Work::Splits { plan, lens } => (
+                scratch_bytes_per_thread_for(&self.tiling, *lens),
+                plan.partial_rows,
+            ),
+            Work::Stream { plan, lens, .. } => (lens.bytes(), plan.partial_rows),
+        };
+        let partial_row_bytes =
+            4 * self.problem.head_dim_v() + std::mem::size_of::<RowState<f32>>();
+        WorkspaceReq {
+            workers: self.workers,
+            bytes_per_worker,
+            partial_bytes: partial_rows.saturating_mul(partial_row_bytes),
+        }
+    }
+}
+
+/// The plan of a forward call ([`ForwardPlan`]) on inputs Q, K, V of dtype `inputs` and an
+/// output of dtype `output` (`inputs` or f32): every check that does not need the tensors
+/// themselves (the options, the SIMD level, the dtypes) happens here, once; [`run_forward`]
+/// then checks only the tensors' lengths and dtypes.
+pub fn plan_forward<'a>(
+    problem: &Problem<'a>,
+    inputs: DType,
+    output: DType,
+    opts: &ForwardOptions<'a>,
+) -> Result<ForwardPlan<'a>, ProblemError> {
+    plan_on(problem, inputs, output, opts, AmxTiles::Hardware, None)
+}
+
+/// [`plan_forward`] with the AMX tiles and the decode's SIMD `Q·Kᵀ` chosen (tests).
+pub(crate) fn plan_on<'a>(
+    problem: &Problem<'a>,
+    inputs: DType,
+    output: DType,
+    opts: &ForwardOptions<'a>,
+    amx_tiles: AmxTiles,
+    qk_dots: Option<QkDots>,
+) -> Result<ForwardPlan<'a>, ProblemError> {
     supports(problem)?;
-    problem.check_buffers(BufferLens::of(&qkv, &out))?;
+    if output != inputs && output != DType::F32 {
+        return Err(crate::FORWARD_DTYPES);
+    }
     // P stays f32 here (a probability hook may narrow it, and checks its own range).
     opts.rescale.check(DType::F32.max_finite(), 0.0)?;
-    let Qkv { q, k, v } = qkv;
-    let Out { o: out, lse } = out;
     let (isa, threads) = check_level_and_threads(opts.simd, opts.threads)?;
     if opts.kv_splits == Some(0) {
         return Err(ProblemError::ZeroDim { what: "kv_splits" });
     }
+    let workers = threads.unwrap_or_else(|| rayon::current_num_threads().max(1));
+    let hook = opts.probability_hook.is_some();
     // KV caches always take the split-KV path (the split rule gives one split where the
     // tasks alone fill the machine); other problems only when splits are asked for.
     let decode = problem.has_kv_cache() || opts.kv_splits.is_some();
     let tiling = Tiling::for_level(isa.level());
-    // The AMX kernel: bf16 or f16 inputs (f16 split exactly into two bf16 each: `HalfKind`),
-    // the whole-sequence forward (not split-KV), no hook (it would see P before the rounding
-    // to bf16 that the tiles need).
-    let amx_inputs = match amx_tiles {
-        AmxTiles::Hardware if isa.level() != SimdLevel::Amx => None,
-        _ if decode || opts.probability_hook.is_some() => None,
-        _ => AmxInputs::of(q, k, v),
-    };
-    // AMX tasks may be larger than the SIMD path's (`Tiling::amx_rows_for`: the 2.5 MiB
-    // rule of `rows_for` under a mask or at head dims up to 128, else 8 MiB): each task packs
-    // every K/V tile it reads, and at 1008 rows a 2048-token head took three tasks, so three
-    // packings.
-    let task_tiling = if amx_inputs.is_some() {
-        Tiling {
-            rows: AMX_TASK_ROWS,
-            ..tiling
+    let work = if decode && decode_stream::applies(problem, hook) {
+        plan_stream(
+            problem, inputs, output, opts, isa, &tiling, amx_tiles, qk_dots,
+        )?
+    } else {
+        // The AMX kernel: bf16 or f16 inputs (f16 split exactly into two bf16 each:
+        // `HalfKind`), the whole-sequence forward (not split-KV), no hook (it would see P
+        // before the rounding to bf16 that the tiles need).
+        let amx = match amx_tiles {
+            AmxTiles::Hardware if isa.level() != SimdLevel::Amx => None,
+            _ if decode || hook => None,
+            _ => HalfKind::of(inputs),
+        };
+        // AMX tasks may be larger than the SIMD path's (`Tiling::amx_rows_for`: the 2.5 MiB
+        // rule of `rows_for` under a mask or at head dims up to 128, else 8 MiB): each task
+        // packs every K/V tile it reads, and at 1008 rows a 2048-token head took three
+        // tasks, so three packings.
+        let tasks = if amx.is_some() {
+            let task_tiling = Tiling {
+                rows: AMX_TASK_ROWS,
+                ..tiling
+            };
+            let rows = task_tiling.amx_rows_for(
+                problem.head_dim(),
+                problem.head_dim_v(),
+                !problem.mask().is_none(),
+            );
+            kernel::tasks_of_rows(problem, &task_tiling, rows)?
+        } else {
+            kernel::tasks(problem, &tiling)?
+        };
+        let lens = ScratchLens {
+            max_rows: tasks.iter().map(|t| t.heads * t.len).max().unwrap_or(0),
+            head_dim: problem.head_dim(),
+            head_dim_v: problem.head_dim_v(),
+            masked: !problem.mask().is_none(),
+            hook,
+            amx,
+        };
+        if decode {
+            // Every split of every task, then the combines (which read what the splits
+            // wrote, so the two phases run one after the other).
+            let plan = decode_task::plan(problem, &tiling, &tasks, opts.kv_splits)?;
+            Work::Splits { plan, lens }
+        } else {
+            Work::Tiles { tasks, amx, lens }
         }
-    } else {
-        tiling
     };
-    let task_list = if amx_inputs.is_some() {
-        let rows = task_tiling.amx_rows_for(
-            problem.head_dim(),
-            problem.head_dim_v(),
-            !problem.mask().is_none(),
-        );
-        kernel::tasks_of_rows(problem, &task_tiling, rows)?
-    } else {
-        kernel::tasks(problem, &task_tiling)?
+    Ok(ForwardPlan {
+        problem: *problem,
+        opts: *opts,
+        inputs,
+        output,
+        isa,
+        threads,
+        workers,
+        tiling,
+        amx_tiles,
+        work,
+    })
+}
+
+/// The streaming decode's plan: its items and combines, and which `Q·Kᵀ` runs.
+#[allow(clippy::too_many_arguments)]
+fn plan_stream(
+    problem: &Problem,
+    inputs: DType,
+    output: DType,
+    opts: &ForwardOptions,
+    isa: Isa,
+    tiling: &Tiling,
+    amx_tiles: AmxTiles,
+    qk_dots: Option<QkDots>,
+) -> Result<Work, ProblemError> {
+    let lanes = tiling.lanes;
+    // bf16 `Q·Kᵀ` on AMX tiles (`decode_stream::amx_applies`): at the Amx level on hardware
+    // tiles, or (tests) on the emulation at any level.
+    let amx = decode_stream::amx_applies(problem, inputs)
+        && match amx_tiles {
+            AmxTiles::Hardware => isa.level() == SimdLevel::Amx,
+            #[cfg(feature = "internal-tests")]
+            AmxTiles::Emulated => true,
+        };
+    // The SIMD `Q·Kᵀ` of bf16 inputs off the tiles: `vdpbf16ps` where the options ask for
+    // it (`DecodeOptions::bf16_dots`) at the AVX-512 levels, else widened to f32. A native
+    // product needs the CPU's instruction and its trampoline, forced or not.
+    let native_bf16 = matches!(isa.level(), SimdLevel::Avx512f | SimdLevel::Amx)
+        && crate::arch::has_avx512_bf16();
+    let bf16 = inputs == DType::Bf16;
+    let qk = match qk_dots {
+        Some(QkDots::Bf16Pairs { native: true }) if !native_bf16 => QkDots::F32,
+        Some(forced) => forced,
+        None if bf16 && native_bf16 && opts.decode.bf16_dots => QkDots::Bf16Pairs { native: true },
+        None => QkDots::F32,
     };
-    let lens = ScratchLens {
-        max_rows: task_list.iter().map(|t| t.heads * t.len).max().unwrap_or(0),
-        head_dim: problem.head_dim(),
-        head_dim_v: problem.head_dim_v(),
-        masked: !problem.mask().is_none(),
-        hook: opts.probability_hook.is_some(),
-        amx: amx_inputs.map(|i| i.kind),
-    };
+    let plan = decode_stream::plan(problem, lanes, inputs.size(), opts.kv_splits)?;
+    let lens = StreamLens::of(problem, &plan, lanes, output, amx, opts.decode.amx_pv);
+    Ok(Work::Stream {
+        plan,
+        lens,
+        amx,
+        qk,
+    })
+}
+
+/// The plan's dtypes do not match the tensors'.
+const PLAN_DTYPES: ProblemError = ProblemError::Unsupported {
+    what: "the tensors' dtypes are not the ones the forward plan was made for",
+};
+
+/// Runs a plan ([`plan_forward`]) on tensors of its problem's sizes and its dtypes, with the
+/// caller's workspace (reserved here to [`ForwardPlan::workspace`], a no-op once it is large
+/// enough). Checks the tensors' lengths against the problem and their dtypes against the
+/// plan first; on error nothing is written.
+pub fn run_forward<T: Element, O: Element>(
+    plan: &ForwardPlan<'_>,
+    qkv: Qkv<&[T]>,
+    out: HostOut<'_, O>,
+    ws: &mut Workspace,
+) -> Result<ForwardStats, ProblemError> {
+    if T::DTYPE != plan.inputs || O::DTYPE != plan.output {
+        return Err(PLAN_DTYPES);
+    }
+    let problem = &plan.problem;
+    problem.check_buffers(BufferLens::of(&qkv, &out))?;
+    let Qkv { q, k, v } = qkv;
+    let Out { o: out, lse } = out;
+    let opts = &plan.opts;
     let ctx = Ctx {
         problem,
         q,
@@ -268,84 +581,90 @@ pub(crate) fn forward_on_with<T: Element, O: Element>(
         exp2: opts.exp2,
         decode: opts.decode,
         hook: opts.probability_hook,
-        tiling,
+        tiling: plan.tiling,
     };
-
-    ensure_pool(&mut ws.pool, threads)?;
-    let workers = threads.unwrap_or_else(|| rayon::current_num_threads().max(1));
-
-    if decode && decode_stream::applies(problem, opts.probability_hook.is_some()) {
-        return forward_stream(&ctx, opts, ws, threads, workers, isa, amx_tiles, qk_dots);
-    }
-    ws.ensure_slots(
-        workers,
-        scratch_bytes_per_thread_for(&tiling, lens),
-        |scratch| scratch.try_reserve(&tiling, lens),
-    )?;
-
-    if !decode {
-        let stats = run_items(ws, threads, workers, task_list.len(), |scratch, i| {
-            let task = &task_list[i];
-            if let Some(inputs) = amx_inputs {
-                let work = ForwardOnTiles {
-                    ctx: &ctx,
-                    inputs,
-                    task,
-                    scratch: &mut *scratch,
-                };
-                if let Some(stats) = run_on_tiles(isa, amx_tiles, work) {
-                    return stats;
+    ws.reserve(plan)?;
+    let (isa, threads, workers) = (plan.isa, plan.threads, plan.workers);
+    match &plan.work {
+        Work::Tiles { tasks, amx, .. } => {
+            let amx_inputs = amx.and_then(|_| AmxInputs::of(q, k, v));
+            let stats = run_items(ws, threads, workers, tasks.len(), |scratch, i| {
+                let task = &tasks[i];
+                if let Some(inputs) = amx_inputs {
+                    let work = ForwardOnTiles {
+                        ctx: &ctx,
+                        inputs,
+                        task,
+                        scratch: &mut *scratch,
+                    };
+                    if let Some(stats) = run_on_tiles(isa, plan.amx_tiles, work) {
+                        return stats;
+                    }
                 }
-            }
-            dispatch(
-                isa,
-                ForwardTask {
-                    ctx: &ctx,
-                    task,
-                    scratch,
+                dispatch(
+                    isa,
+                    ForwardTask {
+                        ctx: &ctx,
+                        task,
+                        scratch,
+                    },
+                )
+            });
+            Ok(ForwardStats {
+                rescale: stats.rescale,
+                tiles_computed: stats.computed,
+                tiles_skipped: stats.skipped,
+                kv_splits: 1,
+            })
+        }
+        Work::Splits { plan: splits, .. } => {
+            let stats = run_split_kv(
+                ws,
+                threads,
+                workers,
+                splits.partial_rows,
+                problem.head_dim_v(),
+                splits.items.len(),
+                |scratch, i, partials| {
+                    dispatch(
+                        isa,
+                        DecodeTask {
+                            ctx: &ctx,
+                            split: &splits.items[i],
+                            partials,
+                            scratch,
+                        },
+                    )
                 },
-            )
-        });
-        return Ok(ForwardStats {
-            rescale: stats.rescale,
-            tiles_computed: stats.computed,
-            tiles_skipped: stats.skipped,
-            kv_splits: 1,
-        });
+                splits.combines.len(),
+                |i, acc, states, acc_row| {
+                    decode_task::combine(&ctx, &splits.combines[i], acc, states, acc_row)
+                },
+            )?;
+            Ok(ForwardStats {
+                rescale: stats.rescale,
+                tiles_computed: stats.computed,
+                tiles_skipped: stats.skipped,
+                kv_splits: splits.max_splits,
+            })
+        }
+        Work::Stream {
+            plan: stream,
+            amx,
+            qk,
+            ..
+        } => forward_stream(
+            &ctx,
+            ws,
+            threads,
+            workers,
+            isa,
+            plan.amx_tiles,
+            stream,
+            *amx,
+            *qk,
+        ),
     }
-
-    // Split-KV: every split of every task, then the combines (which read what the splits
-    // wrote, so the two phases run one after the other).
-    let plan = decode_task::plan(problem, &tiling, &task_list, opts.kv_splits)?;
-    let stats = run_split_kv(
-        ws,
-        threads,
-        workers,
-        plan.partial_rows,
-        problem.head_dim_v(),
-        plan.items.len(),
-        |scratch, i, partials| {
-            dispatch(
-                isa,
-                DecodeTask {
-                    ctx: &ctx,
-                    split: &plan.items[i],
-                    partials,
-                    scratch,
-                },
-            )
-        },
-        plan.combines.len(),
-        |i, acc, states, acc_row| {
-            decode_task::combine(&ctx, &plan.combines[i], acc, states, acc_row)
-        },
-    )?;
-    Ok(ForwardStats {
-        rescale: stats.rescale,
-        tiles_computed: stats.computed,
-        tiles_skipped: stats.skipped,
-        kv_splits: plan.max_splits,
-    })
 }
 
 /// Split-KV's two phases, for the tiled splits and the streaming kernel alike: `split(scratch,
@@ -477,50 +796,25 @@ impl<'t, 'a, T: Element, O: Element> WithTiles for StreamOnTiles<'t, 'a, T, O> {
 }
 
 /// Split-KV decode through the streaming kernel (`kernel::decode_stream`): every split of
-/// every run of KV heads, then the combines.
+/// every run of KV heads, then the combines (the workers' scratch already reserved).
 #[allow(clippy::too_many_arguments)]
 fn forward_stream<T: Element, O: Element>(
     ctx: &Ctx<'_, T, O>,
-    opts: &ForwardOptions,
     ws: &mut Workspace,
     threads: Option<usize>,
     workers: usize,
     isa: Isa,
     amx_tiles: AmxTiles,
-    qk_dots: Option<QkDots>,
+    plan: &decode_stream::Plan,
+    amx: bool,
+    qk: QkDots,
 ) -> Result<ForwardStats, ProblemError> {
-    let problem = ctx.problem;
-    let lanes = ctx.tiling.lanes;
-    // bf16 `Q·Kᵀ` on AMX tiles (`decode_stream::amx_applies`): at the Amx level on hardware
-    // tiles, or (tests) on the emulation at any level.
-    let amx = decode_stream::amx_applies::<T>(problem)
-        && match amx_tiles {
-            AmxTiles::Hardware => isa.level() == SimdLevel::Amx,
-            #[cfg(feature = "internal-tests")]
-            AmxTiles::Emulated => true,
-        };
-    // The SIMD `Q·Kᵀ` of bf16 inputs off the tiles: `vdpbf16ps` where the options ask for
-    // it (`DecodeOptions::bf16_dots`) at the AVX-512 levels, else widened to f32. A native
-    // product needs the CPU's instruction and its trampoline, forced or not.
-    let native_bf16 = matches!(isa.level(), SimdLevel::Avx512f | SimdLevel::Amx)
-        && crate::arch::has_avx512_bf16();
-    let bf16 = T::KIND == crate::element::sealed::Kind::Bf16;
-    let qk = match qk_dots {
-        Some(QkDots::Bf16Pairs { native: true }) if !native_bf16 => QkDots::F32,
-        Some(forced) => forced,
-        None if bf16 && native_bf16 && opts.decode.bf16_dots => QkDots::Bf16Pairs { native: true },
-        None => QkDots::F32,
-    };
-    let plan = decode_stream::plan(problem, lanes, std::mem::size_of::<T>(), opts.kv_splits)?;
-    let lens = StreamLens::of::<O>(problem, &plan, lanes, amx, opts.decode.amx_pv);
-    let bytes = lens.bytes();
-    ws.ensure_slots(workers, bytes, |scratch| scratch.try_reserve_stream(lens))?;
     let stats = run_split_kv(
         ws,
         threads,
         workers,
         plan.partial_rows,
-        problem.head_dim_v(),
+        ctx.problem.head_dim_v(),
         plan.items.len(),
         |scratch, i, partials| {
             let item = &plan.items[i];
@@ -608,14 +902,7 @@ where
     // blocked and all workers woken, two of them could share a core while another sat idle,
     // which doubled the time of some short calls on the 2-core Xeon.
     let workers = workers.min(n.max(1));
-    match (
-        threads,
-        ws.pool.as_ref().and_then(|(_, pool)| pool.as_ref()),
-    ) {
-        (Some(_), Some(pool)) => pool.in_place_scope(|s| run_workers(s, workers, &work)),
-        (Some(_), None) => work(0),
-        (None, _) => rayon::in_place_scope(|s| run_workers(s, workers, &work)),
-    }
+    on_workers(&ws.pool, threads, workers, &work);
     match totals.into_inner() {
         Ok(s) => s,
         Err(poisoned) => poisoned.into_inner(),

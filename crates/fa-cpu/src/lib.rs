@@ -18,6 +18,11 @@
 //!   [`RescalePolicy::decide`], tested lane by lane against it; results are the same bits.
 //! - Memory: per-thread scratch sized by the head dims and the tiling only
 //!   ([`scratch_bytes_per_thread`]), reusable through a [`Workspace`].
+//! - Plan → workspace → run: [`plan_forward`] decides a call once (checked options, SIMD
+//!   level, variant, work list) into a [`ForwardPlan`] whose [`ForwardPlan::workspace`] says
+//!   what memory it needs ([`WorkspaceReq`]); [`run_forward`] runs it on any tensors of its
+//!   sizes and dtypes, so one plan serves every layer of a decode step ([`plan_backward`] /
+//!   [`run_backward`] likewise). [`forward`] and [`backward`] are a plan and one run.
 //! - Dtype-erased calls: [`forward_dyn`], [`backward_dyn`] and [`append_kv_dyn`] take
 //!   [`TensorRef`]/[`TensorMut`] views and hold the one match from dtypes to the typed
 //!   kernels; callers that learn the dtype at run time use them, and every kernel instance
@@ -96,8 +101,9 @@ mod kernel;
 pub use append::append_kv;
 pub use arch::SimdLevel;
 pub use backward::{
-    backward, backward_scratch_bytes_per_thread, backward_with_workspace, supports_backward,
-    BackwardInputs, BackwardOptions, BackwardStats, BackwardWorkspace, HostGrads,
+    backward, backward_scratch_bytes_per_thread, backward_with_workspace, plan_backward,
+    run_backward, supports_backward, BackwardDTypes, BackwardInputs, BackwardOptions, BackwardPlan,
+    BackwardStats, BackwardWorkspace, HostGrads,
 };
 pub use element::Element;
 pub use erased::{
@@ -105,7 +111,8 @@ pub use erased::{
     APPEND_DTYPES, BACKWARD_DTYPES, FORWARD_DTYPES,
 };
 pub use forward::{
-    forward_with_workspace, scratch_bytes_per_thread, supports, Workspace, MAX_THREADS,
+    forward_with_workspace, plan_forward, run_forward, scratch_bytes_per_thread, supports,
+    ForwardPlan, Workspace, WorkspaceReq, MAX_THREADS,
 };
 #[cfg(feature = "phase-timing")]
 pub use kernel::amx_phases::{take_amx_forward_phases, AMX_FORWARD_PHASE_NAMES};

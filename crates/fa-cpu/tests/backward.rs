@@ -553,3 +553,134 @@ fn a_one_hot_softmax_gives_exactly_zero_dq_and_dk() {
         }
     }
 }
+
+/// Plan → workspace → run for the backward: one plan runs several "layers" (fresh Q, K, V,
+/// dO of the plan's sizes) with the bits `backward` gives and a workspace that does not grow;
+/// tensors of other dtypes than the plan's are a typed error with the gradients untouched;
+/// the plan refuses the dtypes and options `backward` refuses.
+#[test]
+fn one_backward_plan_runs_every_layer() {
+    use fa_cpu::{plan_backward, run_backward, BackwardDTypes, BackwardWorkspace};
+    use softmax_core::DType;
+    let mut rng = Rng::new(45);
+    let opts = BackwardOptions {
+        threads: Some(2),
+        simd: SimdLevel::Auto,
+    };
+    let shape = Case::dense(&mut rng, 2, 70, 90, 4, 2, 40).causal();
+    let problem = shape.desc().validate(256).unwrap();
+    let dtypes = BackwardDTypes {
+        inputs: DType::Bf16,
+        outputs: DType::Bf16,
+        grads: DType::F32,
+    };
+    let plan = plan_backward(&problem, dtypes, &opts).expect("plan");
+    assert_eq!(plan.work_items(), 2 * 2);
+    assert!(plan.workspace().bytes_per_worker > 0, "{plan:?}");
+    let mut ws = BackwardWorkspace::new();
+    ws.reserve(&plan).expect("reserve");
+    let reserved = ws.scratch_bytes();
+    let lens = problem.min_buffer_lens();
+    for layer in 0..3 {
+        // Same sizes, fresh values.
+        let case = Case::dense(&mut rng, 2, 70, 90, 4, 2, 40).causal();
+        let d_o = draw_d_o(&case, &mut rng, Rounding::Bf16);
+        let fwd = run::<bf16, bf16>(&case, &ForwardOptions::default());
+        let (q, k, v) = (
+            convert::<bf16>(&case.q),
+            convert::<bf16>(&case.k),
+            convert::<bf16>(&case.v),
+        );
+        let d_o = convert::<bf16>(&d_o);
+        let inputs = BackwardInputs {
+            o: &fwd.out,
+            d_o: &d_o,
+            lse: &fwd.lse,
+        };
+        let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+        let fresh = || {
+            Grads::new(
+                vec![f32::NAN; lens.q],
+                vec![f32::NAN; lens.k],
+                vec![f32::NAN; lens.v],
+            )
+        };
+        let mut planned = fresh();
+        let stats = run_backward(
+            &plan,
+            qkv,
+            inputs,
+            Grads::new(
+                &mut planned.dq[..],
+                &mut planned.dk[..],
+                &mut planned.dv[..],
+            ),
+            &mut ws,
+        )
+        .expect("run");
+        assert_eq!(
+            ws.scratch_bytes(),
+            reserved,
+            "layer {layer}: the workspace grew"
+        );
+        let mut want = fresh();
+        let want_stats = backward(
+            &problem,
+            qkv,
+            inputs,
+            Grads::new(&mut want.dq[..], &mut want.dk[..], &mut want.dv[..]),
+            &opts,
+        )
+        .expect("backward");
+        assert_eq!(stats, want_stats);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(bits(&planned.dq), bits(&want.dq), "layer {layer} dQ");
+        assert_eq!(bits(&planned.dk), bits(&want.dk), "layer {layer} dK");
+        assert_eq!(bits(&planned.dv), bits(&want.dv), "layer {layer} dV");
+        // Gradients of another dtype than the plan's: a typed error, untouched.
+        let mut g16 = Grads::new(
+            vec![bf16::from_f32(5.0); lens.q],
+            vec![bf16::from_f32(5.0); lens.k],
+            vec![bf16::from_f32(5.0); lens.v],
+        );
+        let e = run_backward(
+            &plan,
+            qkv,
+            inputs,
+            Grads::new(&mut g16.dq[..], &mut g16.dk[..], &mut g16.dv[..]),
+            &mut ws,
+        )
+        .unwrap_err();
+        assert!(matches!(e, ProblemError::Unsupported { .. }), "{e:?}");
+        assert!(g16
+            .dq
+            .iter()
+            .chain(&g16.dk)
+            .chain(&g16.dv)
+            .all(|x| x.to_f32() == 5.0));
+    }
+    // The plan refuses what the call would: O or gradients in a third dtype, zero threads.
+    for (outputs, grads, threads) in [
+        (DType::F16, DType::F32, Some(1)),
+        (DType::Bf16, DType::F16, Some(1)),
+        (DType::Bf16, DType::F32, Some(0)),
+    ] {
+        let dtypes = BackwardDTypes {
+            inputs: DType::Bf16,
+            outputs,
+            grads,
+        };
+        let opts = BackwardOptions {
+            threads,
+            simd: SimdLevel::Auto,
+        };
+        let e = plan_backward(&problem, dtypes, &opts).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ProblemError::Unsupported { .. } | ProblemError::ZeroDim { .. }
+            ),
+            "{outputs:?} {grads:?} {threads:?}: {e:?}"
+        );
+    }
+}

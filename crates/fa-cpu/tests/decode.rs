@@ -804,3 +804,143 @@ fn environment_variables_change_nothing() {
         .unwrap_or_else(|| panic!("no digest in the child's output: {stdout}"));
     assert_eq!(got, line, "the environment changed the level or the bits");
 }
+
+/// Plan → workspace → run: one plan of a decode step runs every "layer" (fresh Q, K and V of
+/// the step's sizes) and gives the bits `forward` gives; a workspace reserved for the plan
+/// does not grow while the layers run; each variant (streaming decode, split-KV over the
+/// tiles, whole sequences) reports its work. Tensors of other dtypes or lengths than the
+/// plan's are typed errors with the output untouched; the plan refuses what `forward` does.
+#[test]
+fn one_plan_runs_every_layer_of_a_decode_step() {
+    use fa_cpu::{plan_forward, run_forward, Workspace};
+    use softmax_core::DType;
+    let mut rng = Rng::new(1510);
+    let used = [700u32, 1, 333];
+    // (query heads, KV heads, splits): few rows per KV head stream; sixteen query heads per
+    // KV head with four queries take the tiled split path.
+    for (heads_q, heads_kv, seqlen_q, variant) in [(8, 2, 1, "stream"), (16, 1, 4, "split-kv")] {
+        let layout = DecodeCase::paged_layout(&used, 16);
+        let case = DecodeCase::new(
+            &mut rng,
+            &used,
+            seqlen_q,
+            heads_q,
+            heads_kv,
+            64,
+            layout,
+            Rounding::Bf16,
+        );
+        let problem = case.desc().validate(MAX_HEAD_DIM).expect("valid case");
+        let opts = ForwardOptions {
+            threads: Some(2),
+            kv_splits: Some(3),
+            ..ForwardOptions::default()
+        };
+        let plan = plan_forward(&problem, DType::Bf16, DType::F32, &opts).expect("plan");
+        assert!(plan.variant().starts_with(variant), "{plan:?}");
+        assert_eq!(plan.kv_splits(), 3, "{plan:?}");
+        let req = plan.workspace();
+        assert!(req.bytes_per_worker > 0 && req.partial_bytes > 0, "{req:?}");
+        let mut ws = Workspace::new();
+        ws.reserve(&plan).expect("reserve");
+        let reserved = ws.scratch_bytes();
+        let lens = problem.min_buffer_lens();
+        for layer in 0..3 {
+            let draw = |rng: &mut Rng, n: usize| -> Vec<half::bf16> {
+                (0..n)
+                    .map(|_| half::bf16::from_f32(rng.normal() as f32))
+                    .collect()
+            };
+            let (q, k, v) = (
+                draw(&mut rng, lens.q),
+                draw(&mut rng, lens.k),
+                draw(&mut rng, lens.v),
+            );
+            let qkv = Qkv::new(&q[..], &k[..], &v[..]);
+            let mut out = vec![0.0f32; lens.o];
+            poison(&mut out);
+            let mut lse = vec![f32::NAN; problem.lse_len()];
+            let stats =
+                run_forward(&plan, qkv, Out::with_lse(&mut out, &mut lse), &mut ws).expect("run");
+            assert_eq!(
+                ws.scratch_bytes(),
+                reserved,
+                "layer {layer}: the workspace grew"
+            );
+            let (mut want, mut want_lse) = (vec![0.0f32; lens.o], vec![0.0f32; problem.lse_len()]);
+            let want_stats = forward(
+                &problem,
+                qkv,
+                Out::with_lse(&mut want, &mut want_lse),
+                &opts,
+            )
+            .expect("forward");
+            assert_eq!(stats, want_stats);
+            assert!(
+                out.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+                    && lse
+                        .iter()
+                        .zip(&want_lse)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{variant} layer {layer}: the planned run differs from forward"
+            );
+            // Other dtypes or lengths than the plan's: typed errors, O untouched.
+            let before = out.clone();
+            let mut o16 = vec![half::bf16::from_f32(7.0); lens.o];
+            let e = run_forward(&plan, qkv, Out::new(&mut o16[..]), &mut ws).unwrap_err();
+            assert!(matches!(e, ProblemError::Unsupported { .. }), "{e:?}");
+            assert!(o16.iter().all(|x| x.to_f32() == 7.0));
+            let short = Qkv::new(&q[..lens.q - 1], &k[..], &v[..]);
+            assert!(run_forward(&plan, short, Out::new(&mut out[..]), &mut ws).is_err());
+            assert!(out
+                .iter()
+                .zip(&before)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+    // Without a cache or splits: whole sequences.
+    let problem = ProblemDesc::new(2, 37, 50, 4, 2, 32)
+        .causal()
+        .validate(MAX_HEAD_DIM)
+        .expect("valid");
+    let opts = ForwardOptions {
+        simd: SimdLevel::Avx2Fma,
+        ..ForwardOptions::default()
+    };
+    if let Ok(plan) = plan_forward(&problem, DType::F32, DType::F32, &opts) {
+        assert_eq!((plan.variant(), plan.kv_splits()), ("tiles", 1), "{plan:?}");
+        assert!(plan.work_items() > 0 && plan.workspace().partial_bytes == 0);
+    }
+    // The plan refuses what the call would.
+    let bad = [
+        (DType::Bf16, DType::F16, ForwardOptions::default()),
+        (
+            DType::F32,
+            DType::F32,
+            ForwardOptions {
+                threads: Some(0),
+                ..ForwardOptions::default()
+            },
+        ),
+        (
+            DType::F32,
+            DType::F32,
+            ForwardOptions {
+                kv_splits: Some(0),
+                ..ForwardOptions::default()
+            },
+        ),
+    ];
+    for (inputs, output, opts) in bad {
+        let e = plan_forward(&problem, inputs, output, &opts).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ProblemError::Unsupported { .. } | ProblemError::ZeroDim { .. }
+            ),
+            "{inputs:?} {output:?}: {e:?}"
+        );
+    }
+}

@@ -96,6 +96,15 @@ pub(crate) enum HalfKind {
 }
 
 impl HalfKind {
+    /// The kind of inputs of `dtype` (`None`: f32, which the AMX kernels do not take).
+    pub(crate) const fn of(dtype: softmax_core::DType) -> Option<HalfKind> {
+        match dtype {
+            softmax_core::DType::Bf16 => Some(HalfKind::Bf16),
+            softmax_core::DType::F16 => Some(HalfKind::F16),
+            _ => None,
+        }
+    }
+
     /// bf16 parts per channel in Q·Kᵀ's operands.
     pub(crate) const fn qk_parts(self) -> usize {
         match self {

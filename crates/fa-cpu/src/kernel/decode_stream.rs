@@ -38,7 +38,7 @@ use crate::arch::{exp2_cubic, exp2_exact, Arch, Simd};
 use crate::dispatch::SimdTask;
 use crate::element::{sealed, Element};
 use crate::Exp2Impl;
-use softmax_core::{Problem, ProblemError, RescalePolicy, RescaleStats, RowState};
+use softmax_core::{DType, Problem, ProblemError, RescalePolicy, RescaleStats, RowState};
 use std::ops::Range;
 
 /// Keys per tile: the scores of a tile (rows × 64 floats) stay in L1, and the per-row softmax
@@ -378,10 +378,11 @@ impl StreamLens {
 
     /// The lengths of one plan: `amx` when the items run on tiles (their `Q·Kᵀ`, and their
     /// `P·V` too where [`amx_pv_applies`] with the call's `amx_pv`).
-    pub(crate) fn of<O: Element>(
+    pub(crate) fn of(
         p: &Problem,
         plan: &Plan,
         lanes: usize,
+        output: DType,
         amx: bool,
         amx_pv: bool,
     ) -> StreamLens {
@@ -395,7 +396,7 @@ impl StreamLens {
             } else {
                 0
             },
-            amx_pv: amx && amx_pv_applies::<O>(lanes, amx_pv),
+            amx_pv: amx && amx_pv_applies(output, lanes, amx_pv),
         }
     }
 
@@ -434,8 +435,8 @@ impl StreamLens {
 /// 1.04, 16 of them ≥ 1.0 (the worst 0.93); docs/history/gpu-notes.md, 2026-12-04.
 /// `allowed`: the call's option (the emulated tiles of the tests follow it too, so both
 /// settings are tested on any CPU).
-pub(crate) fn amx_pv_applies<O: Element>(lanes: usize, allowed: bool) -> bool {
-    allowed && lanes == TILE_ROWS && O::KIND != sealed::Kind::F32
+pub(crate) fn amx_pv_applies(output: DType, lanes: usize, allowed: bool) -> bool {
+    allowed && lanes == TILE_ROWS && output != DType::F32
 }
 
 /// Dwords of the tile-operand buffer (`Scratch::amx_pairs`) of an item: under the AMX
@@ -524,8 +525,8 @@ unsafe impl Tiles for NoTiles {
 /// Whether the AMX `S = Q·Kᵀ` ([`qk_tile_amx`]) may take a problem's items: bf16 K and Q, and
 /// at most [`AMX_MAX_ROWS`] query rows per KV head (one C tile's columns). `P·V` joins it
 /// on the tiles where [`amx_pv_applies`], else stays on the SIMD kernels.
-pub(crate) fn amx_applies<T: Element>(p: &Problem) -> bool {
-    T::KIND == sealed::Kind::Bf16 && p.group_size().saturating_mul(p.max_seqlen_q()) <= AMX_MAX_ROWS
+pub(crate) fn amx_applies(p: &Problem, inputs: DType) -> bool {
+    inputs == DType::Bf16 && p.group_size().saturating_mul(p.max_seqlen_q()) <= AMX_MAX_ROWS
 }
 
 /// Where element `e` of a `2·W`-element chunk sits in register order: bf16 chunks are
@@ -1685,8 +1686,9 @@ unsafe fn run_item<S: Simd, T: Element, O: Element, Tl: Tiles>(
     // costs every `tileloadd` twice the lines.
     let qb = ensure_on_line(amx_q, amx_len(tiles.is_some(), amx_q_dwords(sh.heads, d)));
     // The AMX `P·V` (`pv_tile_amx`): each head's O rows padded to a C tile's 16 rows.
-    let amx_pv =
-        tiles.is_some() && sh.rph <= AMX_PV_MAX_ROWS && amx_pv_applies::<O>(w, ctx.decode.amx_pv);
+    let amx_pv = tiles.is_some()
+        && sh.rph <= AMX_PV_MAX_ROWS
+        && amx_pv_applies(O::DTYPE, w, ctx.decode.amx_pv);
     let pair_dwords = amx_pair_dwords(tiles.is_some(), amx_pv);
     let (a_rows, pa) = ensure_on_line(amx_pairs, pair_dwords)
         .split_at_mut(pair_dwords.min(StreamLens::AMX_A_DWORDS));

@@ -617,7 +617,7 @@ pub fn emulated_amx_decode_matches_the_oracle_on_every_level() {
         );
         // Output rounding to bf16 hides most of the Q·Kᵀ's differences: checked where the
         // P·V runs on the tiles too.
-        let pv = super::decode_stream::amx_pv_applies::<half::bf16>(lanes(isa), true);
+        let pv = super::decode_stream::amx_pv_applies(softmax_core::DType::Bf16, lanes(isa), true);
         assert!(
             !pv || differs_half > cases.len(),
             "{isa:?}: the emulated AMX path (bf16 out) changed no output in {differs_half} runs"
@@ -701,7 +701,8 @@ pub fn emulated_amx_pv_option_keeps_p_v_in_f32() {
     let mut rng = Rng::fresh();
     let cases = amx_decode_cases(&mut rng);
     for (isa, name) in levels() {
-        let pv_by_default = super::decode_stream::amx_pv_applies::<half::bf16>(lanes(isa), true);
+        let pv_by_default =
+            super::decode_stream::amx_pv_applies(softmax_core::DType::Bf16, lanes(isa), true);
         let mut differs = 0;
         for (what, case) in &cases {
             for splits in [None, Some(3)] {

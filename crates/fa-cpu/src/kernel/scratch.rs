@@ -372,8 +372,13 @@ fn line_offset<E>(start: *const E) -> usize {
 }
 
 /// `buf` grown to `len` + [`line_slack`] elements (zeros), and `len` of them starting on
-/// a cache line.
+/// a cache line (nothing grown for `len` 0).
 pub(crate) fn ensure_on_line<E: Copy + Default>(buf: &mut Vec<E>, len: usize) -> &mut [E] {
+    // An empty view needs no line: asking for none (a buffer a variant does not use) must not
+    // grow the buffer past what the plan reserved.
+    if len == 0 {
+        return &mut buf[..0];
+    }
     let whole = ensure(buf, len + line_slack::<E>(), E::default());
     let offset = line_offset(whole.as_ptr());
     &mut whole[offset..offset + len]
