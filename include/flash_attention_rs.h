@@ -3,7 +3,8 @@
  * (caller-owned device memory, caller's stream), and its KV-cache (decode) form over a padded
  * or paged cache (FaKvCache, fa_forward_cache_*; a paged cache's block walk built on the host by
  * fa_block_walk for the CUDA call); and the backward on the CPU (fa_backward_cpu: dQ, dK, dV
- * from the forward's O and LSE and dO). Every function returns an FA_* code
+ * from the forward's O and LSE and dO) and on CUDA (fa_backward_cuda, caller's memory and
+ * stream; fa_backward_cuda_workspace_bytes). Every function returns an FA_* code
  * (FA_OK = 0); fa_last_error_message() says why a call failed (thread-local, valid until the
  * next call on that thread). Link libflash_attention_rs.a (with -lpthread -ldl -lm) or
  * libflash_attention_rs.so.
@@ -35,11 +36,12 @@
 // version 4 adds [`FaKvCache::block_walk`] (a trailing field: a version-2/3 `FaKvCache`,
 // of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`;
 // version 5 adds [`FA_EXP2_AUTO`], the options' new default; version 6 adds the CPU
-// backward `fa_backward_cpu` (no descriptor changed); version 7 adds attention sinks,
-// [`FaOptions::sinks`] and [`FaOptions::d_sinks`] (trailing fields: older options read as
-// ones without sinks).
+// backward `fa_backward_cpu` (no descriptor changed); version 7 adds the CUDA backward
+// `fa_backward_cuda` and its workspace size `fa_backward_cuda_workspace_bytes` (no
+// descriptor changed); version 8 adds attention sinks, [`FaOptions::sinks`] and
+// [`FaOptions::d_sinks`] (trailing fields: older options read as ones without sinks).
 // A library accepts descriptors of every version up to its own.
-#define FA_API_VERSION 7
+#define FA_API_VERSION 8
 
 // Success.
 #define FA_OK 0
@@ -113,14 +115,14 @@ typedef struct FaOptions {
   uint32_t threads;
   // `FA_EXP2_*` of the CPU kernel. Ignored on CUDA.
   uint32_t exp2;
-  // Learnable attention sinks (API version 7): `heads_q` finite f32 logits in host memory,
+  // Learnable attention sinks (API version 8): `heads_q` finite f32 logits in host memory,
   // one per query head, each joining every row of its head in the softmax denominator with
   // no value (gpt-oss); the LSE includes it, and a row that sees no key gets O = 0 and
   // LSE = its sink. Null: no sinks. The CPU entries take it (`fa_forward_cpu`,
   // `fa_forward_cache_cpu`, `fa_backward_cpu`: pass the forward's sinks); the CUDA
   // entries answer `FA_ERR_UNSUPPORTED` for now.
   const float *sinks;
-  // `fa_backward_cpu` only (API version 7): where `∂L/∂sinks` goes, `heads_q` f32s
+  // `fa_backward_cpu` only (API version 8): where `∂L/∂sinks` goes, `heads_q` f32s
   // (`−Σ_i exp(s_h − lse_i)·rowsum(dO_i ∘ O_i)` over the rows of head `h`), or null. Needs
   // `sinks`; the forward entries refuse it set.
   float *d_sinks;
@@ -286,7 +288,7 @@ const char *fa_last_error_message(void);
 // `[batch, heads_q, seqlen_q]` dense or `[heads_q, total_q]` packed) receive
 // `softmax(q·kᵀ·scale)·v`, computed by the SIMD CPU kernel.
 //
-// Q, K and V share one dtype; O is that dtype or f32. `options->sinks` (API version 7) adds
+// Q, K and V share one dtype; O is that dtype or f32. `options->sinks` (API version 8) adds
 // attention sinks (see [`FaOptions::sinks`]). Every argument is checked before anything is
 // written: on an error code the outputs are untouched (except `FA_ERR_PANIC`) and
 // `fa_last_error_message()` says why. `options` may be null (defaults).
@@ -318,7 +320,7 @@ int32_t fa_forward_cpu(const struct FaProblem *problem,
 // (f32 `[batch, heads_q, seqlen_q]` dense or `[heads_q, total_q]` packed; required).
 // Outputs: `dq`, `dk`, `dv` (one dtype, `T` or f32), laid out as `q`, `k` and `v` (the same
 // strides). `options` may be null (defaults; `threads` applies, `exp2` is not read). With
-// attention sinks (API version 7), `options->sinks` is the forward's and
+// attention sinks (API version 8), `options->sinks` is the forward's and
 // `options->d_sinks`, when not null, receives their gradient (`heads_q` f32s, summed in a
 // fixed order: deterministic); `d_sinks` without `sinks` is `FA_ERR_INVALID_ARGUMENT`.
 //
@@ -554,6 +556,75 @@ int32_t fa_append_kv_cuda(const struct FaCudaDevice *device,
                           const struct FaTensor *k_cache,
                           const struct FaTensor *v_cache,
                           void *stream);
+
+// Bytes of device workspace `fa_backward_cuda` needs for this call (its plan: the f32
+// `D = rowsum(dO∘O)` and `LSE·log2 e` per (row, head) and the f32 dQ accumulator), into
+// `*bytes`; the workspace's address must be aligned to 256 bytes (as `cudaMalloc`'s are).
+// The plan depends only on the problem, the dtype and the device, so the same call always
+// needs the same size. Reads no device memory (the tensors' `data` are not used; device
+// prefix sums are not read). Since API version 7.
+//
+// # Safety
+// `device` a live handle; the descriptors as in `fa_forward_cuda`; `bytes` null (refused)
+// or a writable `size_t`.
+int32_t fa_backward_cuda_workspace_bytes(const struct FaCudaDevice *device,
+                                         const struct FaProblem *problem,
+                                         const struct FaTensor *q,
+                                         const struct FaTensor *k,
+                                         const struct FaTensor *v,
+                                         const struct FaTensor *o,
+                                         const struct FaOptions *options,
+                                         size_t *bytes);
+
+// Gradients of a loss with respect to Q, K and V (the backward of [`fa_forward_cuda`]) on
+// device memory the caller owns, queued on the caller's `stream` (a `CUstream`/`cudaStream_t`
+// of the device's context; null: the legacy default stream) without waiting: order later
+// work after `stream` before reading `dq`/`dk`/`dv` or freeing anything. Exact, recomputing
+// the probabilities from the forward's `lse` (no N×N storage); GQA/MQA: `dk`/`dv` summed
+// over each KV head's group of query heads (in a fixed order: deterministic); `dq` is summed
+// with f32 atomics, so it may differ from run to run by rounding.
+//
+// `problem` is the forward's (fixed-length, or varlen with host prefix sums, copied on
+// `stream`, or device ones, `FA_SEQLENS_VARLEN_DEVICE`; mask, window, scale and softcap as
+// given to the forward). Inputs: `q`, `k`, `v`, the forward's output `o`, `d_o` = ∂L/∂O
+// (laid out as `o`: the same strides) and `lse`, the forward's natural-log LSE as
+// `fa_forward_cuda` wrote it (device f32, `[batch, heads_q, seqlen_q]` dense or
+// `[heads_q, total_q]` packed; required). Outputs: `dq`, `dk`, `dv`, laid out as `q`, `k`
+// and `v`. All eight tensors share one dtype, bf16 or f16 (the gradients come out in it).
+//
+// The workspace: `workspace` (device memory, 256-byte aligned, at least
+// `fa_backward_cuda_workspace_bytes` bytes, given in `workspace_bytes`; its contents need
+// not be initialised; not used by other work until `stream` has passed the call) or, when
+// `workspace` is null, allocated by the library on `stream` and freed in stream order after
+// the kernels. Everything is checked before anything is queued, the gradients untouched on
+// an error code: null, alignment (16 bytes for tensors, 4 for the LSE and prefix sums, 256
+// for the workspace), overflow, strides that differ from their input's
+// (`FA_ERR_INVALID_ARGUMENT`), gradients or workspace that overlap any other buffer, a
+// workspace too small; dtypes or problems the kernel lacks are `FA_ERR_UNSUPPORTED`. The
+// options' CPU fields are ignored. Since API version 7.
+//
+// # Safety
+// `device` must be a live handle; the descriptors as in `fa_forward_cuda`; every `data`,
+// `lse`, device prefix-sum pointer and a non-null `workspace` must be device memory usable
+// in the device's context holding what the problem reaches (`d_o` as `o`, each gradient as
+// its input), which stays allocated and is not written by other work (inputs) or touched at
+// all (outputs, workspace) until `stream` has passed the kernels; device prefix sums must be
+// the forward's; `stream` must stay alive meanwhile.
+int32_t fa_backward_cuda(const struct FaCudaDevice *device,
+                         const struct FaProblem *problem,
+                         const struct FaTensor *q,
+                         const struct FaTensor *k,
+                         const struct FaTensor *v,
+                         const struct FaTensor *o,
+                         const float *lse,
+                         const struct FaTensor *d_o,
+                         const struct FaTensor *dq,
+                         const struct FaTensor *dk,
+                         const struct FaTensor *dv,
+                         void *workspace,
+                         size_t workspace_bytes,
+                         void *stream,
+                         const struct FaOptions *options);
 
 // Builds the block walk of a paged KV cache into `walk` (host memory): the order in which
 // `fa_forward_cache_cuda` reads the cache's blocks when `FaKvCache::block_walk` points to a

@@ -8,7 +8,8 @@ Shapes follow the FlashAttention papers: batch * seqlen = 16384 tokens, hidden 2
 bf16, layout (batch, heads, seqlen, hdim) as SDPA takes it. Forward FLOPs = 4 * B * H * N^2 * D, halved when
 causal; backward counted as 2.5x forward. Timing: triton.testing.do_bench, median over ~100 ms after warm-up.
 Prints one JSON line per shape (TFLOP/s per backend) and writes them all to --json if given:
-the file `fa bench --backend cuda --peers` reads. scripts/gpu-pack stages it into .gpu/peers/.
+the file `fa bench --backend cuda --peers` reads (with --backward: also the *_bwd_tflops that
+`fa bench --backward --backend cuda --peers` reads). scripts/gpu-pack stages it into .gpu/peers/.
 """
 import argparse, json, sys
 import torch

@@ -9,9 +9,8 @@ dtype and device, allocates the output with the caller's framework, and returns 
 
 Autograd: torch tensors that require grad (or a ``torch.compile`` trace) go through the
 ``torch.library`` custom operators of ``flash_attention_rs._autograd`` (forward with LSE, the
-Rust CPU backward), so ``attention`` trains on the CPU and compiles without a graph break.
-CUDA tensors that require grad raise ``NotImplementedError`` (the CUDA backward is not built
-yet); NumPy arrays are forward-only.
+Rust backward: fa-cpu's on the CPU, fa-cuda's on CUDA on the current stream), so ``attention``
+trains on either device and compiles without a graph break; NumPy arrays are forward-only.
 
 Layout: BSHD ``(batch, seqlen, heads, head_dim)``. A BHSD tensor is passed as its BSHD view,
 ``x.transpose(1, 2)`` (torch) or ``x.swapaxes(1, 2)`` (NumPy): strides travel, nothing is
@@ -485,12 +484,12 @@ def attention(
         ``torch.cuda.current_stream()`` and the call returns without waiting, like any
         PyTorch operation.
 
-    Autograd (torch CPU tensors): when an input requires grad and grad mode is on, ``out`` is
-    a new contiguous tensor in the autograd graph, and ``backward()`` runs the Rust CPU
-    backward (gradients in the inputs' dtype; GQA's dK/dV summed over each group; causal,
-    window, softcap, scale and host varlen differentiated as computed). The LSE carries no
-    gradient. With grad, KV-cache arguments and ``out=`` raise ``ValueError``, and CUDA
-    tensors raise ``NotImplementedError`` (the CUDA backward is not built yet). Inside a
+    Autograd (torch tensors): when an input requires grad and grad mode is on, ``out`` is
+    a new contiguous tensor in the autograd graph, and ``backward()`` runs the Rust backward
+    (CPU tensors: fa-cpu's; CUDA tensors: fa-cuda's on ``torch.cuda.current_stream()``;
+    gradients in the inputs' dtype; GQA's dK/dV summed over each group; causal, window,
+    softcap, scale and varlen differentiated as computed). The LSE carries no gradient. With
+    grad, KV-cache arguments and ``out=`` raise ``ValueError``. Inside a
     ``torch.compile`` trace the same operators run (no graph break).
     """
     if backend not in ("auto", "cpu", "cuda"):

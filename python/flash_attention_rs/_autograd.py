@@ -7,10 +7,11 @@ see one opaque operation each (no graph break, fake implementations for tracing)
   or on CUDA (the same Rust calls as :func:`attention` without autograd), returning the
   log-sum-exp the backward reads;
 - ``flash_attention_rs::attention_backward`` ``(d_out, q, k, v, out, lse, ...) -> (dq, dk,
-  dv)``: the Rust CPU backward (exact, recomputing the probabilities from the LSE;
-  deterministic; GQA's dK/dV summed over each group), called directly through pyo3
-  (``_native.backward``). CUDA tensors raise ``NotImplementedError``: the CUDA backward is not
-  built yet; its branch goes in ``_native.backward`` (its ``device=`` argument).
+  dv)``: the Rust backward (exact, recomputing the probabilities from the LSE; GQA's dK/dV
+  summed over each group), called directly through pyo3 (``_native.backward``): on the CPU
+  the SIMD kernel (deterministic), on CUDA fa-cuda's backward on the tensors' device memory,
+  queued on ``torch.cuda.current_stream()`` (bfloat16/float16; dQ is summed with f32 atomics,
+  so it may differ from run to run by rounding).
 
 The forward's autograd formula (``register_autograd`` with ``setup_context``) saves q, k, v,
 out and the LSE; the LSE output carries no gradient (it is marked non-differentiable).
@@ -28,12 +29,6 @@ from . import _native
 
 #: Set while an operator's implementation calls :func:`attention` itself (not routed again).
 _inside = threading.local()
-
-CUDA_BACKWARD = (
-    "flash_attention_rs: the CUDA backward is not built yet (inputs on {device} require grad): "
-    "gradients are computed on the CPU only; move the tensors to the CPU, or call it under "
-    "torch.no_grad() / torch.inference_mode() (or pass detached tensors) for inference"
-)
 
 HAS_CUSTOM_OP = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
 
@@ -90,16 +85,21 @@ def _describe(x):
 
 
 def _backward_native(d_out, q, k, v, out, lse, causal, window_left, window_right, softcap, scale, cu_q, cu_k):
-    """dq, dk, dv from the Rust backward (CPU tensors)."""
-    if q.device.type != "cpu":
-        raise NotImplementedError(CUDA_BACKWARD.format(device=q.device))
+    """dq, dk, dv from the Rust backward (CPU tensors; CUDA tensors on the current stream)."""
     q, k, v, out, lse = (x.contiguous() for x in (q, k, v, out, lse))
     # dO in O's layout and dtype (autograd may hand a broadcast or strided gradient).
     d_out = d_out.to(out.dtype).contiguous()
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     kwargs = dict(causal=causal, window=(window_left, window_right), softcap=softcap, scale=scale)
     if cu_q is not None:
+        # Host prefix sums (a CUDA tensor is read back: the plan needs the lengths on the host).
         kwargs["cu_seqlens"] = (cu_q.tolist(), cu_k.tolist())
+    if q.device.type == "cuda":
+        from . import cuda_device
+
+        ordinal = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        kwargs["device"] = cuda_device(ordinal)
+        kwargs["stream"] = torch.cuda.current_stream(q.device).cuda_stream
     _native.backward(*(_describe(x) for x in (q, k, v, out, lse, d_out, dq, dk, dv)), **kwargs)
     return dq, dk, dv
 
@@ -200,8 +200,6 @@ def attention(q, k, v, causal, window, softcap, scale, return_lse, backend, cu_q
     if backend == "cuda" and q.device.type != "cuda":
         raise ValueError("backend='cuda' needs CUDA tensors; these are in host memory")
     grad = needs_grad(q, k, v)
-    if grad and q.device.type != "cpu":
-        raise NotImplementedError(CUDA_BACKWARD.format(device=q.device))
     if grad and not HAS_CUSTOM_OP:
         raise ValueError(
             f"flash_attention_rs needs torch.library.custom_op (torch >= 2.4) for autograd; this "

@@ -13,9 +13,9 @@ Packed sequences given as ``cu_seq_lens_q``/``cu_seq_lens_k`` (what transformers
 FlashAttention-style backends) run as one varlen call. Refused with ``ValueError``: masks
 other than "no mask" or the plain causal / sliding-window pattern (padding masks, custom
 masks), rows of packed sequences told only by restarting ``position_ids``, and dropout while
-training. Training works on the CPU: with inputs that require grad the call goes through
-``attention``'s autograd operator (gradients from the Rust CPU backward); CUDA tensors that
-require grad raise ``NotImplementedError`` (the CUDA backward is not built yet).
+training. Training works on the CPU and on CUDA: with inputs that require grad the call goes
+through ``attention``'s autograd operator (gradients from the Rust backward: fa-cpu's, or
+fa-cuda's on the current stream).
 """
 
 from __future__ import annotations

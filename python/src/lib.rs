@@ -19,7 +19,11 @@
 //! not: that the tensors' shapes agree with each other, that the last dimension is
 //! contiguous, and that the prefix sums end where the packed tensors do. Library errors keep
 //! their message and become `ValueError` (invalid or unsupported input) or `RuntimeError` (no
-//! device, a CUDA fault); a CUDA backward is `NotImplementedError` (not built yet).
+//! device, a CUDA fault).
+//!
+//! On CUDA, `backward` calls fa-cuda directly too (`Device::plan_backward` →
+//! `backward_on_stream` on the tensors' device memory and PyTorch's current stream, through
+//! the device handle the forward opened); the CUDA forward still goes through the C ABI.
 
 use fa_capi::{
     fa_append_kv_cpu, fa_append_kv_cuda, fa_block_walk, fa_cuda_device_create,
@@ -880,9 +884,114 @@ fn forward(
     result.map_err(|(code, message)| library_error(code, message))
 }
 
-/// The message of a backward asked of CUDA tensors.
-const CUDA_BACKWARD: &str = "the CUDA backward is not built yet: flash_attention_rs computes \
-     gradients on the CPU only (CPU tensors), or run CUDA attention under torch.no_grad()";
+/// A fa-cuda error as a Python exception: invalid or unsupported input is `ValueError`,
+/// anything else (no device, a CUDA fault) `RuntimeError`.
+fn cuda_error(e: fa_cuda::CudaError) -> PyErr {
+    use fa_cuda::CudaError as C;
+    match e {
+        C::Problem(_)
+        | C::ForeignBuffer
+        | C::ForeignStream
+        | C::NullPointer { .. }
+        | C::Misaligned { .. }
+        | C::WorkspaceTooSmall { .. }
+        | C::BadWorkspace { .. }
+        | C::UnsupportedArch { .. } => PyValueError::new_err(e.to_string()),
+        other => PyRuntimeError::new_err(other.to_string()),
+    }
+}
+
+/// Queues fa-cuda's backward for element type `T` on the caller's `stream` (no waiting):
+/// host prefix sums of a packed problem copied on the stream, the workspace allocated on it
+/// (both freed in stream order after the kernels), then `Device::backward_on_stream`, which
+/// checks every address against the plan before it queues a kernel.
+///
+/// # Safety
+/// `addrs` (Q, K, V, O, dO, dQ, dK, dV) and `lse` must be device memory of the device's
+/// context holding what the plan's problem reaches, kept alive and otherwise untouched until
+/// `stream` has passed the kernels; `stream` a live stream of that context (0: the legacy
+/// default stream).
+unsafe fn cuda_backward<T: fa_cuda::CudaElement>(
+    device: &fa_cuda::Device,
+    plan: &fa_cuda::BackwardPlan,
+    problem: &Problem,
+    addrs: [u64; 8],
+    lse: u64,
+    stream: u64,
+) -> PyResult<()> {
+    use cudarc::driver::DevicePtr;
+    use fa_cuda::{BackwardTensors, CuSeqlens, RawTensor};
+    use softmax_core::{Grads, Qkv};
+    let driver = |what: &str, e: cudarc::driver::DriverError| {
+        PyRuntimeError::new_err(format!("{what} failed: {e:?}"))
+    };
+    // SAFETY: the caller's contract: a live stream of the device's context.
+    let stream = unsafe { device.borrow_stream(stream as usize as cudarc::driver::sys::CUstream) };
+    let host_cu = match problem.sequences() {
+        Sequences::Varlen {
+            cu_seqlens_q,
+            cu_seqlens_k,
+        } => {
+            let up = |x: &[u32]| {
+                stream
+                    .clone_htod(x)
+                    .map_err(|e| driver("copying the prefix sums", e))
+            };
+            Some((up(cu_seqlens_q)?, up(cu_seqlens_k)?))
+        }
+        _ => None,
+    };
+    let cu_guards = host_cu
+        .as_ref()
+        .map(|(q, k)| (q.device_ptr(&stream), k.device_ptr(&stream)));
+    let (bytes, align) = (plan.workspace_bytes(), plan.workspace().align);
+    let owned = match bytes {
+        0 => None,
+        _ => Some(
+            stream
+                .alloc_zeros::<u8>(bytes + align)
+                .map_err(|e| driver("allocating the backward workspace", e))?,
+        ),
+    };
+    let ws_guard = owned.as_ref().map(|s| s.device_ptr(&stream));
+    let lens = plan.buffer_lens();
+    let [q, k, v, o, d_o, dq, dk, dv] = addrs;
+    // SAFETY: the caller's contract for its addresses; the allocations above are live
+    // allocations of this context of the stated lengths (the workspace's start rounded up
+    // to its alignment inside its `bytes + align`), kept until the kernels are queued and
+    // then freed in stream order.
+    let (tensors, workspace) = unsafe {
+        let t = |addr: u64, len: usize| RawTensor::<T>::from_raw(addr, len);
+        let tensors = BackwardTensors {
+            qkv: Qkv::new(t(q, lens.q), t(k, lens.k), t(v, lens.v)),
+            o: t(o, lens.o),
+            d_o: t(d_o, lens.o),
+            lse: Some(RawTensor::<f32>::from_raw(lse, plan.lse_len())),
+            grads: Grads::new(t(dq, lens.q), t(dk, lens.k), t(dv, lens.v)),
+            cu_seqlens: match (&cu_guards, &host_cu) {
+                (Some((gq, gk)), Some((sq, sk))) => Some(CuSeqlens {
+                    q: RawTensor::from_raw(gq.0, sq.len()),
+                    k: RawTensor::from_raw(gk.0, sk.len()),
+                }),
+                _ => None,
+            },
+        };
+        let workspace = match (&ws_guard, &owned) {
+            (Some(g), Some(s)) => {
+                let start = g.0.next_multiple_of(align as u64);
+                RawTensor::<u8>::from_raw(start, s.len() - (start - g.0) as usize)
+            }
+            _ => RawTensor::<u8>::from_raw(0, 0),
+        };
+        (tensors, workspace)
+    };
+    let result = device.backward_on_stream(plan, tensors, workspace, &stream);
+    drop(ws_guard);
+    drop(owned);
+    drop(cu_guards);
+    drop(host_cu);
+    result.map(|_| ()).map_err(cuda_error)
+}
 
 /// Exact attention backward: `dq`, `dk`, `dv` receive the gradients of a loss with respect
 /// to `q`, `k`, `v`, given the forward's `o` and `lse` and `d_o = ∂L/∂o` (GQA: `dk`/`dv`
@@ -894,10 +1003,19 @@ const CUDA_BACKWARD: &str = "the CUDA backward is not built yet: flash_attention
 /// options are the forward's. Python calls Rust directly here: the problem is built as a
 /// `softmax_core::ProblemDesc` and validated by it, the buffers are checked by the facade
 /// (`flash_attention::host`, the same code the C ABI runs) and the CPU backward runs with the
-/// GIL released; nothing is written on error. `device` (a CUDA device handle) is refused
-/// for now: the CUDA backward is not built yet (`NotImplementedError`). `sinks` are the
-/// forward's attention sinks; `d_sinks` (float32 `(heads_q,)`), when given, receives their
-/// gradient (it needs `sinks`).
+/// GIL released; nothing is written on error.
+///
+/// With `device` (a CUDA device handle) the tensors are that device's memory, all of one
+/// dtype (bfloat16 or float16; the gradients come out in it), and the call runs fa-cuda's
+/// backward directly (`Device::plan_backward` → `backward_on_stream`, no C structs) queued
+/// on `stream` (a `cudaStream_t` of that device, 0: the legacy default stream) without
+/// waiting; the workspace (and a packed problem's prefix sums, given on the host) are
+/// allocated on the stream and freed in stream order. dQ is summed with f32 atomics: it may
+/// differ from run to run by rounding (dK and dV do not).
+///
+/// `sinks` are the forward's attention sinks (float32 `(heads_q,)`, host memory); `d_sinks`
+/// (the same shape), when given, receives their gradient (it needs `sinks`). CPU only for now:
+/// with `device` they raise `NotImplementedError`.
 #[pyfunction]
 #[pyo3(signature = (q, k, v, o, lse, d_o, dq, dk, dv, *, causal=false, window=None,
     softcap=None, scale=None, cu_seqlens=None, sinks=None, d_sinks=None, device=None,
@@ -924,12 +1042,6 @@ fn backward(
     device: Option<PyRef<'_, CudaDevice>>,
     stream: u64,
 ) -> PyResult<()> {
-    if device.is_some() {
-        // Where the CUDA branch goes: the same problem, the device tensors and `stream`
-        // through the facade's (or fa-cuda's) device backward entry.
-        let _ = stream;
-        return Err(PyNotImplementedError::new_err(CUDA_BACKWARD));
-    }
     let varlen = cu_seqlens.is_some();
     let checked = [
         (&q, "q"),
@@ -1008,6 +1120,46 @@ fn backward(
         vec![batch, heads_q, seqlen_q]
     };
     let lse = check_lse(&lse, &expected_lse)? as usize;
+    if let Some(device) = device {
+        if sinks.is_some() || d_sinks.is_some() {
+            return Err(PyNotImplementedError::new_err(
+                "attention sinks run on the CPU only for now (the CUDA kernels take none yet)",
+            ));
+        }
+        let all = [&cq, &ck, &cv, &co, &cdo, &cdq, &cdk, &cdv];
+        let dtype = cq.dtype;
+        if dtype == DType::F32 || all.iter().any(|c| c.dtype != dtype) {
+            return Err(value_error(
+                "the CUDA backward takes q, k, v, out, d_out, dq, dk and dv of one dtype, \
+                 bfloat16 or float16",
+            ));
+        }
+        let addrs = all.map(|c| c.tensor.data as usize as u64);
+        let device: &CudaDevice = &device;
+        return py.detach(move || -> PyResult<()> {
+            let problem = problem.validate().map_err(facade_error)?;
+            // SAFETY: a live handle owned by `device` (destroyed only when it drops).
+            let dev = unsafe { &*device.handle.0 }.device();
+            let plan = dev
+                .plan_backward(&problem, dtype, &fa_cuda::BackwardOptions::default())
+                .map_err(cuda_error)?;
+            // SAFETY: every address comes from a live CUDA tensor of the handle's device (the
+            // shim passes only those) whose shape and strides were checked against each
+            // other above (d_out as out, each gradient as its input), so the memory covers
+            // what the problem reaches; PyTorch keeps the stream alive and orders later uses
+            // and frees of the tensors after its work on it, as for its own kernels.
+            unsafe {
+                match dtype {
+                    DType::Bf16 => {
+                        cuda_backward::<half::bf16>(dev, &plan, &problem, addrs, lse as u64, stream)
+                    }
+                    _ => {
+                        cuda_backward::<half::f16>(dev, &plan, &problem, addrs, lse as u64, stream)
+                    }
+                }
+            }
+        });
+    }
     let buffers = HostBackward {
         q: cq.host(),
         k: ck.host(),

@@ -88,7 +88,7 @@ fn cpu_options(opts: &FaOptions) -> Result<Options, Failure> {
 /// `[batch, heads_q, seqlen_q]` dense or `[heads_q, total_q]` packed) receive
 /// `softmax(q·kᵀ·scale)·v`, computed by the SIMD CPU kernel.
 ///
-/// Q, K and V share one dtype; O is that dtype or f32. `options->sinks` (API version 7) adds
+/// Q, K and V share one dtype; O is that dtype or f32. `options->sinks` (API version 8) adds
 /// attention sinks (see [`FaOptions::sinks`]). Every argument is checked before anything is
 /// written: on an error code the outputs are untouched (except `FA_ERR_PANIC`) and
 /// `fa_last_error_message()` says why. `options` may be null (defaults).
@@ -178,7 +178,7 @@ unsafe fn run_host(
 /// (f32 `[batch, heads_q, seqlen_q]` dense or `[heads_q, total_q]` packed; required).
 /// Outputs: `dq`, `dk`, `dv` (one dtype, `T` or f32), laid out as `q`, `k` and `v` (the same
 /// strides). `options` may be null (defaults; `threads` applies, `exp2` is not read). With
-/// attention sinks (API version 7), `options->sinks` is the forward's and
+/// attention sinks (API version 8), `options->sinks` is the forward's and
 /// `options->d_sinks`, when not null, receives their gradient (`heads_q` f32s, summed in a
 /// fixed order: deterministic); `d_sinks` without `sinks` is `FA_ERR_INVALID_ARGUMENT`.
 ///
@@ -267,7 +267,7 @@ pub unsafe extern "C" fn fa_backward_cpu(
 
 /// A backward buffer laid out as its input: the same strides (`stride_batch` is not read for
 /// packed sequences).
-fn check_same_layout(
+pub(crate) fn check_same_layout(
     t: &FaTensor,
     like: &FaTensor,
     (name, like_name): (&str, &str),

@@ -1,6 +1,6 @@
 //! The CUDA side: an opaque device handle over the caller's context, and `fa_forward_cuda` /
-//! `fa_forward_cache_cuda` on caller-owned device memory and a caller's stream (nothing
-//! synchronised; a KV cache's tables stay on the device).
+//! `fa_forward_cache_cuda` / `fa_backward_cuda` on caller-owned device memory and a caller's
+//! stream (nothing synchronised; a KV cache's tables stay on the device).
 
 use crate::convert::*;
 use crate::cpu::read_call;
@@ -8,9 +8,12 @@ use crate::error::{guard, Failure};
 use crate::types::*;
 use core::ffi::c_void;
 use cudarc::driver::sys;
-use fa_cuda::{CacheTables, CuSeqlens, CudaElement, Device, ForwardOptions, RawTensor};
+use fa_cuda::{
+    BackwardOptions, BackwardPlan, BackwardTensors, CacheTables, CuSeqlens, CudaElement, Device,
+    ForwardOptions, RawTensor,
+};
 use half::{bf16, f16};
-use softmax_core::{DType, Out, Problem, Qkv};
+use softmax_core::{DType, Grads, Out, Problem, Qkv};
 
 /// Checks an out-parameter and clears it (so a failure leaves a null handle behind).
 ///
@@ -760,4 +763,392 @@ unsafe fn append_on<T: CudaElement>(
         &stream,
     )?;
     Ok(())
+}
+
+/// The checked host side of a backward call on the device: the problem and Q, K, V, O
+/// descriptors, dO and the gradients' descriptors (laid out as O, Q, K and V: checked), the
+/// prefix sums and the one dtype of every tensor.
+struct BackwardCall {
+    call: crate::cpu::Call,
+    /// dO, dQ, dK, dV.
+    grads: [FaTensor; 4],
+    seqlens: Seqlens,
+    dtype: DType,
+}
+
+impl BackwardCall {
+    /// Reads and checks the descriptors, the options and the prefix sums (host ones are
+    /// copied; device ones kept as addresses). `grads` null: a size query (no dO or
+    /// gradients to read).
+    ///
+    /// # Safety
+    /// Each non-null, aligned pointer must point to an initialised struct (`options` of at
+    /// least its `size` bytes); host prefix sums as in `fa_forward_cuda`.
+    unsafe fn read(
+        problem: *const FaProblem,
+        tensors: [*const FaTensor; 4],
+        grads: Option<[*const FaTensor; 4]>,
+        options: *const FaOptions,
+    ) -> Result<BackwardCall, Failure> {
+        let [q, k, v, o] = tensors;
+        // SAFETY: this function's contract.
+        let call = unsafe { read_call(problem, q, k, v, o) }?;
+        let names = ["d_o", "dq", "dk", "dv"];
+        let [tq, tk, tv, to] = call.tensors;
+        let grads = match grads {
+            // A size query: dO and the gradients as the layouts they must have.
+            None => [to, tq, tk, tv],
+            Some(ptrs) => {
+                let mut out = [to, tq, tk, tv];
+                for (i, p) in ptrs.into_iter().enumerate() {
+                    // SAFETY: as above.
+                    out[i] = unsafe { read_struct(p, names[i]) }?;
+                }
+                out
+            }
+        };
+        let varlen = call.problem.seqlens != FA_SEQLENS_FIXED;
+        let [tq, tk, tv, to] = &call.tensors;
+        for (i, like) in [(0, to), (1, tq), (2, tk), (3, tv)] {
+            let like_name = ["o", "q", "k", "v"][i];
+            crate::cpu::check_same_layout(&grads[i], like, (names[i], like_name), varlen)?;
+        }
+        // SAFETY: as above (validated for its size and version; no field but the sinks,
+        // refused, applies here).
+        refuse_sinks(&unsafe { read_options(options) }?, "fa_backward_cuda")?;
+        // SAFETY: host prefix sums follow this function's contract.
+        let seqlens = unsafe { read_seqlens(&call.problem, true) }?;
+        let input = dtype(tq, "q")?;
+        let all = [
+            (tk, "k"),
+            (tv, "v"),
+            (to, "o"),
+            (&grads[0], "d_o"),
+            (&grads[1], "dq"),
+            (&grads[2], "dk"),
+            (&grads[3], "dv"),
+        ];
+        for (t, name) in all {
+            if dtype(t, name)? != input {
+                return Err(Failure::unsupported(
+                    "fa_backward_cuda takes q, k, v, o, d_o, dq, dk and dv of one dtype, bf16 \
+                     or f16",
+                ));
+            }
+        }
+        if input == DType::F32 {
+            return Err(Failure::unsupported(
+                "fa_backward_cuda takes bf16 or f16 tensors (f32 runs on the CPU: \
+                 fa_backward_cpu)",
+            ));
+        }
+        Ok(BackwardCall {
+            call,
+            grads,
+            seqlens,
+            dtype: input,
+        })
+    }
+
+    /// The validated problem.
+    fn problem(&self) -> Result<Problem<'_>, Failure> {
+        Ok(
+            describe(&self.call.problem, &self.seqlens, self.call.tensor_refs())?
+                .validate(softmax_core::MAX_HEAD_DIM)?,
+        )
+    }
+}
+
+/// Bytes of device workspace `fa_backward_cuda` needs for this call (its plan: the f32
+/// `D = rowsum(dO∘O)` and `LSE·log2 e` per (row, head) and the f32 dQ accumulator), into
+/// `*bytes`; the workspace's address must be aligned to 256 bytes (as `cudaMalloc`'s are).
+/// The plan depends only on the problem, the dtype and the device, so the same call always
+/// needs the same size. Reads no device memory (the tensors' `data` are not used; device
+/// prefix sums are not read). Since API version 7.
+///
+/// # Safety
+/// `device` a live handle; the descriptors as in `fa_forward_cuda`; `bytes` null (refused)
+/// or a writable `size_t`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fa_backward_cuda_workspace_bytes(
+    device: *const FaCudaDevice,
+    problem: *const FaProblem,
+    q: *const FaTensor,
+    k: *const FaTensor,
+    v: *const FaTensor,
+    o: *const FaTensor,
+    options: *const FaOptions,
+    bytes: *mut usize,
+) -> i32 {
+    guard(|| {
+        if bytes.is_null() || !bytes.is_aligned() {
+            return Err(Failure::invalid("bytes is a null or misaligned pointer"));
+        }
+        // SAFETY: this function's contract.
+        let device = &unsafe { device_ref(device) }?.device;
+        // SAFETY: as above.
+        let call = unsafe { BackwardCall::read(problem, [q, k, v, o], None, options) }?;
+        let problem = call.problem()?;
+        let plan = device.plan_backward(&problem, call.dtype, &BackwardOptions::default())?;
+        // SAFETY: non-null, aligned (checked), writable (contract).
+        unsafe { bytes.write(plan.workspace_bytes()) };
+        Ok(())
+    })
+}
+
+/// Device addresses of a checked backward call: Q, K, V, O, dO, dQ, dK, dV, the LSE, the
+/// caller's workspace (address, bytes) if any, device prefix sums (q, k, entries) if any.
+struct BackwardAddrs {
+    tensors: [u64; 8],
+    lse: u64,
+    workspace: Option<(u64, usize)>,
+    device_seqlens: Option<(u64, u64, usize)>,
+}
+
+/// Queues a checked backward for element type `T` on `stream`: host prefix sums copied on
+/// `stream`, the workspace the caller's or allocated on `stream` (both freed in stream
+/// order after the kernels).
+///
+/// # Safety
+/// The addresses of `addrs` must satisfy [`RawTensor::from_raw`] for the plan's lengths, as
+/// [`fa_backward_cuda`] states; `stream` a stream of the device's context kept alive.
+unsafe fn launch_backward<T: CudaElement>(
+    device: &Device,
+    plan: &BackwardPlan,
+    problem: &Problem,
+    addrs: &BackwardAddrs,
+    stream: sys::CUstream,
+) -> Result<(), Failure> {
+    use cudarc::driver::DevicePtr;
+    let lens = plan.buffer_lens();
+    let [q, k, v, o, d_o, dq, dk, dv] = addrs.tensors;
+    // SAFETY: the caller's contract.
+    let stream = unsafe { device.borrow_stream(stream) };
+    let cuda_failure = |what: &str, e: cudarc::driver::DriverError| Failure {
+        code: FA_ERR_CUDA,
+        message: format!("{what} failed: {e:?}"),
+    };
+    // Host prefix sums go up on the stream (freed in stream order when dropped below).
+    let host_cu = match problem.sequences() {
+        softmax_core::Sequences::Varlen {
+            cu_seqlens_q,
+            cu_seqlens_k,
+        } => {
+            let up = |x: &[u32]| {
+                stream
+                    .clone_htod(x)
+                    .map_err(|e| cuda_failure("copying the prefix sums", e))
+            };
+            Some((up(cu_seqlens_q)?, up(cu_seqlens_k)?))
+        }
+        _ => None,
+    };
+    let host_guards = host_cu
+        .as_ref()
+        .map(|(q, k)| (q.device_ptr(&stream), k.device_ptr(&stream)));
+    // No caller workspace: allocated on the stream with room to align its start.
+    let align = plan.workspace().align as u64;
+    let owned = match (addrs.workspace, plan.workspace_bytes()) {
+        (Some(_), _) | (None, 0) => None,
+        (None, bytes) => Some(
+            stream
+                .alloc_zeros::<u8>(bytes + align as usize)
+                .map_err(|e| cuda_failure("allocating the backward workspace", e))?,
+        ),
+    };
+    let ws_guard = owned.as_ref().map(|s| s.device_ptr(&stream));
+    // SAFETY: the caller's contract (fa_backward_cuda's) for the caller's addresses; the
+    // library's own allocations are live allocations of this context of the stated lengths,
+    // kept until the kernels have been queued and then freed in stream order.
+    let tensors = unsafe {
+        BackwardTensors {
+            qkv: Qkv::new(
+                raw::<T>(q, lens.q),
+                raw::<T>(k, lens.k),
+                raw::<T>(v, lens.v),
+            ),
+            o: raw::<T>(o, lens.o),
+            d_o: raw::<T>(d_o, lens.o),
+            lse: Some(raw::<f32>(addrs.lse, plan.lse_len())),
+            grads: Grads::new(
+                raw::<T>(dq, lens.q),
+                raw::<T>(dk, lens.k),
+                raw::<T>(dv, lens.v),
+            ),
+            cu_seqlens: match (addrs.device_seqlens, &host_guards, &host_cu) {
+                (Some((q, k, n)), _, _) => Some(CuSeqlens {
+                    q: raw::<i32>(q, n),
+                    k: raw::<i32>(k, n),
+                }),
+                (None, Some((gq, gk)), Some((sq, sk))) => Some(CuSeqlens {
+                    q: raw::<i32>(gq.0, sq.len()),
+                    k: raw::<i32>(gk.0, sk.len()),
+                }),
+                _ => None,
+            },
+        }
+    };
+    // SAFETY: as above; the owned allocation is `bytes + align` long, so its start rounded
+    // up to `align` leaves `bytes` in it.
+    let workspace = unsafe {
+        match (addrs.workspace, &ws_guard, &owned) {
+            (Some((p, bytes)), _, _) => raw::<u8>(p, bytes),
+            (None, Some(g), Some(s)) => {
+                let start = g.0.next_multiple_of(align);
+                raw::<u8>(start, s.len() - (start - g.0) as usize)
+            }
+            _ => raw::<u8>(0, 0),
+        }
+    };
+    let result = device.backward_on_stream(plan, tensors, workspace, &stream);
+    drop(ws_guard);
+    drop(owned);
+    drop(host_guards);
+    drop(host_cu);
+    result?;
+    Ok(())
+}
+
+/// Gradients of a loss with respect to Q, K and V (the backward of [`fa_forward_cuda`]) on
+/// device memory the caller owns, queued on the caller's `stream` (a `CUstream`/`cudaStream_t`
+/// of the device's context; null: the legacy default stream) without waiting: order later
+/// work after `stream` before reading `dq`/`dk`/`dv` or freeing anything. Exact, recomputing
+/// the probabilities from the forward's `lse` (no N×N storage); GQA/MQA: `dk`/`dv` summed
+/// over each KV head's group of query heads (in a fixed order: deterministic); `dq` is summed
+/// with f32 atomics, so it may differ from run to run by rounding.
+///
+/// `problem` is the forward's (fixed-length, or varlen with host prefix sums, copied on
+/// `stream`, or device ones, `FA_SEQLENS_VARLEN_DEVICE`; mask, window, scale and softcap as
+/// given to the forward). Inputs: `q`, `k`, `v`, the forward's output `o`, `d_o` = ∂L/∂O
+/// (laid out as `o`: the same strides) and `lse`, the forward's natural-log LSE as
+/// `fa_forward_cuda` wrote it (device f32, `[batch, heads_q, seqlen_q]` dense or
+/// `[heads_q, total_q]` packed; required). Outputs: `dq`, `dk`, `dv`, laid out as `q`, `k`
+/// and `v`. All eight tensors share one dtype, bf16 or f16 (the gradients come out in it).
+///
+/// The workspace: `workspace` (device memory, 256-byte aligned, at least
+/// `fa_backward_cuda_workspace_bytes` bytes, given in `workspace_bytes`; its contents need
+/// not be initialised; not used by other work until `stream` has passed the call) or, when
+/// `workspace` is null, allocated by the library on `stream` and freed in stream order after
+/// the kernels. Everything is checked before anything is queued, the gradients untouched on
+/// an error code: null, alignment (16 bytes for tensors, 4 for the LSE and prefix sums, 256
+/// for the workspace), overflow, strides that differ from their input's
+/// (`FA_ERR_INVALID_ARGUMENT`), gradients or workspace that overlap any other buffer, a
+/// workspace too small; dtypes or problems the kernel lacks are `FA_ERR_UNSUPPORTED`. The
+/// options' CPU fields are ignored. Since API version 7.
+///
+/// # Safety
+/// `device` must be a live handle; the descriptors as in `fa_forward_cuda`; every `data`,
+/// `lse`, device prefix-sum pointer and a non-null `workspace` must be device memory usable
+/// in the device's context holding what the problem reaches (`d_o` as `o`, each gradient as
+/// its input), which stays allocated and is not written by other work (inputs) or touched at
+/// all (outputs, workspace) until `stream` has passed the kernels; device prefix sums must be
+/// the forward's; `stream` must stay alive meanwhile.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fa_backward_cuda(
+    device: *const FaCudaDevice,
+    problem: *const FaProblem,
+    q: *const FaTensor,
+    k: *const FaTensor,
+    v: *const FaTensor,
+    o: *const FaTensor,
+    lse: *const f32,
+    d_o: *const FaTensor,
+    dq: *const FaTensor,
+    dk: *const FaTensor,
+    dv: *const FaTensor,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    stream: *mut c_void,
+    options: *const FaOptions,
+) -> i32 {
+    guard(|| {
+        // SAFETY: this function's contract.
+        let device = &unsafe { device_ref(device) }?.device;
+        // SAFETY: as above.
+        let call =
+            unsafe { BackwardCall::read(problem, [q, k, v, o], Some([d_o, dq, dk, dv]), options) }?;
+        let problem = call.problem()?;
+        let plan = device.plan_backward(&problem, call.dtype, &BackwardOptions::default())?;
+        if lse.is_null() {
+            return Err(Failure::invalid(
+                "lse is a null pointer: the backward needs the forward's LSE",
+            ));
+        }
+        let lens = plan.buffer_lens();
+        let names = ["q", "k", "v", "o", "d_o", "dq", "dk", "dv"];
+        let descs = [
+            call.call.tensors[0],
+            call.call.tensors[1],
+            call.call.tensors[2],
+            call.call.tensors[3],
+            call.grads[0],
+            call.grads[1],
+            call.grads[2],
+            call.grads[3],
+        ];
+        let elems = [
+            lens.q, lens.k, lens.v, lens.o, lens.o, lens.q, lens.k, lens.v,
+        ];
+        // Spans (null, element alignment, overflow), then the device's 16 bytes; outputs
+        // must overlap nothing (the kernels would race).
+        let mut spans = Vec::with_capacity(10);
+        for i in 0..8 {
+            let addr = descs[i].data as usize;
+            let span = host_span(names[i], addr, elems[i], call.dtype.size())?;
+            if elems[i] > 0 && !addr.is_multiple_of(16) {
+                return Err(Failure::invalid(format!(
+                    "{} is at {addr:#x}: device tensors must be 16-byte aligned",
+                    names[i]
+                )));
+            }
+            spans.push((names[i], span, i >= 5));
+        }
+        spans.push((
+            "lse",
+            host_span("lse", lse as usize, plan.lse_len(), 4)?,
+            false,
+        ));
+        let needed = plan.workspace_bytes();
+        let workspace =
+            (!workspace.is_null()).then_some((workspace as usize as u64, workspace_bytes));
+        if let Some((p, bytes)) = workspace {
+            if bytes < needed {
+                return Err(Failure::invalid(format!(
+                    "workspace_bytes is {bytes}: the call needs {needed} \
+                     (fa_backward_cuda_workspace_bytes)"
+                )));
+            }
+            let align = plan.workspace().align as u64;
+            if !p.is_multiple_of(align) {
+                return Err(Failure::invalid(format!(
+                    "workspace is at {p:#x}: it must be {align}-byte aligned"
+                )));
+            }
+            spans.push((
+                "workspace",
+                host_span("workspace", p as usize, bytes, 1)?,
+                true,
+            ));
+        }
+        check_disjoint(&spans)?;
+        let addrs = BackwardAddrs {
+            tensors: descs.map(|t| t.data as usize as u64),
+            lse: lse as usize as u64,
+            workspace,
+            device_seqlens: match call.seqlens {
+                Seqlens::Device { q, k, entries } => Some((q, k, entries)),
+                _ => None,
+            },
+        };
+        let stream = stream as sys::CUstream;
+        // SAFETY: the addresses and the stream follow this function's contract.
+        unsafe {
+            match call.dtype {
+                DType::Bf16 => launch_backward::<bf16>(device, &plan, &problem, &addrs, stream),
+                _ => launch_backward::<f16>(device, &plan, &problem, &addrs, stream),
+            }
+        }
+    })
 }

@@ -73,6 +73,8 @@ impl From<fa_cuda::CudaError> for Failure {
             | C::ForeignStream
             | C::NullPointer { .. }
             | C::Misaligned { .. }
+            | C::WorkspaceTooSmall { .. }
+            | C::BadWorkspace { .. }
             | C::NotPrimaryContext => FA_ERR_INVALID_ARGUMENT,
             _ => FA_ERR_CUDA,
         };

@@ -9,7 +9,9 @@
 //! `fa_append_kv_cuda` (API version 3); a paged cache's block walk (`FaKvCache::block_walk`,
 //! the order `fa_forward_cache_cuda` reads the blocks in) is built on the host by
 //! `fa_block_walk` (API version 4); the gradients of a host forward come from
-//! `fa_backward_cpu` (API version 6).
+//! `fa_backward_cpu` (API version 6), and of a device forward from `fa_backward_cuda` on the
+//! caller's memory and stream, its workspace sized by `fa_backward_cuda_workspace_bytes`
+//! (API version 7).
 //!
 //! The header is `include/flash_attention_rs.h`, generated from this crate by cbindgen (the
 //! test `header_is_current` fails when it is stale; `FA_CAPI_BLESS=1 cargo test -p fa-capi`
@@ -41,9 +43,9 @@ mod walk;
 
 pub use cpu::{fa_append_kv_cpu, fa_backward_cpu, fa_forward_cache_cpu, fa_forward_cpu};
 pub use cuda::{
-    fa_append_kv_cuda, fa_cuda_device_create, fa_cuda_device_create_from_context,
-    fa_cuda_device_destroy, fa_forward_cache_cuda, fa_forward_cache_cuda_workspace_bytes,
-    fa_forward_cuda,
+    fa_append_kv_cuda, fa_backward_cuda, fa_backward_cuda_workspace_bytes, fa_cuda_device_create,
+    fa_cuda_device_create_from_context, fa_cuda_device_destroy, fa_forward_cache_cuda,
+    fa_forward_cache_cuda_workspace_bytes, fa_forward_cuda,
 };
 pub use types::*;
 pub use walk::fa_block_walk;

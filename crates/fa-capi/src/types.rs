@@ -13,11 +13,12 @@ use core::ffi::c_void;
 /// version 4 adds [`FaKvCache::block_walk`] (a trailing field: a version-2/3 `FaKvCache`,
 /// of the smaller size, reads as one without a walk) and its host builder `fa_block_walk`;
 /// version 5 adds [`FA_EXP2_AUTO`], the options' new default; version 6 adds the CPU
-/// backward `fa_backward_cpu` (no descriptor changed); version 7 adds attention sinks,
-/// [`FaOptions::sinks`] and [`FaOptions::d_sinks`] (trailing fields: older options read as
-/// ones without sinks).
+/// backward `fa_backward_cpu` (no descriptor changed); version 7 adds the CUDA backward
+/// `fa_backward_cuda` and its workspace size `fa_backward_cuda_workspace_bytes` (no
+/// descriptor changed); version 8 adds attention sinks, [`FaOptions::sinks`] and
+/// [`FaOptions::d_sinks`] (trailing fields: older options read as ones without sinks).
 /// A library accepts descriptors of every version up to its own.
-pub const FA_API_VERSION: u32 = 7;
+pub const FA_API_VERSION: u32 = 8;
 
 /// Success.
 pub const FA_OK: i32 = 0;
@@ -187,14 +188,14 @@ pub struct FaOptions {
     pub threads: u32,
     /// `FA_EXP2_*` of the CPU kernel. Ignored on CUDA.
     pub exp2: u32,
-    /// Learnable attention sinks (API version 7): `heads_q` finite f32 logits in host memory,
+    /// Learnable attention sinks (API version 8): `heads_q` finite f32 logits in host memory,
     /// one per query head, each joining every row of its head in the softmax denominator with
     /// no value (gpt-oss); the LSE includes it, and a row that sees no key gets O = 0 and
     /// LSE = its sink. Null: no sinks. The CPU entries take it (`fa_forward_cpu`,
     /// `fa_forward_cache_cpu`, `fa_backward_cpu`: pass the forward's sinks); the CUDA
     /// entries answer `FA_ERR_UNSUPPORTED` for now.
     pub sinks: *const f32,
-    /// `fa_backward_cpu` only (API version 7): where `∂L/∂sinks` goes, `heads_q` f32s
+    /// `fa_backward_cpu` only (API version 8): where `∂L/∂sinks` goes, `heads_q` f32s
     /// (`−Σ_i exp(s_h − lse_i)·rowsum(dO_i ∘ O_i)` over the rows of head `h`), or null. Needs
     /// `sinks`; the forward entries refuse it set.
     pub d_sinks: *mut f32,
@@ -304,4 +305,12 @@ impl Default for FaKvCache {
 /// `fa_cuda_device_create_from_context`, freed by `fa_cuda_device_destroy`.
 pub struct FaCudaDevice {
     pub(crate) device: fa_cuda::Device,
+}
+
+impl FaCudaDevice {
+    /// The fa-cuda device behind the handle, for Rust callers that hold a handle and call
+    /// fa-cuda directly (the Python module's CUDA backward). Not part of the C ABI.
+    pub fn device(&self) -> &fa_cuda::Device {
+        &self.device
+    }
 }

@@ -407,7 +407,7 @@ fn the_api_version_names_the_backward() {
     assert!(fa_api_version() >= 6);
 }
 
-/// Attention sinks through `options.sinks` (API version 7): the forward and the backward of
+/// Attention sinks through `options.sinks` (API version 8): the forward and the backward of
 /// fresh inputs with random sinks against the f64 reference (dQ, dK, dV and `options.d_sinks`);
 /// `d_sinks` without `sinks`, on a forward, or overlapping a gradient is refused, and a NaN
 /// sink is `FA_ERR_INVALID_ARGUMENT`, with everything untouched.

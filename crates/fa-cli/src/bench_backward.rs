@@ -55,10 +55,16 @@ pub struct BackwardBenchResult {
     pub heap_peak_bytes: u64,
     /// Bytes of Q, K, V, O, LSE, dO, dQ, dK and dV.
     pub io_bytes: u64,
+    /// PyTorch SDPA's backward numbers for this shape, with `--peers` (ratios of
+    /// `backward_gflops`).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub peers: Option<crate::peers::PeerRatios>,
 }
 
 /// Times the backward of one shape: one forward + backward to warm up (and to measure the
-/// first backward's allocation), `warmup − 1` more untimed pairs, then `iters` timed ones.
+/// first backward's allocation), `warmup − 1` more untimed pairs, then `iters` timed ones
+/// (wall clock). On CUDA the reported medians are then taken again from the kernels alone
+/// (CUDA events, inputs uploaded once: `Backend::time_forward` / `time_backward`).
 pub fn bench_backward_shape(
     backend: &Backend,
     shape: &BenchShape,
@@ -104,7 +110,15 @@ pub fn bench_backward_shape(
     let mut fwd_times = Vec::new();
     let mut bwd_times = Vec::new();
     let (mut backward_alloc, mut heap_peak) = (0usize, 0usize);
-    for i in 0..warmup.max(1) + iters.max(1) {
+    // CUDA: the first pair only (the allocation measure, O and the LSE); the timing is the
+    // kernels' below.
+    let cuda = backend.kind() == flash_attention::BackendKind::Cuda;
+    let calls = if cuda {
+        1
+    } else {
+        warmup.max(1) + iters.max(1)
+    };
+    for i in 0..calls {
         let tf = forward(&mut out, &mut lse)?;
         let inputs = BackwardInputs {
             o: out.view(),
@@ -130,6 +144,27 @@ pub fn bench_backward_shape(
         }
     }
     heap_peak = heap_peak.max(alloc_count::peak_bytes());
+    if cuda {
+        // On CUDA the host calls above include the transfers: the medians come from the
+        // kernels alone, timed with CUDA events on inputs uploaded once (the library's
+        // time_forward / time_backward), as the forward bench and the peers' do_bench do.
+        fwd_times = backend.time_forward(
+            &problem,
+            qkv,
+            Out::with_lse(out.data.view_mut(), &mut lse[..]),
+            opts,
+            warmup,
+            iters.max(1),
+        )?;
+        let inputs = BackwardInputs {
+            o: out.view(),
+            d_o: d_o.view(),
+            lse: &lse,
+        };
+        let grads = Grads::new(dq.data.view_mut(), dk.data.view_mut(), dv.data.view_mut());
+        bwd_times =
+            backend.time_backward(&problem, qkv, inputs, grads, opts, warmup, iters.max(1))?;
+    }
     let totals: Vec<f64> = fwd_times
         .iter()
         .zip(&bwd_times)
@@ -152,6 +187,7 @@ pub fn bench_backward_shape(
         backward_alloc_bytes: backward_alloc as u64,
         heap_peak_bytes: heap_peak.saturating_sub(base) as u64,
         io_bytes: shape.backward_io_bytes(dtype),
+        peers: None,
     })
 }
 
@@ -198,5 +234,29 @@ pub fn backward_table_row(r: &BackwardBenchResult) -> String {
         human_bytes(r.backward_alloc_bytes as u128),
         human_bytes(r.heap_peak_bytes as u128),
         human_bytes(r.io_bytes as u128)
+    )
+}
+
+/// One row of the backward `--peers` summary, in the columns of [`crate::bench::peers_header`]
+/// (our backward median and TFLOP/s, PyTorch SDPA flash's and cuDNN's backward TFLOP/s and our
+/// ratios over them; `-` where a peer number is missing).
+pub fn backward_peers_row(r: &BackwardBenchResult) -> String {
+    let s = &r.shape;
+    let p = r.peers.unwrap_or_default();
+    let fmt = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.1}"));
+    let ratio = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}"));
+    format!(
+        "{:>5} {:>6} {:>5} {:>5} {:>6} {:>10.3} {:>9.1} {:>8} {:>8} {:>7} {:>7} backward",
+        s.head_dim,
+        s.seqlen_q,
+        s.batch,
+        s.heads,
+        s.causal,
+        r.backward_ms_median,
+        r.backward_gflops / 1e3,
+        fmt(p.peer_flash_tflops),
+        fmt(p.peer_cudnn_tflops),
+        ratio(p.vs_flash),
+        ratio(p.vs_cudnn),
     )
 }

@@ -345,8 +345,10 @@ struct BenchArgs {
     #[arg(long)]
     json: bool,
     /// Time the backward pass (and forward + backward) instead of the forward, with the bytes
-    /// the first backward call allocates (CPU only).
-    #[arg(long, conflicts_with_all = ["peers", "tiles", "decode"])]
+    /// the first backward call allocates (heap: what the CPU path allocates; on CUDA the
+    /// times are the kernels', from CUDA events). With --peers: PyTorch SDPA's backward
+    /// (`torch_sdpa.py --backward --json`) beside ours.
+    #[arg(long, conflicts_with_all = ["tiles", "decode"])]
     backward: bool,
     /// Seed of the N(0,1) inputs.
     #[arg(long, default_value_t = 1)]
@@ -993,8 +995,9 @@ fn cmd_bench_backward(a: &BenchArgs) -> Result<ExitCode, CliError> {
         None => Backend::open(a.compute.backend.into())?,
     };
     let dtype = a.dtype.unwrap_or_else(|| backend.default_dtype());
-    let iters = a.iters.unwrap_or(5);
-    let warmup = a.warmup.unwrap_or(1);
+    let cuda = backend.kind() == BackendKind::Cuda;
+    let iters = a.iters.unwrap_or(if cuda { 20 } else { 5 });
+    let warmup = a.warmup.unwrap_or(if cuda { 5 } else { 1 });
     let opts = a.compute.options();
     check_bench(&backend, &opts, &shapes, dtype)?;
     if !a.json {
@@ -1006,14 +1009,29 @@ fn cmd_bench_backward(a: &BenchArgs) -> Result<ExitCode, CliError> {
         );
         outln!("{}", backward_table_header());
     }
+    let peers = a.peers.as_ref().map(|path| {
+        peers::read_peers(path).unwrap_or_else(|e| {
+            eprintln!("no peer numbers: {e}");
+            Vec::new()
+        })
+    });
     let mut failed = 0usize;
+    let mut summary = Vec::new();
     for shape in &shapes {
         match bench_backward_shape(&backend, shape, dtype, &opts, warmup, iters, a.seed) {
-            Ok(r) if a.json => {
-                let line = serde_json::to_string(&r).map_err(|e| CliError::Usage(e.to_string()))?;
-                outln!("{line}");
+            Ok(mut r) => {
+                if let Some(p) = &peers {
+                    r.peers = Some(peers::backward_ratios(p, shape, r.backward_gflops / 1e3));
+                }
+                if a.json {
+                    let line =
+                        serde_json::to_string(&r).map_err(|e| CliError::Usage(e.to_string()))?;
+                    outln!("{line}");
+                } else {
+                    outln!("{}", backward_table_row(&r));
+                }
+                summary.push(r);
             }
-            Ok(r) => outln!("{}", backward_table_row(&r)),
             Err(e) if shapes.len() > 1 => {
                 eprintln!(
                     "error: b{} h{} n{} d{} causal={}: {e}",
@@ -1022,6 +1040,14 @@ fn cmd_bench_backward(a: &BenchArgs) -> Result<ExitCode, CliError> {
                 failed += 1;
             }
             Err(e) => return Err(e),
+        }
+    }
+    if peers.is_some() && !a.json {
+        outln!("");
+        outln!("backward {}", bench::PEERS_SUMMARY);
+        outln!("{}", bench::peers_header());
+        for r in &summary {
+            outln!("{}", fa_cli::bench_backward::backward_peers_row(r));
         }
     }
     if failed > 0 {

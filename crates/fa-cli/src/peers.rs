@@ -1,6 +1,6 @@
-//! Peer numbers for `fa bench --peers`: PyTorch SDPA's forward TFLOP/s per shape, as
-//! `scripts/torch_sdpa.py --json` writes them (measured in the same device session),
-//! and our throughput over theirs.
+//! Peer numbers for `fa bench --peers`: PyTorch SDPA's forward (and, from
+//! `scripts/torch_sdpa.py --backward`, backward) TFLOP/s per shape, as the script's `--json`
+//! writes them (measured in the same device session), and our throughput over theirs.
 
 use crate::error::CliError;
 use flash_attention::shapes::BenchShape;
@@ -27,6 +27,12 @@ pub struct PeerRow {
     /// SDPA's cuDNN backend, TFLOP/s (absent when it failed).
     #[serde(default)]
     pub cudnn_fwd_tflops: Option<f64>,
+    /// SDPA's FlashAttention-2 backward, TFLOP/s (`--backward` runs of the script only).
+    #[serde(default)]
+    pub flash_bwd_tflops: Option<f64>,
+    /// SDPA's cuDNN backward, TFLOP/s (`--backward` runs of the script only).
+    #[serde(default)]
+    pub cudnn_bwd_tflops: Option<f64>,
 }
 
 impl PeerRow {
@@ -82,11 +88,28 @@ pub struct PeerRatios {
     pub vs_cudnn: Option<f64>,
 }
 
-/// The ratios of `tflops` (ours, for `shape`) over the first matching peer row.
+/// The ratios of `tflops` (ours, for `shape`'s forward) over the first matching peer row.
 pub fn ratios(peers: &[PeerRow], shape: &BenchShape, tflops: f64) -> PeerRatios {
     let peer = peers.iter().find(|p| p.matches(shape));
-    let flash = peer.and_then(|p| p.flash_fwd_tflops);
-    let cudnn = peer.and_then(|p| p.cudnn_fwd_tflops);
+    pair(
+        peer.and_then(|p| p.flash_fwd_tflops),
+        peer.and_then(|p| p.cudnn_fwd_tflops),
+        tflops,
+    )
+}
+
+/// The ratios of `tflops` (ours, for `shape`'s backward, 2.5 × the forward's FLOPs as the
+/// script counts them) over the first matching peer row's backward numbers.
+pub fn backward_ratios(peers: &[PeerRow], shape: &BenchShape, tflops: f64) -> PeerRatios {
+    let peer = peers.iter().find(|p| p.matches(shape));
+    pair(
+        peer.and_then(|p| p.flash_bwd_tflops),
+        peer.and_then(|p| p.cudnn_bwd_tflops),
+        tflops,
+    )
+}
+
+fn pair(flash: Option<f64>, cudnn: Option<f64>, tflops: f64) -> PeerRatios {
     PeerRatios {
         peer_flash_tflops: flash,
         peer_cudnn_tflops: cudnn,
@@ -130,5 +153,23 @@ mod tests {
         let other = BenchShape { batch: 1, ..shape };
         assert_eq!(ratios(&rows, &other, 1.0), PeerRatios::default());
         assert!(parse_peers("[{\"hdim\": 1}]").is_err());
+    }
+
+    #[test]
+    fn backward_rows_give_backward_ratios() {
+        let rows = parse_peers(
+            r#"{"hdim": 64, "seqlen": 2048, "batch": 8, "heads": 32, "causal": true, "flash_fwd_tflops": 300.0, "flash_bwd_tflops": 200.0, "cudnn_bwd_tflops": 400.0}"#,
+        )
+        .unwrap();
+        let shape = BenchShape::paper(2048, 64, true);
+        let r = backward_ratios(&rows, &shape, 300.0);
+        assert_eq!(r.peer_flash_tflops, Some(200.0));
+        assert!((r.vs_flash.unwrap() - 1.5).abs() < 1e-12);
+        assert!((r.vs_cudnn.unwrap() - 0.75).abs() < 1e-12);
+        // A forward-only file has no backward numbers.
+        let fwd =
+            parse_peers(r#"{"hdim": 64, "seqlen": 2048, "causal": true, "flash_fwd_tflops": 1.0}"#)
+                .unwrap();
+        assert_eq!(backward_ratios(&fwd, &shape, 1.0), PeerRatios::default());
     }
 }

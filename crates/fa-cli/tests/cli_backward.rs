@@ -28,6 +28,11 @@ fn s(p: &Path) -> &str {
 
 /// Runs `fa run` with gradients for a GQA causal problem at `dtype` and checks them.
 fn gradients_match_the_reference(dtype: DType, grad_dtype: Option<&str>, bound: f64) {
+    gradients_on("cpu", dtype, grad_dtype, bound);
+}
+
+/// As [`gradients_match_the_reference`] on `backend`.
+fn gradients_on(backend: &str, dtype: DType, grad_dtype: Option<&str>, bound: f64) {
     let dir = tempfile::tempdir().unwrap();
     let mut rng = Rng::new(17);
     // 6 query heads over 2 KV heads, seqlen_q ≠ seqlen_k, odd head dim.
@@ -60,7 +65,7 @@ fn gradients_match_the_reference(dtype: DType, grad_dtype: Option<&str>, bound: 
         s(&out),
         "--causal",
         "--backend",
-        "cpu",
+        backend,
         "--dout",
         s(&paths[3]),
         "--dq",
@@ -78,7 +83,9 @@ fn gradients_match_the_reference(dtype: DType, grad_dtype: Option<&str>, bound: 
     assert!(o.status.success(), "{err}");
     // The forward ran first, so its line comes first (issue 50, item 9; on 4cfb28b the
     // backward line came first).
-    let forward = err.find(" on cpu ").expect("the forward's line");
+    let forward = err
+        .find(&format!(" on {backend}"))
+        .expect("the forward's line");
     let backward = err.find("fa run: backward").expect("the backward's line");
     assert!(forward < backward, "forward line first: {err}");
     let want_dtype = if grad_dtype.is_some() {
@@ -118,6 +125,13 @@ fn run_writes_gradients_within_the_bounds() {
     gradients_match_the_reference(DType::F32, None, 1e-5);
     gradients_match_the_reference(DType::Bf16, None, 2e-2);
     gradients_match_the_reference(DType::Bf16, Some("f32"), 2e-2);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn run_writes_cuda_gradients_within_the_bounds() {
+    gradients_on("cuda", DType::Bf16, None, 2e-2);
+    gradients_on("cuda", DType::F16, None, 2e-2);
 }
 
 #[test]
