@@ -630,7 +630,7 @@ fn sinks_are_validated() {
     let sinks = [0.5f32, -1.0, 2.0, 0.0];
     let p = ok_desc().with_sinks(&sinks).validate(MAX_HEAD_DIM).unwrap();
     assert_eq!(p.sinks(), Some(&sinks[..]));
-    assert_eq!(p.sink_log2::<f64>(1), Some(-1.0 * softmax_core::LOG2_E));
+    assert_eq!(p.sink_log2::<f64>(1), Some(-softmax_core::LOG2_E));
     assert_eq!(p.sink_log2::<f32>(4), None);
     assert_eq!(ok_desc().validate(MAX_HEAD_DIM).unwrap().sinks(), None);
     let short = [0.0f32; 3];
