@@ -218,10 +218,10 @@ fn sinks_rescale_rows_by_the_denominator() {
         let r0 = attention_f64(&p0, &case.q, &case.k, &case.v);
         let r1 = attention_f64(&p1, &with.q, &with.k, &with.v);
         for b in 0..p0.batch() {
-            for h in 0..p0.heads_q() {
+            for (h, &sink) in sinks.iter().enumerate() {
                 for i in 0..p0.seq(b).seqlen_q {
                     let at = p0.lse_offset(b, h, i);
-                    let (l0, s) = (r0.lse[at], sinks[h] as f64);
+                    let (l0, s) = (r0.lse[at], sink as f64);
                     let l1 = if l0 == f64::NEG_INFINITY {
                         s
                     } else {
