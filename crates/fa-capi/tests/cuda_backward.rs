@@ -269,9 +269,10 @@ impl Setup {
             problem.seqlens = FA_SEQLENS_VARLEN_DEVICE;
             problem.cu_seqlens_q = self.addr(q).cast();
             problem.cu_seqlens_k = self.addr(k).cast();
-            let (_, sq, sk) = self.case.dense;
-            problem.total_q = sq as i64;
-            problem.total_k = sk as i64;
+            // The packed tensors' tokens: the last prefix sums (a varlen case's `dense` sizes
+            // are not its totals).
+            problem.total_q = self.cu.0.last().copied().unwrap_or(0) as i64;
+            problem.total_k = self.cu.1.last().copied().unwrap_or(0) as i64;
             let longest = |cu: &[i32]| cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
             problem.max_seqlen_q = longest(&self.cu.0) as i64;
             problem.max_seqlen_k = longest(&self.cu.1) as i64;
