@@ -20,6 +20,7 @@
 use crate::kernels::bwd_sm80::{self, BwdLaunch, BwdTiles};
 use crate::kernels::DeviceProps;
 use crate::params::supports;
+use crate::plan::{WorkspacePart, WorkspaceReq, WORKSPACE_ALIGN};
 use softmax_core::{BufferLens, DType, Problem, ProblemError, Sequences};
 
 /// Options of a backward call.
@@ -36,40 +37,6 @@ pub struct BackwardOptions {
     /// choice).
     pub tiles: Option<BwdTiles>,
 }
-
-/// One named part of a workspace: where it starts and how long it is, in bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct WorkspacePart {
-    /// The part's name (e.g. `"dq_accum"`).
-    pub name: &'static str,
-    /// Offset from the workspace's start (a multiple of the workspace's alignment).
-    pub offset: usize,
-    /// Length.
-    pub bytes: usize,
-}
-
-/// The device memory a planned call needs besides its tensors: total bytes, the alignment of
-/// the base address, and the named parts the run carves out of it (the same values the plan
-/// computed: size and use cannot drift).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WorkspaceReq {
-    /// Total bytes (0: no workspace needed).
-    pub bytes: usize,
-    /// Alignment of the base address in bytes.
-    pub align: usize,
-    /// The parts, in address order.
-    pub parts: Vec<WorkspacePart>,
-}
-
-impl WorkspaceReq {
-    /// The part called `name`.
-    pub fn part(&self, name: &str) -> Option<WorkspacePart> {
-        self.parts.iter().copied().find(|p| p.name == name)
-    }
-}
-
-/// Alignment of the backward workspace and of each of its parts.
-pub const WORKSPACE_ALIGN: usize = 256;
 
 /// The kernels' parameter block; `kernels/bwd_sm80/params.cuh`'s `BwdParams` has the same
 /// layout.

@@ -143,13 +143,11 @@ mod device;
 mod error;
 pub mod kernels;
 mod params;
+mod plan;
 mod raw;
 mod tma;
 
-pub use backward::{
-    plan_backward, supports_backward, BackwardOptions, BackwardPlan, WorkspacePart, WorkspaceReq,
-    WORKSPACE_ALIGN,
-};
+pub use backward::{plan_backward, supports_backward, BackwardOptions, BackwardPlan};
 pub use compile::{precompile, KernelOrigin, PrecompileReport};
 pub use device::{
     driver_available, BackwardInputs, BackwardStats, BackwardTensors, CudaElement, Device,
@@ -163,5 +161,9 @@ pub use kernels::{
     arch_for, DeviceProps, ForwardVariant, KernelFamilyChoice, LaunchShape, Tiles, Variant,
 };
 pub use params::{supports, ForwardOptions};
+pub use plan::{
+    plan_forward, ForwardPlan, ForwardTensors, PlannedKernels, WorkspacePart, WorkspaceReq,
+    WORKSPACE_ALIGN,
+};
 pub use raw::{CacheTables, CuSeqlens, RawOut, RawTensor};
 pub use softmax_core::DType;

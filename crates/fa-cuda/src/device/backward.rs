@@ -1,14 +1,15 @@
 //! The backward pass on a device: the run of a [`BackwardPlan`] on caller memory and stream,
 //! and the owned-buffer and host conveniences over it.
 
-use super::{raw_view, CudaElement, Device, DeviceBuffer};
+use super::decode::upload_cu_seqlens;
+use super::{launch as launch_kernel, raw_view, CudaElement, Device, DeviceBuffer};
 use crate::backward::{plan_backward, BackwardOptions, BackwardPlan, BwdParams};
 use crate::compile::KernelOrigin;
 use crate::error::CudaError;
 use crate::kernels::bwd_sm80::{BwdLaunch, BwdPrepVariant, PREP_THREADS};
 use crate::raw::{check_ptr, CuSeqlens, RawTensor};
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, LaunchConfig};
 use softmax_core::{DType, Grads, Problem, ProblemError, Qkv, Tensor};
 use std::sync::Arc;
 
@@ -222,13 +223,9 @@ impl Device {
         let params = check_tensors(plan, &tensors, &workspace)?;
         let launch = *plan.launch();
         let dtype = plan.dtype();
-        let (main, origin, registers) = self.named_function(&launch.variant, launch.smem_bytes)?;
-        let pre = self
-            .named_function(&BwdPrepVariant { dtype, post: false }, 0)?
-            .0;
-        let post = self
-            .named_function(&BwdPrepVariant { dtype, post: true }, 0)?
-            .0;
+        let (main, origin, registers) = self.function(&launch.variant, launch.smem_bytes)?;
+        let pre = self.function(&BwdPrepVariant { dtype, post: false }, 0)?.0;
+        let post = self.function(&BwdPrepVariant { dtype, post: true }, 0)?.0;
         let events = if time {
             let ev = || {
                 self.ctx
@@ -244,8 +241,6 @@ impl Device {
             None
         };
         let launch_one = |f: &cudarc::driver::CudaFunction, cfg: LaunchConfig| {
-            let mut builder = stream.launch_builder(f);
-            builder.arg(&params);
             // SAFETY: `params` matches the kernels' `BwdParams` layout; every address in it
             // was checked by `check_tensors` (non-null, aligned, long enough for the plan's
             // problem, whose extents bound the kernels' reads and writes; the workspace at
@@ -253,7 +248,7 @@ impl Device {
             // memory of this context valid until `stream` passes the kernels, by
             // `RawTensor::from_raw`'s contract (owned buffers: their callers wait for the
             // stream).
-            unsafe { builder.launch(cfg) }.map_err(|e| CudaError::driver("cuLaunchKernel", e))
+            unsafe { launch_kernel(f, cfg, stream, &params, &[], false) }
         };
         if let Some(grid) = launch.prep_grid {
             launch_one(
@@ -331,9 +326,7 @@ impl Device {
         self.owns(inputs.lse)?;
         let stream = &self.stream;
         let cu = match problem.sequences() {
-            softmax_core::Sequences::Varlen { .. } => {
-                self.upload_host_cu_seqlens(problem, stream)?
-            }
+            softmax_core::Sequences::Varlen { .. } => upload_cu_seqlens(problem, stream)?,
             softmax_core::Sequences::VarlenDevice { .. } => {
                 return Err(ProblemError::Unsupported {
                     what: "device prefix sums go through backward_on_stream",
