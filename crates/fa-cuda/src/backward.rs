@@ -19,7 +19,7 @@
 
 use crate::kernels::bwd_sm80::{self, BwdLaunch, BwdTiles};
 use crate::kernels::DeviceProps;
-use crate::params::supports;
+use crate::params::{supports, DenseLayout};
 use crate::plan::{WorkspacePart, WorkspaceReq, WORKSPACE_ALIGN};
 use softmax_core::{BufferLens, DType, Problem, ProblemError, Sequences};
 
@@ -207,43 +207,24 @@ pub fn plan_backward(
             },
         ],
     };
-    let varlen = problem.is_varlen();
-    let strides = problem.strides();
-    let triple = |s: &softmax_core::Strides| {
-        [
-            if varlen { 0 } else { s.batch as i64 },
-            s.seq as i64,
-            s.head as i64,
-        ]
-    };
-    let (lse_bs, lse_hs) = if varlen {
-        (0, problem.total_q() as i64)
-    } else {
-        (
-            (problem.heads_q() * problem.total_q()) as i64,
-            problem.total_q() as i64,
-        )
-    };
-    // Windows beyond any sequence are unbounded in effect; the kernel's indices are 32-bit.
-    let window = |w: Option<usize>| w.map_or(-1, |w| w.min(1 << 30) as i32);
-    let mask = problem.mask();
-    let transform = problem.score_transform::<f64>();
+    let l = DenseLayout::of(problem);
+    let [q_strides, k_strides, v_strides, o_strides] = l.strides;
     let params = BwdParams {
-        q_strides: triple(&strides[0]),
-        k_strides: triple(&strides[1]),
-        v_strides: triple(&strides[2]),
-        o_strides: triple(&strides[3]),
-        lse_bs,
-        lse_hs,
+        q_strides,
+        k_strides,
+        v_strides,
+        o_strides,
+        lse_bs: l.lse_bs,
+        lse_hs: l.lse_hs,
         seqlen_q: problem.total_q() as i32,
         seqlen_k: problem.total_k() as i32,
         group: problem.group_size() as i32,
         head_dim: problem.head_dim() as i32,
         head_dim_v: problem.head_dim_v() as i32,
-        win_left: window(mask.left),
-        win_right: window(mask.right),
-        pre: transform.pre_factor() as f32,
-        softcap_post: transform.softcap_post_factor().unwrap_or(0.0) as f32,
+        win_left: l.win_left,
+        win_right: l.win_right,
+        pre: l.pre,
+        softcap_post: l.softcap_post,
         scale: problem.softmax_scale(),
         ..BwdParams::default()
     };

@@ -756,8 +756,28 @@ impl Device {
         stream: &Arc<CudaStream>,
         repeat: usize,
         time: bool,
-        mut launch: impl FnMut() -> Result<ForwardStats, CudaError>,
+        launch: impl FnMut() -> Result<ForwardStats, CudaError>,
     ) -> Result<Vec<ForwardStats>, CudaError> {
+        let timed = self.timed(stream, repeat, time, launch)?;
+        Ok(timed
+            .into_iter()
+            .map(|(stats, ms)| ForwardStats {
+                kernel_ms: ms,
+                ..stats
+            })
+            .collect())
+    }
+
+    /// Runs `launch` (which queues one call's kernels on `stream`) `repeat` times; with
+    /// `time`, brackets each call with CUDA events and, after the last, reads each call's
+    /// kernel time in milliseconds (waiting for the stream). Every pass times this way.
+    pub(crate) fn timed<S>(
+        &self,
+        stream: &Arc<CudaStream>,
+        repeat: usize,
+        time: bool,
+        mut launch: impl FnMut() -> Result<S, CudaError>,
+    ) -> Result<Vec<(S, Option<f32>)>, CudaError> {
         let mut all = Vec::with_capacity(repeat);
         let mut events = Vec::new();
         for _ in 0..repeat {
@@ -775,7 +795,7 @@ impl Device {
             } else {
                 None
             };
-            all.push(launch()?);
+            all.push((launch()?, None));
             if let Some((start, end)) = timing {
                 end.record(stream)
                     .map_err(|e| CudaError::driver("cuEventRecord", e))?;
@@ -783,7 +803,7 @@ impl Device {
             }
         }
         for (stat, (start, end)) in all.iter_mut().zip(&events) {
-            stat.kernel_ms = Some(
+            stat.1 = Some(
                 start
                     .elapsed_ms(end)
                     .map_err(|e| CudaError::driver("cuEventElapsedTime", e))?,

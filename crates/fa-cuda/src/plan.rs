@@ -15,7 +15,10 @@ use crate::error::CudaError;
 use crate::kernels::decode::{decode_params, plan_decode, DecodePlan};
 use crate::kernels::{plan_forward as plan_launch, DeviceProps, LaunchShape};
 use crate::params::{forward_params, supports, ForwardOptions, Params};
-use crate::raw::{check_ptr, check_table_lens, CacheTables, CuSeqlens, RawOut, RawTensor};
+use crate::raw::{
+    check_cu_seqlens, check_len, check_ptr, check_table_lens, CacheTables, CuSeqlens, RawOut,
+    RawTensor,
+};
 use softmax_core::{BufferLens, DType, KvCache, Problem, ProblemError, Qkv, Sequences, Tensor};
 
 /// One named part of a workspace: where it starts and how long it is, in bytes.
@@ -356,24 +359,10 @@ pub(crate) fn check_run<T: crate::CudaElement>(
         (Tensor::V, v, lens.v),
         (Tensor::O, &t.out.o, lens.o),
     ] {
-        if x.len() < needed {
-            return Err(ProblemError::BufferTooSmall {
-                tensor,
-                needed,
-                len: x.len(),
-            }
-            .into());
-        }
+        check_len(tensor, x, needed)?;
     }
     if let (Some(l), Some(needed)) = (&t.out.lse, lens.lse) {
-        if l.len() < needed {
-            return Err(ProblemError::BufferTooSmall {
-                tensor: Tensor::Lse,
-                needed,
-                len: l.len(),
-            }
-            .into());
-        }
+        check_len(Tensor::Lse, l, needed)?;
     }
     for (tensor, x) in [
         (Tensor::Q, q),
@@ -426,22 +415,7 @@ pub(crate) fn check_run<T: crate::CudaElement>(
             }
             .into())
         }
-        (_, Some(cu)) => {
-            for (tensor, x) in [(Tensor::CuSeqlensQ, &cu.q), (Tensor::CuSeqlensK, &cu.k)] {
-                let needed = plan.dims.batch + 1;
-                if x.len() < needed {
-                    return Err(ProblemError::BufferTooSmall {
-                        tensor,
-                        needed,
-                        len: x.len(),
-                    }
-                    .into());
-                }
-                check_ptr(tensor, x, 4)?;
-            }
-            params.cu_q = cu.q.ptr();
-            params.cu_k = cu.k.ptr();
-        }
+        (_, Some(cu)) => (params.cu_q, params.cu_k) = check_cu_seqlens(plan.dims.batch, cu)?,
     }
     match (plan.cache, &t.tables) {
         (None, Some(_)) => {
@@ -564,10 +538,7 @@ mod tests {
         let ws = Source::Caller(unsafe { RawTensor::from_raw(0, 0) });
         let params = check_run(&plan, &t, &ws, &H200).expect("valid run");
         assert_eq!((params.q, params.o), (0x10_0000, 0x40_0000));
-        assert_eq!(
-            check_run(&plan, &t, &ws, &DeviceProps::a100()).is_err(),
-            true
-        );
+        assert!(check_run(&plan, &t, &ws, &DeviceProps::a100()).is_err());
         t.out.o = at(0x40_0000, lens.o - 1);
         assert!(matches!(
             check_run(&plan, &t, &ws, &H200),

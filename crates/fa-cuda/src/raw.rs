@@ -175,14 +175,7 @@ pub(crate) fn check_table_lens(
         }
     }
     for (tensor, t, needed) in checked {
-        if t.len < needed {
-            return Err(ProblemError::BufferTooSmall {
-                tensor,
-                needed,
-                len: t.len,
-            }
-            .into());
-        }
+        check_len(tensor, t, needed)?;
         // An empty table (no block per sequence) is never read.
         check_ptr(tensor, t, 4)?;
     }
@@ -195,6 +188,33 @@ pub(crate) fn check_table_lens(
 
 /// The output bundle of a call on caller memory: O and, optionally, the f32 LSE.
 pub type RawOut<T> = Out<RawTensor<T>, RawTensor<f32>>;
+
+/// Rejects a tensor shorter than `needed` elements ([`ProblemError::BufferTooSmall`]).
+pub(crate) fn check_len<T>(
+    tensor: Tensor,
+    t: &RawTensor<T>,
+    needed: usize,
+) -> Result<(), CudaError> {
+    if t.len < needed {
+        return Err(ProblemError::BufferTooSmall {
+            tensor,
+            needed,
+            len: t.len,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Checks device prefix sums for `batch` sequences (`batch + 1` int32 entries each, 4-byte
+/// aligned); returns their addresses (query, key).
+pub(crate) fn check_cu_seqlens(batch: usize, cu: &CuSeqlens) -> Result<(u64, u64), CudaError> {
+    for (tensor, x) in [(Tensor::CuSeqlensQ, &cu.q), (Tensor::CuSeqlensK, &cu.k)] {
+        check_len(tensor, x, batch + 1)?;
+        check_ptr(tensor, x, 4)?;
+    }
+    Ok((cu.q.ptr, cu.k.ptr))
+}
 
 /// Rejects a null address (unless the tensor is empty), a misaligned one, and a range that
 /// wraps the address space.

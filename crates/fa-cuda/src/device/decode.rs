@@ -9,7 +9,7 @@ use crate::error::CudaError;
 use crate::kernels::decode::{block_walk, cache_params, cache_shape, AppendVariant};
 use crate::params::{supports, ForwardOptions, Params};
 use crate::plan::{set_workspace, ForwardPlan, ForwardTensors, ROW_ALIGN};
-use crate::raw::{check_cache_tables, check_ptr, CacheTables, RawOut, RawTensor};
+use crate::raw::{check_cache_tables, check_len, check_ptr, CacheTables, RawOut, RawTensor};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, SyncOnDrop};
 use softmax_core::{DType, KvCache, Problem, ProblemError, Qkv, Sequences, Tensor};
 use std::sync::Arc;
@@ -287,14 +287,7 @@ impl Device {
             (Tensor::K, &k_cache, lens.k),
             (Tensor::V, &v_cache, lens.v),
         ] {
-            if t.len() < needed {
-                return Err(ProblemError::BufferTooSmall {
-                    tensor,
-                    needed,
-                    len: t.len(),
-                }
-                .into());
-            }
+            check_len(tensor, t, needed)?;
             check_ptr(tensor, t, ROW_ALIGN)?;
         }
         let device_tables = match &tables {
