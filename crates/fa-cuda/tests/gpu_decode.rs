@@ -848,11 +848,13 @@ fn a_planned_decode_step_replays_from_a_cuda_graph() {
             .run_on_stream(&plan, tensors(&o_eager, &lse_eager), workspace, &stream)
             .expect("eager run");
         assert_eq!(stats.decode.map(|p| p.num_splits), Some(5));
+        // Every address taken before the capture (cudarc records its buffer events then).
+        let graph_tensors = tensors(&o_graph, &lse_graph);
         stream.synchronize().expect("synchronise");
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .expect("capture");
-        let captured = d.run_on_stream(&plan, tensors(&o_graph, &lse_graph), workspace, &stream);
+        let captured = d.run_on_stream(&plan, graph_tensors, workspace, &stream);
         let graph = stream
             .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
             .expect("end capture")
