@@ -19,7 +19,7 @@
 
 use crate::kernels::bwd_sm80::{self, BwdLaunch, BwdTiles};
 use crate::kernels::DeviceProps;
-use crate::params::{supports, DenseLayout};
+use crate::params::{supports, DenseLayout, Params};
 use crate::plan::{WorkspacePart, WorkspaceReq, WORKSPACE_ALIGN};
 use softmax_core::{BufferLens, DType, Problem, ProblemError, Sequences};
 
@@ -38,50 +38,6 @@ pub struct BackwardOptions {
     pub tiles: Option<BwdTiles>,
 }
 
-/// The kernels' parameter block; `kernels/bwd_sm80/params.cuh`'s `BwdParams` has the same
-/// layout.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct BwdParams {
-    pub q: u64,
-    pub k: u64,
-    pub v: u64,
-    pub o: u64,
-    pub d_o: u64,
-    pub lse: u64,
-    pub dq: u64,
-    pub dk: u64,
-    pub dv: u64,
-    pub dsum: u64,
-    pub lse2: u64,
-    pub dq_acc: u64,
-    pub cu_q: u64,
-    pub cu_k: u64,
-    pub q_strides: [i64; 3],
-    pub k_strides: [i64; 3],
-    pub v_strides: [i64; 3],
-    pub o_strides: [i64; 3],
-    pub lse_bs: i64,
-    pub lse_hs: i64,
-    pub seqlen_q: i32,
-    pub seqlen_k: i32,
-    pub group: i32,
-    pub head_dim: i32,
-    pub head_dim_v: i32,
-    pub win_left: i32,
-    pub win_right: i32,
-    pub pad0: i32,
-    pub pre: f32,
-    pub softcap_post: f32,
-    pub scale: f32,
-    pub pad1: f32,
-}
-
-// SAFETY: plain old data with a C layout matching the kernels' `BwdParams` (checked by the
-// size assertion below and by the GPU tests).
-unsafe impl cudarc::driver::DeviceRepr for BwdParams {}
-const _: () = assert!(core::mem::size_of::<BwdParams>() == 272);
-
 /// A planned backward call: what runs, with which parameters, and the workspace it needs.
 /// Computed once by [`plan_backward`] (or [`crate::Device::plan_backward`]); run any number
 /// of times with [`crate::Device::backward_on_stream`] on tensors of the problem it was made
@@ -98,7 +54,7 @@ pub struct BackwardPlan {
     batch: usize,
     /// Whether the problem is packed (the run then takes device prefix sums).
     varlen: bool,
-    pub(crate) params: BwdParams,
+    pub(crate) params: Params,
 }
 
 impl BackwardPlan {
@@ -209,7 +165,7 @@ pub fn plan_backward(
     };
     let l = DenseLayout::of(problem);
     let [q_strides, k_strides, v_strides, o_strides] = l.strides;
-    let params = BwdParams {
+    let params = Params {
         q_strides,
         k_strides,
         v_strides,
@@ -226,7 +182,7 @@ pub fn plan_backward(
         pre: l.pre,
         softcap_post: l.softcap_post,
         scale: problem.softmax_scale(),
-        ..BwdParams::default()
+        ..Params::default()
     };
     Ok(BackwardPlan {
         launch,

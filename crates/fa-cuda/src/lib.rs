@@ -39,9 +39,9 @@
 //! layer) plan once per call and run the same path; [`Device::decode_workspace_bytes`] is the
 //! plan's [`ForwardPlan::workspace_bytes`].
 //!
-//! Inside, every kernel shares three things: one parameter block for the forward and decode
-//! families (`kernels/common/params.cuh`'s `AttnParams`, the Rust `Params`; the backward keeps
-//! its own `BwdParams`, whose gradient pointers no forward kernel reads), the device's one
+//! Inside, every kernel shares three things: one parameter block (`kernels/common/params.cuh`'s
+//! `AttnParams`, the Rust `Params`: the forward, decode, combine, append and backward kernels
+//! each read their pass's fields), the device's one
 //! kernel table (every family's loaded functions, by family and variant name) and one launch
 //! helper (`cuLaunchKernelEx`, optionally a programmatic dependent launch).
 //!

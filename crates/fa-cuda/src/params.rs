@@ -41,8 +41,8 @@ pub struct ForwardOptions {
     pub decode_table_order: bool,
 }
 
-/// The one parameter block of the attention kernels (the forward families and the decode
-/// family's decode, combine and append kernels); `kernels/common/params.cuh`'s `AttnParams` has
+/// The one parameter block of the attention kernels (the forward families, the decode
+/// family's decode, combine and append kernels, and the backward's three kernels); `kernels/common/params.cuh`'s `AttnParams` has
 /// the same layout. Each kernel reads the fields of its pass; the others stay zero. A plan
 /// fills everything but the device addresses, which the run sets.
 #[repr(C)]
@@ -62,6 +62,13 @@ pub(crate) struct Params {
     pub ml_part: u64,
     pub k_new: u64,
     pub v_new: u64,
+    pub d_o: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+    pub dsum: u64,
+    pub lse2: u64,
+    pub dq_acc: u64,
     pub q_strides: [i64; 3],
     pub k_strides: [i64; 3],
     pub v_strides: [i64; 3],
@@ -90,20 +97,24 @@ pub(crate) struct Params {
     pub pre: f32,
     pub softcap_post: f32,
     pub tau: f32,
+    pub scale: f32,
+    pub pad: f32,
 }
 
 // SAFETY: plain old data with a C layout matching the kernels' `AttnParams` (checked by the
 // size and offset assertions below, the size assertion in `common/params.cuh`, and the GPU
 // tests).
 unsafe impl cudarc::driver::DeviceRepr for Params {}
-const _: () = assert!(core::mem::size_of::<Params>() == 352);
-// Field offsets as `common/params.cuh` lays them out (14 pointers, 20 strides, 17 ints, 3 floats).
-const _: () = assert!(core::mem::offset_of!(Params, q_strides) == 112);
-const _: () = assert!(core::mem::offset_of!(Params, kn_strides) == 208);
-const _: () = assert!(core::mem::offset_of!(Params, lse_bs) == 256);
-const _: () = assert!(core::mem::offset_of!(Params, seqlen_q) == 272);
-const _: () = assert!(core::mem::offset_of!(Params, seqlen_new) == 336);
-const _: () = assert!(core::mem::offset_of!(Params, pre) == 340);
+const _: () = assert!(core::mem::size_of::<Params>() == 416);
+// Field offsets as `common/params.cuh` lays them out (21 pointers, 20 strides, 17 ints, 5 floats).
+const _: () = assert!(core::mem::offset_of!(Params, d_o) == 112);
+const _: () = assert!(core::mem::offset_of!(Params, q_strides) == 168);
+const _: () = assert!(core::mem::offset_of!(Params, kn_strides) == 264);
+const _: () = assert!(core::mem::offset_of!(Params, lse_bs) == 312);
+const _: () = assert!(core::mem::offset_of!(Params, seqlen_q) == 328);
+const _: () = assert!(core::mem::offset_of!(Params, seqlen_new) == 392);
+const _: () = assert!(core::mem::offset_of!(Params, pre) == 396);
+const _: () = assert!(core::mem::offset_of!(Params, scale) == 408);
 
 /// The rescale threshold as the kernels take it (log2 units; 0: rescale always).
 pub(crate) fn tau_of(rescale: RescalePolicy<f32>) -> f32 {

@@ -3,10 +3,11 @@
 
 use super::decode::upload_cu_seqlens;
 use super::{launch as launch_kernel, raw_view, CudaElement, Device, DeviceBuffer};
-use crate::backward::{plan_backward, BackwardOptions, BackwardPlan, BwdParams};
+use crate::backward::{plan_backward, BackwardOptions, BackwardPlan};
 use crate::compile::KernelOrigin;
 use crate::error::CudaError;
 use crate::kernels::bwd_sm80::{BwdLaunch, BwdPrepVariant, PREP_THREADS};
+use crate::params::Params;
 use crate::raw::{check_cu_seqlens, check_len, check_ptr, CuSeqlens, RawTensor};
 use cudarc::driver::{CudaStream, DevicePtr, LaunchConfig};
 use softmax_core::{DType, Grads, Problem, ProblemError, Qkv, Tensor};
@@ -64,7 +65,7 @@ fn check_tensors<T: CudaElement>(
     plan: &BackwardPlan,
     t: &BackwardTensors<T>,
     workspace: &RawTensor<u8>,
-) -> Result<BwdParams, CudaError> {
+) -> Result<Params, CudaError> {
     if plan.dtype() != T::DTYPE {
         return Err(ProblemError::Unsupported {
             what: "the tensors' dtype is not the one the backward plan was made for",
@@ -110,7 +111,7 @@ fn check_tensors<T: CudaElement>(
     let req = plan.workspace();
     let base = req.check(workspace)?;
     let at = |name: &str| req.at(base, name);
-    Ok(BwdParams {
+    Ok(Params {
         q: t.qkv.q.ptr(),
         k: t.qkv.k.ptr(),
         v: t.qkv.v.ptr(),
@@ -185,7 +186,7 @@ impl Device {
         let pre = self.function(&BwdPrepVariant { dtype, post: false }, 0)?.0;
         let post = self.function(&BwdPrepVariant { dtype, post: true }, 0)?.0;
         let launch_one = |f: &cudarc::driver::CudaFunction, cfg: LaunchConfig| {
-            // SAFETY: `params` matches the kernels' `BwdParams` layout; every address in it
+            // SAFETY: `params` matches the kernels' `AttnParams` layout; every address in it
             // was checked by `check_tensors` (non-null, aligned, long enough for the plan's
             // problem, whose extents bound the kernels' reads and writes; the workspace at
             // least the plan's size, which its parts' offsets stay inside) and is device
