@@ -19,9 +19,9 @@
 
 use crate::kernels::bwd_sm80::{self, BwdLaunch, BwdTiles};
 use crate::kernels::DeviceProps;
-use crate::params::{supports, DenseLayout, Params};
+use crate::params::{forward_params, supports, Params};
 use crate::plan::{WorkspacePart, WorkspaceReq, WORKSPACE_ALIGN};
-use softmax_core::{BufferLens, DType, Problem, ProblemError, Sequences};
+use softmax_core::{BufferLens, DType, Problem, ProblemError, RescalePolicy, Sequences};
 
 /// Options of a backward call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -163,26 +163,11 @@ pub fn plan_backward(
             },
         ],
     };
-    let l = DenseLayout::of(problem);
-    let [q_strides, k_strides, v_strides, o_strides] = l.strides;
+    // The dense forward's block (strides, LSE layout, lengths, window, score factors) and
+    // the scale that dK and dQ take; the backward reads no rescale threshold or query blocks.
     let params = Params {
-        q_strides,
-        k_strides,
-        v_strides,
-        o_strides,
-        lse_bs: l.lse_bs,
-        lse_hs: l.lse_hs,
-        seqlen_q: problem.total_q() as i32,
-        seqlen_k: problem.total_k() as i32,
-        group: problem.group_size() as i32,
-        head_dim: problem.head_dim() as i32,
-        head_dim_v: problem.head_dim_v() as i32,
-        win_left: l.win_left,
-        win_right: l.win_right,
-        pre: l.pre,
-        softcap_post: l.softcap_post,
         scale: problem.softmax_scale(),
-        ..Params::default()
+        ..forward_params(problem, None, RescalePolicy::Always)
     };
     Ok(BackwardPlan {
         launch,

@@ -154,89 +154,55 @@ pub fn supports(problem: &Problem, dtype: DType) -> Result<(), ProblemError> {
     Ok(())
 }
 
-/// What every dense pass (forward and backward) reads the same way from a validated problem:
-/// the tensors' element strides (the batch stride 0 when packed), the LSE layout (packed:
-/// head-major over the total tokens), the window (-1: unbounded) and the score transform's
-/// factors.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct DenseLayout {
-    pub strides: [[i64; 3]; 4],
-    pub lse_bs: i64,
-    pub lse_hs: i64,
-    pub win_left: i32,
-    pub win_right: i32,
-    pub pre: f32,
-    pub softcap_post: f32,
-}
-
-impl DenseLayout {
-    /// The layout of `problem`.
-    pub(crate) fn of(problem: &Problem) -> DenseLayout {
-        let varlen = problem.is_varlen();
-        let triple = |s: &softmax_core::Strides| {
-            [
-                if varlen { 0 } else { s.batch as i64 },
-                s.seq as i64,
-                s.head as i64,
-            ]
-        };
-        let strides = problem.strides();
-        let (lse_bs, lse_hs) = if varlen {
-            (0, problem.total_q() as i64)
-        } else {
-            (
-                (problem.heads_q() * problem.total_q()) as i64,
-                problem.total_q() as i64,
-            )
-        };
-        // Windows beyond any sequence are unbounded in effect; the kernels' indices are 32-bit.
-        let window = |w: Option<usize>| w.map_or(-1, |w| w.min(MAX_TOKENS) as i32);
-        let mask = problem.mask();
-        let transform = problem.score_transform::<f64>();
-        DenseLayout {
-            strides: [
-                triple(&strides[0]),
-                triple(&strides[1]),
-                triple(&strides[2]),
-                triple(&strides[3]),
-            ],
-            lse_bs,
-            lse_hs,
-            win_left: window(mask.left),
-            win_right: window(mask.right),
-            pre: transform.pre_factor() as f32,
-            softcap_post: transform.softcap_post_factor().unwrap_or(0.0) as f32,
-        }
-    }
-}
-
-/// The dense forward's parameter block of a validated problem and its launch (device
-/// addresses still zero): [`DenseLayout`], the lengths (packed: the totals, which bound the
-/// kernel's reads of the prefix sums), the query blocks and the rescale threshold.
+/// The dense passes' parameter block of a validated problem and its launch (device addresses
+/// still zero): the tensors' element strides (the batch stride 0 when packed), the LSE layout
+/// (packed: head-major over the total tokens), the lengths (packed: the totals, which bound
+/// the kernels' reads of the prefix sums), the window (-1: unbounded), the score transform's
+/// factors, the query blocks and the rescale threshold. The forward's, and with the scale the
+/// backward's.
 pub(crate) fn forward_params(
     problem: &Problem,
     launch: Option<&LaunchShape>,
     rescale: RescalePolicy<f32>,
 ) -> Params {
-    let l = DenseLayout::of(problem);
-    let [q_strides, k_strides, v_strides, o_strides] = l.strides;
+    let varlen = problem.is_varlen();
+    let triple = |s: &softmax_core::Strides| {
+        [
+            if varlen { 0 } else { s.batch as i64 },
+            s.seq as i64,
+            s.head as i64,
+        ]
+    };
+    let strides = problem.strides();
+    let (lse_bs, lse_hs) = if varlen {
+        (0, problem.total_q() as i64)
+    } else {
+        (
+            (problem.heads_q() * problem.total_q()) as i64,
+            problem.total_q() as i64,
+        )
+    };
+    // Windows beyond any sequence are unbounded in effect; the kernels' indices are 32-bit.
+    let window = |w: Option<usize>| w.map_or(-1, |w| w.min(MAX_TOKENS) as i32);
+    let mask = problem.mask();
+    let transform = problem.score_transform::<f64>();
     Params {
-        q_strides,
-        k_strides,
-        v_strides,
-        o_strides,
-        lse_bs: l.lse_bs,
-        lse_hs: l.lse_hs,
+        q_strides: triple(&strides[0]),
+        k_strides: triple(&strides[1]),
+        v_strides: triple(&strides[2]),
+        o_strides: triple(&strides[3]),
+        lse_bs,
+        lse_hs,
         seqlen_q: problem.total_q() as i32,
         seqlen_k: problem.total_k() as i32,
         group: problem.group_size() as i32,
         head_dim: problem.head_dim() as i32,
         head_dim_v: problem.head_dim_v() as i32,
-        win_left: l.win_left,
-        win_right: l.win_right,
+        win_left: window(mask.left),
+        win_right: window(mask.right),
         num_m_blocks: launch.map_or(0, |l| l.grid.0 as i32),
-        pre: l.pre,
-        softcap_post: l.softcap_post,
+        pre: transform.pre_factor() as f32,
+        softcap_post: transform.softcap_post_factor().unwrap_or(0.0) as f32,
         tau: tau_of(rescale),
         ..Params::default()
     }
