@@ -10,7 +10,7 @@ use core::ffi::c_void;
 use cudarc::driver::sys;
 use fa_cuda::{
     BackwardOptions, BackwardPlan, BackwardTensors, CacheTables, CuSeqlens, CudaElement, Device,
-    ForwardOptions, RawTensor,
+    ForwardOptions, ForwardTensors, RawTensor,
 };
 use half::{bf16, f16};
 use softmax_core::{DType, Grads, Out, Problem, Qkv};
@@ -449,6 +449,8 @@ unsafe fn launch_cache<T: CudaElement>(
     stream: sys::CUstream,
 ) -> Result<(), Failure> {
     use cudarc::driver::DevicePtr;
+    // Planned once: the workspace size and the run come from the same plan.
+    let plan = device.plan_forward(problem, T::DTYPE, &call.opts)?;
     let lens = problem.min_buffer_lens();
     let [tq, tk, tv, to] = &call.call.tensors;
     let addr = |t: &FaTensor| t.data as usize as u64;
@@ -467,7 +469,7 @@ unsafe fn launch_cache<T: CudaElement>(
                 o: raw::<T>(addr(to), lens.o),
                 lse: lse.map(|(p, n)| raw::<f32>(p, n)),
             },
-            workspace.map(|(p, bytes)| raw::<f32>(p, bytes / 4)),
+            workspace.map(|(p, bytes)| raw::<u8>(p, bytes)),
         )
     };
     // SAFETY: `stream` is a stream of the device's context kept alive by the caller (the
@@ -479,26 +481,32 @@ unsafe fn launch_cache<T: CudaElement>(
     };
     // No caller workspace: allocated on the stream, so that dropping it after the launch
     // frees it in stream order, after the kernels.
-    let owned = match caller_ws {
-        Some(_) => None,
-        None => match device.decode_workspace_bytes(problem, T::DTYPE, &call.opts)? {
-            0 => None,
-            bytes => Some(
-                stream
-                    .alloc_zeros::<f32>(bytes.div_ceil(4))
-                    .map_err(|e| cuda_failure("allocating the split workspace", e))?,
-            ),
-        },
-    };
-    let guard = owned.as_ref().map(|s| s.device_ptr(&stream));
-    let ws = match (caller_ws, &guard, &owned) {
-        (Some(ws), _, _) => Some(ws),
-        // SAFETY: a live allocation of this context of `s.len()` f32s, alive until the
-        // stream has passed the kernels (freed in stream order below).
-        (None, Some(g), Some(s)) => Some(unsafe { raw::<f32>(g.0, s.len()) }),
+    let owned = match (caller_ws, plan.workspace_bytes()) {
+        (None, bytes) if bytes > 0 => Some(
+            stream
+                .alloc_zeros::<f32>(bytes.div_ceil(4))
+                .map_err(|e| cuda_failure("allocating the split workspace", e))?,
+        ),
         _ => None,
     };
-    let result = device.forward_cache_on_stream(problem, tables, ws, qkv, out, &stream, &call.opts);
+    let guard = owned.as_ref().map(|s| s.device_ptr(&stream));
+    // SAFETY: the caller's workspace (the contract), a live allocation of this context of
+    // `s.len()` f32s alive until the stream has passed the kernels (freed in stream order
+    // below), or an empty tensor that nothing reads.
+    let ws = unsafe {
+        match (caller_ws, &guard, &owned) {
+            (Some(ws), _, _) => ws,
+            (None, Some(g), Some(s)) => raw::<u8>(g.0, s.len() * 4),
+            _ => raw::<u8>(0, 0),
+        }
+    };
+    let tensors = ForwardTensors {
+        qkv,
+        out,
+        cu_seqlens: None,
+        tables: Some(tables),
+    };
+    let result = device.run_on_stream(&plan, tensors, ws, &stream);
     drop(guard);
     drop(owned);
     result?;

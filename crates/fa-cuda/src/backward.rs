@@ -19,8 +19,9 @@
 
 use crate::kernels::bwd_sm80::{self, BwdLaunch, BwdTiles};
 use crate::kernels::DeviceProps;
-use crate::params::supports;
-use softmax_core::{BufferLens, DType, Problem, ProblemError, Sequences};
+use crate::params::{forward_params, supports, Params};
+use crate::plan::{WorkspacePart, WorkspaceReq, WORKSPACE_ALIGN};
+use softmax_core::{BufferLens, DType, Problem, ProblemError, RescalePolicy, Sequences};
 
 /// Options of a backward call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -36,84 +37,6 @@ pub struct BackwardOptions {
     /// choice).
     pub tiles: Option<BwdTiles>,
 }
-
-/// One named part of a workspace: where it starts and how long it is, in bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct WorkspacePart {
-    /// The part's name (e.g. `"dq_accum"`).
-    pub name: &'static str,
-    /// Offset from the workspace's start (a multiple of the workspace's alignment).
-    pub offset: usize,
-    /// Length.
-    pub bytes: usize,
-}
-
-/// The device memory a planned call needs besides its tensors: total bytes, the alignment of
-/// the base address, and the named parts the run carves out of it (the same values the plan
-/// computed: size and use cannot drift).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WorkspaceReq {
-    /// Total bytes (0: no workspace needed).
-    pub bytes: usize,
-    /// Alignment of the base address in bytes.
-    pub align: usize,
-    /// The parts, in address order.
-    pub parts: Vec<WorkspacePart>,
-}
-
-impl WorkspaceReq {
-    /// The part called `name`.
-    pub fn part(&self, name: &str) -> Option<WorkspacePart> {
-        self.parts.iter().copied().find(|p| p.name == name)
-    }
-}
-
-/// Alignment of the backward workspace and of each of its parts.
-pub const WORKSPACE_ALIGN: usize = 256;
-
-/// The kernels' parameter block; `kernels/bwd_sm80/params.cuh`'s `BwdParams` has the same
-/// layout.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct BwdParams {
-    pub q: u64,
-    pub k: u64,
-    pub v: u64,
-    pub o: u64,
-    pub d_o: u64,
-    pub lse: u64,
-    pub dq: u64,
-    pub dk: u64,
-    pub dv: u64,
-    pub dsum: u64,
-    pub lse2: u64,
-    pub dq_acc: u64,
-    pub cu_q: u64,
-    pub cu_k: u64,
-    pub q_strides: [i64; 3],
-    pub k_strides: [i64; 3],
-    pub v_strides: [i64; 3],
-    pub o_strides: [i64; 3],
-    pub lse_bs: i64,
-    pub lse_hs: i64,
-    pub seqlen_q: i32,
-    pub seqlen_k: i32,
-    pub group: i32,
-    pub head_dim: i32,
-    pub head_dim_v: i32,
-    pub win_left: i32,
-    pub win_right: i32,
-    pub pad0: i32,
-    pub pre: f32,
-    pub softcap_post: f32,
-    pub scale: f32,
-    pub pad1: f32,
-}
-
-// SAFETY: plain old data with a C layout matching the kernels' `BwdParams` (checked by the
-// size assertion below and by the GPU tests).
-unsafe impl cudarc::driver::DeviceRepr for BwdParams {}
-const _: () = assert!(core::mem::size_of::<BwdParams>() == 272);
 
 /// A planned backward call: what runs, with which parameters, and the workspace it needs.
 /// Computed once by [`plan_backward`] (or [`crate::Device::plan_backward`]); run any number
@@ -131,7 +54,7 @@ pub struct BackwardPlan {
     batch: usize,
     /// Whether the problem is packed (the run then takes device prefix sums).
     varlen: bool,
-    pub(crate) params: BwdParams,
+    pub(crate) params: Params,
 }
 
 impl BackwardPlan {
@@ -240,45 +163,11 @@ pub fn plan_backward(
             },
         ],
     };
-    let varlen = problem.is_varlen();
-    let strides = problem.strides();
-    let triple = |s: &softmax_core::Strides| {
-        [
-            if varlen { 0 } else { s.batch as i64 },
-            s.seq as i64,
-            s.head as i64,
-        ]
-    };
-    let (lse_bs, lse_hs) = if varlen {
-        (0, problem.total_q() as i64)
-    } else {
-        (
-            (problem.heads_q() * problem.total_q()) as i64,
-            problem.total_q() as i64,
-        )
-    };
-    // Windows beyond any sequence are unbounded in effect; the kernel's indices are 32-bit.
-    let window = |w: Option<usize>| w.map_or(-1, |w| w.min(1 << 30) as i32);
-    let mask = problem.mask();
-    let transform = problem.score_transform::<f64>();
-    let params = BwdParams {
-        q_strides: triple(&strides[0]),
-        k_strides: triple(&strides[1]),
-        v_strides: triple(&strides[2]),
-        o_strides: triple(&strides[3]),
-        lse_bs,
-        lse_hs,
-        seqlen_q: problem.total_q() as i32,
-        seqlen_k: problem.total_k() as i32,
-        group: problem.group_size() as i32,
-        head_dim: problem.head_dim() as i32,
-        head_dim_v: problem.head_dim_v() as i32,
-        win_left: window(mask.left),
-        win_right: window(mask.right),
-        pre: transform.pre_factor() as f32,
-        softcap_post: transform.softcap_post_factor().unwrap_or(0.0) as f32,
+    // The dense forward's block (strides, LSE layout, lengths, window, score factors) and
+    // the scale that dK and dQ take; the backward reads no rescale threshold or query blocks.
+    let params = Params {
         scale: problem.softmax_scale(),
-        ..BwdParams::default()
+        ..forward_params(problem, None, RescalePolicy::Always)
     };
     Ok(BackwardPlan {
         launch,

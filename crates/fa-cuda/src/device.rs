@@ -2,18 +2,20 @@
 
 use crate::compile::{compile_cached, nvrtc_available, KernelOrigin};
 use crate::error::CudaError;
+use crate::kernels::decode::CombineVariant;
 use crate::kernels::{arch_for, DeviceProps, ForwardVariant, KernelVariant, LaunchShape};
-use crate::params::{prepare, ForwardOptions, KernelParams, Prepared};
-use crate::raw::{check_raw, CuSeqlens, Pointers, RawCall, RawOut, RawTensor};
+use crate::params::{ForwardOptions, Params};
+use crate::plan::{check_run, plan_forward, ForwardPlan, ForwardTensors, PlannedKernels, Source};
+use crate::raw::{CuSeqlens, RawOut, RawTensor};
 use crate::tma::{tile_map, TensorMap, TileSource};
 use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    ValidAsZeroBits,
 };
 use half::slice::HalfFloatSliceExt;
 use softmax_core::DType;
-use softmax_core::{BufferLens, Extent, Out, Problem, Qkv};
+use softmax_core::{BufferLens, Extent, Out, Problem, ProblemError, Qkv};
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -22,6 +24,7 @@ mod backward;
 mod decode;
 
 pub use backward::{BackwardInputs, BackwardStats, BackwardTensors};
+use decode::OwnedInputs;
 
 /// Whether the CUDA driver library can be loaded. `cudarc` panics on the first driver call
 /// when it cannot, so [`Device::open`] checks this first.
@@ -148,14 +151,12 @@ pub struct Device {
     arch: String,
     name: String,
     props: DeviceProps,
-    functions: Mutex<HashMap<ForwardVariant, (CudaFunction, u32)>>,
-    /// Kernels of the other families, by (family, variant name).
-    named_functions: Mutex<NamedFunctions>,
+    /// The one kernel table: every family's loaded kernels.
+    functions: Mutex<Functions>,
 }
 
-/// Loaded kernels of the families other than sm80's, by (family, variant name), with their
-/// register counts.
-type NamedFunctions = HashMap<(&'static str, String), (CudaFunction, u32)>;
+/// Loaded kernels of every family, by (family, variant name), with their register counts.
+type Functions = HashMap<(&'static str, String), (CudaFunction, u32)>;
 
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -224,7 +225,6 @@ impl Device {
             name,
             props,
             functions: Mutex::new(HashMap::new()),
-            named_functions: Mutex::new(HashMap::new()),
         })
     }
 
@@ -371,18 +371,22 @@ impl Device {
             .map_err(|e| CudaError::driver("cuStreamSynchronize", e))
     }
 
-    /// The compiled and loaded function of a variant (compiled once per process, or loaded from
-    /// the disk cache; loaded into this context once), where it came from, and its register
-    /// count. The plan has already checked the variant's shared memory against the device.
-    fn function(
+    /// The compiled and loaded function of a variant of any family, from the device's one
+    /// kernel table (compiled once per process or loaded from the disk cache; loaded into this
+    /// context once, with `smem_bytes` of dynamic shared memory allowed), where it came from,
+    /// and its register count. The plan has already checked the shared memory against the
+    /// device.
+    pub(crate) fn function<V: KernelVariant + Clone + Send + Sync + 'static>(
         &self,
-        variant: &ForwardVariant,
+        variant: &V,
+        smem_bytes: u32,
     ) -> Result<(CudaFunction, KernelOrigin, u32), CudaError> {
         let mut functions = self.functions.lock().map_err(|_| CudaError::Driver {
             what: "kernel table",
             error: "poisoned lock".into(),
         })?;
-        if let Some((f, regs)) = functions.get(variant) {
+        let key = (variant.family().name, variant.name());
+        if let Some((f, regs)) = functions.get(&key) {
             return Ok((f.clone(), KernelOrigin::ProcessCache, *regs));
         }
         let (compiled, origin) = compile_cached(variant, &self.arch)?;
@@ -395,11 +399,11 @@ impl Device {
             .map_err(|e| CudaError::driver("cuModuleGetFunction", e))?;
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            variant.smem_bytes() as i32,
+            smem_bytes as i32,
         )
         .map_err(|e| CudaError::driver("cuFuncSetAttribute", e))?;
         let regs = compiled.usage.registers;
-        functions.insert(*variant, (f.clone(), regs));
+        functions.insert(key, (f.clone(), regs));
         Ok((f, origin, regs))
     }
 
@@ -456,7 +460,7 @@ impl Device {
     }
 
     /// The owned-buffer layer: checks that the buffers are this context's, views them as raw
-    /// tensors, queues `repeat` launches on the default stream and waits for them.
+    /// tensors, plans once, queues `repeat` runs of the plan on the default stream and waits.
     fn forward_owned<T: CudaElement>(
         &self,
         problem: &Problem,
@@ -472,6 +476,7 @@ impl Device {
         if let Some(l) = lse.as_deref() {
             self.owns(l)?;
         }
+        let plan = self.plan_forward(problem, T::DTYPE, opts)?;
         let stream = &self.stream;
         // The guards record cudarc's read/write events when the launch is queued.
         let (q, _gq) = raw_view(qkv.q, stream);
@@ -479,15 +484,16 @@ impl Device {
         let (v, _gv) = raw_view(qkv.v, stream);
         let (o, _go) = raw_view(&*o, stream);
         let lse = lse.as_deref().map(|l| raw_view(l, stream));
-        let call = RawCall {
+        let tensors = ForwardTensors {
             qkv: Qkv::new(q, k, v),
             out: Out {
                 o,
                 lse: lse.as_ref().map(|l| l.0),
             },
             cu_seqlens: None,
+            tables: None,
         };
-        let stats = self.launch_raw(problem, call, stream, opts, repeat)?;
+        let stats = self.run(Some(problem), &plan, tensors, Source::Owned, stream, repeat)?;
         self.synchronize()?;
         Ok(stats)
     }
@@ -505,7 +511,7 @@ impl Device {
     /// [`Device::forward_cache_on_stream`] takes both from the caller instead. The caller
     /// synchronises (or orders later work after `stream`) before it reads the outputs or
     /// frees the buffers; with [`ForwardOptions::time_kernel`] this call waits for the kernel
-    /// to read its events.
+    /// to read its events. Plans the call ([`Device::plan_forward`]) and runs the plan.
     pub fn forward_on_stream<T: CudaElement>(
         &self,
         problem: &Problem,
@@ -514,12 +520,14 @@ impl Device {
         stream: &Arc<CudaStream>,
         opts: &ForwardOptions,
     ) -> Result<ForwardStats, CudaError> {
-        let call = RawCall {
+        let plan = self.plan_forward(problem, T::DTYPE, opts)?;
+        let tensors = ForwardTensors {
             qkv,
             out,
             cu_seqlens: None,
+            tables: None,
         };
-        let stats = self.launch_raw(problem, call, stream, opts, 1)?;
+        let stats = self.run(Some(problem), &plan, tensors, Source::Owned, stream, 1)?;
         Ok(stats.into_iter().next().unwrap_or_default())
     }
 
@@ -536,138 +544,208 @@ impl Device {
         stream: &Arc<CudaStream>,
         opts: &ForwardOptions,
     ) -> Result<ForwardStats, CudaError> {
-        let call = RawCall {
+        if !matches!(
+            problem.sequences(),
+            softmax_core::Sequences::VarlenDevice { .. }
+        ) || problem.has_kv_cache()
+        {
+            return Err(ProblemError::Unsupported {
+                what: "device prefix sums go with Sequences::VarlenDevice only",
+            }
+            .into());
+        }
+        let plan = self.plan_forward(problem, T::DTYPE, opts)?;
+        let tensors = ForwardTensors {
             qkv,
             out,
             cu_seqlens: Some(cu_seqlens),
+            tables: None,
         };
-        let stats = self.launch_raw(problem, call, stream, opts, 1)?;
+        // SAFETY: an empty tensor: the plan of a problem without a KV cache needs no
+        // workspace, and nothing reads it.
+        let no_workspace = unsafe { RawTensor::from_raw(0, 0) };
+        self.run_on_stream(&plan, tensors, no_workspace, stream)
+    }
+
+    /// [`plan_forward`](crate::plan_forward) for this device's properties: the plan of a
+    /// forward call (dense, or over a KV cache), made once and run with
+    /// [`Device::run_on_stream`] as often as the problem's tensors are run (e.g. every layer
+    /// of a decode step).
+    pub fn plan_forward(
+        &self,
+        problem: &Problem,
+        dtype: DType,
+        opts: &ForwardOptions,
+    ) -> Result<ForwardPlan, CudaError> {
+        Ok(plan_forward(problem, dtype, opts, &self.props)?)
+    }
+
+    /// Runs a forward plan on caller memory and the caller's `stream` (a stream of this
+    /// device's context) without waiting: every input is on the device ([`ForwardTensors`]:
+    /// the prefix sums of a packed problem, the tables of a KV-cache problem) and `workspace`
+    /// holds at least [`ForwardPlan::workspace_bytes`] bytes at the plan's alignment (an
+    /// empty tensor when that is 0), used by nothing else until the stream has passed the
+    /// call. No host copy, no allocation, no synchronisation (unless the plan times its
+    /// kernels), so a run can be captured in a CUDA graph and replayed. Everything is checked
+    /// against the plan before anything is queued: dtype and device, lengths, null and
+    /// misaligned addresses, the prefix sums, the tables and the workspace.
+    pub fn run_on_stream<T: CudaElement>(
+        &self,
+        plan: &ForwardPlan,
+        tensors: ForwardTensors<T>,
+        workspace: RawTensor<u8>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<ForwardStats, CudaError> {
+        let stats = self.run(None, plan, tensors, Source::Caller(workspace), stream, 1)?;
         Ok(stats.into_iter().next().unwrap_or_default())
     }
 
-    /// The one launch path: checks the call, copies host prefix sums on `stream` if there are
-    /// any, queues `repeat` launches. Does not wait unless timing.
-    fn launch_raw<T: CudaElement>(
+    /// The one launch path of the forward and the decode: checks the call against the plan;
+    /// with [`Source::Owned`] copies the problem's host prefix sums or cache tables (and the
+    /// block walk the plan reads by) on `stream` and allocates the workspace there, all freed
+    /// in stream order after the kernels; queues `repeat` runs. Does not wait unless timing.
+    fn run<T: CudaElement>(
         &self,
-        problem: &Problem,
-        call: RawCall<T>,
+        problem: Option<&Problem>,
+        plan: &ForwardPlan,
+        tensors: ForwardTensors<T>,
+        source: Source,
         stream: &Arc<CudaStream>,
-        opts: &ForwardOptions,
         repeat: usize,
     ) -> Result<Vec<ForwardStats>, CudaError> {
-        if problem.has_kv_cache() {
-            return self.launch_decode(problem, call, None, stream, opts, repeat);
-        }
         if **stream.context() != *self.ctx {
             return Err(CudaError::ForeignStream);
         }
-        let (prepared, mut ptrs) = check_raw(problem, &call, opts, &self.props)?;
-        if prepared.launch.is_none() {
+        let mut params = check_run(plan, &tensors, &source, &self.props)?;
+        if matches!(plan.kernels(), PlannedKernels::Nothing) {
             return Ok(vec![ForwardStats::default(); repeat]);
         }
-        // Host prefix sums: allocated on the launch stream, so that dropping them at the end of
-        // this function frees them in stream order, after the kernels.
-        let host_cu = self.upload_host_cu_seqlens(&prepared.problem, stream)?;
-        let cu_guards = host_cu
-            .as_ref()
-            .map(|(q, k)| (q.device_ptr(stream), k.device_ptr(stream)));
-        if let Some(((cu_q, _), (cu_k, _))) = &cu_guards {
-            ptrs.cu_q = *cu_q;
-            ptrs.cu_k = *cu_k;
-        }
-        let stats = self.enqueue(&prepared, ptrs, stream, opts.time_kernel, repeat)?;
-        drop(cu_guards);
-        drop(host_cu);
+        let owned = match (&source, problem) {
+            (Source::Owned, Some(problem)) => Some(OwnedInputs::upload(problem, plan, stream)?),
+            (Source::Owned, None) => {
+                return Err(ProblemError::Unsupported {
+                    what: "an owned run needs the problem's host tables",
+                }
+                .into())
+            }
+            (Source::Caller(_), _) => None,
+        };
+        let guards = owned.as_ref().map(|o| o.fill(plan, &mut params, stream));
+        let stats = self.enqueue(plan, &params, stream, plan.times_kernel(), repeat);
+        drop(guards);
+        drop(owned);
+        let stats = stats?;
         self.ctx
             .check_err()
             .map_err(|e| CudaError::driver("deferred driver call", e))?;
         Ok(stats)
     }
 
-    /// Copies a host-varlen problem's prefix sums to the device on `stream`.
-    #[allow(clippy::type_complexity)]
-    fn upload_host_cu_seqlens(
-        &self,
-        problem: &Problem,
-        stream: &Arc<CudaStream>,
-    ) -> Result<Option<(CudaSlice<u32>, CudaSlice<u32>)>, CudaError> {
-        let softmax_core::Sequences::Varlen {
-            cu_seqlens_q,
-            cu_seqlens_k,
-        } = problem.sequences()
-        else {
-            return Ok(None);
-        };
-        let up = |x: &[u32]| {
-            stream
-                .clone_htod(x)
-                .map_err(|e| CudaError::driver("cuMemcpyHtoD", e))
-        };
-        Ok(Some((up(cu_seqlens_q)?, up(cu_seqlens_k)?)))
-    }
-
-    /// Queues `repeat` launches of a checked call on `stream` (CUDA events around each when
-    /// `time`; reading them waits for the kernels).
+    /// Queues `repeat` runs of a checked plan on `stream` (CUDA events around each when
+    /// `time`; reading them waits for the kernels): the dense kernel, or the decode kernel and,
+    /// when it splits the keys, the combine (on sm_90 a programmatic dependent launch, so its
+    /// launch overlaps the decode).
     fn enqueue(
         &self,
-        prepared: &Prepared,
-        ptrs: Pointers,
+        plan: &ForwardPlan,
+        params: &Params,
         stream: &Arc<CudaStream>,
         time: bool,
         repeat: usize,
     ) -> Result<Vec<ForwardStats>, CudaError> {
-        let Some(shape) = prepared.launch else {
-            return Ok(vec![ForwardStats::default(); repeat]);
-        };
-        let (func, origin, registers) = self.function(&shape.variant)?;
-        let compile_ms = match origin {
+        let compile_ms = |origin| match origin {
             KernelOrigin::Compiled { ms } => Some(ms),
             _ => None,
         };
-        let params = KernelParams {
-            q: ptrs.q,
-            k: ptrs.k,
-            v: ptrs.v,
-            o: ptrs.o,
-            lse: ptrs.lse,
-            cu_q: ptrs.cu_q,
-            cu_k: ptrs.cu_k,
-            ..prepared.params
-        };
-        let cfg = LaunchConfig {
-            grid_dim: shape.grid,
-            block_dim: (shape.block, 1, 1),
-            shared_mem_bytes: shape.smem_bytes,
-        };
-        // The warp-specialized sm90 kernel reads Q, K, V through TMA tensor maps.
-        let maps = match shape.variant {
-            ForwardVariant::Sm90(v) if v.ws() => Some(sm90_tensor_maps(prepared, &params, v)?),
-            _ => None,
-        };
-        self.repeat_timed(stream, repeat, time, || {
-            let mut builder = stream.launch_builder(&func);
-            builder.arg(&params);
-            if let Some([q, k, v]) = &maps {
-                builder.arg(q).arg(k).arg(v);
+        match *plan.kernels() {
+            PlannedKernels::Nothing => Ok(vec![ForwardStats::default(); repeat]),
+            PlannedKernels::Forward(shape) => {
+                let (func, origin, registers) =
+                    self.function(&shape.variant, shape.variant.smem_bytes())?;
+                let cfg = LaunchConfig {
+                    grid_dim: shape.grid,
+                    block_dim: (shape.block, 1, 1),
+                    shared_mem_bytes: shape.smem_bytes,
+                };
+                // The warp-specialized sm90 kernel reads Q, K, V through TMA tensor maps.
+                let maps = match shape.variant {
+                    ForwardVariant::Sm90(v) if v.ws() => Some(sm90_tensor_maps(plan, params, v)?),
+                    _ => None,
+                };
+                let extra: &[TensorMap] = maps.as_ref().map_or(&[], |m| &m[..]);
+                self.repeat_timed(stream, repeat, time, || {
+                    // SAFETY: `params` matches the kernel's `AttnParams` layout (and the tensor
+                    // maps its `TensorMap` parameters: they encode the same checked addresses
+                    // with the problem's extents and strides, and TMA reads nothing outside
+                    // them); every address in it was checked against the plan (non-null,
+                    // aligned, long enough for the problem's extents, which bound the kernel's
+                    // reads and writes) and is device memory of this context that stays valid
+                    // until `stream` passes the kernel: caller memory by
+                    // `RawTensor::from_raw`'s contract, owned buffers because their callers
+                    // wait for the stream, host prefix sums because they are freed in stream
+                    // order.
+                    unsafe { launch(&func, cfg, stream, params, extra, false) }?;
+                    Ok(ForwardStats {
+                        launch: Some(shape),
+                        compile_ms: compile_ms(origin),
+                        kernel_source: Some(origin),
+                        registers: Some(registers),
+                        kernel_ms: None,
+                        decode: None,
+                    })
+                })
             }
-            // SAFETY: `params` matches the kernel's `Params` layout (and the tensor maps its
-            // `TensorMap` parameters: they encode the same checked addresses with the
-            // problem's extents and strides, and TMA reads nothing outside them); every pointer in it was
-            // checked by `check_raw` (non-null, aligned, long enough for the problem's extents,
-            // which bound the kernel's reads and writes) and is device memory of this context
-            // that stays valid until `stream` passes the kernel: caller memory by
-            // `RawTensor::from_raw`'s contract, owned buffers because their callers wait for
-            // the stream, host prefix sums because they are freed in stream order.
-            unsafe { builder.launch(cfg) }.map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
-            Ok(ForwardStats {
-                launch: Some(shape),
-                compile_ms,
-                kernel_source: Some(origin),
-                registers: Some(registers),
-                kernel_ms: None,
-                decode: None,
-            })
-        })
+            PlannedKernels::Decode(mut decode) => {
+                decode.block_walk = params.block_walk != 0;
+                let (func, origin, registers) =
+                    self.function(&decode.variant, decode.smem_bytes)?;
+                let combine = if decode.num_splits > 1 {
+                    let variant = CombineVariant {
+                        dtype: plan.dtype(),
+                    };
+                    Some(self.function(&variant, 0)?.0)
+                } else {
+                    None
+                };
+                let decode_cfg = LaunchConfig {
+                    grid_dim: decode.grid,
+                    block_dim: (decode.block, 1, 1),
+                    shared_mem_bytes: decode.smem_bytes,
+                };
+                let combine_cfg = LaunchConfig {
+                    grid_dim: (decode.combine_blocks, 1, 1),
+                    block_dim: (CombineVariant::WARPS * 32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let dependent = self.props.major >= 9;
+                self.repeat_timed(stream, repeat, time, || {
+                    // SAFETY: `params` matches the kernels' `AttnParams` layout; every address
+                    // in it was checked against the plan (non-null, aligned, long enough for
+                    // the problem's extents, the cache tables and the workspace) and is device
+                    // memory of this context that stays valid until `stream` passes the
+                    // kernels: caller memory by `RawTensor::from_raw`'s contract, owned
+                    // buffers because their callers wait for the stream, copied tables and
+                    // workspace because they are freed in stream order. Device-side lengths
+                    // and block indices are clamped by the kernel.
+                    unsafe { launch(&func, decode_cfg, stream, params, &[], false) }?;
+                    if let Some(combine) = &combine {
+                        // SAFETY: as above; the combine reads the workspace the decode kernel
+                        // wrote (ordered after it on the same stream; as a dependent launch it
+                        // waits, `griddepcontrol.wait`, for the decode kernel to complete and
+                        // its writes to be visible) and writes O and the LSE.
+                        unsafe { launch(combine, combine_cfg, stream, params, &[], dependent) }?;
+                    }
+                    Ok(ForwardStats {
+                        launch: None,
+                        compile_ms: compile_ms(origin),
+                        kernel_source: Some(origin),
+                        registers: Some(registers),
+                        kernel_ms: None,
+                        decode: Some(decode),
+                    })
+                })
+            }
+        }
     }
 
     /// Runs `launch` (which queues one call's kernels on `stream` and returns its stats)
@@ -678,8 +756,28 @@ impl Device {
         stream: &Arc<CudaStream>,
         repeat: usize,
         time: bool,
-        mut launch: impl FnMut() -> Result<ForwardStats, CudaError>,
+        launch: impl FnMut() -> Result<ForwardStats, CudaError>,
     ) -> Result<Vec<ForwardStats>, CudaError> {
+        let timed = self.timed(stream, repeat, time, launch)?;
+        Ok(timed
+            .into_iter()
+            .map(|(stats, ms)| ForwardStats {
+                kernel_ms: ms,
+                ..stats
+            })
+            .collect())
+    }
+
+    /// Runs `launch` (which queues one call's kernels on `stream`) `repeat` times; with
+    /// `time`, brackets each call with CUDA events and, after the last, reads each call's
+    /// kernel time in milliseconds (waiting for the stream). Every pass times this way.
+    pub(crate) fn timed<S>(
+        &self,
+        stream: &Arc<CudaStream>,
+        repeat: usize,
+        time: bool,
+        mut launch: impl FnMut() -> Result<S, CudaError>,
+    ) -> Result<Vec<(S, Option<f32>)>, CudaError> {
         let mut all = Vec::with_capacity(repeat);
         let mut events = Vec::new();
         for _ in 0..repeat {
@@ -697,7 +795,7 @@ impl Device {
             } else {
                 None
             };
-            all.push(launch()?);
+            all.push((launch()?, None));
             if let Some((start, end)) = timing {
                 end.record(stream)
                     .map_err(|e| CudaError::driver("cuEventRecord", e))?;
@@ -705,7 +803,7 @@ impl Device {
             }
         }
         for (stat, (start, end)) in all.iter_mut().zip(&events) {
-            stat.kernel_ms = Some(
+            stat.1 = Some(
                 start
                     .elapsed_ms(end)
                     .map_err(|e| CudaError::driver("cuEventElapsedTime", e))?,
@@ -724,12 +822,8 @@ impl Device {
         out: Out<&mut [T], &mut [f32]>,
         opts: &ForwardOptions,
     ) -> Result<ForwardStats, CudaError> {
-        let lens = BufferLens::of(&qkv, &out);
-        if problem.has_kv_cache() {
-            decode::check_decode(problem, lens, T::DTYPE, opts, &self.props)?;
-        } else {
-            prepare(problem, lens, T::DTYPE, opts, &self.props)?;
-        }
+        problem.check_buffers(BufferLens::of(&qkv, &out))?;
+        self.plan_forward(problem, T::DTYPE, opts)?;
         let Out { o: out, lse } = out;
         let dq = self.upload(qkv.q)?;
         let dk = self.upload(qkv.k)?;
@@ -754,40 +848,41 @@ impl Device {
 }
 
 /// The Q, K and V tensor maps of a dense problem for the warp-specialized sm90 kernel (tiles
-/// of 128 query rows and `block_n` keys), from the checked call's pointers and strides.
+/// of 128 query rows and `block_n` keys), from the checked call's addresses and the plan's
+/// extents and strides.
 fn sm90_tensor_maps(
-    prepared: &Prepared,
-    params: &KernelParams,
+    plan: &ForwardPlan,
+    params: &Params,
     variant: crate::kernels::sm90::Variant,
 ) -> Result<[TensorMap; 3], CudaError> {
-    let problem = &prepared.problem;
+    let dims = &plan.dims;
     let source = |address, head_dim, tokens, heads, strides| TileSource {
         address,
         head_dim,
         tokens,
         heads,
-        batch: problem.batch(),
+        batch: dims.batch,
         strides,
     };
     let q = source(
         params.q,
-        problem.head_dim(),
-        problem.total_q(),
-        problem.heads_q(),
+        dims.head_dim,
+        dims.total_q,
+        dims.heads_q,
         params.q_strides,
     );
     let k = source(
         params.k,
-        problem.head_dim(),
-        problem.total_k(),
-        problem.heads_kv(),
+        dims.head_dim,
+        dims.total_k,
+        dims.heads_kv,
         params.k_strides,
     );
     let v = source(
         params.v,
-        problem.head_dim_v(),
-        problem.total_k(),
-        problem.heads_kv(),
+        dims.head_dim_v,
+        dims.total_k,
+        dims.heads_kv,
         params.v_strides,
     );
     Ok([
@@ -795,6 +890,65 @@ fn sm90_tensor_maps(
         tile_map(&k, variant.dtype, variant.block_n)?,
         tile_map(&v, variant.dtype, variant.block_n)?,
     ])
+}
+
+/// Launches `func` on `stream` with the parameter block `params` and the by-value arguments
+/// `extra` after it (the sm90 kernel's tensor maps): the one launch helper of every kernel
+/// (forward, decode, combine, append, backward). With `dependent`, a programmatic dependent
+/// launch (sm_90+): its CTAs may be scheduled while the previous kernel on the stream still
+/// runs (that kernel lets them, `griddepcontrol.launch_dependents`), which hides the second
+/// launch's latency; only for kernels that execute `griddepcontrol.wait` before reading
+/// anything the previous kernel wrote.
+///
+/// # Safety
+/// As for any kernel launch: `P` (then `extra`) is the kernel's parameter list and every
+/// address in it is valid device memory for what the kernel accesses, until the stream
+/// passes the kernel; with `dependent`, the kernel waits as described above.
+pub(crate) unsafe fn launch<P>(
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    stream: &CudaStream,
+    params: &P,
+    extra: &[TensorMap],
+    dependent: bool,
+) -> Result<(), CudaError> {
+    let err = |e| CudaError::driver("cuLaunchKernelEx", e);
+    stream.context().bind_to_thread().map_err(err)?;
+    // SAFETY: a plain C struct of integers and a union of plain values: all-zero is valid.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: u32::from(dependent),
+    };
+    // The driver copies the arguments out of `args` during the call.
+    let mut args = [std::ptr::null_mut::<std::ffi::c_void>(); 4];
+    args[0] = params as *const P as *mut std::ffi::c_void;
+    for (slot, map) in args[1..].iter_mut().zip(extra) {
+        *slot = map as *const TensorMap as *mut std::ffi::c_void;
+    }
+    // SAFETY: `config` and `args` outlive the call; `args` holds the parameter block and at
+    // most three tensor maps (the kernels take no more); the caller upholds the launch
+    // contract.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            func.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(err)
 }
 
 /// An owned buffer seen as a raw tensor for one call on `stream`, with cudarc's guard (which

@@ -30,7 +30,7 @@ pub struct SourceFile {
 }
 
 /// The headers every family may include (`#include "common/…"`).
-pub const COMMON_HEADERS: [SourceFile; 5] = [
+pub const COMMON_HEADERS: [SourceFile; 6] = [
     SourceFile {
         name: "common/ptx.cuh",
         text: include_str!("kernels/common/ptx.cuh"),
@@ -50,6 +50,10 @@ pub const COMMON_HEADERS: [SourceFile; 5] = [
     SourceFile {
         name: "common/tile.cuh",
         text: include_str!("kernels/common/tile.cuh"),
+    },
+    SourceFile {
+        name: "common/params.cuh",
+        text: include_str!("kernels/common/params.cuh"),
     },
 ];
 

@@ -24,6 +24,27 @@
 //!   `common/*.cuh` headers, one directory per family), their variants and one launch-choice
 //!   (plan) function per family, which takes the device's properties ([`DeviceProps`]).
 //!
+//! # Plan → workspace → run
+//! Every pass follows one contract. A plan is a value made once on the host from the problem,
+//! the dtype, the options and the device's properties (pure; no device is touched):
+//! [`plan_forward`] → [`ForwardPlan`] for the forward, dense or over a KV cache (its
+//! [`PlannedKernels`]: nothing, a dense launch of the sm80 or sm90 family, or the decode
+//! family's decode + combine), [`plan_backward`] → [`BackwardPlan`] for the backward. A plan
+//! holds the launch, the kernels' parameter block without the device addresses, and a
+//! [`WorkspaceReq`] (bytes, alignment, named parts that the run carves from the same values).
+//! [`Device::run_on_stream`] / [`Device::backward_on_stream`] check caller memory against the
+//! plan and only launch: no allocation, no host copy, no synchronisation, so one plan serves
+//! every layer of a decode step and a run can be captured in a CUDA graph. The older entries
+//! ([`Device::forward_on_stream`], [`Device::forward_cache_on_stream`], the owned-buffer
+//! layer) plan once per call and run the same path; [`Device::decode_workspace_bytes`] is the
+//! plan's [`ForwardPlan::workspace_bytes`].
+//!
+//! Inside, every kernel shares three things: one parameter block (`kernels/common/params.cuh`'s
+//! `AttnParams`, the Rust `Params`: the forward, decode, combine, append and backward kernels
+//! each read their pass's fields), the device's one
+//! kernel table (every family's loaded functions, by family and variant name) and one launch
+//! helper (`cuLaunchKernelEx`, optionally a programmatic dependent launch).
+//!
 //! # Embedding (a runtime's context, stream and memory)
 //! - **Context**: [`Device::open`] retains the device's *primary* context, the one the CUDA
 //!   runtime and PyTorch use; [`Device::from_context`] takes any cudarc `CudaContext` the
@@ -60,7 +81,8 @@
 //! reports the plan. On the owned-buffer path and [`Device::forward_on_stream`] the host
 //! tables are copied and the split workspace allocated on the stream (freed in stream order);
 //! [`Device::forward_cache_on_stream`] takes the tables on the device ([`CacheTables`]) and a
-//! caller workspace of [`Device::decode_workspace_bytes`] bytes, with no copy or allocation.
+//! caller workspace of [`Device::decode_workspace_bytes`] bytes, with no copy or allocation,
+//! and so does [`Device::run_on_stream`] with a [`ForwardPlan`] made once per decode step.
 //! A paged cache of blocks of 8 keys or more (those the kernel reads whole) is read in address
 //! order through a block walk ([`block_walk`]: each sequence's blocks sorted by physical index, with their
 //! logical places for the masks): the owned path builds it per call, a runtime builds it once
@@ -143,13 +165,11 @@ mod device;
 mod error;
 pub mod kernels;
 mod params;
+mod plan;
 mod raw;
 mod tma;
 
-pub use backward::{
-    plan_backward, supports_backward, BackwardOptions, BackwardPlan, WorkspacePart, WorkspaceReq,
-    WORKSPACE_ALIGN,
-};
+pub use backward::{plan_backward, supports_backward, BackwardOptions, BackwardPlan};
 pub use compile::{precompile, KernelOrigin, PrecompileReport};
 pub use device::{
     driver_available, BackwardInputs, BackwardStats, BackwardTensors, CudaElement, Device,
@@ -163,5 +183,9 @@ pub use kernels::{
     arch_for, DeviceProps, ForwardVariant, KernelFamilyChoice, LaunchShape, Tiles, Variant,
 };
 pub use params::{supports, ForwardOptions};
+pub use plan::{
+    plan_forward, ForwardPlan, ForwardTensors, PlannedKernels, WorkspacePart, WorkspaceReq,
+    WORKSPACE_ALIGN,
+};
 pub use raw::{CacheTables, CuSeqlens, RawOut, RawTensor};
 pub use softmax_core::DType;

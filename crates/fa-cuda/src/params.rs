@@ -1,9 +1,10 @@
-//! Host-side preparation of a forward call, without touching the GPU: validation through
-//! `softmax-core`, this backend's own limits, the launch choice and the kernel parameters.
+//! The forward's options, this backend's limits ([`supports`]) and the one parameter block of
+//! the attention kernels (`Params`, shared by the forward and decode families) with the
+//! dense forward's filling of it; the plan that uses them is `plan.rs`.
 
 use crate::kernels::sm90::Pipeline as Sm90Pipeline;
-use crate::kernels::{plan_forward, DeviceProps, KernelFamilyChoice, LaunchShape, Tiles};
-use softmax_core::{BufferLens, DType, Problem, ProblemError, RescalePolicy};
+use crate::kernels::{KernelFamilyChoice, LaunchShape, Tiles};
+use softmax_core::{DType, Problem, ProblemError, RescalePolicy};
 
 /// Options of a forward call beyond the problem description. The default: threshold rescale
 /// with τ = 8, no timing, the tuned tile choice.
@@ -40,10 +41,13 @@ pub struct ForwardOptions {
     pub decode_table_order: bool,
 }
 
-/// The kernel's parameter block; the `.cu` source's `struct Params` has the same layout.
+/// The one parameter block of the attention kernels (the forward families, the decode
+/// family's decode, combine and append kernels, and the backward's three kernels); `kernels/common/params.cuh`'s `AttnParams` has
+/// the same layout. Each kernel reads the fields of its pass; the others stay zero. A plan
+/// fills everything but the device addresses, which the run sets.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct KernelParams {
+pub(crate) struct Params {
     pub q: u64,
     pub k: u64,
     pub v: u64,
@@ -51,38 +55,73 @@ pub(crate) struct KernelParams {
     pub lse: u64,
     pub cu_q: u64,
     pub cu_k: u64,
+    pub seqused_k: u64,
+    pub block_table: u64,
+    pub block_walk: u64,
+    pub o_part: u64,
+    pub ml_part: u64,
+    pub k_new: u64,
+    pub v_new: u64,
+    pub d_o: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+    pub dsum: u64,
+    pub lse2: u64,
+    pub dq_acc: u64,
     pub q_strides: [i64; 3],
     pub k_strides: [i64; 3],
     pub v_strides: [i64; 3],
     pub o_strides: [i64; 3],
+    pub kn_strides: [i64; 3],
+    pub vn_strides: [i64; 3],
     pub lse_bs: i64,
     pub lse_hs: i64,
     pub seqlen_q: i32,
     pub seqlen_k: i32,
+    pub capacity: i32,
     pub group: i32,
     pub head_dim: i32,
     pub head_dim_v: i32,
     pub win_left: i32,
     pub win_right: i32,
+    pub rows: i32,
     pub num_m_blocks: i32,
+    pub num_splits: i32,
+    pub block_size: i32,
+    pub blocks_per_seq: i32,
+    pub num_blocks: i32,
+    pub batch: i32,
+    pub heads_q: i32,
+    pub seqlen_new: i32,
     pub pre: f32,
     pub softcap_post: f32,
     pub tau: f32,
+    pub scale: f32,
     pub pad: f32,
 }
 
-// SAFETY: plain old data with a C layout matching the kernel's `Params` (checked by the size
-// assertion below and by the GPU tests).
-unsafe impl cudarc::driver::DeviceRepr for KernelParams {}
-const _: () = assert!(core::mem::size_of::<KernelParams>() == 216);
+// SAFETY: plain old data with a C layout matching the kernels' `AttnParams` (checked by the
+// size and offset assertions below, the size assertion in `common/params.cuh`, and the GPU
+// tests).
+unsafe impl cudarc::driver::DeviceRepr for Params {}
+const _: () = assert!(core::mem::size_of::<Params>() == 416);
+// Field offsets as `common/params.cuh` lays them out (21 pointers, 20 strides, 17 ints, 5 floats).
+const _: () = assert!(core::mem::offset_of!(Params, d_o) == 112);
+const _: () = assert!(core::mem::offset_of!(Params, q_strides) == 168);
+const _: () = assert!(core::mem::offset_of!(Params, kn_strides) == 264);
+const _: () = assert!(core::mem::offset_of!(Params, lse_bs) == 312);
+const _: () = assert!(core::mem::offset_of!(Params, seqlen_q) == 328);
+const _: () = assert!(core::mem::offset_of!(Params, seqlen_new) == 392);
+const _: () = assert!(core::mem::offset_of!(Params, pre) == 396);
+const _: () = assert!(core::mem::offset_of!(Params, scale) == 408);
 
-/// A validated call: the problem, the launch (None: nothing to compute) and the parameters
-/// (device pointers still zero).
-#[derive(Clone, Debug)]
-pub(crate) struct Prepared<'a> {
-    pub problem: Problem<'a>,
-    pub launch: Option<LaunchShape>,
-    pub params: KernelParams,
+/// The rescale threshold as the kernels take it (log2 units; 0: rescale always).
+pub(crate) fn tau_of(rescale: RescalePolicy<f32>) -> f32 {
+    match rescale {
+        RescalePolicy::Always => 0.0,
+        RescalePolicy::Threshold(t) => t,
+    }
 }
 
 /// Largest token count, window or head count the kernel's 32-bit index arithmetic allows.
@@ -118,35 +157,17 @@ pub fn supports(problem: &Problem, dtype: DType) -> Result<(), ProblemError> {
     Ok(())
 }
 
-/// Checks the buffer lengths against a validated problem, applies this backend's limits, plans
-/// the launch for the device `props` describes and fills the kernel parameters. Touches
-/// nothing: bad input returns before any device work.
-pub(crate) fn prepare<'a>(
-    problem: &Problem<'a>,
-    lens: BufferLens,
-    dtype: DType,
-    opts: &ForwardOptions,
-    props: &DeviceProps,
-) -> Result<Prepared<'a>, ProblemError> {
-    let problem = *problem;
-    problem.check_buffers(lens)?;
-    supports(&problem, dtype)?;
-    if problem.has_kv_cache() {
-        // The device routes these to the decode family before preparing (device/decode.rs).
-        return Err(ProblemError::Unsupported {
-            what: "KV-cache problems run the decode kernels, not the forward kernel",
-        });
-    }
-    let strides = problem.strides();
-    // P is stored as a 16-bit operand of the inputs' dtype and reaches 2^tau.
-    opts.rescale.check(dtype.max_finite(), 0.0)?;
-    let tau = match opts.rescale {
-        RescalePolicy::Always => 0.0,
-        RescalePolicy::Threshold(t) => t,
-    };
-    let transform = problem.score_transform::<f64>();
-    let mask = problem.mask();
-    let window = |w: Option<usize>| w.map_or(-1, |w| w.min(MAX_TOKENS) as i32);
+/// The dense passes' parameter block of a validated problem and its launch (device addresses
+/// still zero): the tensors' element strides (the batch stride 0 when packed), the LSE layout
+/// (packed: head-major over the total tokens), the lengths (packed: the totals, which bound
+/// the kernels' reads of the prefix sums), the window (-1: unbounded), the score transform's
+/// factors, the query blocks and the rescale threshold. The forward's, and with the scale the
+/// backward's.
+pub(crate) fn forward_params(
+    problem: &Problem,
+    launch: Option<&LaunchShape>,
+    rescale: RescalePolicy<f32>,
+) -> Params {
     let varlen = problem.is_varlen();
     let triple = |s: &softmax_core::Strides| {
         [
@@ -155,14 +176,7 @@ pub(crate) fn prepare<'a>(
             s.head as i64,
         ]
     };
-    let launch = plan_forward(
-        &problem,
-        dtype,
-        opts.family,
-        opts.tiles,
-        opts.sm90_pipeline,
-        props,
-    )?;
+    let strides = problem.strides();
     let (lse_bs, lse_hs) = if varlen {
         (0, problem.total_q() as i64)
     } else {
@@ -171,14 +185,17 @@ pub(crate) fn prepare<'a>(
             problem.total_q() as i64,
         )
     };
-    let params = KernelParams {
+    // Windows beyond any sequence are unbounded in effect; the kernels' indices are 32-bit.
+    let window = |w: Option<usize>| w.map_or(-1, |w| w.min(MAX_TOKENS) as i32);
+    let mask = problem.mask();
+    let transform = problem.score_transform::<f64>();
+    Params {
         q_strides: triple(&strides[0]),
         k_strides: triple(&strides[1]),
         v_strides: triple(&strides[2]),
         o_strides: triple(&strides[3]),
         lse_bs,
         lse_hs,
-        // Packed: the totals, which bound the kernel's reads of the prefix sums.
         seqlen_q: problem.total_q() as i32,
         seqlen_k: problem.total_k() as i32,
         group: problem.group_size() as i32,
@@ -189,19 +206,16 @@ pub(crate) fn prepare<'a>(
         num_m_blocks: launch.map_or(0, |l| l.grid.0 as i32),
         pre: transform.pre_factor() as f32,
         softcap_post: transform.softcap_post_factor().unwrap_or(0.0) as f32,
-        tau,
-        ..KernelParams::default()
-    };
-    Ok(Prepared {
-        problem,
-        launch,
-        params,
-    })
+        tau: tau_of(rescale),
+        ..Params::default()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::DeviceProps;
+    use softmax_core::BufferLens;
     use softmax_core::{Mask, ProblemDesc, Strides, Tensor};
 
     const H200: DeviceProps = DeviceProps::h200();
@@ -210,19 +224,31 @@ mod tests {
         desc.validate(256).expect("valid").min_buffer_lens()
     }
 
-    /// Validation at the edge, then this backend's preparation: either may reject.
-    fn prepare<'a>(
-        desc: &ProblemDesc<'a>,
+    /// What the tests look at: the launch and the parameter block of a plan.
+    struct Prepared {
+        launch: Option<LaunchShape>,
+        params: Params,
+    }
+
+    /// Validation at the edge, the buffer lengths, then this backend's plan: any may reject.
+    fn prepare(
+        desc: &ProblemDesc<'_>,
         lens: BufferLens,
         dtype: DType,
         opts: &ForwardOptions,
         props: &DeviceProps,
-    ) -> Result<Prepared<'a>, ProblemError> {
-        super::prepare(&desc.validate(256)?, lens, dtype, opts, props)
+    ) -> Result<Prepared, ProblemError> {
+        let problem = desc.validate(256)?;
+        problem.check_buffers(lens)?;
+        let plan = crate::plan::plan_forward(&problem, dtype, opts, props)?;
+        Ok(Prepared {
+            launch: plan.launch(),
+            params: plan.params,
+        })
     }
 
     /// A valid description prepared with exact buffer lengths and default options.
-    fn prepared<'a>(desc: &ProblemDesc<'a>, dtype: DType) -> Prepared<'a> {
+    fn prepared(desc: &ProblemDesc<'_>, dtype: DType) -> Prepared {
         prepare(
             desc,
             lens_of(desc),

@@ -2,14 +2,9 @@
 //! checks that run on the host before a call on them queues anything (null, alignment,
 //! lengths against the problem, address overflow).
 
-use crate::device::CudaElement;
 use crate::error::CudaError;
-use crate::kernels::DeviceProps;
-use crate::params::{prepare, ForwardOptions, Prepared};
 use core::marker::PhantomData;
-use softmax_core::{
-    BufferLens, Extent, KvCache, Out, Problem, ProblemError, Qkv, Sequences, Tensor,
-};
+use softmax_core::{Extent, KvCache, Out, Problem, ProblemError, Tensor};
 
 /// A tensor in device memory that the caller owns: a device address and a length in elements
 /// of `T`. It does not own, free or track the memory; [`crate::Device::forward_on_stream`]
@@ -119,8 +114,7 @@ pub(crate) fn check_cache_tables(
     problem: &Problem,
     tables: &CacheTables,
 ) -> Result<(u64, u64, u64), CudaError> {
-    let needed_used = problem.batch();
-    let needed_table = match problem.kv_cache() {
+    let blocks_per_seq = match problem.kv_cache() {
         KvCache::None => {
             return Err(ProblemError::Unsupported {
                 what: "device cache tables go with a KV-cache problem",
@@ -128,9 +122,23 @@ pub(crate) fn check_cache_tables(
             .into())
         }
         KvCache::Padded { .. } => None,
-        KvCache::Paged { blocks_per_seq, .. } => Some(
-            problem
-                .batch()
+        KvCache::Paged { blocks_per_seq, .. } => Some(blocks_per_seq),
+    };
+    check_table_lens(problem.batch(), blocks_per_seq, tables)
+}
+
+/// [`check_cache_tables`] from the cache's counts: `batch` sequences, and `Some(blocks per
+/// sequence)` for a paged cache (`None`: padded).
+pub(crate) fn check_table_lens(
+    batch: usize,
+    blocks_per_seq: Option<usize>,
+    tables: &CacheTables,
+) -> Result<(u64, u64, u64), CudaError> {
+    let needed_used = batch;
+    let needed_table = match blocks_per_seq {
+        None => None,
+        Some(blocks_per_seq) => Some(
+            batch
                 .checked_mul(blocks_per_seq)
                 .ok_or(ProblemError::Overflow)?,
         ),
@@ -167,14 +175,7 @@ pub(crate) fn check_cache_tables(
         }
     }
     for (tensor, t, needed) in checked {
-        if t.len < needed {
-            return Err(ProblemError::BufferTooSmall {
-                tensor,
-                needed,
-                len: t.len,
-            }
-            .into());
-        }
+        check_len(tensor, t, needed)?;
         // An empty table (no block per sequence) is never read.
         check_ptr(tensor, t, 4)?;
     }
@@ -188,28 +189,32 @@ pub(crate) fn check_cache_tables(
 /// The output bundle of a call on caller memory: O and, optionally, the f32 LSE.
 pub type RawOut<T> = Out<RawTensor<T>, RawTensor<f32>>;
 
-/// The buffers of one call on caller memory.
-pub(crate) struct RawCall<T> {
-    pub qkv: Qkv<RawTensor<T>>,
-    pub out: RawOut<T>,
-    pub cu_seqlens: Option<CuSeqlens>,
+/// Rejects a tensor shorter than `needed` elements ([`ProblemError::BufferTooSmall`]).
+pub(crate) fn check_len<T>(
+    tensor: Tensor,
+    t: &RawTensor<T>,
+    needed: usize,
+) -> Result<(), CudaError> {
+    if t.len < needed {
+        return Err(ProblemError::BufferTooSmall {
+            tensor,
+            needed,
+            len: t.len,
+        }
+        .into());
+    }
+    Ok(())
 }
 
-/// Device addresses of a checked call (0: absent).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Pointers {
-    pub q: u64,
-    pub k: u64,
-    pub v: u64,
-    pub o: u64,
-    pub lse: u64,
-    pub cu_q: u64,
-    pub cu_k: u64,
+/// Checks device prefix sums for `batch` sequences (`batch + 1` int32 entries each, 4-byte
+/// aligned); returns their addresses (query, key).
+pub(crate) fn check_cu_seqlens(batch: usize, cu: &CuSeqlens) -> Result<(u64, u64), CudaError> {
+    for (tensor, x) in [(Tensor::CuSeqlensQ, &cu.q), (Tensor::CuSeqlensK, &cu.k)] {
+        check_len(tensor, x, batch + 1)?;
+        check_ptr(tensor, x, 4)?;
+    }
+    Ok((cu.q.ptr, cu.k.ptr))
 }
-
-/// Base alignment the kernel's 16-byte row loads and stores need (rows are whole multiples
-/// of 8 elements apart: `prepare` checks the strides).
-const ROW_ALIGN: u64 = 16;
 
 /// Rejects a null address (unless the tensor is empty), a misaligned one, and a range that
 /// wraps the address space.
@@ -234,82 +239,14 @@ pub(crate) fn check_ptr<T>(tensor: Tensor, t: &RawTensor<T>, align: u64) -> Resu
     Ok(())
 }
 
-/// Checks a call on caller memory against the problem, touching nothing on the device:
-/// lengths and this backend's limits (`prepare`), then every address, then the device prefix
-/// sums (exactly for [`Sequences::VarlenDevice`], `batch + 1` entries each).
-pub(crate) fn check_raw<'a, T: CudaElement>(
-    problem: &Problem<'a>,
-    call: &RawCall<T>,
-    opts: &ForwardOptions,
-    props: &DeviceProps,
-) -> Result<(Prepared<'a>, Pointers), CudaError> {
-    let prepared = prepare(
-        problem,
-        BufferLens::of(&call.qkv, &call.out),
-        T::DTYPE,
-        opts,
-        props,
-    )?;
-    let Qkv { q, k, v } = &call.qkv;
-    for (tensor, t) in [
-        (Tensor::Q, q),
-        (Tensor::K, k),
-        (Tensor::V, v),
-        (Tensor::O, &call.out.o),
-    ] {
-        check_ptr(tensor, t, ROW_ALIGN)?;
-    }
-    if let Some(lse) = &call.out.lse {
-        check_ptr(Tensor::Lse, lse, 4)?;
-    }
-    let mut ptrs = Pointers {
-        q: q.ptr,
-        k: k.ptr,
-        v: v.ptr,
-        o: call.out.o.ptr,
-        lse: call.out.lse.map_or(0, |l| l.ptr),
-        cu_q: 0,
-        cu_k: 0,
-    };
-    match (problem.sequences(), &call.cu_seqlens) {
-        (Sequences::VarlenDevice { batch, .. }, Some(cu)) => {
-            for (tensor, t) in [(Tensor::CuSeqlensQ, &cu.q), (Tensor::CuSeqlensK, &cu.k)] {
-                let needed = batch + 1;
-                if t.len < needed {
-                    return Err(ProblemError::BufferTooSmall {
-                        tensor,
-                        needed,
-                        len: t.len,
-                    }
-                    .into());
-                }
-                check_ptr(tensor, t, 4)?;
-            }
-            ptrs.cu_q = cu.q.ptr;
-            ptrs.cu_k = cu.k.ptr;
-        }
-        (Sequences::VarlenDevice { .. }, None) => {
-            return Err(ProblemError::Unsupported {
-                what: "a problem with device prefix sums needs them: forward_varlen_on_stream",
-            }
-            .into())
-        }
-        (_, Some(_)) => {
-            return Err(ProblemError::Unsupported {
-                what: "device prefix sums go with Sequences::VarlenDevice only",
-            }
-            .into())
-        }
-        (_, None) => {}
-    }
-    Ok((prepared, ptrs))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::DeviceProps;
+    use crate::params::{ForwardOptions, Params};
+    use crate::plan::{check_run, plan_forward, ForwardTensors, Source};
     use half::bf16;
-    use softmax_core::ProblemDesc;
+    use softmax_core::{DType, ProblemDesc, Qkv, Sequences};
 
     /// A raw tensor at a made-up address: these checks never dereference it.
     fn at<T>(ptr: u64, len: usize) -> RawTensor<T> {
@@ -318,9 +255,9 @@ mod tests {
     }
 
     /// Q, K, V, O, LSE of exactly the needed lengths, 256-byte aligned and far apart.
-    fn call_for(problem: &Problem) -> RawCall<bf16> {
+    fn call_for(problem: &Problem) -> ForwardTensors<bf16> {
         let lens = problem.min_buffer_lens();
-        RawCall {
+        ForwardTensors {
             qkv: Qkv::new(
                 at(0x10_0000, lens.q),
                 at(0x20_0000, lens.k),
@@ -328,17 +265,17 @@ mod tests {
             ),
             out: Out::with_lse(at(0x40_0000, lens.o), at(0x50_0000, problem.lse_len())),
             cu_seqlens: None,
+            tables: None,
         }
     }
 
-    fn check(problem: &Problem, call: &RawCall<bf16>) -> Result<Pointers, CudaError> {
-        check_raw(
-            problem,
-            call,
-            &ForwardOptions::default(),
-            &DeviceProps::h200(),
-        )
-        .map(|(_, p)| p)
+    /// The plan of `problem`, then the run's check of `call` against it.
+    fn check(problem: &Problem, call: &ForwardTensors<bf16>) -> Result<Params, CudaError> {
+        let props = DeviceProps::h200();
+        let plan = plan_forward(problem, DType::Bf16, &ForwardOptions::default(), &props)?;
+        // SAFETY: an empty workspace; never dereferenced.
+        let ws = Source::Caller(unsafe { RawTensor::from_raw(0, 0) });
+        check_run(&plan, call, &ws, &props)
     }
 
     #[test]

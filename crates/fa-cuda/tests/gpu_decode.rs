@@ -769,6 +769,122 @@ fn caller_stream_with_device_tables_and_workspace() {
     }
 }
 
+/// A decode step planned once (`plan_forward`), run eagerly (the first layer) and then
+/// captured in a CUDA graph and replayed twice (the next layers, or the next steps): every
+/// output is bitwise the eager run's, which matches the f64 reference. The run takes only
+/// device memory (tables, walk, workspace), so nothing in it allocates, copies from the host
+/// or synchronises while the stream captures.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_planned_decode_step_replays_from_a_cuda_graph() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use fa_cuda::{ForwardTensors, PlannedKernels};
+    let d = device();
+    let stream: Arc<CudaStream> = d.context().new_stream().expect("a stream");
+    let mut rng = Rng::fresh();
+    for block_size in [None, Some(16)] {
+        let case = CacheCase::new(
+            &mut rng,
+            &[3000, 17, 1, 800],
+            1,
+            8,
+            2,
+            128,
+            block_size,
+            Rounding::Bf16,
+        );
+        let problem = case.problem();
+        let opts = ForwardOptions {
+            splits: Some(5),
+            ..ForwardOptions::default()
+        };
+        let plan = d
+            .plan_forward(&problem, DType::Bf16, &opts)
+            .expect("a plan");
+        assert!(matches!(plan.kernels(), PlannedKernels::Decode(_)));
+        assert_eq!(
+            plan.workspace_bytes(),
+            d.decode_workspace_bytes(&problem, DType::Bf16, &opts)
+                .expect("size")
+        );
+        let up = |x: &[u16]| stream.clone_htod(x).expect("copy");
+        let (q, k, v) = (up(&bits(&case.q)), up(&bits(&case.k)), up(&bits(&case.v)));
+        let lens = problem.min_buffer_lens();
+        let poisoned = || {
+            let mut o_host = vec![bf16::ZERO; lens.o];
+            poison(&mut o_host);
+            let mut lse_host = vec![0.0f32; problem.lse_len()];
+            poison(&mut lse_host);
+            (
+                up(&o_host.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
+                stream.clone_htod(&lse_host).expect("copy"),
+            )
+        };
+        let (o_eager, lse_eager) = poisoned();
+        let (o_graph, lse_graph) = poisoned();
+        let used: Vec<i32> = case.seqused.iter().map(|&x| x as i32).collect();
+        let used = stream.clone_htod(&used).expect("copy");
+        let table = table_of(&case).map(|t| stream.clone_htod(&t).expect("copy"));
+        let walk = block_size.map(|_| {
+            let w = block_walk(&problem).expect("a paged cache");
+            stream.clone_htod(&w).expect("copy")
+        });
+        let ws = stream
+            .alloc_zeros::<u8>(plan.workspace_bytes().max(1))
+            .expect("workspace");
+        let tables = CacheTables {
+            seqused_k: raw(&used, &stream),
+            block_table: table.as_ref().map(|t| raw(t, &stream)),
+            block_walk: walk.as_ref().map(|w| raw(w, &stream)),
+        };
+        let tensors = |o, lse| ForwardTensors::<bf16> {
+            qkv: Qkv::new(raw(&q, &stream), raw(&k, &stream), raw(&v, &stream)),
+            out: Out::with_lse(raw(o, &stream), raw(lse, &stream)),
+            cu_seqlens: None,
+            tables: Some(tables),
+        };
+        let workspace = raw::<u8, u8>(&ws, &stream);
+        let stats = d
+            .run_on_stream(&plan, tensors(&o_eager, &lse_eager), workspace, &stream)
+            .expect("eager run");
+        assert_eq!(stats.decode.map(|p| p.num_splits), Some(5));
+        // Every address taken before the capture (cudarc records its buffer events then).
+        let graph_tensors = tensors(&o_graph, &lse_graph);
+        stream.synchronize().expect("synchronise");
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .expect("capture");
+        let captured = d.run_on_stream(&plan, graph_tensors, workspace, &stream);
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+            .expect("end capture")
+            .expect("a graph");
+        captured.expect("captured run");
+        for _ in 0..2 {
+            graph.launch().expect("replay");
+        }
+        let (o_a, lse_a) = read_back(&stream, &o_eager, &lse_eager);
+        let (o_b, lse_b) = read_back(&stream, &o_graph, &lse_graph);
+        assert!(o_a
+            .iter()
+            .zip(&o_b)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(lse_a
+            .iter()
+            .zip(&lse_b)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        let oracle = attention_f64(&problem, &case.q, &case.k, &case.v);
+        let report = compare(&problem, &o_a, Some(&lse_a), &oracle);
+        println!(
+            "graph replay {:<70} rel_l2 {:.2e} lse {:.2e}",
+            case.label(),
+            report.rel_l2,
+            report.lse_max_abs
+        );
+        assert!(report.within(REL_L2_BOUND, LSE_BOUND), "{report:?}");
+    }
+}
+
 /// Appends `new` tokens to the host copy of a case's cache (what append_kv must do).
 fn append_host(case: &CacheCase, k_new: &[f32], v_new: &[f32], new: usize) -> CacheCase {
     let mut grown = case.clone();

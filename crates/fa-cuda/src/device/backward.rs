@@ -1,14 +1,15 @@
 //! The backward pass on a device: the run of a [`BackwardPlan`] on caller memory and stream,
 //! and the owned-buffer and host conveniences over it.
 
-use super::{raw_view, CudaElement, Device, DeviceBuffer};
-use crate::backward::{plan_backward, BackwardOptions, BackwardPlan, BwdParams};
+use super::decode::upload_cu_seqlens;
+use super::{launch as launch_kernel, raw_view, CudaElement, Device, DeviceBuffer};
+use crate::backward::{plan_backward, BackwardOptions, BackwardPlan};
 use crate::compile::KernelOrigin;
 use crate::error::CudaError;
 use crate::kernels::bwd_sm80::{BwdLaunch, BwdPrepVariant, PREP_THREADS};
-use crate::raw::{check_ptr, CuSeqlens, RawTensor};
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use crate::params::Params;
+use crate::raw::{check_cu_seqlens, check_len, check_ptr, CuSeqlens, RawTensor};
+use cudarc::driver::{CudaStream, DevicePtr, LaunchConfig};
 use softmax_core::{DType, Grads, Problem, ProblemError, Qkv, Tensor};
 use std::sync::Arc;
 
@@ -64,7 +65,7 @@ fn check_tensors<T: CudaElement>(
     plan: &BackwardPlan,
     t: &BackwardTensors<T>,
     workspace: &RawTensor<u8>,
-) -> Result<BwdParams, CudaError> {
+) -> Result<Params, CudaError> {
     if plan.dtype() != T::DTYPE {
         return Err(ProblemError::Unsupported {
             what: "the tensors' dtype is not the one the backward plan was made for",
@@ -86,41 +87,13 @@ fn check_tensors<T: CudaElement>(
         (Tensor::V, &t.grads.dv, lens.v),
     ];
     for (tensor, x, needed) in sized {
-        if x.len() < needed {
-            return Err(ProblemError::BufferTooSmall {
-                tensor,
-                needed,
-                len: x.len(),
-            }
-            .into());
-        }
+        check_len(tensor, x, needed)?;
         check_ptr(tensor, x, 16)?;
     }
-    if lse.len() < plan.lse_len() {
-        return Err(ProblemError::BufferTooSmall {
-            tensor: Tensor::Lse,
-            needed: plan.lse_len(),
-            len: lse.len(),
-        }
-        .into());
-    }
+    check_len(Tensor::Lse, &lse, plan.lse_len())?;
     check_ptr(Tensor::Lse, &lse, 4)?;
     let (cu_q, cu_k) = match (plan.is_varlen(), &t.cu_seqlens) {
-        (true, Some(cu)) => {
-            for (tensor, x) in [(Tensor::CuSeqlensQ, &cu.q), (Tensor::CuSeqlensK, &cu.k)] {
-                let needed = plan.batch() + 1;
-                if x.len() < needed {
-                    return Err(ProblemError::BufferTooSmall {
-                        tensor,
-                        needed,
-                        len: x.len(),
-                    }
-                    .into());
-                }
-                check_ptr(tensor, x, 4)?;
-            }
-            (cu.q.ptr(), cu.k.ptr())
-        }
+        (true, Some(cu)) => check_cu_seqlens(plan.batch(), cu)?,
         (true, None) => {
             return Err(ProblemError::Unsupported {
                 what: "a packed backward needs its prefix sums on the device",
@@ -136,22 +109,9 @@ fn check_tensors<T: CudaElement>(
         (false, None) => (0, 0),
     };
     let req = plan.workspace();
-    if workspace.len() < req.bytes {
-        return Err(CudaError::WorkspaceTooSmall {
-            needed: req.bytes,
-            len: workspace.len(),
-        });
-    }
-    if req.bytes > 0 && (workspace.ptr() == 0 || workspace.ptr() % req.align as u64 != 0) {
-        return Err(CudaError::BadWorkspace {
-            ptr: workspace.ptr(),
-        });
-    }
-    let at = |name: &str| {
-        req.part(name)
-            .map_or(0, |p| workspace.ptr() + p.offset as u64)
-    };
-    Ok(BwdParams {
+    let base = req.check(workspace)?;
+    let at = |name: &str| req.at(base, name);
+    Ok(Params {
         q: t.qkv.q.ptr(),
         k: t.qkv.k.ptr(),
         v: t.qkv.v.ptr(),
@@ -222,81 +182,53 @@ impl Device {
         let params = check_tensors(plan, &tensors, &workspace)?;
         let launch = *plan.launch();
         let dtype = plan.dtype();
-        let (main, origin, registers) = self.named_function(&launch.variant, launch.smem_bytes)?;
-        let pre = self
-            .named_function(&BwdPrepVariant { dtype, post: false }, 0)?
-            .0;
-        let post = self
-            .named_function(&BwdPrepVariant { dtype, post: true }, 0)?
-            .0;
-        let events = if time {
-            let ev = || {
-                self.ctx
-                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(|e| CudaError::driver("cuEventCreate", e))
-            };
-            let (start, end) = (ev()?, ev()?);
-            start
-                .record(stream)
-                .map_err(|e| CudaError::driver("cuEventRecord", e))?;
-            Some((start, end))
-        } else {
-            None
-        };
+        let (main, origin, registers) = self.function(&launch.variant, launch.smem_bytes)?;
+        let pre = self.function(&BwdPrepVariant { dtype, post: false }, 0)?.0;
+        let post = self.function(&BwdPrepVariant { dtype, post: true }, 0)?.0;
         let launch_one = |f: &cudarc::driver::CudaFunction, cfg: LaunchConfig| {
-            let mut builder = stream.launch_builder(f);
-            builder.arg(&params);
-            // SAFETY: `params` matches the kernels' `BwdParams` layout; every address in it
+            // SAFETY: `params` matches the kernels' `AttnParams` layout; every address in it
             // was checked by `check_tensors` (non-null, aligned, long enough for the plan's
             // problem, whose extents bound the kernels' reads and writes; the workspace at
             // least the plan's size, which its parts' offsets stay inside) and is device
             // memory of this context valid until `stream` passes the kernels, by
             // `RawTensor::from_raw`'s contract (owned buffers: their callers wait for the
             // stream).
-            unsafe { builder.launch(cfg) }.map_err(|e| CudaError::driver("cuLaunchKernel", e))
+            unsafe { launch_kernel(f, cfg, stream, &params, &[], false) }
         };
-        if let Some(grid) = launch.prep_grid {
-            launch_one(
-                &pre,
-                LaunchConfig {
-                    grid_dim: grid,
-                    block_dim: (PREP_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                },
-            )?;
-        }
-        if let Some(grid) = launch.grid {
-            launch_one(
-                &main,
-                LaunchConfig {
-                    grid_dim: grid,
-                    block_dim: (launch.block, 1, 1),
-                    shared_mem_bytes: launch.smem_bytes,
-                },
-            )?;
-        }
-        if let Some(grid) = launch.prep_grid {
-            launch_one(
-                &post,
-                LaunchConfig {
-                    grid_dim: grid,
-                    block_dim: (PREP_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                },
-            )?;
-        }
-        let kernel_ms = match events {
-            Some((start, end)) => {
-                end.record(stream)
-                    .map_err(|e| CudaError::driver("cuEventRecord", e))?;
-                Some(
-                    start
-                        .elapsed_ms(&end)
-                        .map_err(|e| CudaError::driver("cuEventElapsedTime", e))?,
-                )
+        let timed = self.timed(stream, 1, time, || {
+            if let Some(grid) = launch.prep_grid {
+                launch_one(
+                    &pre,
+                    LaunchConfig {
+                        grid_dim: grid,
+                        block_dim: (PREP_THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                )?;
             }
-            None => None,
-        };
+            if let Some(grid) = launch.grid {
+                launch_one(
+                    &main,
+                    LaunchConfig {
+                        grid_dim: grid,
+                        block_dim: (launch.block, 1, 1),
+                        shared_mem_bytes: launch.smem_bytes,
+                    },
+                )?;
+            }
+            if let Some(grid) = launch.prep_grid {
+                launch_one(
+                    &post,
+                    LaunchConfig {
+                        grid_dim: grid,
+                        block_dim: (PREP_THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                )?;
+            }
+            Ok(())
+        })?;
+        let kernel_ms = timed.first().and_then(|t| t.1);
         self.ctx
             .check_err()
             .map_err(|e| CudaError::driver("deferred driver call", e))?;
@@ -331,9 +263,7 @@ impl Device {
         self.owns(inputs.lse)?;
         let stream = &self.stream;
         let cu = match problem.sequences() {
-            softmax_core::Sequences::Varlen { .. } => {
-                self.upload_host_cu_seqlens(problem, stream)?
-            }
+            softmax_core::Sequences::Varlen { .. } => upload_cu_seqlens(problem, stream)?,
             softmax_core::Sequences::VarlenDevice { .. } => {
                 return Err(ProblemError::Unsupported {
                     what: "device prefix sums go through backward_on_stream",

@@ -1,60 +1,18 @@
-//! KV-cache (decode) calls on the device: the split-KV decode kernel and its combine step,
-//! the workspace-size companion, and the in-place append of new K/V tokens. A KV-cache
-//! problem reaches here from every forward entry (`Device::launch_raw` routes it), so the
-//! owned-buffer layer, `forward_host`, `time_forward` and `forward_on_stream` all take it.
+//! KV-cache (decode) calls on the device, besides the one launch path they share with the
+//! dense forward (`Device::run` in device.rs, from a [`crate::ForwardPlan`]): the copies the
+//! owned paths make of a problem's host tables, the caller-memory entry with device tables
+//! and workspace ([`Device::forward_cache_on_stream`]) and its workspace-size companion, and
+//! the in-place append of new K/V tokens.
 
-use super::{raw_view, CudaElement, Device, DeviceBuffer, ForwardStats};
-use crate::compile::{compile_cached, KernelOrigin};
+use super::{launch, raw_view, CudaElement, Device, DeviceBuffer, ForwardStats};
 use crate::error::CudaError;
-use crate::kernels::decode::{
-    block_walk, cache_params, cache_shape, decode_params, plan_decode, AppendVariant,
-    CombineVariant, DecodeParams, DecodePlan,
-};
-use crate::kernels::{DeviceProps, KernelVariant};
-use crate::params::{supports, ForwardOptions};
-use crate::raw::{check_cache_tables, check_ptr, CacheTables, RawCall, RawOut, RawTensor};
-use cudarc::driver::sys::{self, CUfunction_attribute};
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
-use softmax_core::{BufferLens, DType, KvCache, Problem, ProblemError, Qkv, Tensor};
+use crate::kernels::decode::{block_walk, cache_params, cache_shape, AppendVariant};
+use crate::params::{supports, ForwardOptions, Params};
+use crate::plan::{set_workspace, ForwardPlan, ForwardTensors, ROW_ALIGN};
+use crate::raw::{check_cache_tables, check_len, check_ptr, CacheTables, RawOut, RawTensor};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, SyncOnDrop};
+use softmax_core::{DType, KvCache, Problem, ProblemError, Qkv, Sequences, Tensor};
 use std::sync::Arc;
-
-/// Base alignment of the 16-byte row loads and stores (strides are multiples of 8 elements).
-const ROW_ALIGN: u64 = 16;
-
-/// The host-side checks of a decode call, touching nothing: buffer lengths, this backend's
-/// limits, the τ rule, then the plan (`None`: nothing to compute).
-pub(super) fn check_decode(
-    problem: &Problem,
-    lens: BufferLens,
-    dtype: DType,
-    opts: &ForwardOptions,
-    props: &DeviceProps,
-) -> Result<Option<DecodePlan>, ProblemError> {
-    problem.check_buffers(lens)?;
-    supports(problem, dtype)?;
-    // P is stored as a 16-bit operand of the inputs' dtype and reaches 2^tau.
-    opts.rescale.check(dtype.max_finite(), 0.0)?;
-    plan_decode(problem, dtype, opts.into(), props)
-}
-
-/// Rejects a null or misaligned workspace and one shorter than `needed` bytes.
-fn check_workspace(ws: Option<RawTensor<f32>>, needed: usize) -> Result<u64, CudaError> {
-    if needed == 0 {
-        return Ok(0);
-    }
-    let ws = ws.ok_or(CudaError::WorkspaceTooSmall { needed, len: 0 })?;
-    let len = ws.len().saturating_mul(4);
-    if len < needed {
-        return Err(CudaError::WorkspaceTooSmall { needed, len });
-    }
-    if ws.ptr() == 0 || ws.ptr() % ROW_ALIGN != 0 {
-        return Err(CudaError::BadWorkspace { ptr: ws.ptr() });
-    }
-    ws.ptr()
-        .checked_add(len as u64)
-        .ok_or(ProblemError::Overflow)?;
-    Ok(ws.ptr())
-}
 
 /// The problem's host cache tables as the kernels read them (int32): `seqused_k`, and the
 /// used part of the block table of a paged cache (empty for a padded one).
@@ -75,27 +33,136 @@ fn host_tables(problem: &Problem) -> (Vec<i32>, Vec<i32>) {
     }
 }
 
-/// Device copies of the host tables, allocated on `stream` (freed in stream order).
-struct UploadedTables {
-    seqused_k: CudaSlice<i32>,
+/// Copies a host-varlen problem's prefix sums to the device on `stream` (`None`: the problem
+/// has none on the host).
+#[allow(clippy::type_complexity)]
+pub(super) fn upload_cu_seqlens(
+    problem: &Problem,
+    stream: &Arc<CudaStream>,
+) -> Result<Option<(CudaSlice<u32>, CudaSlice<u32>)>, CudaError> {
+    let Sequences::Varlen {
+        cu_seqlens_q,
+        cu_seqlens_k,
+    } = problem.sequences()
+    else {
+        return Ok(None);
+    };
+    let up = |x: &[u32]| {
+        stream
+            .clone_htod(x)
+            .map_err(|e| CudaError::driver("cuMemcpyHtoD", e))
+    };
+    Ok(Some((up(cu_seqlens_q)?, up(cu_seqlens_k)?)))
+}
+
+/// What an owned run copies and allocates on its stream (freed in stream order, after the
+/// kernels): a packed problem's host prefix sums, a KV-cache problem's host tables (and the
+/// block walk where the plan reads by one), the plan's workspace.
+pub(super) struct OwnedInputs {
+    cu_seqlens: Option<(CudaSlice<u32>, CudaSlice<u32>)>,
+    seqused_k: Option<CudaSlice<i32>>,
     block_table: Option<CudaSlice<i32>>,
     block_walk: Option<CudaSlice<i32>>,
+    workspace: Option<CudaSlice<f32>>,
+}
+
+impl OwnedInputs {
+    /// Copies and allocates what `plan`'s run on `problem` needs on `stream`.
+    pub(super) fn upload(
+        problem: &Problem,
+        plan: &ForwardPlan,
+        stream: &Arc<CudaStream>,
+    ) -> Result<OwnedInputs, CudaError> {
+        let up = |x: &[i32]| {
+            stream
+                .clone_htod(x)
+                .map_err(|e| CudaError::driver("cuMemcpyHtoD", e))
+        };
+        let cu_seqlens = upload_cu_seqlens(problem, stream)?;
+        let (mut seqused_k, mut block_table, mut walk) = (None, None, None);
+        if problem.has_kv_cache() {
+            let (used, table) = host_tables(problem);
+            seqused_k = Some(up(&used)?);
+            if !table.is_empty() {
+                block_table = Some(up(&table)?);
+            }
+            if plan.decode().is_some_and(|d| d.block_walk) {
+                walk = Some(up(&block_walk(problem)?)?);
+            }
+        }
+        let workspace = match plan.workspace_bytes() {
+            0 => None,
+            bytes => Some(
+                stream
+                    .alloc_zeros::<f32>(bytes.div_ceil(4))
+                    .map_err(|e| CudaError::driver("cuMemAlloc", e))?,
+            ),
+        };
+        Ok(OwnedInputs {
+            cu_seqlens,
+            seqused_k,
+            block_table,
+            block_walk: walk,
+            workspace,
+        })
+    }
+
+    /// Sets the copies' addresses in `params`; the guards record their use on `stream` when
+    /// dropped after the launches.
+    pub(super) fn fill<'a>(
+        &'a self,
+        plan: &ForwardPlan,
+        params: &mut Params,
+        stream: &'a CudaStream,
+    ) -> Vec<SyncOnDrop<'a>> {
+        let mut guards = Vec::new();
+        let mut ptr = |slice: Option<&'a CudaSlice<i32>>| {
+            slice.map_or(0, |s| {
+                let (p, g) = s.device_ptr(stream);
+                guards.push(g);
+                p
+            })
+        };
+        params.seqused_k = ptr(self.seqused_k.as_ref());
+        params.block_table = ptr(self.block_table.as_ref());
+        params.block_walk = ptr(self.block_walk.as_ref());
+        if let Some((q, k)) = &self.cu_seqlens {
+            let (pq, gq) = q.device_ptr(stream);
+            let (pk, gk) = k.device_ptr(stream);
+            params.cu_q = pq;
+            params.cu_k = pk;
+            guards.push(gq);
+            guards.push(gk);
+        }
+        if let Some(ws) = &self.workspace {
+            let (p, g) = ws.device_ptr(stream);
+            set_workspace(plan, params, p);
+            guards.push(g);
+        }
+        guards
+    }
 }
 
 impl Device {
     /// Bytes of workspace a KV-cache problem needs on this device for its key splits (0: one
     /// split, or nothing to compute) with these options: the scratch-size companion of
-    /// [`Device::forward_cache_on_stream`]. The plan is deterministic, so the same problem,
-    /// dtype and options always need the same size.
+    /// [`Device::forward_cache_on_stream`], [`ForwardPlan::workspace_bytes`] of
+    /// [`Device::plan_forward`]'s plan. The plan is deterministic, so the same problem, dtype
+    /// and options always need the same size; plan once and keep the plan to run it
+    /// ([`Device::run_on_stream`]) instead of planning again per call.
     pub fn decode_workspace_bytes(
         &self,
         problem: &Problem,
         dtype: DType,
         opts: &ForwardOptions,
     ) -> Result<usize, CudaError> {
-        supports(problem, dtype)?;
-        let plan = plan_decode(problem, dtype, opts.into(), &self.props)?;
-        Ok(plan.map_or(0, |p| p.workspace_bytes))
+        if !problem.has_kv_cache() {
+            return Err(ProblemError::Unsupported {
+                what: "the decode kernels read a KV cache",
+            }
+            .into());
+        }
+        Ok(self.plan_forward(problem, dtype, opts)?.workspace_bytes())
     }
 
     /// Decode attention on caller memory and the caller's stream, with the cache tables and
@@ -104,7 +171,9 @@ impl Device {
     /// describe `tables` (see [`CacheTables`]); `workspace` holds at least
     /// [`Device::decode_workspace_bytes`] bytes (16-byte aligned; `None` only when that is 0)
     /// and must not be used by other work until the stream has passed the call. Everything is
-    /// checked before anything is queued, as in [`Device::forward_on_stream`].
+    /// checked before anything is queued, as in [`Device::forward_on_stream`]. Plans the call
+    /// and runs the plan ([`Device::run_on_stream`], which a caller that keeps the plan uses
+    /// directly).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_cache_on_stream<T: CudaElement>(
         &self,
@@ -122,246 +191,22 @@ impl Device {
             }
             .into());
         }
-        let call = RawCall {
+        let plan = self.plan_forward(problem, T::DTYPE, opts)?;
+        let tensors = ForwardTensors {
             qkv,
             out,
             cu_seqlens: None,
+            tables: Some(tables),
         };
-        let stats =
-            self.launch_decode(problem, call, Some((tables, workspace)), stream, opts, 1)?;
-        Ok(stats.into_iter().next().unwrap_or_default())
-    }
-
-    /// The decode launch path. `caller`: the device tables and workspace of
-    /// [`Device::forward_cache_on_stream`]; `None`: the problem's host tables are copied and
-    /// the workspace allocated on `stream`, both freed in stream order after the kernels.
-    /// Queues `repeat` launches (decode, then combine when split); waits only when timing.
-    pub(super) fn launch_decode<T: CudaElement>(
-        &self,
-        problem: &Problem,
-        call: RawCall<T>,
-        caller: Option<(CacheTables, Option<RawTensor<f32>>)>,
-        stream: &Arc<CudaStream>,
-        opts: &ForwardOptions,
-        repeat: usize,
-    ) -> Result<Vec<ForwardStats>, CudaError> {
-        if **stream.context() != *self.ctx {
-            return Err(CudaError::ForeignStream);
-        }
-        if call.cu_seqlens.is_some() {
-            return Err(ProblemError::Unsupported {
-                what: "device prefix sums go with Sequences::VarlenDevice only",
-            }
-            .into());
-        }
-        let lens = BufferLens::of(&call.qkv, &call.out);
-        let plan = check_decode(problem, lens, T::DTYPE, opts, &self.props)?;
-        let Qkv { q, k, v } = &call.qkv;
-        for (tensor, t) in [
-            (Tensor::Q, q),
-            (Tensor::K, k),
-            (Tensor::V, v),
-            (Tensor::O, &call.out.o),
-        ] {
-            check_ptr(tensor, t, ROW_ALIGN)?;
-        }
-        if let Some(lse) = &call.out.lse {
-            check_ptr(Tensor::Lse, lse, 4)?;
-        }
-        let caller_ptrs = match &caller {
-            Some((tables, ws)) => {
-                let (used, table, walk) = check_cache_tables(problem, tables)?;
-                let ws = check_workspace(*ws, plan.map_or(0, |p| p.workspace_bytes))?;
-                Some((used, table, walk, ws))
-            }
-            None => None,
-        };
-        let Some(mut plan) = plan else {
-            return Ok(vec![ForwardStats::default(); repeat]);
-        };
-        // The block walk: the caller's, or built from the host tables here; the stats say
-        // whether the launch walked.
-        let host_walk = match (caller_ptrs, plan.block_walk) {
-            (None, true) => Some(block_walk(problem)?),
-            _ => None,
-        };
-        plan.block_walk &= host_walk.is_some() || caller_ptrs.is_some_and(|c| c.2 != 0);
-
-        // Host tables and workspace: allocated on the launch stream, so that dropping them at
-        // the end of this function frees them in stream order, after the kernels.
-        let uploaded = match caller_ptrs {
-            Some(_) => None,
-            None => {
-                let (used, table) = host_tables(problem);
-                let up = |x: &[i32]| {
-                    stream
-                        .clone_htod(x)
-                        .map_err(|e| CudaError::driver("cuMemcpyHtoD", e))
-                };
-                Some(UploadedTables {
-                    seqused_k: up(&used)?,
-                    block_table: if table.is_empty() {
-                        None
-                    } else {
-                        Some(up(&table)?)
-                    },
-                    block_walk: host_walk.as_deref().map(up).transpose()?,
-                })
+        // SAFETY: the same memory seen as bytes (f32 elements are 4 bytes each; a length that
+        // would overflow is clamped and then fails the size check).
+        let workspace = unsafe {
+            match workspace {
+                Some(w) => RawTensor::from_raw(w.ptr(), w.len().saturating_mul(4)),
+                None => RawTensor::from_raw(0, 0),
             }
         };
-        let scratch: Option<CudaSlice<f32>> = match (caller_ptrs, plan.workspace_bytes) {
-            (None, bytes) if bytes > 0 => Some(
-                stream
-                    .alloc_zeros::<f32>(bytes / 4)
-                    .map_err(|e| CudaError::driver("cuMemAlloc", e))?,
-            ),
-            _ => None,
-        };
-        let used_guard = uploaded.as_ref().map(|u| u.seqused_k.device_ptr(stream));
-        let table_guard = uploaded
-            .as_ref()
-            .and_then(|u| u.block_table.as_ref())
-            .map(|t| t.device_ptr(stream));
-        let walk_guard = uploaded
-            .as_ref()
-            .and_then(|u| u.block_walk.as_ref())
-            .map(|t| t.device_ptr(stream));
-        let scratch_guard = scratch.as_ref().map(|s| s.device_ptr(stream));
-        let (used_ptr, table_ptr, walk_ptr, ws_ptr) = match caller_ptrs {
-            Some(ptrs) => ptrs,
-            None => (
-                used_guard.as_ref().map_or(0, |g| g.0),
-                table_guard.as_ref().map_or(0, |g| g.0),
-                walk_guard.as_ref().map_or(0, |g| g.0),
-                scratch_guard.as_ref().map_or(0, |g| g.0),
-            ),
-        };
-
-        let (mut params, ml_offset) = decode_params(problem, &plan, opts.rescale);
-        params.q = q.ptr();
-        params.k = k.ptr();
-        params.v = v.ptr();
-        params.o = call.out.o.ptr();
-        params.lse = call.out.lse.map_or(0, |l| l.ptr());
-        params.seqused_k = used_ptr;
-        params.block_table = table_ptr;
-        params.block_walk = if plan.block_walk { walk_ptr } else { 0 };
-        params.o_part = ws_ptr;
-        params.ml_part = if ws_ptr == 0 {
-            0
-        } else {
-            ws_ptr + (ml_offset * 4) as u64
-        };
-        let stats = self.enqueue_decode(&plan, &params, T::DTYPE, stream, opts.time_kernel, repeat);
-        drop((used_guard, table_guard, walk_guard, scratch_guard));
-        drop((uploaded, scratch));
-        let stats = stats?;
-        self.ctx
-            .check_err()
-            .map_err(|e| CudaError::driver("deferred driver call", e))?;
-        Ok(stats)
-    }
-
-    /// Queues `repeat` decode launches (and their combines) of a checked call.
-    fn enqueue_decode(
-        &self,
-        plan: &DecodePlan,
-        params: &DecodeParams,
-        dtype: DType,
-        stream: &Arc<CudaStream>,
-        time: bool,
-        repeat: usize,
-    ) -> Result<Vec<ForwardStats>, CudaError> {
-        let (decode, origin, registers) = self.named_function(&plan.variant, plan.smem_bytes)?;
-        let combine = if plan.num_splits > 1 {
-            Some(self.named_function(&CombineVariant { dtype }, 0)?.0)
-        } else {
-            None
-        };
-        let compile_ms = match origin {
-            KernelOrigin::Compiled { ms } => Some(ms),
-            _ => None,
-        };
-        let decode_cfg = LaunchConfig {
-            grid_dim: plan.grid,
-            block_dim: (plan.block, 1, 1),
-            shared_mem_bytes: plan.smem_bytes,
-        };
-        let combine_cfg = LaunchConfig {
-            grid_dim: (plan.combine_blocks, 1, 1),
-            block_dim: (CombineVariant::WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.repeat_timed(stream, repeat, time, || {
-            let mut builder = stream.launch_builder(&decode);
-            builder.arg(params);
-            // SAFETY: `params` matches the kernel's `DecodeParams` layout; every pointer in
-            // it was checked on the host (non-null, aligned, long enough for the problem's
-            // extents, the cache tables and the workspace) and is device memory of this
-            // context that stays valid until `stream` passes the kernels: caller memory by
-            // `RawTensor::from_raw`'s contract, owned buffers because their callers wait for
-            // the stream, uploaded tables and scratch because they are freed in stream order.
-            // Device-side lengths and block indices are clamped by the kernel.
-            unsafe { builder.launch(decode_cfg) }
-                .map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
-            if let Some(combine) = &combine {
-                if self.props.major >= 9 {
-                    // SAFETY: as above; the combine waits (`griddepcontrol.wait`) for the
-                    // decode kernel to complete and its writes to be visible before it reads
-                    // the workspace, then writes O and the LSE.
-                    unsafe { launch_dependent(combine, combine_cfg, stream, params) }
-                        .map_err(|e| CudaError::driver("cuLaunchKernelEx", e))?;
-                } else {
-                    let mut builder = stream.launch_builder(combine);
-                    builder.arg(params);
-                    // SAFETY: as above; the combine reads the workspace the decode kernel
-                    // wrote (ordered after it on the same stream) and writes O and the LSE.
-                    unsafe { builder.launch(combine_cfg) }
-                        .map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
-                }
-            }
-            Ok(ForwardStats {
-                launch: None,
-                compile_ms,
-                kernel_source: Some(origin),
-                registers: Some(registers),
-                kernel_ms: None,
-                decode: Some(*plan),
-            })
-        })
-    }
-
-    /// The compiled and loaded function of a variant of any family (once per process and
-    /// context), with `smem_bytes` of dynamic shared memory allowed.
-    pub(super) fn named_function<V: KernelVariant + Clone + Send + Sync + 'static>(
-        &self,
-        variant: &V,
-        smem_bytes: u32,
-    ) -> Result<(CudaFunction, KernelOrigin, u32), CudaError> {
-        let mut functions = self.named_functions.lock().map_err(|_| CudaError::Driver {
-            what: "kernel table",
-            error: "poisoned lock".into(),
-        })?;
-        let key = (variant.family().name, variant.name());
-        if let Some((f, regs)) = functions.get(&key) {
-            return Ok((f.clone(), KernelOrigin::ProcessCache, *regs));
-        }
-        let (compiled, origin) = compile_cached(variant, &self.arch)?;
-        let module = self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
-            .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
-        let f = module
-            .load_function(variant.entry())
-            .map_err(|e| CudaError::driver("cuModuleGetFunction", e))?;
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem_bytes as i32,
-        )
-        .map_err(|e| CudaError::driver("cuFuncSetAttribute", e))?;
-        let regs = compiled.usage.registers;
-        functions.insert(key, (f.clone(), regs));
-        Ok((f, origin, regs))
+        self.run_on_stream(&plan, tensors, workspace, stream)
     }
 
     /// Appends `seqlen_new` new tokens per sequence to a KV cache in device buffers, in place,
@@ -442,14 +287,7 @@ impl Device {
             (Tensor::K, &k_cache, lens.k),
             (Tensor::V, &v_cache, lens.v),
         ] {
-            if t.len() < needed {
-                return Err(ProblemError::BufferTooSmall {
-                    tensor,
-                    needed,
-                    len: t.len(),
-                }
-                .into());
-            }
+            check_len(tensor, t, needed)?;
             check_ptr(tensor, t, ROW_ALIGN)?;
         }
         let device_tables = match &tables {
@@ -494,7 +332,7 @@ impl Device {
             let seq = (heads_kv * dim) as i64;
             [seq * seqlen_new as i64, seq, dim as i64]
         };
-        let params = DecodeParams {
+        let params = Params {
             k: k_cache.ptr(),
             v: v_cache.ptr(),
             seqused_k: used_ptr,
@@ -506,21 +344,19 @@ impl Device {
             vn_strides: dense(problem.head_dim_v()),
             ..cache_params(problem)
         };
-        let (func, _, _) = self.named_function(&AppendVariant, 0)?;
+        let (func, _, _) = self.function(&AppendVariant, 0)?;
         let cfg = LaunchConfig {
             grid_dim: (seqlen_new as u32, problem.batch() as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut builder = stream.launch_builder(&func);
-        builder.arg(&params);
-        // SAFETY: `params` matches `DecodeParams`; the cache, the new tokens and the tables
+        // SAFETY: `params` matches `AttnParams`; the cache, the new tokens and the tables
         // were checked on the host (lengths, null, alignment; capacity and block indices of
         // every new position); the kernel clamps device-side lengths and block indices to the
         // cache. The memory stays valid until `stream` passes the kernel (caller memory by
         // `RawTensor::from_raw`'s contract, owned buffers because `append_kv` waits, uploaded
         // tables because they are freed in stream order).
-        unsafe { builder.launch(cfg) }.map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
+        unsafe { launch(&func, cfg, stream, &params, &[], false) }?;
         drop((used_guard, table_guard));
         drop(uploaded);
         self.ctx
@@ -586,53 +422,6 @@ pub(crate) fn check_append(
     Ok(())
 }
 
-/// Launches `func` with one by-value parameter block on `stream` as a programmatic dependent
-/// launch (sm_90+): its CTAs may be scheduled while the previous kernel on the stream still
-/// runs (that kernel lets them, `griddepcontrol.launch_dependents`), which hides the second
-/// launch's latency. Only for kernels that execute `griddepcontrol.wait` before reading
-/// anything the previous kernel wrote.
-///
-/// # Safety
-/// As for any kernel launch: `P` is the kernel's parameter layout and every pointer in it is
-/// valid device memory for what the kernel accesses, until the stream passes the kernel; and
-/// the kernel waits as described above.
-unsafe fn launch_dependent<P>(
-    func: &CudaFunction,
-    cfg: LaunchConfig,
-    stream: &CudaStream,
-    params: &P,
-) -> Result<(), cudarc::driver::DriverError> {
-    stream.context().bind_to_thread()?;
-    // SAFETY: a plain C struct of integers and a union of plain values: all-zero is valid.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
-    let config = sys::CUlaunchConfig {
-        gridDimX: cfg.grid_dim.0,
-        gridDimY: cfg.grid_dim.1,
-        gridDimZ: cfg.grid_dim.2,
-        blockDimX: cfg.block_dim.0,
-        blockDimY: cfg.block_dim.1,
-        blockDimZ: cfg.block_dim.2,
-        sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    // The driver copies the parameter block out of `args` during the call.
-    let mut args = [params as *const P as *mut std::ffi::c_void];
-    // SAFETY: `config` and `args` outlive the call; the caller upholds the launch contract.
-    unsafe {
-        sys::cuLaunchKernelEx(
-            &config,
-            func.cu_function(),
-            args.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    }
-    .result()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -679,31 +468,6 @@ mod tests {
         let dense = ProblemDesc::new(1, 1, 8, 4, 2, 64).validate(256).unwrap();
         assert!(check_append(&dense, 1, DType::Bf16).is_err());
         assert!(check_append(&padded, 1, DType::F32).is_err());
-    }
-
-    #[test]
-    fn workspace_is_checked() {
-        let at = |ptr: u64, len: usize| {
-            // SAFETY: only the host-side check sees it.
-            Some(unsafe { RawTensor::<f32>::from_raw(ptr, len) })
-        };
-        assert_eq!(check_workspace(None, 0), Ok(0));
-        assert_eq!(
-            check_workspace(None, 64),
-            Err(CudaError::WorkspaceTooSmall { needed: 64, len: 0 })
-        );
-        assert_eq!(
-            check_workspace(at(0x1000, 15), 64),
-            Err(CudaError::WorkspaceTooSmall {
-                needed: 64,
-                len: 60
-            })
-        );
-        assert_eq!(
-            check_workspace(at(0x1008, 16), 64),
-            Err(CudaError::BadWorkspace { ptr: 0x1008 })
-        );
-        assert_eq!(check_workspace(at(0x1000, 16), 64), Ok(0x1000));
     }
 
     #[test]

@@ -5,13 +5,15 @@
 use super::{DType, DeviceProps, KernelFamily, KernelVariant, SourceFile, COMMON_HEADERS};
 use softmax_core::{Problem, ProblemError};
 
-/// The headers of the backward family: the shared `common/*.cuh` ones and its parameter block.
-pub const BWD_HEADERS: [SourceFile; 6] = [
+/// The headers of the backward family: the shared `common/*.cuh` ones (the one parameter block
+/// among them) and its own helpers (`bwd_sm80/params.cuh`).
+pub const BWD_HEADERS: [SourceFile; 7] = [
     COMMON_HEADERS[0],
     COMMON_HEADERS[1],
     COMMON_HEADERS[2],
     COMMON_HEADERS[3],
     COMMON_HEADERS[4],
+    COMMON_HEADERS[5],
     SourceFile {
         name: "bwd_sm80/params.cuh",
         text: include_str!("bwd_sm80/params.cuh"),

@@ -1,27 +1,26 @@
 //! The decode family (sm_80 and newer): split-KV attention of a few queries per sequence
 //! against a KV cache (padded with `seqused_k`, or paged through an int32 block table), the
 //! combine kernel that merges the splits, and the in-place append of new K/V tokens. Its
-//! sources (`decode/*.cu`, `decode/params.cuh`, `common/merge.cuh`), variants, parameter block
-//! and plan: the split count from the problem and [`DeviceProps::sm_count`] (FlashAttention's
+//! sources (`decode/*.cu`, `common/merge.cuh`; the parameter block is the forward's,
+//! `common/params.cuh`), variants and plan: the split count from the problem and [`DeviceProps::sm_count`] (FlashAttention's
 //! wave-efficiency rule), overridable by [`crate::ForwardOptions::splits`].
 
 use super::{DType, DeviceProps, KernelFamily, KernelVariant, SourceFile, COMMON_HEADERS};
+use crate::params::{tau_of, Params};
 use softmax_core::{KvCache, Problem, ProblemError, RescalePolicy};
 
-/// The headers of the decode family: the common ones, the merge rule and the parameter block.
+/// The headers of the decode family: the common ones (the shared parameter block among them)
+/// and the merge rule.
 pub static DECODE_HEADERS: [SourceFile; 7] = [
     COMMON_HEADERS[0],
     COMMON_HEADERS[1],
     COMMON_HEADERS[2],
     COMMON_HEADERS[3],
     COMMON_HEADERS[4],
+    COMMON_HEADERS[5],
     SourceFile {
         name: "common/merge.cuh",
         text: include_str!("common/merge.cuh"),
-    },
-    SourceFile {
-        name: "decode/params.cuh",
-        text: include_str!("decode/params.cuh"),
     },
 ];
 
@@ -306,65 +305,6 @@ impl KernelVariant for AppendVariant {
         "append_kv".to_string()
     }
 }
-
-/// The parameter block of the decode family; `decode/params.cuh`'s `DecodeParams` has the same
-/// layout.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct DecodeParams {
-    pub q: u64,
-    pub k: u64,
-    pub v: u64,
-    pub o: u64,
-    pub lse: u64,
-    pub seqused_k: u64,
-    pub block_table: u64,
-    pub o_part: u64,
-    pub ml_part: u64,
-    pub q_strides: [i64; 3],
-    pub k_strides: [i64; 3],
-    pub v_strides: [i64; 3],
-    pub o_strides: [i64; 3],
-    pub lse_bs: i64,
-    pub lse_hs: i64,
-    pub seqlen_q: i32,
-    pub capacity: i32,
-    pub group: i32,
-    pub head_dim: i32,
-    pub head_dim_v: i32,
-    pub win_left: i32,
-    pub win_right: i32,
-    pub rows: i32,
-    pub num_m_blocks: i32,
-    pub num_splits: i32,
-    pub block_size: i32,
-    pub blocks_per_seq: i32,
-    pub num_blocks: i32,
-    pub batch: i32,
-    pub heads_q: i32,
-    pub pre: f32,
-    pub softcap_post: f32,
-    pub tau: f32,
-    pub seqlen_new: i32,
-    pub pad: i32,
-    pub k_new: u64,
-    pub v_new: u64,
-    pub kn_strides: [i64; 3],
-    pub vn_strides: [i64; 3],
-    pub block_walk: u64,
-}
-
-// SAFETY: plain old data with a C layout matching the kernels' `DecodeParams` (checked by the
-// size assertion below and by the GPU tests).
-unsafe impl cudarc::driver::DeviceRepr for DecodeParams {}
-const _: () = assert!(core::mem::size_of::<DecodeParams>() == 336);
-// Field offsets as `decode/params.cuh` lays them out (9 pointers, 14 strides, 15 ints, ...).
-const _: () = assert!(core::mem::offset_of!(DecodeParams, q_strides) == 72);
-const _: () = assert!(core::mem::offset_of!(DecodeParams, seqlen_q) == 184);
-const _: () = assert!(core::mem::offset_of!(DecodeParams, pre) == 244);
-const _: () = assert!(core::mem::offset_of!(DecodeParams, k_new) == 264);
-const _: () = assert!(core::mem::offset_of!(DecodeParams, kn_strides) == 280);
-const _: () = assert!(core::mem::offset_of!(DecodeParams, block_walk) == 328);
 
 /// The launch choice of a decode call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -703,16 +643,12 @@ pub(crate) fn decode_params(
     problem: &Problem,
     plan: &DecodePlan,
     rescale: RescalePolicy<f32>,
-) -> (DecodeParams, usize) {
-    let tau = match rescale {
-        RescalePolicy::Always => 0.0,
-        RescalePolicy::Threshold(t) => t,
-    };
+) -> (Params, usize) {
     let transform = problem.score_transform::<f64>();
     let mask = problem.mask();
     let window = |w: Option<usize>| w.map_or(-1, |w| w.min(1 << 30) as i32);
     let seqlen_q = problem.max_seqlen_q();
-    let params = DecodeParams {
+    let params = Params {
         seqlen_q: seqlen_q as i32,
         win_left: window(mask.left),
         win_right: window(mask.right),
@@ -721,7 +657,7 @@ pub(crate) fn decode_params(
         num_splits: plan.num_splits as i32,
         pre: transform.pre_factor() as f32,
         softcap_post: transform.softcap_post_factor().unwrap_or(0.0) as f32,
-        tau,
+        tau: tau_of(rescale),
         ..cache_params(problem)
     };
     let out_rows = problem.batch() * problem.heads_q() * seqlen_q;
@@ -731,12 +667,12 @@ pub(crate) fn decode_params(
 
 /// The parameters that describe the cache and the tensors' strides (shared by the decode and
 /// the append kernel): strides, capacity per sequence, paged shape, head counts and dims.
-pub(crate) fn cache_params(problem: &Problem) -> DecodeParams {
+pub(crate) fn cache_params(problem: &Problem) -> Params {
     let strides = problem.strides();
     let triple = |s: &softmax_core::Strides| [s.batch as i64, s.seq as i64, s.head as i64];
     let (capacity, block_size, blocks_per_seq, num_blocks) = cache_shape(problem);
     let seqlen_q = problem.max_seqlen_q();
-    DecodeParams {
+    Params {
         q_strides: triple(&strides[0]),
         k_strides: triple(&strides[1]),
         v_strides: triple(&strides[2]),
@@ -752,7 +688,7 @@ pub(crate) fn cache_params(problem: &Problem) -> DecodeParams {
         num_blocks: num_blocks.min(i32::MAX as usize) as i32,
         batch: problem.batch() as i32,
         heads_q: problem.heads_q() as i32,
-        ..DecodeParams::default()
+        ..Params::default()
     }
 }
 
@@ -1283,7 +1219,7 @@ mod tests {
     /// as indices go (f64 arithmetic, exact exponentials, τ = 8 threshold rescale).
     #[allow(clippy::too_many_arguments)]
     fn emulate(
-        p: &DecodeParams,
+        p: &Params,
         ml_offset: usize,
         plan: &DecodePlan,
         q: &[f64],

@@ -15,12 +15,14 @@ use super::{
 };
 use softmax_core::{Problem, ProblemError};
 
-/// The headers of the sm90 family: the common ones and its `wgmma` wrappers.
-static HEADERS: [SourceFile; 5] = [
+/// The headers of the sm90 family: the common ones it includes (the shared parameter block
+/// among them) and its `wgmma` wrappers.
+static HEADERS: [SourceFile; 6] = [
     COMMON_HEADERS[0],
     COMMON_HEADERS[1],
     COMMON_HEADERS[2],
     COMMON_HEADERS[3],
+    COMMON_HEADERS[5],
     SourceFile {
         name: "sm90/wgmma.cuh",
         text: include_str!("sm90/wgmma.cuh"),

@@ -141,7 +141,7 @@ static __device__ __forceinline__ void pack_a(const float (&x)[1][kN][4], u32 (&
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_bwd(const BwdParams p) {
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_bwd(const AttnParams p) {
     extern __shared__ __attribute__((aligned(128))) unsigned char smem_raw[];
     u16* sK = reinterpret_cast<u16*>(smem_raw + SK_OFF);
     u16* sV = reinterpret_cast<u16*>(smem_raw + SV_OFF);

@@ -23,7 +23,7 @@ __device__ const int fa_compile_check_nonce = FA_COMPILE_CHECK_NONCE;
 
 struct alignas(16) f32x4 { float x, y, z, w; };
 
-extern "C" __global__ void __launch_bounds__(256) flash_bwd_dot_do_o(const BwdParams p) {
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_dot_do_o(const AttnParams p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int h = blockIdx.y, b = blockIdx.z;
     int q_start, sq, k_start, sk;
@@ -66,7 +66,7 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dot_do_o(const BwdPa
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) flash_bwd_convert_dq(const BwdParams p) {
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_convert_dq(const AttnParams p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int h = blockIdx.y, b = blockIdx.z;
     int q_start, sq, k_start, sk;

@@ -5,13 +5,13 @@
 // unchecked device values cannot write outside it. Grid (seqlen_new, batch); the threads copy
 // 16-byte chunks of every KV head's row. No defines.
 
-#include "decode/params.cuh"
+#include "common/params.cuh"
 
 #ifdef FA_COMPILE_CHECK_NONCE
 __device__ const int fa_compile_check_nonce = FA_COMPILE_CHECK_NONCE;
 #endif
 
-extern "C" __global__ void __launch_bounds__(128) append_kv(const DecodeParams p) {
+extern "C" __global__ void __launch_bounds__(128) append_kv(const AttnParams p) {
     const int j = blockIdx.x, b = blockIdx.y;
     const int used = reinterpret_cast<const int*>(p.seqused_k)[b];
     const int t = used + j;

@@ -9,7 +9,7 @@
 #endif
 
 #include "common/merge.cuh"
-#include "decode/params.cuh"
+#include "common/params.cuh"
 
 #define WARPS 4
 
@@ -17,7 +17,7 @@
 __device__ const int fa_compile_check_nonce = FA_COMPILE_CHECK_NONCE;
 #endif
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_decode_combine(const DecodeParams p) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_decode_combine(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Launched as a programmatic dependent of flash_decode on sm_90+: wait until it has
     // completed and its workspace writes are visible (a no-op after an ordinary launch).

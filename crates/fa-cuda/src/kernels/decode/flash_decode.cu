@@ -40,7 +40,7 @@
 
 #include "common/merge.cuh"
 #include "common/tile.cuh"
-#include "decode/params.cuh"
+#include "common/params.cuh"
 
 #define THREADS (WARPS * 32)
 #define BLOCK_M (16 * MT)            // rows per CTA
@@ -88,7 +88,7 @@ static __device__ __forceinline__ int swz(int row, int chunk) {
     return row * HDP + ((chunk ^ (row & 7)) << 3);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const DecodeParams p) {
+extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_decode(const AttnParams p) {
     extern __shared__ __attribute__((aligned(128))) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);
     u16* sK = sQ + BLOCK_M * HDP;

@@ -45,6 +45,7 @@
 #define SPLIT_TILES (MASKED && WARPS == 8 && HDP <= 128)
 
 #include "common/epilogue.cuh"
+#include "common/params.cuh"
 #include "common/tile.cuh"
 
 #define THREADS (WARPS * 32)
@@ -64,24 +65,7 @@
 #error "tile loads must divide evenly among threads"
 #endif
 
-// Kernel parameters; the Rust side's `KernelParams` has the same #[repr(C)] layout.
-struct Params {
-    u64 q, k, v, o, lse, cu_q, cu_k;   // device pointers (lse, cu_q, cu_k may be 0)
-    i64 q_bs, q_ss, q_hs;               // element strides: batch, token, head
-    i64 k_bs, k_ss, k_hs;
-    i64 v_bs, v_ss, v_hs;
-    i64 o_bs, o_ss, o_hs;
-    i64 lse_bs, lse_hs;                 // LSE index = b*lse_bs + h*lse_hs + q_start + i
-    int seqlen_q, seqlen_k;             // dense lengths (varlen: the totals; lengths from cu_q/cu_k)
-    int group;                          // heads_q / heads_kv
-    int head_dim, head_dim_v;
-    int win_left, win_right;            // window, -1 = unbounded
-    int num_m_blocks;
-    float pre;                          // scale*log2(e), or scale/cap with softcap
-    float softcap_post;                 // cap*log2(e) with softcap
-    float tau;                          // rescale threshold (log2 units); 0 = always
-    float pad_;
-};
+// Kernel parameters: the shared block (common/params.cuh).
 
 #ifdef FA_COMPILE_CHECK_NONCE
 // Set only by the CI compile check: a unique symbol makes the PTX unique, so that no compile
@@ -129,7 +113,7 @@ static __device__ __forceinline__ void load_tile(u16* s, const u16* g, i64 row_s
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(const Params p) {
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_fwd(const AttnParams p) {
     extern __shared__ __attribute__((aligned(128))) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);
     u16* sK = sQ + BLOCK_M * HDP;

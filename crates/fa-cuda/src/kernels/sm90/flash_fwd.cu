@@ -45,6 +45,7 @@
 #endif
 
 #include "common/epilogue.cuh"
+#include "common/params.cuh"
 #include "sm90/wgmma.cuh"
 
 #define CONSUMERS 2                       // consumer warpgroups
@@ -67,24 +68,7 @@
 #error "tile loads must divide evenly among threads"
 #endif
 
-// Kernel parameters; the same layout as the sm80 family's (Rust `KernelParams`).
-struct Params {
-    u64 q, k, v, o, lse, cu_q, cu_k;
-    i64 q_bs, q_ss, q_hs;
-    i64 k_bs, k_ss, k_hs;
-    i64 v_bs, v_ss, v_hs;
-    i64 o_bs, o_ss, o_hs;
-    i64 lse_bs, lse_hs;
-    int seqlen_q, seqlen_k;
-    int group;
-    int head_dim, head_dim_v;
-    int win_left, win_right;
-    int num_m_blocks;
-    float pre;
-    float softcap_post;
-    float tau;
-    float pad_;
-};
+// Kernel parameters: the shared block (common/params.cuh).
 
 // A CUtensorMap (opaque, 128 bytes), encoded on the host by cuTensorMapEncodeTiled.
 struct alignas(64) TensorMap { u64 opaque[16]; };
@@ -337,10 +321,10 @@ static __device__ __forceinline__ void tma_tile(u32 dst, const TensorMap& map, u
 #pragma unroll
     for (int cb = 0; cb < HDP / 64; ++cb) tma_load(dst + cb * ROWS * 128, map, bar, cb * 64, row, head, batch);
 }
-#define KERNEL_ARGS const Params p, const __grid_constant__ TensorMap tm_q, const __grid_constant__ TensorMap tm_k, \
+#define KERNEL_ARGS const AttnParams p, const __grid_constant__ TensorMap tm_q, const __grid_constant__ TensorMap tm_k, \
                     const __grid_constant__ TensorMap tm_v
 #else
-#define KERNEL_ARGS const Params p
+#define KERNEL_ARGS const AttnParams p
 static __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
