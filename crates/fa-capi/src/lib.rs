@@ -33,6 +33,43 @@
 //!
 //! `unsafe` lives in small named functions (`convert::read_struct`, `slice_ref`, …), each
 //! with the contract it relies on; the entry points' own contracts are in their docs.
+//!
+//! # Example
+//! The CPU forward called through the ABI from Rust (a C caller does the same through the
+//! header): contiguous BSHD f32, 2 queries over 3 keys, causal (bottom-right), with the LSE.
+//! ```
+//! use core::ffi::c_void;
+//! use flash_attention_rs::*;
+//!
+//! let problem = FaProblem { causal: 1, ..FaProblem::dense(1, 2, 3, 1, 1, 4) };
+//! let bshd = |data: *mut f32, seqlen: i64| FaTensor {
+//!     data: data.cast::<c_void>(),
+//!     dtype: FA_DTYPE_F32,
+//!     stride_batch: seqlen * 4,
+//!     stride_seq: 4,
+//!     stride_head: 4,
+//! };
+//! let mut q = [0.5f32; 2 * 4];
+//! let mut k = [1.0f32; 3 * 4];
+//! let mut v: Vec<f32> = (0..3 * 4).map(|i| i as f32).collect();
+//! let mut o = [0.0f32; 2 * 4];
+//! let mut lse = [0.0f32; 2];
+//! let (tq, tk) = (bshd(q.as_mut_ptr(), 2), bshd(k.as_mut_ptr(), 3));
+//! let (tv, to) = (bshd(v.as_mut_ptr(), 3), bshd(o.as_mut_ptr(), 2));
+//! let opts = fa_options_default();
+//! // SAFETY: each descriptor points to a live buffer holding what the problem and its
+//! // strides reach; `lse` holds batch · heads_q · seqlen_q floats.
+//! let rc = unsafe { fa_forward_cpu(&problem, &tq, &tk, &tv, &to, lse.as_mut_ptr(), &opts) };
+//! assert_eq!(rc, FA_OK, "{:?}", unsafe { core::ffi::CStr::from_ptr(fa_last_error_message()) });
+//! // Every key scores the same (0.5 · 4 / sqrt(4) = 1), so each row averages the V rows it
+//! // sees: query 0 keys 0..=1, query 1 keys 0..=2.
+//! for j in 0..4 {
+//!     assert!((o[j] - (j as f32 + 2.0)).abs() < 1e-4);
+//!     assert!((o[4 + j] - (j as f32 + 4.0)).abs() < 1e-4);
+//! }
+//! assert!((lse[0] - (1.0 + 2f32.ln())).abs() < 1e-3);
+//! assert!((lse[1] - (1.0 + 3f32.ln())).abs() < 1e-3);
+//! ```
 
 mod convert;
 mod cpu;
